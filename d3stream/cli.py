@@ -1,0 +1,112 @@
+"""The ``d3stream`` command line: one sub-command per job.
+
+Heavy imports (torch, transformers, aiokafka) happen inside the commands, so ``d3stream --help`` is
+instant and a command only pays for what it uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _make_checkpoint(args: argparse.Namespace) -> int:
+    from .runtime.checkpoint import build_checkpoint
+
+    out = build_checkpoint(
+        Path(args.out),
+        backbone=args.backbone,
+        vision=not args.no_vision,
+        attention_mode=args.attention_mode,
+        size=args.size,
+        seed=args.seed,
+        max_length=args.max_length,
+        progress=sys.stderr.isatty() or args.progress,
+    )
+    print(out)
+    return 0
+
+
+def _read_request(source: str) -> dict[str, Any]:
+    text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    request = json.loads(text)
+    if not isinstance(request, dict):
+        raise SystemExit("the request must be a JSON object with state and questions")
+    return request
+
+
+def _decide(args: argparse.Namespace) -> int:
+    from .runtime import D3
+
+    request = _read_request(args.request)
+    model = D3.from_pretrained(
+        args.model,
+        device=args.device,
+        verify=args.verify,
+        permutation_average=args.permutation_average or bool(request.get("permutation_average")),
+    )
+    images = list(request.get("images") or []) + list(args.image or [])
+    videos = list(request.get("videos") or []) + list(args.video or [])
+    try:
+        response = model.system_one(
+            state=request.get("state"),
+            questions=request.get("questions"),
+            images=images or None,
+            videos=videos or None,
+        )
+    except ValueError as exc:
+        print(json.dumps({"error": {"code": "invalid_request", "message": str(exc)}}, ensure_ascii=False))
+        return 2
+    print(json.dumps(response, ensure_ascii=False, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="d3stream",
+        description="Typed D3 decisions at streaming scale: Kafka requests in, answers with provenance out.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    make = commands.add_parser(
+        "make-checkpoint",
+        help="write a complete random-weight D3 checkpoint (offline; for tests, demos and benchmarks)",
+    )
+    make.add_argument("out", help="directory to write (created; existing files are replaced)")
+    make.add_argument("--backbone", choices=("qwen3_5", "qwen3_vl"), default="qwen3_5")
+    make.add_argument("--no-vision", action="store_true", help="leave out the vision tower (text-only)")
+    make.add_argument(
+        "--attention-mode", choices=("causal", "noncausal_full_attention"), default="causal"
+    )
+    make.add_argument("--size", choices=("tiny", "0.8b"), default="tiny", help="tiny for tests, 0.8b for GPUs")
+    make.add_argument("--seed", type=int, default=0, help="weights are a deterministic function of the seed")
+    make.add_argument("--max-length", type=int, default=None, help="input limit written to decision_config.json")
+    make.add_argument("--progress", action="store_true", help="show a progress bar even when not on a terminal")
+    make.set_defaults(run=_make_checkpoint)
+
+    decide = commands.add_parser("decide", help="answer one request with a checkpoint and print the response")
+    decide.add_argument("--model", required=True, help="checkpoint directory")
+    decide.add_argument("--request", required=True, help="request JSON file ({state, questions, ...}) or - for stdin")
+    decide.add_argument("--image", action="append", help="image file seen by every question (repeatable)")
+    decide.add_argument("--video", action="append", help="video file seen by every question (repeatable)")
+    decide.add_argument("--device", default=None, help="torch device (default: cuda:0 when present, else cpu)")
+    decide.add_argument("--verify", choices=("fast", "full", "none"), default="fast", help="manifest check")
+    decide.add_argument("--permutation-average", action="store_true", help="average choice options over both orders")
+    decide.set_defaults(run=_decide)
+
+    from . import commands as service_commands
+
+    service_commands.register(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,829 @@
+"""Real local servers for tests and ``d3stream demo``: an Apache Kafka broker and an S3-compatible store.
+
+Why real servers rather than mocks: the service's correctness rests on broker behaviour that fakes do not
+reproduce (transactions and ``read_committed``, consumer-group rebalances, a broker restarting under a
+running consumer, S3 ETags and range reads). So tests start the actual programs:
+
+* **Kafka** 4.x in KRaft mode (one JVM acting as broker and controller), built from the Maven Central jars
+  listed in ``d3stream/jvm/pom.xml`` -- no tarball download, no Docker.
+* **S3Proxy** (same pom, its self-contained jar) with the jclouds ``filesystem`` backend, so objects are
+  ordinary files in a temporary folder and survive a stop/start of the server.
+
+Each server is a child process in its own process group, logging to a file in its work folder; it is
+stopped by PID (SIGTERM, then SIGKILL after a grace period). Ports are picked once per object, so
+``restart()`` brings a server back on the same address with the same data -- which is what a test of
+"the broker went away mid-stream" needs.
+
+Requirements: ``java`` (17+) and, the first time only, ``mvn`` plus network access to Maven Central.
+:func:`ensure_jars` resolves the jars once into ``$D3STREAM_CACHE`` (default ``~/.cache/d3stream/jvm``),
+in a sub-folder named after the pom's hash, so editing a version in the pom re-resolves by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import base64
+import contextlib
+import fcntl
+import hashlib
+import http.client
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self, TypeVar
+
+import structlog
+
+if TYPE_CHECKING:
+    from botocore.client import BaseClient
+
+__all__ = [
+    "POM_PATH",
+    "InfraError",
+    "KafkaBroker",
+    "ObjectStore",
+    "ensure_jars",
+    "java_available",
+    "kafka_properties",
+    "local_stack",
+]
+
+log = structlog.get_logger(__name__)
+
+POM_PATH = Path(__file__).parent / "jvm" / "pom.xml"
+"""The Maven pom naming the Kafka and S3Proxy jars (a data file; ``d3stream/jvm`` is not a package)."""
+
+_T = TypeVar("_T")
+
+
+class InfraError(RuntimeError):
+    """A local server could not be resolved, started or reached; the message carries its log tail."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Jars
+
+
+def _cache_dir() -> Path:
+    """Where resolved jars live: one folder per pom content, so a pom edit never reuses stale jars."""
+    root = Path(os.environ.get("D3STREAM_CACHE") or Path.home() / ".cache" / "d3stream") / "jvm"
+    digest = hashlib.sha256(POM_PATH.read_bytes()).hexdigest()[:16]
+    return root / digest
+
+
+def _java() -> str:
+    """The ``java`` executable: ``$JAVA_HOME/bin/java`` when set, else the one on PATH."""
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home and (Path(java_home) / "bin" / "java").is_file():
+        return str(Path(java_home) / "bin" / "java")
+    found = shutil.which("java")
+    if not found:
+        raise InfraError(
+            "java (17 or newer) is not on PATH and JAVA_HOME is not set; it runs Kafka and S3Proxy"
+        )
+    return found
+
+
+def java_available() -> str | None:
+    """Why the local stack cannot run here, or None when it can (java present, jars resolved or mvn present).
+
+    Fixtures use this to skip with a clear reason instead of failing deep inside a subprocess.
+    """
+    try:
+        _java()
+    except InfraError as exc:
+        return str(exc)
+    if not (_cache_dir() / ".resolved").is_file() and not shutil.which("mvn"):
+        return "the Kafka/S3Proxy jars are not resolved yet and mvn is not on PATH to resolve them"
+    return None
+
+
+def ensure_jars(progress: bool = False) -> Path:
+    """Resolve the pom's jars from Maven Central once and return the folder holding them.
+
+    Runs ``mvn dependency:copy-dependencies`` on a copy of the pom inside the cache folder (the package
+    folder may be read-only). A marker file records success, so later calls cost one ``stat``; a file
+    lock keeps parallel test processes from resolving into the same folder at once. The plugin version is
+    pinned so the result does not depend on what the local Maven repository happens to hold.
+    """
+    cache = _cache_dir()
+    lib = cache / "lib"
+    marker = cache / ".resolved"
+    if marker.is_file():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file():
+            return lib
+        mvn = shutil.which("mvn")
+        if not mvn:
+            raise InfraError("mvn is not on PATH; it is needed once to fetch the Kafka/S3Proxy jars")
+        shutil.copyfile(POM_PATH, cache / "pom.xml")
+        staging = cache / "lib.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        cmd = [
+            mvn,
+            "-B",
+            *([] if progress else ["-q"]),
+            "-f",
+            str(cache / "pom.xml"),
+            "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies",
+            f"-DoutputDirectory={staging}",
+        ]
+        log.info("jars.resolving", cache=str(cache))
+        started = time.monotonic()
+        proc = subprocess.run(
+            cmd,
+            cwd=cache,
+            stdout=None if progress else subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise InfraError(
+                f"Maven could not resolve {POM_PATH} (exit {proc.returncode}):\n{(proc.stdout or '')[-4000:]}"
+            )
+        shutil.rmtree(lib, ignore_errors=True)
+        staging.rename(lib)
+        _kafka_classpath(lib)  # fail now, not at first start, if the pom lost a jar
+        _s3proxy_jar(lib)
+        marker.write_text("\n".join(sorted(p.name for p in lib.glob("*.jar"))) + "\n")
+        log.info("jars.resolved", cache=str(cache), seconds=round(time.monotonic() - started, 1))
+    return lib
+
+
+def _s3proxy_jar(lib: Path) -> Path:
+    jars = sorted(lib.glob("s3proxy-*-jar-with-dependencies.jar"))
+    if not jars:
+        raise InfraError(f"no S3Proxy jar in {lib}; delete {lib.parent} to resolve again")
+    return jars[-1]
+
+
+def _kafka_classpath(lib: Path) -> str:
+    """Every resolved jar except S3Proxy's shaded one, whose bundled Jetty/Jackson must not mix with Kafka's."""
+    jars = sorted(p for p in lib.glob("*.jar") if not p.name.startswith("s3proxy-"))
+    if not any(p.name.startswith("kafka_2.13-") for p in jars):
+        raise InfraError(f"no kafka_2.13 jar in {lib}; delete {lib.parent} to resolve again")
+    return os.pathsep.join(str(p) for p in jars)
+
+
+# --------------------------------------------------------------------------------------------------
+# Processes
+
+
+def _free_port() -> int:
+    """A port that is free right now on 127.0.0.1 (the OS picks it; a race with other programs is unlikely)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_open(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False
+
+
+def _tail(path: Path, max_bytes: int = 6000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return "(no log)"
+
+
+_live: set[_Process] = set()
+_live_lock = threading.Lock()
+
+
+class _Process:
+    """One server child: own process group, output appended to a log file, stopped by PID.
+
+    Its own session means Ctrl-C in a terminal reaches only the Python parent, which then stops the
+    servers in order; and the group kill takes along anything the JVM might fork.
+    """
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path, cwd: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        with open(log_path, "ab") as out:
+            out.write(f"\n===== d3stream: starting {name}: {' '.join(cmd[:3])} ... =====\n".encode())
+            out.flush()
+            self.popen = subprocess.Popen(
+                cmd,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        with _live_lock:
+            _live.add(self)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM the group (clean shutdown: Kafka checkpoints its logs), SIGKILL if still there after ``grace``."""
+        try:
+            if self.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pid, signal.SIGTERM)
+                try:
+                    self.popen.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    log.warning("process.kill", name=self.name, pid=self.pid, grace=grace)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.pid, signal.SIGKILL)
+                    self.popen.wait(timeout=30)
+        finally:
+            with _live_lock:
+                _live.discard(self)
+
+    def kill(self) -> None:
+        """SIGKILL now: a crash, for tests of what survives one."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.popen.wait(timeout=30)
+        with _live_lock:
+            _live.discard(self)
+
+
+def _stop_leftovers() -> None:
+    """atexit: never leave a JVM running after the interpreter exits (e.g. a test session aborted)."""
+    with _live_lock:
+        procs = list(_live)
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            proc.stop(grace=5)
+
+
+atexit.register(_stop_leftovers)
+
+
+def _run_sync(factory: Callable[[], Awaitable[_T]]) -> _T:
+    """Run a coroutine to completion from sync code, even when this thread already runs an event loop.
+
+    ``asyncio.run`` refuses to nest, so inside a running loop the coroutine gets its own thread and loop.
+    """
+
+    async def runner() -> _T:
+        return await factory()
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(runner())
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(runner())
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=target, name="d3stream-infra-sync")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _wait_until(
+    ready: Callable[[], bool], proc: _Process, what: str, timeout: float, interval: float = 0.2
+) -> float:
+    """Poll ``ready`` until true; fail fast with the log tail if the process dies or time runs out."""
+    started = time.monotonic()
+    while True:
+        if not proc.alive():
+            raise InfraError(
+                f"{what} exited with code {proc.popen.returncode} during startup; log {proc.log_path}:\n"
+                f"{_tail(proc.log_path)}"
+            )
+        if ready():
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout:
+            raise InfraError(
+                f"{what} did not become ready within {timeout:.0f}s; log {proc.log_path}:\n{_tail(proc.log_path)}"
+            )
+        time.sleep(interval)
+
+
+def _workdir(given: Path | None, prefix: str) -> tuple[Path, bool]:
+    """The folder for a server's config, data and log, and whether we created it (and so delete it on close)."""
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        return given.resolve(), False
+    return Path(tempfile.mkdtemp(prefix=prefix)), True
+
+
+# --------------------------------------------------------------------------------------------------
+# Kafka
+
+
+_LOG4J2 = """\
+status = warn
+appender.out.type = Console
+appender.out.name = OUT
+appender.out.layout.type = PatternLayout
+appender.out.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.out.ref = OUT
+logger.kafka.name = kafka
+logger.kafka.level = INFO
+logger.state.name = state.change.logger
+logger.state.level = WARN
+logger.request.name = kafka.request.logger
+logger.request.level = WARN
+logger.apache.name = org.apache.kafka
+logger.apache.level = INFO
+"""
+
+
+def kafka_properties(
+    *,
+    port: int,
+    controller_port: int,
+    log_dir: Path,
+    partitions: int = 4,
+    node_id: int = 1,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The ``server.properties`` of a single-node KRaft cluster (broker and controller in one process).
+
+    Everything that would otherwise need three brokers is set to one replica. Internal topics get few
+    partitions so the first consumer group and the first transaction are quick to set up. ``extra`` is
+    applied last and may override anything -- e.g. to switch the client listener to SASL_PLAINTEXT
+    (``listeners``, ``advertised.listeners``, ``listener.security.protocol.map``,
+    ``sasl.enabled.mechanisms``, ``listener.name.<name>.plain.sasl.jaas.config``).
+    """
+    props = {
+        "process.roles": "broker,controller",
+        "node.id": str(node_id),
+        "controller.quorum.voters": f"{node_id}@127.0.0.1:{controller_port}",
+        "controller.listener.names": "CONTROLLER",
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
+        "log.dirs": str(log_dir),
+        "num.partitions": str(partitions),
+        "default.replication.factor": "1",
+        "min.insync.replicas": "1",
+        "offsets.topic.replication.factor": "1",
+        "offsets.topic.num.partitions": "4",
+        "transaction.state.log.replication.factor": "1",
+        "transaction.state.log.min.isr": "1",
+        "transaction.state.log.num.partitions": "4",
+        "share.coordinator.state.topic.replication.factor": "1",
+        "share.coordinator.state.topic.min.isr": "1",
+        "group.initial.rebalance.delay.ms": "0",
+        "auto.create.topics.enable": "true",
+        "delete.topic.enable": "true",
+        # After a crash (kill()) the controller refuses the new incarnation until the old one's session
+        # expires (DUPLICATE_BROKER_REGISTRATION): 9 s by default, ~4 s here. Not lower, so a loaded
+        # machine's GC pause does not fence the only broker.
+        "broker.heartbeat.interval.ms": "500",
+        "broker.session.timeout.ms": "4000",
+        "num.network.threads": "2",
+        "num.io.threads": "4",
+    }
+    props.update(extra or {})
+    return props
+
+
+def _write_properties(path: Path, props: Mapping[str, str]) -> None:
+    """A Java ``.properties`` file; backslashes are escaped (the format's only surprise for values)."""
+    path.write_text("".join(f"{k}={v.replace(chr(92), chr(92) * 2)}\n" for k, v in props.items()))
+
+
+class KafkaBroker:
+    """A single-node Kafka (KRaft) on 127.0.0.1, for tests and the demo.
+
+    Ports and the data folder are fixed for the object's lifetime, so :meth:`restart` (or :meth:`kill`
+    then :meth:`start`) brings the *same* cluster back: same address, same topics, same committed offsets.
+    Use as a context manager, or call :meth:`start` and :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        workdir: Path | None = None,
+        partitions: int = 4,
+        extra_properties: Mapping[str, str] | None = None,
+        *,
+        port: int | None = None,
+        controller_port: int | None = None,
+        heap: str = "512m",
+        startup_timeout: float = 90.0,
+        stop_grace: float = 30.0,
+        client_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``client_options`` are extra aiokafka kwargs (``security_protocol``, ``sasl_*``) that the
+        readiness probe and :meth:`create_topic` need when ``extra_properties`` turn on SASL."""
+        self.workdir, self._owns_workdir = _workdir(workdir, "d3stream-kafka-")
+        self.partitions = partitions
+        self.extra_properties = dict(extra_properties or {})
+        self.port = port or _free_port()
+        self.controller_port = controller_port or _free_port()
+        self.heap = heap
+        self.startup_timeout = startup_timeout
+        self.stop_grace = stop_grace
+        self.client_options: dict[str, Any] = dict(client_options or {})
+        self.bootstrap_servers = f"127.0.0.1:{self.port}"
+        self.log_path = self.workdir / "kafka.log"
+        self.data_dir = self.workdir / "data"
+        self.startup_seconds: float | None = None
+        self._proc: _Process | None = None
+
+    # -- lifecycle
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self.running and self._proc else None
+
+    def start(self) -> Self:
+        """Write the config, format storage on first start, launch the JVM and wait until it serves metadata."""
+        if self.running:
+            return self
+        lib = ensure_jars()
+        classpath = _kafka_classpath(lib)
+        java = _java()
+        props_path = self.workdir / "server.properties"
+        log4j_path = self.workdir / "log4j2.properties"
+        _write_properties(
+            props_path,
+            kafka_properties(
+                port=self.port,
+                controller_port=self.controller_port,
+                log_dir=self.data_dir,
+                partitions=self.partitions,
+                extra=self.extra_properties,
+            ),
+        )
+        log4j_path.write_text(_LOG4J2)
+        jvm = [
+            java,
+            f"-Xmx{self.heap}",
+            "-Xms64m",
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={log4j_path}",
+            "-cp",
+            classpath,
+        ]
+        started = time.monotonic()
+        if not (self.data_dir / "meta.properties").is_file():
+            self._format(jvm, props_path)
+        log.info("kafka.starting", bootstrap=self.bootstrap_servers, workdir=str(self.workdir))
+        self._proc = _Process("kafka", [*jvm, "kafka.Kafka", str(props_path)], self.log_path, self.workdir)
+        try:
+            _wait_until(self._ready, self._proc, "Kafka", self.startup_timeout)
+        except BaseException:
+            self._proc.stop(grace=5)
+            raise
+        self.startup_seconds = time.monotonic() - started
+        log.info(
+            "kafka.ready",
+            bootstrap=self.bootstrap_servers,
+            pid=self._proc.pid,
+            seconds=round(self.startup_seconds, 2),
+        )
+        return self
+
+    def _format(self, jvm: list[str], props_path: Path) -> None:
+        """``kafka-storage format`` with a fresh cluster id (static quorum: no ``--standalone`` needed)."""
+        cluster_id = "-"
+        while cluster_id.startswith("-"):  # like Kafka's Uuid.randomUuid: a leading '-' reads as an option
+            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cmd = [
+            *jvm,
+            "kafka.tools.StorageTool",
+            "format",
+            f"--cluster-id={cluster_id}",
+            f"--config={props_path}",
+        ]
+        proc = subprocess.run(cmd, cwd=self.workdir, capture_output=True, text=True, timeout=120)
+        with open(self.log_path, "a") as f:
+            f.write(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise InfraError(
+                f"kafka-storage format failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}"
+            )
+
+    def _ready(self) -> bool:
+        """The client port accepts connections and a metadata request lists this node as a broker."""
+        if not _port_open(self.port):
+            return False
+
+        async def probe() -> bool:
+            from aiokafka.admin import AIOKafkaAdminClient
+
+            admin = AIOKafkaAdminClient(
+                bootstrap_servers=self.bootstrap_servers, request_timeout_ms=5000, **self.client_options
+            )
+            try:
+                await admin.start()
+                cluster = await admin.describe_cluster()
+                return any(b["node_id"] == 1 for b in cluster.get("brokers", []))
+            except Exception:
+                return False
+            finally:
+                with contextlib.suppress(Exception):
+                    await admin.close()
+
+        return _run_sync(probe)
+
+    def stop(self) -> None:
+        """Clean shutdown (SIGTERM, SIGKILL after ``stop_grace``); data stays for the next :meth:`start`."""
+        if self._proc is None:
+            return
+        log.info("kafka.stopping", pid=self._proc.pid)
+        self._proc.stop(self.stop_grace)
+        self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, no clean shutdown: the broker crashing. :meth:`start` recovers the logs."""
+        if self._proc is not None:
+            log.info("kafka.killing", pid=self._proc.pid)
+            self._proc.kill()
+            self._proc = None
+
+    def restart(self) -> None:
+        """Stop then start on the same ports and data folder."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop, and delete the work folder if this object created it."""
+        self.stop()
+        if self._owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers
+
+    def create_topic(
+        self,
+        name: str,
+        partitions: int | None = None,
+        config: Mapping[str, str] | None = None,
+        *,
+        exist_ok: bool = False,
+    ) -> None:
+        """Create a topic (replication 1) and wait until every partition has a leader.
+
+        Waiting for leaders avoids the first produce racing the metadata propagation. Safe to call from
+        inside a running event loop (it then uses a helper thread).
+        """
+        _run_sync(lambda: self.acreate_topic(name, partitions, config, exist_ok=exist_ok))
+
+    async def acreate_topic(
+        self,
+        name: str,
+        partitions: int | None = None,
+        config: Mapping[str, str] | None = None,
+        *,
+        exist_ok: bool = False,
+    ) -> None:
+        """Async form of :meth:`create_topic`."""
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+        from aiokafka.errors import for_code
+
+        count = partitions or self.partitions
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, **self.client_options)
+        await admin.start()
+        try:
+            response = await admin.create_topics(
+                [NewTopic(name, count, 1, topic_configs=dict(config or {}))], timeout_ms=30000
+            )
+            for entry in response.topic_errors:
+                topic, code = entry[0], entry[1]
+                if code == 0 or (exist_ok and code == 36):  # 36: TOPIC_ALREADY_EXISTS
+                    continue
+                message = entry[2] if len(entry) > 2 else ""
+                raise InfraError(
+                    f"creating topic {topic!r} failed: {for_code(code).__name__} {message or ''}".strip()
+                )
+            deadline = time.monotonic() + 30
+            while True:
+                (meta,) = await admin.describe_topics([name])
+                parts = meta.get("partitions", [])
+                if (
+                    meta.get("error_code", 0) == 0
+                    and len(parts) >= count
+                    and all(p["leader"] >= 0 for p in parts)
+                ):
+                    return
+                if time.monotonic() > deadline:
+                    raise InfraError(f"topic {name!r} has no leaders after 30s: {meta}")
+                await asyncio.sleep(0.1)
+        finally:
+            await admin.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# S3
+
+
+class ObjectStore:
+    """S3Proxy on 127.0.0.1 with the filesystem backend: a real S3 HTTP API whose objects are files.
+
+    Signatures are checked (V2 or V4) against fixed test keys, so code that forgets credentials fails
+    here as it would against AWS. :meth:`stop`/:meth:`start` keep the port and the files, so a test can
+    take the store away under a running service and bring it back.
+    """
+
+    def __init__(
+        self,
+        workdir: Path | None = None,
+        *,
+        port: int | None = None,
+        access_key: str = "d3stream-test",
+        secret_key: str = "d3stream-test-secret",
+        region: str = "us-east-1",
+        heap: str = "256m",
+        startup_timeout: float = 60.0,
+        stop_grace: float = 10.0,
+    ) -> None:
+        self.workdir, self._owns_workdir = _workdir(workdir, "d3stream-s3-")
+        self.port = port or _free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.region = region
+        self.heap = heap
+        self.startup_timeout = startup_timeout
+        self.stop_grace = stop_grace
+        self.data_dir = self.workdir / "data"
+        self.log_path = self.workdir / "s3proxy.log"
+        self.startup_seconds: float | None = None
+        self._proc: _Process | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self.running and self._proc else None
+
+    def start(self) -> Self:
+        """Launch S3Proxy and wait until its HTTP port answers (any status: unauthenticated gets 403)."""
+        if self.running:
+            return self
+        jar = _s3proxy_jar(ensure_jars())
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        props_path = self.workdir / "s3proxy.properties"
+        _write_properties(
+            props_path,
+            {
+                "s3proxy.endpoint": self.endpoint_url,
+                "s3proxy.authorization": "aws-v2-or-v4",
+                "s3proxy.identity": self.access_key,
+                "s3proxy.credential": self.secret_key,
+                "jclouds.provider": "filesystem",
+                "jclouds.filesystem.basedir": str(self.data_dir),
+            },
+        )
+        cmd = [
+            _java(),
+            f"-Xmx{self.heap}",
+            "-Xms32m",
+            "-Djava.awt.headless=true",
+            "-Dlogback.statusListenerClass=ch.qos.logback.core.status.NopStatusListener",
+            "-jar",
+            str(jar),
+            "--properties",
+            str(props_path),
+        ]
+        started = time.monotonic()
+        log.info("s3.starting", endpoint=self.endpoint_url, workdir=str(self.workdir))
+        self._proc = _Process("s3proxy", cmd, self.log_path, self.workdir)
+        try:
+            _wait_until(self._ready, self._proc, "S3Proxy", self.startup_timeout, interval=0.1)
+        except BaseException:
+            self._proc.stop(grace=5)
+            raise
+        self.startup_seconds = time.monotonic() - started
+        log.info(
+            "s3.ready", endpoint=self.endpoint_url, pid=self._proc.pid, seconds=round(self.startup_seconds, 2)
+        )
+        return self
+
+    def _ready(self) -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+        try:
+            conn.request("GET", "/")
+            return conn.getresponse().status > 0
+        except OSError:
+            return False
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        """Stop the server; the files (buckets, objects) stay for the next :meth:`start`."""
+        if self._proc is None:
+            return
+        log.info("s3.stopping", pid=self._proc.pid)
+        self._proc.stop(self.stop_grace)
+        self._proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop, and delete the work folder if this object created it."""
+        self.stop()
+        if self._owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def client_kwargs(self) -> dict[str, Any]:
+        """What ``boto3.client("s3", **kwargs)`` needs to reach this store (also useful for service config)."""
+        return {
+            "endpoint_url": self.endpoint_url,
+            "aws_access_key_id": self.access_key,
+            "aws_secret_access_key": self.secret_key,
+            "region_name": self.region,
+        }
+
+    def client(self, **config: Any) -> BaseClient:
+        """A boto3 S3 client for this store: path-style addressing (no DNS for bucket names on 127.0.0.1).
+
+        ``config`` goes to ``botocore.config.Config`` (e.g. ``retries``, ``connect_timeout``).
+        """
+        import boto3
+        from botocore.config import Config
+
+        cfg = Config(s3={"addressing_style": "path"}, **config)
+        return boto3.client("s3", config=cfg, **self.client_kwargs)
+
+    def create_bucket(self, name: str) -> None:
+        """Create a bucket; one that already exists (and is ours) is fine."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client().create_bucket(Bucket=name)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in (
+                "BucketAlreadyOwnedByYou",
+                "BucketAlreadyExists",
+            ):
+                raise
+
+
+# --------------------------------------------------------------------------------------------------
+# Both
+
+
+@contextlib.contextmanager
+def local_stack(
+    workdir: Path | None = None, partitions: int = 4, progress: bool = False
+) -> Iterator[tuple[KafkaBroker, ObjectStore]]:
+    """Start a Kafka broker and an S3 store, yield them, stop both (for ``d3stream demo``).
+
+    With ``workdir`` the data lives in ``workdir/kafka`` and ``workdir/s3`` and is kept afterwards;
+    without, both use temporary folders that are deleted on exit. ``progress`` shows Maven's output
+    during the one-time jar download, which takes a while on a first run.
+    """
+    ensure_jars(progress=progress)
+    with contextlib.ExitStack() as stack:
+        store = stack.enter_context(ObjectStore(workdir / "s3" if workdir else None))
+        broker = stack.enter_context(
+            KafkaBroker(workdir / "kafka" if workdir else None, partitions=partitions)
+        )
+        yield broker, store
