@@ -122,6 +122,22 @@ def vision_weights_present(root: Path) -> bool:
     return any(name.startswith(("visual.", "model.visual.")) for name in names)
 
 
+@contextlib.contextmanager
+def quiet_transformers() -> Iterable[None]:
+    """Silence transformers' loading chatter (progress bars, the report of vision weights a text-only
+    checkpoint leaves out on purpose); real errors still raise."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        hf_logging.enable_progress_bar()
+
+
 def sdpa_backends(device: Any) -> contextlib.AbstractContextManager:
     """On CUDA, keep SDPA off the cuDNN backend (``D3_CUDNN_SDPA=1`` restores PyTorch's choice)."""
     import torch
@@ -360,12 +376,13 @@ class D3:
                 "environment without them for CPU inference"
             )
         torch.manual_seed(20260919)
-        self.backbone = backbone_class(self.backbone_type).from_pretrained(
-            str(self.root),
-            dtype=torch.bfloat16,
-            attn_implementation="sdpa",
-            device_map={"": str(self.device)},
-        )
+        with quiet_transformers():
+            self.backbone = backbone_class(self.backbone_type).from_pretrained(
+                str(self.root),
+                dtype=torch.bfloat16,
+                attn_implementation="sdpa",
+                device_map={"": str(self.device)},
+            )
         self.backbone.eval().requires_grad_(False)
         weight = load_file(str(self.root / "readout.safetensors")).get("weight")
         hidden = self.backbone.config.text_config.hidden_size

@@ -1,0 +1,234 @@
+"""The event contract: request, answer and dead-letter records, and their JSON Schemas.
+
+Requests arrive as UTF-8 JSON on the request topic, keyed by request id. Every request gets exactly
+one answer event on the answer topic, with the same key: either the model's ``answers`` or an
+``error`` saying why there are none. Bytes that are not even a JSON object also go to the dead-letter
+topic with the reason, so nothing a producer sends is silently dropped.
+
+The msgspec Structs below are the single definition of the contract: the decoder validates with them
+and ``schemas/*.schema.json`` are generated from them (``python -m d3stream.events`` rewrites them; a
+test fails when the checked-in files drift).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+SCHEMA_VERSION = "1"
+CONTENT_TYPE = "application/json"
+HEADERS = [("content-type", CONTENT_TYPE.encode()), ("d3stream-schema", SCHEMA_VERSION.encode())]
+
+# Request-level error codes an answer event can carry (question-level errors live inside ``answers``).
+ERROR_CODES = (
+    "undecodable_event",  # not UTF-8 JSON at all (also dead-lettered)
+    "invalid_request",  # JSON, but not a valid request (schema or content)
+    "model_not_served",  # the request names a model this worker does not serve
+    "media_not_allowed",  # a media reference outside the allowlist, or an http(s) URL / local path
+    "media_missing",  # the object does not exist
+    "media_too_large",  # over the strict size limits (refused from HEAD, never downloaded)
+    "media_unreadable",  # fetched, but not a valid image or video
+    "media_unavailable",  # the object store did not answer in time, after retries
+    "internal_error",  # a fault of this worker; the message says what
+)
+
+MediaReference = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1,
+        description="s3://bucket/key (optionally ?versionId=...) or an inline data:image/... or data:video/... URL",
+    ),
+]
+
+
+class Request(msgspec.Struct, kw_only=True):
+    """A decision request: questions about one state, with the media every question sees."""
+
+    id: Annotated[str, msgspec.Meta(min_length=1, max_length=512, description="request id; also the Kafka key")]
+    state: Any = msgspec.field(default=None)
+    questions: Annotated[
+        dict[str, Any], msgspec.Meta(description="question id -> System One question (choice, noul or score)")
+    ]
+    images: list[MediaReference] = msgspec.field(default_factory=list)
+    videos: list[MediaReference] = msgspec.field(default_factory=list)
+    model: str | None = None
+    permutation_average: bool | None = None
+    metadata: Any = None
+
+
+class Source(msgspec.Struct, kw_only=True):
+    """Where the request was read from."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int | None = None
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    code: str
+    message: str
+
+
+class ModelRecord(msgspec.Struct, kw_only=True):
+    name: str
+    runtime: str
+    provenance_sha256: str
+
+
+class MediaRecord(msgspec.Struct, kw_only=True):
+    """One media object the answer depends on."""
+
+    uri: str
+    etag: str | None = None
+    version: str | None = None
+    bytes: int
+    sha256: str
+
+
+class BatchRecord(msgspec.Struct, kw_only=True):
+    """The forward passes that carried this request's questions (summed over passes)."""
+
+    passes: int = 0
+    rows: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+
+
+class Timings(msgspec.Struct, kw_only=True):
+    """Where the time went for this request, in milliseconds."""
+
+    queued: float = 0.0
+    fetch: float = 0.0
+    decode: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    total: float = 0.0
+
+
+class Worker(msgspec.Struct, kw_only=True):
+    host: str
+    pid: int
+    version: str
+
+
+class Provenance(msgspec.Struct, kw_only=True):
+    model: ModelRecord | None = None
+    media: list[MediaRecord] = msgspec.field(default_factory=list)
+    batch: BatchRecord = msgspec.field(default_factory=BatchRecord)
+    timings: Timings = msgspec.field(default_factory=Timings)
+    worker: Worker | None = None
+    replay_id: str | None = None
+
+
+class Answer(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The answer to one request: ``answers`` and ``usage``, or ``error``; always ``provenance``."""
+
+    id: str
+    source: Source
+    model: str | None = None
+    answers: dict[str, Any] | None = None
+    usage: dict[str, int] | None = None
+    error: ErrorInfo | None = None
+    provenance: Provenance = msgspec.field(default_factory=Provenance)
+    metadata: Any = None
+
+
+class DeadLetter(msgspec.Struct, kw_only=True):
+    """A record that could not be read as a request, kept with the reason."""
+
+    reason: str
+    source: Source
+    key: str | None = None
+    value: str = msgspec.field(default="", name="value_base64")
+
+
+class EventError(ValueError):
+    """A record that is not a valid request; ``code`` is the answer's error code."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+_request_decoder = msgspec.json.Decoder(Request)
+_encoder = msgspec.json.Encoder()
+
+# Nesting deeper than this is refused before it reaches the model (JSON bombs of brackets).
+MAX_NESTING = 64
+
+
+def _depth_ok(value: Any, limit: int = MAX_NESTING) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        current, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(current, dict):
+            stack.extend((v, depth + 1) for v in current.values())
+        elif isinstance(current, list):
+            stack.extend((v, depth + 1) for v in current)
+    return True
+
+
+def decode_request(value: bytes | None, key: bytes | None = None) -> Request:
+    """A validated request from a record's bytes; EventError with the code and reason otherwise."""
+    fallback_id = key.decode("utf-8", "replace") if key else None
+    if value is None:
+        raise EventError("undecodable_event", "the record has no value (a tombstone is not a request)", fallback_id)
+    try:
+        document = msgspec.json.decode(value)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise EventError("undecodable_event", f"the record is not UTF-8 JSON: {exc}", fallback_id) from exc
+    if not isinstance(document, dict):
+        raise EventError(
+            "undecodable_event", f"a request is a JSON object, got {type(document).__name__}", fallback_id
+        )
+    request_id = document.get("id") if isinstance(document.get("id"), str) and document.get("id") else fallback_id
+    if not _depth_ok(document):
+        raise EventError("invalid_request", f"the request nests deeper than {MAX_NESTING} levels", request_id)
+    try:
+        return _request_decoder.decode(value)
+    except msgspec.ValidationError as exc:
+        raise EventError("invalid_request", f"the request does not match the schema: {exc}", request_id) from exc
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise EventError("undecodable_event", f"the record is not UTF-8 JSON: {exc}", fallback_id) from exc
+
+
+def encode(value: msgspec.Struct) -> bytes:
+    return _encoder.encode(value)
+
+
+def decode_answer(value: bytes) -> Answer:
+    return msgspec.json.decode(value, type=Answer)
+
+
+SCHEMAS = {"request": Request, "answer": Answer, "dead-letter": DeadLetter}
+
+
+def json_schema(name: str) -> dict[str, Any]:
+    """The JSON Schema of one event type, as checked in under ``schemas/``."""
+    schema = msgspec.json.schema(SCHEMAS[name])
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = f"https://d3stream.invalid/schemas/{name}.schema.json"
+    schema["x-d3stream-schema-version"] = SCHEMA_VERSION
+    return schema
+
+
+def write_schemas(folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in SCHEMAS:
+        path = folder / f"{name}.schema.json"
+        path.write_text(json.dumps(json_schema(name), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":
+    for path in write_schemas(Path(__file__).resolve().parents[1] / "schemas"):
+        print(path)
