@@ -1,9 +1,148 @@
-"""Service-side commands (serve, produce, consume, demo); registered by the CLI."""
+"""Service-side commands: ``serve``, ``produce``, ``consume`` and ``demo``; registered by the CLI."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .config import load_settings
+    from .logs import configure_logging
+
+    try:
+        settings = load_settings(args)
+    except ValueError as exc:
+        print(f"d3stream serve: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    if not settings.model:
+        print("d3stream serve: no checkpoint: set --model, D3STREAM_MODEL or model = ... in the settings file",
+              file=sys.stderr)
+        return 2
+    from .runtime import D3
+    from .service import Service
+
+    model = D3.from_pretrained(
+        settings.model,
+        device=settings.device,
+        verify=settings.verify,
+        model_name=settings.model_name,
+        permutation_average=settings.permutation_average,
+    )
+    if settings.warmup:
+        model.warmup()
+    service = Service(settings, model)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, service.stop)
+        await service.run()
+
+    asyncio.run(main())
+    return 0
+
+
+def _produce(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .clients import encode_line, produce, rewrite_media
+
+    source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115
+    with source:
+        lines = [line for line in (raw.rstrip("\n") for raw in source) if line.strip()]
+    client = None
+    if args.upload_media:
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=args.s3_endpoint_url)
+    base = Path(args.file).parent if args.file != "-" else Path.cwd()
+    records = []
+    for line in lines:
+        key, value = encode_line(line)
+        if client is not None and key is not None:
+            request = rewrite_media(json.loads(value), client, args.upload_media, base)
+            value = json.dumps(request, ensure_ascii=False).encode()
+        records.append((key, value))
+    bar = tqdm(total=len(records), desc=f"produce {args.topic}", unit="req", file=sys.stderr,
+               disable=not sys.stderr.isatty())
+    count = asyncio.run(produce(args.bootstrap_servers, args.topic, records, on_sent=bar.update))
+    bar.close()
+    print(f"published {count} records to {args.topic}", file=sys.stderr)
+    return 0
+
+
+def _consume(args: argparse.Namespace) -> int:
+    from .clients import consume_answers
+
+    def show(answer: dict) -> None:
+        print(json.dumps(answer, ensure_ascii=False), flush=True)
+
+    asyncio.run(consume_answers(args.bootstrap_servers, args.topic, expected=args.max, timeout_s=args.timeout,
+                                idle_s=args.idle, on_record=show))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+    from .logs import configure_logging
+
+    configure_logging("console" if sys.stderr.isatty() else "json", "warning")
+    summary = asyncio.run(run_demo(progress=not args.json and sys.stderr.isatty(), timeout_s=args.timeout))
+    answers = summary.pop("answers")
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for answer in sorted(answers, key=lambda a: a["id"]):
+            brief = answer.get("error") or {
+                key: (value.get("choice") or value.get("noul") or value.get("score") or value.get("error"))
+                for key, value in (answer.get("answers") or {}).items()
+            }
+            print(f"{answer['id']:<20} {json.dumps(brief, ensure_ascii=False)}")
+        print(f"\npublished {summary['published']}, answered {summary['answered']}, error answers "
+              f"{summary['errors']}, dead letters {summary['dead_letters']}, {summary['seconds']} s")
+    return 0 if summary["answered"] == summary["published"] else 1
+
+
+def _env_default(name: str, fallback: str | None) -> str | None:
+    import os
+
+    return os.environ.get(name, fallback)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add the service commands to the CLI's sub-command table."""
+    from .config import add_arguments
+
+    serve = commands.add_parser("serve", help="run the service: answer requests from Kafka",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(serve)
+    serve.set_defaults(run=_serve)
+
+    servers = _env_default("D3STREAM_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+    produce = commands.add_parser("produce", help="publish request events from a JSON-lines file")
+    produce.add_argument("topic")
+    produce.add_argument("file", help="JSON lines, one request per line (- for stdin)")
+    produce.add_argument("--bootstrap-servers", default=servers)
+    produce.add_argument("--upload-media", metavar="BUCKET",
+                         help="upload local media files named by requests and rewrite them to s3:// references")
+    produce.add_argument("--s3-endpoint-url", default=_env_default("D3STREAM_S3_ENDPOINT_URL", None))
+    produce.set_defaults(run=_produce)
+
+    consume = commands.add_parser("consume", help="print answer events as JSON lines")
+    consume.add_argument("topic")
+    consume.add_argument("--bootstrap-servers", default=servers)
+    consume.add_argument("--max", type=int, default=None, help="stop after this many distinct request ids")
+    consume.add_argument("--timeout", type=float, default=3600.0, help="stop after this many seconds")
+    consume.add_argument("--idle", type=float, default=None, help="stop after this many seconds without a record")
+    consume.set_defaults(run=_consume)
+
+    demo = commands.add_parser("demo", help="run everything locally: broker, object store, tiny model, sample requests")
+    demo.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    demo.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for all answers")
+    demo.set_defaults(run=_demo)

@@ -119,7 +119,7 @@ def user_prompt(state: Any, question: Mapping[str, Any], codes: Sequence[str]) -
         raise ValueError(f"a question takes at most {MAX_OPTIONS} options, got {len(keys)}")
     instructions = describe(question.get("instructions")) or _DEFAULT_INSTRUCTIONS
     lines = [_STATE_HEADER + describe(state), "", _QUESTION_HEADER + instructions, "Options:"]
-    for code, key, text in zip(codes, keys, texts):
+    for code, key, text in zip(codes, keys, texts, strict=False):  # codes outnumber options
         if question.get("type") == "noul":
             lines.append(f"{code}. {text}")
         else:
@@ -173,5 +173,5 @@ def to_answer(question: Mapping[str, Any], probabilities: Sequence[float]) -> di
     return {
         "type": "choice",
         "choice": keys[best],
-        "probabilities": dict(zip(keys, shares)),
+        "probabilities": dict(zip(keys, shares, strict=True)),
     }

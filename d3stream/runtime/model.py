@@ -614,12 +614,15 @@ class D3:
         strict: bool = False,
         decoded_images: list[Any] | None = None,
         decoded_videos: list[media_io.Video] | None = None,
+        permutation_average: bool | None = None,
     ) -> Prepared:
         """Validate, render and tokenize one request; a malformed request raises ValueError.
 
         ``strict`` reads media as bytes from outside (the service). Callers that decoded the media
         themselves (to time decoding apart) pass ``decoded_images`` / ``decoded_videos`` instead.
+        ``permutation_average`` overrides the model's setting for this request.
         """
+        averaged = self.permutation_average if permutation_average is None else bool(permutation_average)
         if not isinstance(questions, Mapping) or not questions:
             raise ValueError("questions must be a nonempty mapping of question IDs to questions")
         if any(not isinstance(key, str) or not key for key in questions):
@@ -644,7 +647,7 @@ class D3:
             try:
                 normalized = normalize_question(question, contract=self.contract)
                 prompts.append((key, False, self.render(state, normalized.rendered, n_images, n_videos)))
-                flipped = reversed_question(normalized) if self.permutation_average else None
+                flipped = reversed_question(normalized) if averaged else None
                 if flipped is not None:
                     prompts.append((key, True, self.render(state, flipped, n_images, n_videos)))
             except ValueError as exc:

@@ -1,0 +1,189 @@
+"""Cross-event batching: packing question prompts from many requests into forward passes.
+
+A forward pass costs roughly its padded tokens (rows x longest prompt), and a device saturates once a
+pass holds a few thousand of them. So the scheduler:
+
+* collects rows (question prompts) from every request being served, for at most ``linger_ms`` after
+  the oldest one arrived, or until a full pass is waiting;
+* sorts them by length, so rows of similar length share a pass and padding stays small;
+* cuts passes of at most ``max_batch_rows`` rows and ``max_batch_tokens`` padded tokens (a single
+  prompt longer than the budget runs alone: prompts are never truncated);
+* runs the passes one after another on the model's thread and hands each row its probabilities and a
+  record of the pass it rode in.
+
+A pass that fails (out of memory, a runtime error) is split in half and each half retried; a row that
+fails alone gets the exception, which the service reports for its request. One bad prompt therefore
+costs its own request an error, not its neighbours theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """One forward pass, as seen by each row that rode in it."""
+
+    rows: int
+    real_tokens: int
+    padded_tokens: int
+    seconds: float
+
+
+def pack(items: Sequence[T], length: Callable[[T], int], max_rows: int, max_tokens: int) -> list[list[T]]:
+    """Passes of at most ``max_rows`` items and ``max_tokens`` padded tokens, similar lengths together."""
+    ordered = sorted(items, key=length, reverse=True)
+    passes: list[list[T]] = []
+    current: list[T] = []
+    longest = 0
+    for item in ordered:
+        size = length(item)
+        if current and (len(current) >= max_rows or (len(current) + 1) * max(longest, size) > max_tokens):
+            passes.append(current)
+            current, longest = [], 0
+        current.append(item)
+        longest = max(longest, size)
+    if current:
+        passes.append(current)
+    return passes
+
+
+@dataclass(eq=False)
+class _Waiting(Generic[T]):
+    row: T
+    future: asyncio.Future
+    since: float
+
+
+class BatchScheduler(Generic[T]):
+    """Packs rows submitted by many requests into forward passes of ``run``."""
+
+    def __init__(
+        self,
+        run: Callable[[list[T]], list[Any]],
+        *,
+        length: Callable[[T], int],
+        max_batch_rows: int = 64,
+        max_batch_tokens: int = 4096,
+        linger_ms: float = 5.0,
+        executor: Executor | None = None,
+    ):
+        if max_batch_rows < 1 or max_batch_tokens < 1:
+            raise ValueError("max_batch_rows and max_batch_tokens must be positive")
+        self._run = run
+        self._length = length
+        self.max_batch_rows = max_batch_rows
+        self.max_batch_tokens = max_batch_tokens
+        self.linger = linger_ms / 1000.0
+        # One model thread: passes run one at a time, in the order they were cut.
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
+        self._waiting: list[_Waiting[T]] = []
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self.passes_run = 0
+        self.rows_run = 0
+        self.real_tokens = 0
+        self.padded_tokens = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="d3stream-batcher")
+
+    async def close(self) -> None:
+        """Finish what was submitted, then stop."""
+        self._closing = True
+        self._arrived.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+
+    async def submit(self, rows: Sequence[T]) -> list[tuple[Any, PassRecord]]:
+        """Each row's result and the pass it ran in; raises what ``run`` raised for a row that fails alone."""
+        if self._closing:
+            raise RuntimeError("the batch scheduler is closed")
+        self.start()
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()
+        waiting = [_Waiting(row, loop.create_future(), now) for row in rows]
+        self._waiting.extend(waiting)
+        self._arrived.set()
+        return list(await asyncio.gather(*(w.future for w in waiting)))
+
+    def _full(self) -> bool:
+        if len(self._waiting) >= self.max_batch_rows:
+            return True
+        return sum(self._length(w.row) for w in self._waiting) >= self.max_batch_tokens
+
+    async def _loop(self) -> None:
+        while True:
+            if not self._waiting:
+                if self._closing:
+                    return
+                self._arrived.clear()
+                await self._arrived.wait()
+                continue
+            deadline = self._waiting[0].since + self.linger
+            while not self._full() and not self._closing:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), timeout=remaining)
+                except TimeoutError:
+                    break
+            taken, self._waiting = self._waiting, []
+            for group in pack(taken, lambda w: self._length(w.row), self.max_batch_rows, self.max_batch_tokens):
+                await self._run_pass(group)
+
+    async def _run_pass(self, group: list[_Waiting[T]]) -> None:
+        loop = asyncio.get_running_loop()
+        rows = [w.row for w in group]
+        started = time.perf_counter()
+        try:
+            results = await loop.run_in_executor(self._executor, self._run, rows)
+        except Exception as exc:  # noqa: BLE001 - any pass failure is contained to its rows
+            if len(group) == 1:
+                log.warning("row failed alone", error=f"{type(exc).__name__}: {exc}")
+                if not group[0].future.done():
+                    group[0].future.set_exception(exc)
+                return
+            log.warning("pass failed; retrying each half", rows=len(group), error=f"{type(exc).__name__}: {exc}")
+            self._release_memory()
+            middle = len(group) // 2
+            await self._run_pass(group[:middle])
+            await self._run_pass(group[middle:])
+            return
+        seconds = time.perf_counter() - started
+        lengths = [self._length(row) for row in rows]
+        record = PassRecord(len(rows), sum(lengths), len(rows) * max(lengths), seconds)
+        self.passes_run += 1
+        self.rows_run += record.rows
+        self.real_tokens += record.real_tokens
+        self.padded_tokens += record.padded_tokens
+        for waiting, result in zip(group, results, strict=True):
+            if not waiting.future.done():
+                waiting.future.set_result((result, record))
+
+    @staticmethod
+    def _release_memory() -> None:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass

@@ -1,0 +1,216 @@
+"""Service settings from flags, ``D3STREAM_*`` environment variables and a TOML file.
+
+One Struct, ``Settings``, lists every knob with its default and a one-line meaning; the command line
+flags, the environment variable names and the TOML keys are all derived from its field names, so the
+three can never disagree. Precedence: flag > environment > file > default.
+
+    d3stream serve --model ckpt --bootstrap-servers kafka:9092      # flag
+    D3STREAM_BOOTSTRAP_SERVERS=kafka:9092 d3stream serve ...         # environment
+    d3stream serve --config d3stream.toml                            # file: bootstrap_servers = "..."
+
+List values take a comma-separated string in flags and the environment, a TOML array in the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import msgspec
+
+ENV_PREFIX = "D3STREAM_"
+CONFIG_ENV = "D3STREAM_CONFIG"
+
+
+class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Kafka
+    bootstrap_servers: str = "127.0.0.1:9092"
+    request_topics: list[str] = msgspec.field(default_factory=lambda: ["d3.requests"])
+    answer_topic: str = "d3.answers"
+    dead_letter_topic: str = "d3.dead-letters"
+    provenance_topic: str = "d3.provenance"
+    group_id: str = "d3stream"
+    client_id: str = "d3stream"
+    auto_offset_reset: Literal["earliest", "latest"] = "earliest"
+    create_topics: bool = True
+    topic_partitions: int = 4
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: str | None = None
+    commit_interval_ms: int = 500
+    # Model
+    model: str | None = None
+    model_name: str | None = None
+    device: str | None = None
+    verify: Literal["fast", "full", "none"] = "fast"
+    permutation_average: bool = False
+    warmup: bool = False
+    # Batching and backpressure
+    max_batch_rows: int = 64
+    max_batch_tokens: int | None = None
+    linger_ms: float = 5.0
+    max_inflight_requests: int = 256
+    max_inflight_tokens: int = 262_144
+    # Object storage
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    media_allowlist: list[str] = msgspec.field(default_factory=list)
+    s3_max_concurrency: int = 8
+    s3_connect_timeout: float = 5.0
+    s3_read_timeout: float = 20.0
+    s3_max_attempts: int = 4
+    # Lifecycle and logs
+    shutdown_timeout_s: float = 120.0
+    rebalance_drain_s: float = 10.0
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+HELP: dict[str, str] = {
+    "bootstrap_servers": "Kafka bootstrap servers, host:port[,host:port]",
+    "request_topics": "topics to read requests from (comma-separated)",
+    "answer_topic": "topic answers are published to (key = request id)",
+    "dead_letter_topic": "topic for records that cannot be read as a request",
+    "provenance_topic": "compacted topic that receives the model's provenance record once per load",
+    "group_id": "Kafka consumer group; workers in one group split the partitions",
+    "client_id": "Kafka client id (shows in broker logs and metrics)",
+    "auto_offset_reset": "where a new consumer group starts reading",
+    "create_topics": "create missing answer, dead-letter and provenance topics at start",
+    "topic_partitions": "partitions for topics this worker creates",
+    "security_protocol": "Kafka security protocol",
+    "sasl_mechanism": "SASL mechanism (with SASL_PLAINTEXT or SASL_SSL)",
+    "sasl_username": "SASL user name",
+    "sasl_password": "SASL password (prefer the environment variable to a flag)",
+    "ssl_cafile": "CA bundle that signs the brokers' certificates",
+    "commit_interval_ms": "how often finished offsets are committed",
+    "model": "checkpoint directory (required for serve)",
+    "model_name": "name answers carry (default: the checkpoint's manifest name)",
+    "device": "torch device (default: cuda:0 when present, else cpu)",
+    "verify": "checkpoint manifest verification at load",
+    "permutation_average": "score choice questions in both option orders and average (requests may ask too)",
+    "warmup": "run the model over a spread of batch shapes before consuming",
+    "max_batch_rows": "most question prompts in one forward pass",
+    "max_batch_tokens": "most padded tokens (rows x longest prompt) in one pass; default 16384 on GPU, 4096 on CPU",
+    "linger_ms": "how long a question may wait for others to share its pass",
+    "max_inflight_requests": "requests read but not yet answered before partitions are paused",
+    "max_inflight_tokens": "prompt tokens in flight before partitions are paused",
+    "s3_endpoint_url": "S3-compatible endpoint (default: AWS)",
+    "s3_region": "S3 region",
+    "media_allowlist": "buckets or bucket/prefix pairs requests may name (comma-separated); empty allows none",
+    "s3_max_concurrency": "objects fetched at once",
+    "s3_connect_timeout": "seconds to connect to the object store",
+    "s3_read_timeout": "seconds to wait for object store data",
+    "s3_max_attempts": "attempts per object store call (retries back off on throttling, 5xx, timeouts)",
+    "shutdown_timeout_s": "on SIGTERM, how long in-flight work may take to finish before exit",
+    "rebalance_drain_s": "on rebalance, how long revoked partitions' work may take to finish",
+    "log_format": "auto: console on a terminal, JSON otherwise",
+    "log_level": "log level",
+}
+
+FIELDS = {name: field for name, field in zip(Settings.__struct_fields__, msgspec.structs.fields(Settings), strict=True)}
+
+
+def _is_list(annotation: Any) -> bool:
+    return get_origin(annotation) is list
+
+
+def _is_bool(annotation: Any) -> bool:
+    return annotation is bool
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; unset flags stay None so the environment and file can fill them."""
+    parser.add_argument("--config", default=None, help=f"TOML settings file (or ${CONFIG_ENV})")
+    group = parser.add_argument_group("settings (flag > environment > TOML file > default)")
+    for name, field in FIELDS.items():
+        default = field.default if field.default is not msgspec.NODEFAULT else field.default_factory()
+        text = f"{HELP.get(name, '')} [env {env_name(name)}; default {default!r}]"
+        if _is_bool(field.type):
+            group.add_argument(flag_name(name), dest=name, default=None, action=argparse.BooleanOptionalAction, help=text)
+        else:
+            choices = None
+            args = get_args(field.type)
+            literal = next((a for a in (field.type, *args) if get_origin(a) is Literal), None)
+            if literal is not None:
+                choices = list(get_args(literal))
+            group.add_argument(flag_name(name), dest=name, default=None, choices=choices, help=text)
+
+
+def _coerce_text(name: str, text: str) -> Any:
+    """Environment and flag strings into the shape msgspec converts: lists split on commas."""
+    annotation = FIELDS[name].type
+    if _is_list(annotation):
+        return [part.strip() for part in text.split(",") if part.strip()]
+    if _is_bool(annotation):
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{env_name(name)} must be true or false, got {text!r}")
+    return text
+
+
+def load_settings(
+    flags: argparse.Namespace | dict[str, Any] | None = None,
+    *,
+    environ: dict[str, str] | None = None,
+    config_file: str | os.PathLike | None = None,
+) -> Settings:
+    """Settings from the three sources; ValueError names the offending setting and source."""
+    environ = dict(os.environ if environ is None else environ)
+    given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
+    merged: dict[str, Any] = {}
+    path = config_file or given.get("config") or environ.get(CONFIG_ENV)
+    if path:
+        try:
+            document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"cannot read the settings file {path}: {exc}") from exc
+        section = document.get("d3stream", document)
+        unknown = sorted(set(section) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"{path}: unknown settings {', '.join(unknown)}; see `d3stream serve --help`")
+        merged.update(section)
+    for name in FIELDS:
+        if env_name(name) in environ:
+            merged[name] = _coerce_text(name, environ[env_name(name)])
+    for name in FIELDS:
+        value = given.get(name)
+        if value is not None:
+            merged[name] = _coerce_text(name, value) if isinstance(value, str) else value
+    try:
+        return msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid setting: {exc} (flag, {ENV_PREFIX}* variable or settings file)") from exc
+
+
+def kafka_security(settings: Settings) -> dict[str, Any]:
+    """The aiokafka keyword arguments of the security settings."""
+    options: dict[str, Any] = {"security_protocol": settings.security_protocol}
+    if settings.security_protocol.startswith("SASL"):
+        if not settings.sasl_mechanism:
+            raise ValueError("security_protocol SASL_* needs sasl_mechanism (PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512)")
+        options.update(
+            sasl_mechanism=settings.sasl_mechanism,
+            sasl_plain_username=settings.sasl_username,
+            sasl_plain_password=settings.sasl_password,
+        )
+    if settings.security_protocol.endswith("SSL"):
+        import ssl
+
+        options["ssl_context"] = ssl.create_default_context(cafile=settings.ssl_cafile)
+    return options

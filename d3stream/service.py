@@ -1,0 +1,548 @@
+"""The service loop: consume requests, fetch media, prepare, batch, run, publish answers, commit.
+
+Each request read from Kafka becomes one task that walks the stages (decode the event, fetch its
+media, decode the media strictly, prepare the prompts, wait for its rows' forward passes, build the
+answer) and ends by publishing exactly one answer event. Failures at any stage end the same way, with
+an ``error`` instead of ``answers``; records that are not even JSON objects are also dead-lettered.
+
+Delivery (at least once): an offset is committed only when the answers for it *and for every earlier
+offset of its partition* have been acknowledged by the broker (``OffsetTracker``). A crash therefore
+repeats work but never loses it; a clean shutdown (SIGTERM/SIGINT: stop fetching, finish what is in
+flight, publish, commit, close) repeats nothing.
+
+Backpressure: at most ``max_inflight_requests`` requests and ``max_inflight_tokens`` prompt tokens are
+in flight; beyond that every assigned partition is paused, and resumed once the work drains below
+80 % of both limits. Memory stays bounded however fast producers publish.
+
+Rebalance: before partitions are taken away, their in-flight work gets ``rebalance_drain_s`` to
+finish and their finished offsets are committed; work that finishes later is still answered, but its
+offsets are no longer this worker's to commit (the new owner will answer those requests again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from aiokafka import ConsumerRebalanceListener
+
+from . import __version__
+from .batching import BatchScheduler, PassRecord
+from .config import Settings, kafka_security
+from .events import (
+    HEADERS,
+    Answer,
+    BatchRecord,
+    DeadLetter,
+    ErrorInfo,
+    EventError,
+    MediaRecord,
+    ModelRecord,
+    Provenance,
+    Request,
+    Source,
+    Timings,
+    Worker,
+    decode_request,
+    encode,
+)
+from .storage import FetchedMedia, MediaError, MediaFetcher
+
+log = structlog.get_logger(__name__)
+
+# Partitions resume once in-flight work falls below this share of both limits.
+RESUME_AT = 0.8
+PUBLISH_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+def default_token_budget(device: str) -> int:
+    """Padded tokens per pass: a GPU keeps gaining up to ~16k, a CPU saturates at 1-4k."""
+    return 16_384 if str(device).startswith("cuda") else 4_096
+
+
+def provenance_digest(record: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------- offsets
+
+
+@dataclass
+class _Progress:
+    entries: deque = field(default_factory=deque)  # [offset, done] in offset order
+    index: dict[int, list] = field(default_factory=dict)
+    last: int = -1
+    committed: int | None = None
+
+
+class OffsetTracker:
+    """Which offsets of each partition may be committed: all answers below the offset are acknowledged."""
+
+    def __init__(self) -> None:
+        self._partitions: dict[Any, _Progress] = {}
+
+    def add(self, partition: Any, offset: int) -> None:
+        progress = self._partitions.setdefault(partition, _Progress())
+        entry = [offset, False]
+        progress.entries.append(entry)
+        progress.index[offset] = entry
+        progress.last = max(progress.last, offset)
+
+    def done(self, partition: Any, offset: int) -> None:
+        progress = self._partitions.get(partition)
+        entry = progress.index.pop(offset, None) if progress else None
+        if entry is None:  # the partition was revoked meanwhile: not ours to commit any more
+            return
+        entry[1] = True
+        while progress.entries and progress.entries[0][1]:
+            progress.entries.popleft()
+
+    def in_flight(self, partitions: Sequence[Any] | None = None) -> int:
+        chosen = self._partitions if partitions is None else {p: self._partitions.get(p) for p in partitions}
+        return sum(len(p.index) for p in chosen.values() if p is not None)
+
+    def committable(self, partitions: Sequence[Any] | None = None) -> dict[Any, int]:
+        """Next offset to read, per partition whose commit point moved since the last commit."""
+        result = {}
+        for partition, progress in self._partitions.items():
+            if partitions is not None and partition not in partitions:
+                continue
+            point = progress.entries[0][0] if progress.entries else progress.last + 1
+            if point > 0 and point != progress.committed:
+                result[partition] = point
+        return result
+
+    def committed(self, offsets: dict[Any, int]) -> None:
+        for partition, offset in offsets.items():
+            if partition in self._partitions:
+                self._partitions[partition].committed = offset
+
+    def forget(self, partitions: Sequence[Any]) -> None:
+        for partition in partitions:
+            self._partitions.pop(partition, None)
+
+
+# -------------------------------------------------------------------------------------------- service
+
+
+@dataclass
+class _Work:
+    """What one request's answer is built from while it walks the stages."""
+
+    source: Source
+    received: float
+    timings: Timings = field(default_factory=Timings)
+    media: list[MediaRecord] = field(default_factory=list)
+    batch: BatchRecord = field(default_factory=BatchRecord)
+    tokens: int = 0
+
+
+class Service:
+    """One d3stream worker: a consumer group member serving one model."""
+
+    def __init__(self, settings: Settings, model: Any, *, fetcher: MediaFetcher | None = None):
+        self.settings = settings
+        self.model = model
+        self.fetcher = fetcher or MediaFetcher(
+            allowlist=settings.media_allowlist,
+            endpoint_url=settings.s3_endpoint_url,
+            region=settings.s3_region,
+            max_concurrency=settings.s3_max_concurrency,
+            connect_timeout=settings.s3_connect_timeout,
+            read_timeout=settings.s3_read_timeout,
+            max_attempts=settings.s3_max_attempts,
+        )
+        self.provenance = model.provenance()
+        self.provenance_sha256 = provenance_digest(self.provenance)
+        self.model_record = ModelRecord(
+            name=model.model_name, runtime=self.provenance.get("runtime", ""), provenance_sha256=self.provenance_sha256
+        )
+        self.worker = Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__)
+        self.tracker = OffsetTracker()
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._inflight_requests = 0
+        self._inflight_tokens = 0
+        self._paused = False
+        self._prepare_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-prepare")
+        budget = settings.max_batch_tokens or default_token_budget(str(getattr(model, "device", "cpu")))
+        self.scheduler: BatchScheduler = BatchScheduler(
+            model.forward,
+            length=lambda row: row.length,
+            max_batch_rows=settings.max_batch_rows,
+            max_batch_tokens=budget,
+            linger_ms=settings.linger_ms,
+        )
+        self.consumer: Any = None
+        self.producer: Any = None
+        self.ready = False
+        self.counts: dict[str, int] = {"answered": 0, "errors": 0, "dead_letters": 0}
+
+    # ---------------------------------------------------------------------------------- lifecycle
+
+    def stop(self) -> None:
+        """Ask the worker to shut down cleanly (safe to call from a signal handler)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Serve until ``stop()``; then finish in-flight work, publish, commit and close."""
+        from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+        settings = self.settings
+        security = kafka_security(settings)
+        if settings.create_topics:
+            await self._ensure_topics(security)
+        self.producer = AIOKafkaProducer(
+            bootstrap_servers=settings.bootstrap_servers,
+            client_id=settings.client_id,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=2,
+            **security,
+        )
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=settings.bootstrap_servers,
+            client_id=settings.client_id,
+            group_id=settings.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset=settings.auto_offset_reset,
+            isolation_level="read_committed",
+            **security,
+        )
+        await self.producer.start()
+        try:
+            await self._publish_provenance()
+            self.consumer.subscribe(settings.request_topics, listener=_Rebalance(self))
+            await self.consumer.start()
+            try:
+                self.ready = True
+                log.info(
+                    "serving",
+                    topics=settings.request_topics,
+                    group=settings.group_id,
+                    model=self.model.model_name,
+                    budget=self.scheduler.max_batch_tokens,
+                )
+                await self._consume()
+                await self._drain(settings.shutdown_timeout_s)
+                await self._commit()
+            finally:
+                self.ready = False
+                await self.consumer.stop()
+        finally:
+            await self.scheduler.close()
+            await self.producer.stop()
+            self._prepare_executor.shutdown(wait=True)
+            self.fetcher.close()
+            log.info("stopped", **self.counts)
+
+    async def _ensure_topics(self, security: dict[str, Any]) -> None:
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+        from aiokafka.errors import TopicAlreadyExistsError
+
+        settings = self.settings
+        admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers, **security)
+        await admin.start()
+        try:
+            existing = set(await admin.list_topics())
+            wanted = [
+                NewTopic(name, settings.topic_partitions, 1)
+                for name in {*settings.request_topics, settings.answer_topic, settings.dead_letter_topic}
+                if name not in existing
+            ]
+            if settings.provenance_topic not in existing:
+                wanted.append(NewTopic(settings.provenance_topic, 1, 1, topic_configs={"cleanup.policy": "compact"}))
+            for topic in wanted:
+                try:
+                    await admin.create_topics([topic])
+                except TopicAlreadyExistsError:
+                    pass
+        finally:
+            await admin.close()
+
+    async def _publish_provenance(self) -> None:
+        payload = json.dumps(self.provenance, sort_keys=True, ensure_ascii=False).encode()
+        await self._send(self.settings.provenance_topic, self.provenance_sha256.encode(), payload)
+
+    async def _consume(self) -> None:
+        settings = self.settings
+        next_commit = time.monotonic() + settings.commit_interval_ms / 1000
+        while not self._stop.is_set():
+            room = max(1, settings.max_inflight_requests - self._inflight_requests)
+            batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
+            for partition, records in batches.items():
+                for record in records:
+                    self.tracker.add(partition, record.offset)
+                    self._inflight_requests += 1
+                    task = asyncio.create_task(self._serve(partition, record))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+            self._apply_backpressure()
+            if time.monotonic() >= next_commit:
+                await self._commit()
+                next_commit = time.monotonic() + settings.commit_interval_ms / 1000
+
+    def _apply_backpressure(self) -> None:
+        settings = self.settings
+        full = (
+            self._inflight_requests >= settings.max_inflight_requests
+            or self._inflight_tokens >= settings.max_inflight_tokens
+        )
+        drained = (
+            self._inflight_requests < RESUME_AT * settings.max_inflight_requests
+            and self._inflight_tokens < RESUME_AT * settings.max_inflight_tokens
+        )
+        assignment = self.consumer.assignment()
+        if full and not self._paused and assignment:
+            self.consumer.pause(*assignment)
+            self._paused = True
+            log.debug("paused", requests=self._inflight_requests, tokens=self._inflight_tokens)
+        elif self._paused and drained:
+            self.consumer.resume(*assignment)
+            self._paused = False
+            log.debug("resumed", requests=self._inflight_requests, tokens=self._inflight_tokens)
+
+    async def _drain(self, timeout: float, partitions: Sequence[Any] | None = None) -> None:
+        """Wait until the in-flight work (of ``partitions``, or all) is answered, or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while self.tracker.in_flight(partitions) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if partitions is None and self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=max(0.0, deadline - time.monotonic()))
+
+    async def _commit(self, partitions: Sequence[Any] | None = None) -> None:
+        from aiokafka.errors import KafkaError
+
+        offsets = self.tracker.committable(partitions)
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+        except KafkaError as exc:  # a rebalance in progress: the next owner starts from the last commit
+            log.warning("commit failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        self.tracker.committed(offsets)
+
+    # ------------------------------------------------------------------------------- one request
+
+    async def _serve(self, partition: Any, record: Any) -> None:
+        work = _Work(
+            source=Source(
+                topic=record.topic, partition=record.partition, offset=record.offset, timestamp=record.timestamp
+            ),
+            received=time.perf_counter(),
+        )
+        try:
+            answer = await self._answer(record, work)
+        except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
+            log.exception("request failed", offset=record.offset, partition=record.partition)
+            answer = self._error(record, work, "internal_error", f"{type(exc).__name__}: {exc}")
+        finally:
+            self._inflight_tokens -= work.tokens
+        work.timings.total = _ms(time.perf_counter() - work.received)
+        try:
+            await self._send(self.settings.answer_topic, answer.id.encode(), encode(answer))
+        except Exception:
+            log.exception("answer could not be published; the offset stays uncommitted", offset=record.offset)
+            self._stop.set()
+            raise
+        finally:
+            self._inflight_requests -= 1
+        self.tracker.done(partition, record.offset)
+        self.counts["errors" if answer.error else "answered"] += 1
+
+    async def _answer(self, record: Any, work: _Work) -> Answer:
+        try:
+            request = decode_request(record.value, record.key)
+        except EventError as exc:
+            if exc.code == "undecodable_event":
+                await self._dead_letter(record, work, str(exc))
+            return self._error(record, work, exc.code, str(exc), request_id=exc.request_id)
+        if request.model is not None and request.model != self.model.model_name:
+            return self._error(
+                record,
+                work,
+                "model_not_served",
+                f"this worker serves {self.model.model_name!r}, not {request.model!r}",
+                request=request,
+            )
+        loop = asyncio.get_running_loop()
+        try:
+            started = time.perf_counter()
+            images, videos = await asyncio.gather(
+                self.fetcher.fetch_all(request.images, "image"), self.fetcher.fetch_all(request.videos, "video")
+            )
+            work.timings.fetch = _ms(time.perf_counter() - started)
+            work.media = [_media_record(item) for item in (*images, *videos)]
+        except MediaError as exc:
+            return self._error(record, work, exc.code, exc.message, request=request)
+        try:
+            started = time.perf_counter()
+            decoded_images, decoded_videos = await loop.run_in_executor(
+                self._prepare_executor, self._decode_media, images, videos
+            )
+            work.timings.decode = _ms(time.perf_counter() - started)
+        except ValueError as exc:
+            return self._error(record, work, "media_unreadable", str(exc), request=request)
+        try:
+            started = time.perf_counter()
+            prepared = await loop.run_in_executor(
+                self._prepare_executor,
+                lambda: self.model.prepare(
+                    request.state,
+                    request.questions,
+                    decoded_images=decoded_images,
+                    decoded_videos=decoded_videos,
+                    permutation_average=request.permutation_average,
+                ),
+            )
+            work.timings.prepare = _ms(time.perf_counter() - started)
+        except ValueError as exc:
+            return self._error(record, work, "invalid_request", str(exc), request=request)
+        work.tokens = prepared.input_tokens
+        self._inflight_tokens += work.tokens
+        probabilities = await self._run_rows(prepared, work)
+        response = prepared.answers(probabilities)
+        return Answer(
+            id=request.id,
+            source=work.source,
+            model=response["model"],
+            answers=response["answers"],
+            usage=response["usage"],
+            provenance=self._provenance(work),
+            metadata=request.metadata,
+        )
+
+    def _decode_media(self, images: list[FetchedMedia], videos: list[FetchedMedia]) -> tuple[list, list]:
+        return (
+            self.model.load_images([item.data for item in images], strict=True),
+            self.model.load_videos([item.data for item in videos], strict=True),
+        )
+
+    async def _run_rows(self, prepared: Any, work: _Work) -> dict[Any, list[float]]:
+        """Submit a request's rows to the shared scheduler; a row whose pass failed alone fails its question."""
+        if not prepared.rows:
+            return {}
+        submitted = time.perf_counter()
+        outcomes = await asyncio.gather(
+            *(self.scheduler.submit([row]) for row in prepared.rows), return_exceptions=True
+        )
+        probabilities: dict[Any, list[float]] = {}
+        passes: dict[int, PassRecord] = {}
+        for row, outcome in zip(prepared.rows, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                question = prepared.questions[row.key]
+                prepared.errors[row.key] = {
+                    "type": question.kind,
+                    "error": "invalid_model_output",
+                    "message": f"the forward pass failed for this question: {type(outcome).__name__}: {outcome}",
+                }
+                continue
+            (result, record) = outcome[0]
+            probabilities[row] = result
+            passes[id(record)] = record
+        prepared.rows = [row for row in prepared.rows if row.key not in prepared.errors]
+        finished = time.perf_counter()
+        forward = sum(record.seconds for record in passes.values())
+        work.timings.forward = _ms(forward)
+        work.timings.queued = _ms(max(0.0, finished - submitted - forward))
+        work.batch = BatchRecord(
+            passes=len(passes),
+            rows=sum(r.rows for r in passes.values()),
+            real_tokens=sum(r.real_tokens for r in passes.values()),
+            padded_tokens=sum(r.padded_tokens for r in passes.values()),
+        )
+        return probabilities
+
+    def _provenance(self, work: _Work) -> Provenance:
+        return Provenance(
+            model=self.model_record, media=work.media, batch=work.batch, timings=work.timings, worker=self.worker
+        )
+
+    def _error(
+        self,
+        record: Any,
+        work: _Work,
+        code: str,
+        message: str,
+        *,
+        request: Request | None = None,
+        request_id: str | None = None,
+    ) -> Answer:
+        answer_id = (request.id if request else None) or request_id
+        if not answer_id:  # no id anywhere: name the request by where it was read
+            answer_id = f"{record.topic}/{record.partition}/{record.offset}"
+        log.info("request refused", id=answer_id, code=code, reason=message[:300], offset=record.offset)
+        return Answer(
+            id=answer_id,
+            source=work.source,
+            model=self.model.model_name,
+            error=ErrorInfo(code=code, message=message),
+            provenance=self._provenance(work),
+            metadata=request.metadata if request else None,
+        )
+
+    async def _dead_letter(self, record: Any, work: _Work, reason: str) -> None:
+        letter = DeadLetter(
+            reason=reason,
+            source=work.source,
+            key=record.key.decode("utf-8", "replace") if record.key else None,
+            value=base64.b64encode(record.value or b"").decode(),
+        )
+        await self._send(self.settings.dead_letter_topic, record.key, encode(letter))
+        self.counts["dead_letters"] += 1
+
+    async def _send(self, topic: str, key: bytes | None, value: bytes) -> None:
+        """Publish and wait for the broker's acknowledgement, retrying through broker outages."""
+        from aiokafka.errors import KafkaError
+
+        for attempt, pause in enumerate((*PUBLISH_BACKOFF_S, None)):
+            try:
+                await self.producer.send_and_wait(topic, value=value, key=key, headers=HEADERS)
+                return
+            except KafkaError as exc:
+                if pause is None:
+                    raise
+                log.warning("publish failed; retrying", topic=topic, attempt=attempt + 1, error=str(exc))
+                await asyncio.sleep(pause)
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """Finish and commit revoked partitions' work before they move to another worker."""
+
+    def __init__(self, service: Service):
+        self.service = service
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        revoked = list(revoked)
+        if not revoked:
+            return
+        service = self.service
+        await service._drain(service.settings.rebalance_drain_s, revoked)
+        await service._commit(revoked)
+        service.tracker.forget(revoked)
+        if service._paused:
+            service._paused = False  # a new assignment starts unpaused
+        log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked])
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned])
+
+
+def _media_record(item: FetchedMedia) -> MediaRecord:
+    return MediaRecord(uri=item.uri, etag=item.etag, version=item.version, bytes=len(item.data), sha256=item.sha256)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
