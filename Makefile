@@ -1,0 +1,34 @@
+# Two entry points, each installing what it needs first (see README "Quick start").
+#   make demo   run the embedded default: local Kafka + S3, tiny checkpoint, sample requests
+#   make test   run the test suite (starts its own Kafka and S3 servers)
+
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install lint schemas clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --upgrade pip
+	$(VENV)/bin/pip install -e '.[test]'
+	@command -v java >/dev/null || { echo "Java 17+ is needed for the local Kafka and S3 servers (apt-get install openjdk-17-jre-headless)"; exit 1; }
+	@command -v mvn >/dev/null || { echo "Maven is needed to fetch the Kafka and S3Proxy jars (apt-get install maven)"; exit 1; }
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/d3stream demo
+
+test: $(STAMP)
+	D3STREAM_REQUIRE_INFRA=1 $(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check d3stream tests
+
+schemas: $(STAMP)
+	$(VENV)/bin/python -m d3stream.events
+
+clean:
+	rm -rf $(VENV) .pytest_cache
