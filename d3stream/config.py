@@ -43,6 +43,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sasl_password: str | None = None
     ssl_cafile: str | None = None
     commit_interval_ms: int = 500
+    delivery: Literal["exactly_once", "at_least_once"] = "exactly_once"
+    transactional_id_prefix: str = "d3stream"
     # Model
     model: str | None = None
     model_name: str | None = None
@@ -64,6 +66,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     s3_connect_timeout: float = 5.0
     s3_read_timeout: float = 20.0
     s3_max_attempts: int = 4
+    # Observability
+    metrics_port: int | None = 9464
+    metrics_host: str = "0.0.0.0"
     # Lifecycle and logs
     shutdown_timeout_s: float = 120.0
     rebalance_drain_s: float = 10.0
@@ -87,7 +92,10 @@ HELP: dict[str, str] = {
     "sasl_username": "SASL user name",
     "sasl_password": "SASL password (prefer the environment variable to a flag)",
     "ssl_cafile": "CA bundle that signs the brokers' certificates",
-    "commit_interval_ms": "how often finished offsets are committed",
+    "commit_interval_ms": "how often finished offsets are committed (exactly_once: answers become visible then)",
+    "delivery": "exactly_once: answers and offsets commit in one Kafka transaction; at_least_once: faster, "
+    "duplicates possible after a crash",
+    "transactional_id_prefix": "prefix of the per-partition transactional ids (exactly_once)",
     "model": "checkpoint directory (required for serve)",
     "model_name": "name answers carry (default: the checkpoint's manifest name)",
     "device": "torch device (default: cuda:0 when present, else cpu)",
@@ -106,6 +114,8 @@ HELP: dict[str, str] = {
     "s3_connect_timeout": "seconds to connect to the object store",
     "s3_read_timeout": "seconds to wait for object store data",
     "s3_max_attempts": "attempts per object store call (retries back off on throttling, 5xx, timeouts)",
+    "metrics_port": "port of the Prometheus /metrics, /healthz and /readyz endpoints (unset: no endpoint)",
+    "metrics_host": "address the metrics endpoint listens on",
     "shutdown_timeout_s": "on SIGTERM, how long in-flight work may take to finish before exit",
     "rebalance_drain_s": "on rebalance, how long revoked partitions' work may take to finish",
     "log_format": "auto: console on a terminal, JSON otherwise",

@@ -128,6 +128,7 @@ class Answer(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The answer to one request: ``answers`` and ``usage``, or ``error``; always ``provenance``."""
 
     id: str
+    answer_id: str = ""  # deterministic per request record and model: duplicates share it
     source: Source
     model: str | None = None
     answers: dict[str, Any] | None = None

@@ -5,10 +5,11 @@ media, decode the media strictly, prepare the prompts, wait for its rows' forwar
 answer) and ends by publishing exactly one answer event. Failures at any stage end the same way, with
 an ``error`` instead of ``answers``; records that are not even JSON objects are also dead-lettered.
 
-Delivery (at least once): an offset is committed only when the answers for it *and for every earlier
-offset of its partition* have been acknowledged by the broker (``OffsetTracker``). A crash therefore
-repeats work but never loses it; a clean shutdown (SIGTERM/SIGINT: stop fetching, finish what is in
-flight, publish, commit, close) repeats nothing.
+Delivery (``delivery.py``): an offset is committed only together with, or after, the answers for it
+*and for every earlier offset of its partition* (``OffsetTracker``): in one Kafka transaction
+(``exactly_once``, the default) or behind the broker's acknowledgements (``at_least_once``). A crash
+never loses a request; a clean shutdown (SIGTERM/SIGINT: stop fetching, finish what is in flight,
+publish, commit, close) repeats nothing.
 
 Backpressure: at most ``max_inflight_requests`` requests and ``max_inflight_tokens`` prompt tokens are
 in flight; beyond that every assigned partition is paused, and resumed once the work drains below
@@ -28,7 +29,6 @@ import json
 import os
 import socket
 import time
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,8 +40,8 @@ from aiokafka import ConsumerRebalanceListener
 from . import __version__
 from .batching import BatchScheduler, PassRecord
 from .config import Settings, kafka_security
+from .delivery import AtLeastOnce, ExactlyOnce, OffsetTracker, Outgoing
 from .events import (
-    HEADERS,
     Answer,
     BatchRecord,
     DeadLetter,
@@ -59,11 +59,12 @@ from .events import (
 )
 from .storage import FetchedMedia, MediaError, MediaFetcher
 
+__all__ = ["OffsetTracker", "Service", "default_token_budget"]
+
 log = structlog.get_logger(__name__)
 
 # Partitions resume once in-flight work falls below this share of both limits.
 RESUME_AT = 0.8
-PUBLISH_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 def default_token_budget(device: str) -> int:
@@ -73,64 +74,6 @@ def default_token_budget(device: str) -> int:
 
 def provenance_digest(record: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-
-
-# --------------------------------------------------------------------------------------------- offsets
-
-
-@dataclass
-class _Progress:
-    entries: deque = field(default_factory=deque)  # [offset, done] in offset order
-    index: dict[int, list] = field(default_factory=dict)
-    last: int = -1
-    committed: int | None = None
-
-
-class OffsetTracker:
-    """Which offsets of each partition may be committed: all answers below the offset are acknowledged."""
-
-    def __init__(self) -> None:
-        self._partitions: dict[Any, _Progress] = {}
-
-    def add(self, partition: Any, offset: int) -> None:
-        progress = self._partitions.setdefault(partition, _Progress())
-        entry = [offset, False]
-        progress.entries.append(entry)
-        progress.index[offset] = entry
-        progress.last = max(progress.last, offset)
-
-    def done(self, partition: Any, offset: int) -> None:
-        progress = self._partitions.get(partition)
-        entry = progress.index.pop(offset, None) if progress else None
-        if entry is None:  # the partition was revoked meanwhile: not ours to commit any more
-            return
-        entry[1] = True
-        while progress.entries and progress.entries[0][1]:
-            progress.entries.popleft()
-
-    def in_flight(self, partitions: Sequence[Any] | None = None) -> int:
-        chosen = self._partitions if partitions is None else {p: self._partitions.get(p) for p in partitions}
-        return sum(len(p.index) for p in chosen.values() if p is not None)
-
-    def committable(self, partitions: Sequence[Any] | None = None) -> dict[Any, int]:
-        """Next offset to read, per partition whose commit point moved since the last commit."""
-        result = {}
-        for partition, progress in self._partitions.items():
-            if partitions is not None and partition not in partitions:
-                continue
-            point = progress.entries[0][0] if progress.entries else progress.last + 1
-            if point > 0 and point != progress.committed:
-                result[partition] = point
-        return result
-
-    def committed(self, offsets: dict[Any, int]) -> None:
-        for partition, offset in offsets.items():
-            if partition in self._partitions:
-                self._partitions[partition].committed = offset
-
-    def forget(self, partitions: Sequence[Any]) -> None:
-        for partition in partitions:
-            self._partitions.pop(partition, None)
 
 
 # -------------------------------------------------------------------------------------------- service
@@ -146,6 +89,7 @@ class _Work:
     media: list[MediaRecord] = field(default_factory=list)
     batch: BatchRecord = field(default_factory=BatchRecord)
     tokens: int = 0
+    extra: list[Outgoing] = field(default_factory=list)  # e.g. a dead letter, published with the answer
 
 
 class Service:
@@ -185,7 +129,7 @@ class Service:
             linger_ms=settings.linger_ms,
         )
         self.consumer: Any = None
-        self.producer: Any = None
+        self.delivery: Any = None
         self.ready = False
         self.counts: dict[str, int] = {"answered": 0, "errors": 0, "dead_letters": 0}
 
@@ -203,14 +147,6 @@ class Service:
         security = kafka_security(settings)
         if settings.create_topics:
             await self._ensure_topics(security)
-        self.producer = AIOKafkaProducer(
-            bootstrap_servers=settings.bootstrap_servers,
-            client_id=settings.client_id,
-            acks="all",
-            enable_idempotence=True,
-            linger_ms=2,
-            **security,
-        )
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=settings.bootstrap_servers,
             client_id=settings.client_id,
@@ -220,7 +156,28 @@ class Service:
             isolation_level="read_committed",
             **security,
         )
-        await self.producer.start()
+
+        def producer_for(partition: Any) -> Any:
+            options: dict[str, Any] = {}
+            if partition is not None:
+                options["transactional_id"] = (
+                    f"{settings.transactional_id_prefix}-{settings.group_id}-{partition.topic}-{partition.partition}"
+                )
+            return AIOKafkaProducer(
+                bootstrap_servers=settings.bootstrap_servers,
+                client_id=settings.client_id,
+                acks="all",
+                enable_idempotence=True,
+                linger_ms=2,
+                **options,
+                **security,
+            )
+
+        mode = ExactlyOnce if settings.delivery == "exactly_once" else AtLeastOnce
+        self.delivery = mode(
+            producer_factory=producer_for, consumer=self.consumer, tracker=self.tracker, group_id=settings.group_id
+        )
+        await self.delivery.start()
         try:
             await self._publish_provenance()
             self.consumer.subscribe(settings.request_topics, listener=_Rebalance(self))
@@ -236,13 +193,13 @@ class Service:
                 )
                 await self._consume()
                 await self._drain(settings.shutdown_timeout_s)
-                await self._commit()
+                await self.delivery.flush()
             finally:
                 self.ready = False
                 await self.consumer.stop()
         finally:
             await self.scheduler.close()
-            await self.producer.stop()
+            await self.delivery.stop()
             self._prepare_executor.shutdown(wait=True)
             self.fetcher.close()
             log.info("stopped", **self.counts)
@@ -273,7 +230,7 @@ class Service:
 
     async def _publish_provenance(self) -> None:
         payload = json.dumps(self.provenance, sort_keys=True, ensure_ascii=False).encode()
-        await self._send(self.settings.provenance_topic, self.provenance_sha256.encode(), payload)
+        await self.delivery.publish(Outgoing(self.settings.provenance_topic, self.provenance_sha256.encode(), payload))
 
     async def _consume(self) -> None:
         settings = self.settings
@@ -290,7 +247,7 @@ class Service:
                     task.add_done_callback(self._tasks.discard)
             self._apply_backpressure()
             if time.monotonic() >= next_commit:
-                await self._commit()
+                await self.delivery.flush()
                 next_commit = time.monotonic() + settings.commit_interval_ms / 1000
 
     def _apply_backpressure(self) -> None:
@@ -321,19 +278,6 @@ class Service:
         if partitions is None and self._tasks:
             await asyncio.wait(list(self._tasks), timeout=max(0.0, deadline - time.monotonic()))
 
-    async def _commit(self, partitions: Sequence[Any] | None = None) -> None:
-        from aiokafka.errors import KafkaError
-
-        offsets = self.tracker.committable(partitions)
-        if not offsets:
-            return
-        try:
-            await self.consumer.commit(offsets)
-        except KafkaError as exc:  # a rebalance in progress: the next owner starts from the last commit
-            log.warning("commit failed", error=f"{type(exc).__name__}: {exc}")
-            return
-        self.tracker.committed(offsets)
-
     # ------------------------------------------------------------------------------- one request
 
     async def _serve(self, partition: Any, record: Any) -> None:
@@ -351,15 +295,16 @@ class Service:
         finally:
             self._inflight_tokens -= work.tokens
         work.timings.total = _ms(time.perf_counter() - work.received)
+        answer.answer_id = answer_identity(answer, self.provenance_sha256)
+        records = [*work.extra, Outgoing(self.settings.answer_topic, answer.id.encode(), encode(answer))]
         try:
-            await self._send(self.settings.answer_topic, answer.id.encode(), encode(answer))
+            await self.delivery.deliver(partition, record.offset, records)
         except Exception:
             log.exception("answer could not be published; the offset stays uncommitted", offset=record.offset)
             self._stop.set()
             raise
         finally:
             self._inflight_requests -= 1
-        self.tracker.done(partition, record.offset)
         self.counts["errors" if answer.error else "answered"] += 1
 
     async def _answer(self, record: Any, work: _Work) -> Answer:
@@ -367,7 +312,7 @@ class Service:
             request = decode_request(record.value, record.key)
         except EventError as exc:
             if exc.code == "undecodable_event":
-                await self._dead_letter(record, work, str(exc))
+                work.extra.append(self._dead_letter(record, work, str(exc)))
             return self._error(record, work, exc.code, str(exc), request_id=exc.request_id)
         if request.model is not None and request.model != self.model.model_name:
             return self._error(
@@ -493,29 +438,23 @@ class Service:
             metadata=request.metadata if request else None,
         )
 
-    async def _dead_letter(self, record: Any, work: _Work, reason: str) -> None:
+    def _dead_letter(self, record: Any, work: _Work, reason: str) -> Outgoing:
         letter = DeadLetter(
             reason=reason,
             source=work.source,
             key=record.key.decode("utf-8", "replace") if record.key else None,
             value=base64.b64encode(record.value or b"").decode(),
         )
-        await self._send(self.settings.dead_letter_topic, record.key, encode(letter))
         self.counts["dead_letters"] += 1
+        return Outgoing(self.settings.dead_letter_topic, record.key, encode(letter))
 
-    async def _send(self, topic: str, key: bytes | None, value: bytes) -> None:
-        """Publish and wait for the broker's acknowledgement, retrying through broker outages."""
-        from aiokafka.errors import KafkaError
 
-        for attempt, pause in enumerate((*PUBLISH_BACKOFF_S, None)):
-            try:
-                await self.producer.send_and_wait(topic, value=value, key=key, headers=HEADERS)
-                return
-            except KafkaError as exc:
-                if pause is None:
-                    raise
-                log.warning("publish failed; retrying", topic=topic, attempt=attempt + 1, error=str(exc))
-                await asyncio.sleep(pause)
+def answer_identity(answer: Answer, provenance_sha256: str) -> str:
+    """The same request record answered by the same model always gets the same answer id, so a
+    duplicate published after a crash (at_least_once) can be recognised and dropped downstream."""
+    source = answer.source
+    text = f"{source.topic}\x00{source.partition}\x00{source.offset}\x00{answer.id}\x00{provenance_sha256}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -530,13 +469,15 @@ class _Rebalance(ConsumerRebalanceListener):
             return
         service = self.service
         await service._drain(service.settings.rebalance_drain_s, revoked)
-        await service._commit(revoked)
+        await service.delivery.flush(revoked)
+        await service.delivery.revoked(revoked)
         service.tracker.forget(revoked)
         if service._paused:
             service._paused = False  # a new assignment starts unpaused
         log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked])
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
+        await self.service.delivery.assigned(list(assigned))
         log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned])
 
 

@@ -1,0 +1,290 @@
+"""Delivery: how answers reach the answer topic and how consumed offsets are committed.
+
+Two modes, one interface (``deliver`` an answer for an offset, ``flush`` what can be committed):
+
+* ``exactly_once`` (default): consume-transform-produce in Kafka transactions. Answers (and dead
+  letters) wait in memory until every earlier offset of their partition is answered too; then one
+  transaction publishes them and commits the partition's offset (``send_offsets_to_transaction``).
+  Readers with ``isolation_level=read_committed`` see each answer exactly once, whatever crashes. Each
+  input partition has its own transactional producer whose ``transactional.id`` is derived from the
+  group, topic and partition, so when a partition moves to another worker (or a restarted one), the new
+  owner's producer fences the old one: a zombie's late commit fails instead of duplicating answers.
+  (aiokafka has no consumer-group-generation fencing, KIP-447, so partition-scoped ids are the way.)
+  Cost: answers become visible at commit time, every ``commit_interval_ms``.
+* ``at_least_once``: an idempotent producer publishes each answer as soon as it is ready; an offset is
+  committed once the answers for it and every earlier offset are acknowledged. After a crash the
+  uncommitted requests are answered again: the duplicate carries the same key and the same
+  deterministic ``answer_id``, so downstream can drop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from .events import HEADERS
+
+log = structlog.get_logger(__name__)
+
+PUBLISH_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+@dataclass
+class _Progress:
+    entries: deque = field(default_factory=deque)  # [offset, done] in offset order
+    index: dict[int, list] = field(default_factory=dict)
+    last: int = -1
+    committed: int | None = None
+
+
+class OffsetTracker:
+    """Per partition: which offsets are in flight, and the first offset not yet answered."""
+
+    def __init__(self) -> None:
+        self._partitions: dict[Any, _Progress] = {}
+
+    def add(self, partition: Any, offset: int) -> None:
+        progress = self._partitions.setdefault(partition, _Progress())
+        entry = [offset, False]
+        progress.entries.append(entry)
+        progress.index[offset] = entry
+        progress.last = max(progress.last, offset)
+
+    def owns(self, partition: Any) -> bool:
+        return partition in self._partitions
+
+    def done(self, partition: Any, offset: int) -> None:
+        progress = self._partitions.get(partition)
+        entry = progress.index.pop(offset, None) if progress else None
+        if entry is None:  # the partition was revoked meanwhile: not ours to commit any more
+            return
+        entry[1] = True
+        while progress.entries and progress.entries[0][1]:
+            progress.entries.popleft()
+
+    def in_flight(self, partitions: Sequence[Any] | None = None) -> int:
+        chosen = self._partitions if partitions is None else {p: self._partitions.get(p) for p in partitions}
+        return sum(len(p.index) for p in chosen.values() if p is not None)
+
+    def committable(self, partitions: Sequence[Any] | None = None) -> dict[Any, int]:
+        """Next offset to read, per partition whose commit point moved since the last commit."""
+        result = {}
+        for partition, progress in self._partitions.items():
+            if partitions is not None and partition not in partitions:
+                continue
+            point = progress.entries[0][0] if progress.entries else progress.last + 1
+            if point > 0 and point != progress.committed:
+                result[partition] = point
+        return result
+
+    def committed(self, offsets: dict[Any, int]) -> None:
+        for partition, offset in offsets.items():
+            if partition in self._partitions:
+                self._partitions[partition].committed = offset
+
+    def forget(self, partitions: Sequence[Any]) -> None:
+        for partition in partitions:
+            self._partitions.pop(partition, None)
+
+    def partitions(self) -> list[Any]:
+        return list(self._partitions)
+
+
+@dataclass
+class Outgoing:
+    """A record to publish because of one consumed offset (its answer, maybe a dead letter)."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+
+
+class AtLeastOnce:
+    """Publish each answer at once (idempotent producer); commit offsets behind the acknowledgements."""
+
+    mode = "at_least_once"
+
+    def __init__(self, *, producer_factory: Any, consumer: Any, tracker: OffsetTracker, group_id: str):
+        self._factory = producer_factory
+        self.consumer = consumer
+        self.tracker = tracker
+        self.producer: Any = None
+        self.commits = 0
+        self.aborts = 0
+
+    async def start(self) -> None:
+        self.producer = self._factory(None)
+        await self.producer.start()
+
+    async def stop(self) -> None:
+        if self.producer is not None:
+            await self.producer.stop()
+
+    async def publish(self, record: Outgoing) -> None:
+        await send_with_retries(self.producer, record)
+
+    async def deliver(self, partition: Any, offset: int, records: list[Outgoing]) -> None:
+        for record in records:
+            await send_with_retries(self.producer, record)
+        self.tracker.done(partition, offset)
+
+    async def flush(self, partitions: Sequence[Any] | None = None) -> None:
+        from aiokafka.errors import KafkaError
+
+        offsets = self.tracker.committable(partitions)
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+        except KafkaError as exc:  # a rebalance in progress: the next owner starts from the last commit
+            log.warning("commit failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        self.tracker.committed(offsets)
+        self.commits += 1
+
+    async def assigned(self, partitions: Sequence[Any]) -> None:
+        return None
+
+    async def revoked(self, partitions: Sequence[Any]) -> None:
+        return None
+
+
+class ExactlyOnce:
+    """Answers and offsets of each partition commit together, in transactions fenced per partition."""
+
+    mode = "exactly_once"
+
+    def __init__(self, *, producer_factory: Any, consumer: Any, tracker: OffsetTracker, group_id: str):
+        self._factory = producer_factory
+        self.consumer = consumer
+        self.tracker = tracker
+        self.group_id = group_id
+        self._producers: dict[Any, Any] = {}
+        self._pending: dict[Any, dict[int, list[Outgoing]]] = {}
+        self._plain: Any = None  # for records outside any partition's transaction (provenance)
+        self._lock = asyncio.Lock()
+        self.commits = 0
+        self.aborts = 0
+
+    async def start(self) -> None:
+        self._plain = self._factory(None)
+        await self._plain.start()
+
+    async def stop(self) -> None:
+        for producer in list(self._producers.values()):
+            await _quietly_stop(producer)
+        self._producers.clear()
+        if self._plain is not None:
+            await self._plain.stop()
+
+    async def publish(self, record: Outgoing) -> None:
+        await send_with_retries(self._plain, record)
+
+    async def deliver(self, partition: Any, offset: int, records: list[Outgoing]) -> None:
+        if not self.tracker.owns(partition):
+            return  # revoked while this request ran: the new owner answers it, in its own transaction
+        self._pending.setdefault(partition, {})[offset] = records
+        self.tracker.done(partition, offset)
+
+    async def _producer(self, partition: Any) -> Any:
+        producer = self._producers.get(partition)
+        if producer is None:
+            producer = self._factory(partition)
+            await producer.start()  # init_transactions: fences any older producer of this partition
+            self._producers[partition] = producer
+        return producer
+
+    async def flush(self, partitions: Sequence[Any] | None = None) -> None:
+        async with self._lock:
+            for partition, point in self.tracker.committable(partitions).items():
+                await self._commit_partition(partition, point)
+
+    async def _commit_partition(self, partition: Any, point: int) -> None:
+        from aiokafka.errors import KafkaError, ProducerFenced
+
+        pending = self._pending.get(partition, {})
+        ready = sorted(offset for offset in pending if offset < point)
+        started = time.perf_counter()
+        try:
+            producer = await self._producer(partition)
+            await producer.begin_transaction()
+            try:
+                sends = []
+                for offset in ready:
+                    for record in pending[offset]:
+                        sends.append(
+                            await producer.send(record.topic, value=record.value, key=record.key, headers=HEADERS)
+                        )
+                await asyncio.gather(*sends)
+                await producer.send_offsets_to_transaction({partition: point}, self.group_id)
+                await producer.commit_transaction()
+            except BaseException:
+                self.aborts += 1
+                if producer._txn_manager.is_in_transaction():  # noqa: SLF001 - aiokafka has no public check
+                    try:
+                        await producer.abort_transaction()
+                    except Exception:  # noqa: BLE001 - the producer is replaced below anyway
+                        pass
+                raise
+        except ProducerFenced:
+            log.warning("fenced: another worker owns this partition now", partition=str(partition))
+            await self._discard(partition)
+            self.tracker.forget([partition])
+            self._pending.pop(partition, None)
+            return
+        except KafkaError as exc:
+            # A broker restart or timeout: start over with a fresh producer next time; nothing was committed.
+            log.warning("transaction failed; will retry", partition=str(partition), error=f"{type(exc).__name__}: {exc}")
+            await self._discard(partition)
+            return
+        for offset in ready:
+            pending.pop(offset, None)
+        self.tracker.committed({partition: point})
+        self.commits += 1
+        log.debug("committed", partition=str(partition), offset=point, answers=len(ready),
+                  ms=round((time.perf_counter() - started) * 1e3, 1))
+
+    async def _discard(self, partition: Any) -> None:
+        producer = self._producers.pop(partition, None)
+        if producer is not None:
+            await _quietly_stop(producer)
+
+    async def assigned(self, partitions: Sequence[Any]) -> None:
+        for partition in partitions:
+            try:
+                await self._producer(partition)
+            except Exception as exc:  # noqa: BLE001 - retried lazily at the first commit
+                log.warning("transactional producer not ready", partition=str(partition), error=str(exc))
+
+    async def revoked(self, partitions: Sequence[Any]) -> None:
+        for partition in partitions:
+            self._pending.pop(partition, None)
+            await self._discard(partition)
+
+
+async def _quietly_stop(producer: Any) -> None:
+    try:
+        await producer.stop()
+    except Exception as exc:  # noqa: BLE001 - stopping a broken producer must not stop the worker
+        log.debug("producer stop failed", error=str(exc))
+
+
+async def send_with_retries(producer: Any, record: Outgoing) -> None:
+    """Publish and wait for the acknowledgement, retrying with backoff through broker outages."""
+    from aiokafka.errors import KafkaError
+
+    for attempt, pause in enumerate((*PUBLISH_BACKOFF_S, None)):
+        try:
+            await producer.send_and_wait(record.topic, value=record.value, key=record.key, headers=HEADERS)
+            return
+        except KafkaError as exc:
+            if pause is None:
+                raise
+            log.warning("publish failed; retrying", topic=record.topic, attempt=attempt + 1, error=str(exc))
+            await asyncio.sleep(pause)
