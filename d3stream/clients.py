@@ -91,9 +91,10 @@ async def consume_answers(
     idle_s: float | None = None,
     security: dict[str, Any] | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[dict[str, Any]]:
     """Committed answer events of ``topic`` from the beginning, until ``expected`` distinct ids are seen,
-    ``idle_s`` passes without a new record, or ``timeout_s`` passes."""
+    ``stop()`` says so, ``idle_s`` passes without a new record, or ``timeout_s`` passes."""
     from aiokafka import AIOKafkaConsumer
 
     consumer = AIOKafkaConsumer(
@@ -113,6 +114,8 @@ async def consume_answers(
     try:
         while time.monotonic() < deadline:
             if expected is not None and len(seen) >= expected:
+                break
+            if stop is not None and stop():
                 break
             if idle_s is not None and time.monotonic() - last > idle_s:
                 break

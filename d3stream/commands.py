@@ -109,6 +109,22 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if summary["answered"] == summary["published"] else 1
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from .chaos import iter_table, run_chaos
+    from .logs import configure_logging
+
+    configure_logging("console" if sys.stderr.isatty() else "json", "warning")
+    report = asyncio.run(run_chaos(requests=args.requests, fuzzed=args.fuzzed, kills=args.kills, mode=args.mode,
+                                   seed=args.seed, timeout_s=args.timeout,
+                                   progress=not args.json and sys.stderr.isatty()))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("\n".join(iter_table(report)))
+    promise_kept = report["lost"] == 0 and (args.mode != "exactly_once" or report["duplicated"] == 0)
+    return 0 if promise_kept else 1
+
+
 def _env_default(name: str, fallback: str | None) -> str | None:
     import os
 
@@ -146,3 +162,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for all answers")
     demo.set_defaults(run=_demo)
+
+    chaos = commands.add_parser("chaos", help="reliability report: serve a stream while killing workers, "
+                                "restarting the broker and taking the object store down; count every answer")
+    chaos.add_argument("--requests", type=int, default=10_000, help="valid requests in the stream")
+    chaos.add_argument("--fuzzed", type=int, default=10_000, help="hostile or malformed events in the stream")
+    chaos.add_argument("--kills", type=int, default=20, help="SIGKILL/restart cycles of the worker")
+    chaos.add_argument("--mode", choices=("exactly_once", "at_least_once"), default="exactly_once")
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for every answer")
+    chaos.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    chaos.set_defaults(run=_chaos)
+
+    from . import compare
+
+    compare.register(commands)

@@ -33,6 +33,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dead_letter_topic: str = "d3.dead-letters"
     provenance_topic: str = "d3.provenance"
     group_id: str = "d3stream"
+    group_instance_id: str | None = None
+    session_timeout_ms: int = 10_000
     client_id: str = "d3stream"
     auto_offset_reset: Literal["earliest", "latest"] = "earliest"
     create_topics: bool = True
@@ -52,6 +54,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     verify: Literal["fast", "full", "none"] = "fast"
     permutation_average: bool = False
     warmup: bool = False
+    max_prompt_tokens: int | None = 32_768
     # Batching and backpressure
     max_batch_rows: int = 64
     max_batch_tokens: int | None = None
@@ -83,6 +86,8 @@ HELP: dict[str, str] = {
     "dead_letter_topic": "topic for records that cannot be read as a request",
     "provenance_topic": "compacted topic that receives the model's provenance record once per load",
     "group_id": "Kafka consumer group; workers in one group split the partitions",
+    "group_instance_id": "static group membership id (e.g. the pod name): a restarted worker rejoins at once",
+    "session_timeout_ms": "how long the group waits for a silent worker before moving its partitions",
     "client_id": "Kafka client id (shows in broker logs and metrics)",
     "auto_offset_reset": "where a new consumer group starts reading",
     "create_topics": "create missing answer, dead-letter and provenance topics at start",
@@ -101,6 +106,8 @@ HELP: dict[str, str] = {
     "device": "torch device (default: cuda:0 when present, else cpu)",
     "verify": "checkpoint manifest verification at load",
     "permutation_average": "score choice questions in both option orders and average (requests may ask too)",
+    "max_prompt_tokens": "longest question prompt served (tighter of this and the checkpoint's own limit); "
+    "longer ones get max_length_exceeded, never truncated",
     "warmup": "run the model over a spread of batch shapes before consuming",
     "max_batch_rows": "most question prompts in one forward pass",
     "max_batch_tokens": "most padded tokens (rows x longest prompt) in one pass; default 16384 on GPU, 4096 on CPU",
@@ -159,9 +166,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag_name(name), dest=name, default=None, choices=choices, help=text)
 
 
+def _optional(annotation: Any) -> bool:
+    return type(None) in get_args(annotation)
+
+
 def _coerce_text(name: str, text: str) -> Any:
-    """Environment and flag strings into the shape msgspec converts: lists split on commas."""
+    """Environment and flag strings into the shape msgspec converts: lists split on commas, an empty
+    string for an optional setting means unset."""
     annotation = FIELDS[name].type
+    if _optional(annotation) and text.strip().lower() in ("", "none"):
+        return None
     if _is_list(annotation):
         return [part.strip() for part in text.split(",") if part.strip()]
     if _is_bool(annotation):

@@ -98,6 +98,8 @@ class Service:
     def __init__(self, settings: Settings, model: Any, *, fetcher: MediaFetcher | None = None):
         self.settings = settings
         self.model = model
+        if hasattr(model, "limit_prompt_tokens"):
+            model.limit_prompt_tokens(settings.max_prompt_tokens)
         self.fetcher = fetcher or MediaFetcher(
             allowlist=settings.media_allowlist,
             endpoint_url=settings.s3_endpoint_url,
@@ -151,6 +153,8 @@ class Service:
             bootstrap_servers=settings.bootstrap_servers,
             client_id=settings.client_id,
             group_id=settings.group_id,
+            group_instance_id=settings.group_instance_id,
+            session_timeout_ms=settings.session_timeout_ms,
             enable_auto_commit=False,
             auto_offset_reset=settings.auto_offset_reset,
             isolation_level="read_committed",

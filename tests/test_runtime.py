@@ -1,0 +1,924 @@
+"""The D3 runtime (d3stream.runtime.model) on tiny checkpoints: what a caller of ``system_one`` sees.
+
+Covers the answer objects, per-question errors, malformed requests, cross-request batching of rows,
+permutation averaging, agreement with the reference runtime (``shared/reference/d3_runtime.py.txt``),
+the records (provenance, contracts, runtime info) and refusing broken checkpoints.
+
+Tolerances. A row answered alone and inside a padded batch runs the same arithmetic up to summation order;
+in FP32 that moves probabilities by ~1e-6, in the BF16 backbone a single rounding flip moves them by up to
+~2e-3 on the sharpened tiny checkpoints (measured on CPU; most paddings give ~1e-7). ``BATCH_TOL`` is the
+bf16 tolerance 1e-2. Every batching comparison also checks that the requests it mixes answer differently
+from each other by several times the tolerance, so a row answered with another request's media or mask
+would fail. The reference runtime gives text rows of a padded pass positions counted from the padding
+(this runtime counts from each row's first token), which moves probabilities by up to ~1e-3; ``REF_TOL``
+is 1e-2 too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from d3stream.runtime import D3
+from d3stream.runtime.package import write_manifest
+from tests.media_makers import frames_array, noise_image
+from tests.model_fixtures import copy_checkpoint, device_for_tests, load_model
+
+BATCH_TOL = 1e-2
+REF_TOL = 1e-2
+
+STATE = {"robot": "R2", "position": [3, 4], "battery": 0.41, "note": "the corridor ahead is partly blocked"}
+CHOICE = {
+    "type": "choice",
+    "instructions": "Where should the robot go next?",
+    "criteria": {"north": "toward the charger", "south": "back to the dock", "east": "through the corridor"},
+}
+NOUL = {"type": "noul", "instructions": "Should the robot stop now?"}
+NOUL_DESCRIBED = {"type": "noul", "criteria": {"false": "keep going", "true": "stop and wait"}}
+SCORE = {
+    "type": "score",
+    "instructions": "How urgent is charging?",
+    "criteria": ["none", "low", "high", "critical"],
+}
+QUESTIONS = {"route": CHOICE, "stop": NOUL, "urgency": SCORE}
+
+IMAGE_A = noise_image(160, 120, 1)
+IMAGE_B = noise_image(120, 200, 2)
+IMAGE_C = noise_image(96, 96, 3)
+CLIP_A = frames_array(8, 96, 64, seed=1)
+CLIP_B = frames_array(5, 64, 64, seed=2)
+
+
+# -------------------------------------------------------------------------------------------- helpers
+
+
+def confidence(probabilities: list[float]) -> float:
+    n = len(probabilities)
+    if n < 2:
+        return 1.0
+    entropy = -sum(p * math.log(p) for p in probabilities if p > 0)
+    return min(1.0, max(0.0, 1.0 - entropy / math.log(n)))
+
+
+def gap(a: dict, b: dict) -> float:
+    """Largest probability difference between two responses; they must hold the same answers and errors."""
+    assert list(a["answers"]) == list(b["answers"])
+    worst = 0.0
+    for key, x in a["answers"].items():
+        y = b["answers"][key]
+        assert x.get("error") == y.get("error"), (key, x, y)
+        assert x.get("type") == y.get("type"), (key, x, y)
+        if "probabilities" in x:
+            assert list(x["probabilities"]) == list(y["probabilities"])
+            worst = max(
+                worst, max(abs(x["probabilities"][k] - y["probabilities"][k]) for k in x["probabilities"])
+            )
+    return worst
+
+
+def errors(response: dict) -> dict[str, str]:
+    return {key: answer["error"] for key, answer in response["answers"].items() if "error" in answer}
+
+
+def edit_config(root: Path, **changes) -> None:
+    """Change decision_config.json and re-seal the manifest, so only the runtime's own checks can object."""
+    path = root / "decision_config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    write_manifest(root, model_name=root.name)
+
+
+def flip_byte(path: Path, needle: bytes, replacement: bytes) -> None:
+    data = path.read_bytes()
+    assert len(needle) == len(replacement) and data.count(needle) >= 1
+    path.write_bytes(data.replace(needle, replacement, 1))
+
+
+@pytest.fixture(scope="module")
+def short_model(qwen35_checkpoint):
+    """The vision checkpoint with a 100-token input limit: a bare noul question (73 tokens) fits."""
+    return load_model(qwen35_checkpoint, max_length=100)
+
+
+@pytest.fixture(scope="module")
+def averaging_model(qwen35_checkpoint):
+    return load_model(qwen35_checkpoint, permutation_average=True)
+
+
+# ----------------------------------------------------------------------------------------------- answers
+
+
+def test_choice_answer(qwen35_text_model):
+    result = qwen35_text_model.system_one(state=STATE, questions={"route": CHOICE})
+    answer = result["answers"]["route"]
+    assert set(answer) == {"type", "choice", "probabilities", "confidence"}
+    assert answer["type"] == "choice"
+    probabilities = answer["probabilities"]
+    assert list(probabilities) == ["north", "south", "east"]
+    assert all(0 < p < 1 for p in probabilities.values())
+    assert math.fsum(probabilities.values()) == pytest.approx(1.0, abs=1e-9)
+    assert answer["choice"] == max(probabilities, key=probabilities.get)
+    assert answer["confidence"] == pytest.approx(confidence(list(probabilities.values())), abs=1e-12)
+    assert result["usage"]["input_tokens"] > 0 and result["usage"]["output_tokens"] == 0
+    assert result["model"] == "d3-random-qwen3_5-tiny-novision-seed0"
+
+
+def test_noul_answer(qwen35_text_model):
+    answers = qwen35_text_model.system_one(state=STATE, questions={"a": NOUL, "b": NOUL_DESCRIBED})["answers"]
+    for answer in answers.values():
+        assert set(answer) == {"type", "noul", "probabilities"}
+        assert answer["type"] == "noul"
+        assert list(answer["probabilities"]) == ["false", "true"]
+        assert answer["noul"] == answer["probabilities"]["true"]
+        assert answer["probabilities"]["false"] + answer["probabilities"]["true"] == pytest.approx(
+            1.0, abs=1e-9
+        )
+    # Describing the outcomes changes the prompt, so the answer.
+    assert answers["a"]["noul"] != answers["b"]["noul"]
+
+
+def test_score_answer(qwen35_text_model):
+    levels = [{"b": 2, "a": 1}, "mid", 3]
+    questions = {"urgency": SCORE, "mixed": {"type": "score", "criteria": levels}}
+    answers = qwen35_text_model.system_one(state=STATE, questions=questions)["answers"]
+    answer = answers["urgency"]
+    assert set(answer) == {"type", "score", "probabilities", "confidence", "legend"}
+    assert list(answer["probabilities"]) == ["0", "1", "2", "3"]
+    shares = list(answer["probabilities"].values())
+    assert math.fsum(shares) == pytest.approx(1.0, abs=1e-9)
+    assert answer["score"] == pytest.approx(sum(i * p for i, p in enumerate(shares)), abs=1e-12)
+    assert 0 <= answer["score"] <= 3
+    assert answer["confidence"] == pytest.approx(confidence(shares), abs=1e-12)
+    assert answer["legend"] == {"0": "none", "1": "low", "2": "high", "3": "critical"}
+    # Non-string levels appear in the legend as compact key-sorted JSON.
+    assert answers["mixed"]["legend"] == {"0": '{"a":1,"b":2}', "1": "mid", "2": "3"}
+
+
+def test_single_option_and_255_options(qwen35_text_model):
+    many = {"type": "choice", "criteria": {f"option {i}": f"meaning {i}" for i in range(255)}}
+    answers = qwen35_text_model.system_one(
+        state="s", questions={"one": {"type": "choice", "criteria": {"only": "the only way"}}, "many": many}
+    )["answers"]
+    assert answers["one"]["probabilities"] == {"only": 1.0}
+    assert answers["one"]["choice"] == "only" and answers["one"]["confidence"] == 1.0
+    assert len(answers["many"]["probabilities"]) == 255
+    assert math.fsum(answers["many"]["probabilities"].values()) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_usage_counts_every_question_prompt(qwen35_text_model):
+    both = qwen35_text_model.system_one(state=STATE, questions=QUESTIONS)
+    alone = [
+        qwen35_text_model.system_one(state=STATE, questions={k: q})["usage"]["input_tokens"]
+        for k, q in QUESTIONS.items()
+    ]
+    assert both["usage"]["input_tokens"] == sum(alone)
+    assert list(both["answers"]) == list(QUESTIONS)  # request order
+    longer = qwen35_text_model.system_one(state={**STATE, "extra": "x " * 50}, questions={"route": CHOICE})
+    assert longer["usage"]["input_tokens"] > alone[0]
+
+
+def test_answers_depend_on_the_state_and_are_deterministic(qwen35_text_model):
+    first = qwen35_text_model.system_one(state=STATE, questions=QUESTIONS)
+    again = qwen35_text_model.system_one(state=STATE, questions=QUESTIONS)
+    other = qwen35_text_model.system_one(state="an empty field, no obstacles", questions=QUESTIONS)
+    assert gap(first, again) == 0.0
+    assert gap(first, other) > 3 * BATCH_TOL
+
+
+def test_model_name_override(qwen35_text_checkpoint):
+    model = load_model(qwen35_text_checkpoint, model_name="fleet-v7", verify="none")
+    assert model.system_one(state="s", questions={"q": NOUL})["model"] == "fleet-v7"
+    assert model.provenance()["model_name"] == "fleet-v7"
+
+
+# -------------------------------------------------------------------------------- per-question errors
+
+INVALID = {
+    "too_many": {"type": "choice", "criteria": {f"k{i}": "" for i in range(256)}},
+    "no_options": {"type": "choice", "criteria": {}},
+    "empty_key": {"type": "choice", "criteria": {"": "nothing"}},
+    "nan_description": {"type": "choice", "criteria": {"a": float("nan"), "b": "fine"}},
+    "duplicate_levels": {"type": "score", "criteria": ["low", "high", "low"]},
+    "duplicate_after_strip": {"type": "score", "criteria": ["a", " a "]},
+    "same_text_levels": {"type": "score", "criteria": [1, "1"]},
+    "empty_level": {"type": "score", "criteria": ["", "b"]},
+    "one_level": {"type": "score", "criteria": ["only"]},
+    "eleven_levels": {"type": "score", "criteria": [str(i) for i in range(11)]},
+    "unknown_type": {"type": "rank", "criteria": {"a": "b"}},
+    "no_type": {"criteria": {"a": "b"}},
+    "noul_other_keys": {"type": "noul", "criteria": {"true": "yes", "maybe": "perhaps"}},
+    "not_an_object": "is it raining?",
+}
+
+
+def test_invalid_questions_do_not_stop_the_others(qwen35_text_model):
+    questions = {"first": CHOICE, **INVALID, "last": NOUL}
+    result = qwen35_text_model.system_one(state=STATE, questions=questions)
+    assert list(result["answers"]) == list(questions)
+    assert errors(result) == dict.fromkeys(INVALID, "invalid_question")
+    for key in INVALID:
+        answer = result["answers"][key]
+        assert set(answer) == {"type", "error", "message"} and answer["message"]
+    assert result["answers"]["too_many"]["type"] == "choice"
+    assert result["answers"]["one_level"]["type"] == "score"
+    assert result["answers"]["not_an_object"]["type"] is None
+    assert "1 to 255" in result["answers"]["too_many"]["message"]
+    assert "distinct" in result["answers"]["duplicate_levels"]["message"]
+    assert "2 to 10 levels" in result["answers"]["one_level"]["message"]
+    assert "'rank'" in result["answers"]["unknown_type"]["message"]
+    assert '"false" and "true"' in result["answers"]["noul_other_keys"]["message"]
+    # The valid questions are answered exactly as without the invalid ones, and only they are counted.
+    clean = qwen35_text_model.system_one(state=STATE, questions={"first": CHOICE, "last": NOUL})
+    assert result["answers"]["first"] == clean["answers"]["first"]
+    assert result["answers"]["last"] == clean["answers"]["last"]
+    assert result["usage"] == clean["usage"]
+
+
+def test_all_questions_invalid(qwen35_text_model):
+    result = qwen35_text_model.system_one(state="s", questions={"a": INVALID["one_level"]})
+    assert errors(result) == {"a": "invalid_question"}
+    assert result["usage"] == {"input_tokens": 0, "output_tokens": 0}
+
+
+def test_max_length_exceeded_is_refused_not_truncated(short_model):
+    long_choice = {
+        "type": "choice",
+        "criteria": {f"option {i}": f"a long description of option {i}" for i in range(6)},
+    }
+    result = short_model.system_one(
+        state="s", questions={"short": NOUL_DESCRIBED, "long": long_choice, "bare": {"type": "noul"}}
+    )
+    assert errors(result) == {"long": "max_length_exceeded"}
+    answer = result["answers"]["long"]
+    assert answer["type"] == "choice"
+    assert "nothing was truncated" in answer["message"]
+    assert "maximum context length of 100 tokens" in answer["message"]
+    assert "bare" in result["answers"] and result["answers"]["bare"]["type"] == "noul"
+    assert result["usage"]["input_tokens"] <= 200
+    # The same questions with an image do not fit (the image's tokens count); the message says so.
+    with_image = short_model.system_one(state="s", questions={"bare": {"type": "noul"}}, images=[IMAGE_C])
+    assert errors(with_image) == {"bare": "max_length_exceeded"}
+    assert "image(s)" in with_image["answers"]["bare"]["message"]
+    assert with_image["usage"]["input_tokens"] == 0
+
+
+def test_invalid_model_output_from_a_corrupt_readout(qwen35_text_checkpoint, tmp_path):
+    """A readout whose row for the third answer code holds NaN: questions with three or more options
+    cannot be answered, two-option questions (which never read that code) still are."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    root = copy_checkpoint(qwen35_text_checkpoint, tmp_path / "nan-readout")
+    weight = load_file(str(root / "readout.safetensors"))["weight"].clone()
+    weight[2] = float("nan")
+    save_file({"weight": weight}, str(root / "readout.safetensors"))
+    write_manifest(root)
+    model = load_model(root)
+    result = model.system_one(state=STATE, questions={"route": CHOICE, "stop": NOUL, "urgency": SCORE})
+    assert errors(result) == {"route": "invalid_model_output", "urgency": "invalid_model_output"}
+    assert result["answers"]["route"]["type"] == "choice"
+    assert "non-finite" in result["answers"]["route"]["message"]
+    assert 0 < result["answers"]["stop"]["noul"] < 1
+    assert torch.isnan(model.readout[2]).all()
+
+
+def test_invalid_model_output_from_zero_probabilities(qwen35_text_model):
+    prepared = qwen35_text_model.prepare(STATE, {"route": CHOICE, "stop": NOUL})
+    probabilities = dict(zip(prepared.rows, qwen35_text_model.forward(prepared.rows), strict=True))
+    route = next(row for row in prepared.rows if row.key == "route")
+    probabilities[route] = [0.0, 0.0, 0.0]
+    result = prepared.answers(probabilities)
+    assert errors(result) == {"route": "invalid_model_output"}
+    assert "sum to zero" in result["answers"]["route"]["message"]
+    assert result["answers"]["stop"]["type"] == "noul"
+
+
+# ---------------------------------------------------------------------------------- malformed requests
+
+
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        ({"state": "s", "questions": {}}, "nonempty mapping"),
+        ({"state": "s", "questions": [("q", NOUL)]}, "nonempty mapping"),
+        ({"state": "s", "questions": "q"}, "nonempty mapping"),
+        ({"state": "s", "questions": {"": NOUL}}, "nonempty strings"),
+        ({"state": "s", "questions": {1: NOUL}}, "nonempty strings"),
+        ({"state": float("nan"), "questions": {"q": NOUL}}, "state"),
+        ({"state": {"speed": float("inf")}, "questions": {"q": NOUL}}, "state"),
+        ({"state": {"tags": {1, 2}}, "questions": {"q": NOUL}}, "state"),
+        ({"state": "s", "questions": {"q": NOUL}, "images": "photo.png"}, "images must be a list"),
+        ({"state": "s", "questions": {"q": NOUL}, "videos": "clip.mp4"}, "videos must be a list"),
+    ],
+)
+def test_malformed_requests_raise(qwen35_text_model, request_, message):
+    with pytest.raises(ValueError, match=message):
+        qwen35_text_model.system_one(**request_)
+
+
+def test_media_on_a_text_only_checkpoint_raise(qwen35_text_model):
+    with pytest.raises(
+        ValueError, match="image inputs are not available: the checkpoint has no vision tower"
+    ):
+        qwen35_text_model.system_one(state="s", questions={"q": NOUL}, images=[IMAGE_A])
+    with pytest.raises(ValueError, match="video inputs are not available"):
+        qwen35_text_model.system_one(state="s", questions={"q": NOUL}, videos=[CLIP_A])
+    # An empty list is no media at all.
+    plain = qwen35_text_model.system_one(state="s", questions={"q": NOUL})
+    assert qwen35_text_model.system_one(state="s", questions={"q": NOUL}, images=[], videos=[]) == plain
+
+
+def test_unreadable_media_raise_naming_the_input(qwen35_model):
+    with pytest.raises(ValueError, match=r"images\[1\]: cannot read the image"):
+        qwen35_model.system_one(state="s", questions={"q": NOUL}, images=[IMAGE_A, "/nonexistent/x.png"])
+    with pytest.raises(ValueError, match=r"videos\[0\]: "):
+        qwen35_model.system_one(state="s", questions={"q": NOUL}, videos=[np.zeros((2, 8, 8), np.uint8)])
+
+
+# ------------------------------------------------------------------------------- literal placeholders
+
+
+@pytest.mark.parametrize("token", ["<|image_pad|>", "<|video_pad|>"])
+@pytest.mark.parametrize("media", ["text", "image", "video"])
+def test_literal_placeholder_in_a_question_is_refused(qwen35_model, token, media):
+    extra = {"text": {}, "image": {"images": [IMAGE_A]}, "video": {"videos": [CLIP_A]}}[media]
+    sneaky = {"type": "noul", "instructions": f"Is there a {token} here?"}
+    result = qwen35_model.system_one(state=STATE, questions={"good": CHOICE, "bad": sneaky}, **extra)
+    assert errors(result) == {"bad": "invalid_question"}
+    assert "placeholder" in result["answers"]["bad"]["message"]
+    clean = qwen35_model.system_one(state=STATE, questions={"good": CHOICE}, **extra)
+    assert result["answers"]["good"] == clean["answers"]["good"]
+    assert result["usage"] == clean["usage"]
+
+
+def test_literal_placeholder_in_the_state_refuses_every_question(qwen35_model):
+    state = {"caption": "look: <|image_pad|>"}
+    for extra in ({}, {"images": [IMAGE_A]}):
+        result = qwen35_model.system_one(state=state, questions={"a": CHOICE, "b": NOUL}, **extra)
+        assert errors(result) == {"a": "invalid_question", "b": "invalid_question"}
+    # Other special-looking text is just text.
+    fine = qwen35_model.system_one(state="<|vision_start|> <|im_end|>", questions={"a": NOUL})
+    assert errors(fine) == {}
+
+
+# ------------------------------------------------------------------------------ cross-request batching
+
+
+def _requests(with_video: bool) -> list[dict]:
+    requests = [
+        {"state": "x", "questions": {"q": NOUL}},
+        {
+            "state": STATE,
+            "questions": {**QUESTIONS, "broken": INVALID["one_level"], "described": NOUL_DESCRIBED},
+        },
+        {"state": {**STATE, "log": ["step"] * 40}, "questions": {"route": CHOICE}},
+        {"state": STATE, "questions": {"route": CHOICE, "stop": NOUL}, "images": [IMAGE_A]},
+        {"state": STATE, "questions": {"route": CHOICE, "stop": NOUL}, "images": [IMAGE_C]},
+        {"state": "two pictures", "questions": {"urgency": SCORE}, "images": [IMAGE_B, IMAGE_A]},
+    ]
+    if with_video:
+        requests += [
+            {"state": STATE, "questions": {"route": CHOICE, "urgency": SCORE}, "videos": [CLIP_A]},
+            {"state": STATE, "questions": {"route": CHOICE, "urgency": SCORE}, "videos": [CLIP_B]},
+            {
+                "state": "both",
+                "questions": {"stop": NOUL, "route": CHOICE},
+                "images": [IMAGE_C],
+                "videos": [CLIP_B],
+            },
+        ]
+    return requests
+
+
+@contextlib.contextmanager
+def float32(model):
+    """The model's backbone in FP32 for the duration; afterwards every parameter and buffer has its old dtype
+    again (BF16 -> FP32 -> BF16 is exact; FP32 buffers such as RoPE frequencies are left FP32)."""
+    modules = dict(model.backbone.named_modules())
+    dtypes = {
+        (name, kind, key): tensor.dtype
+        for name, module in modules.items()
+        for kind in ("_parameters", "_buffers")
+        for key, tensor in getattr(module, kind).items()
+        if tensor is not None
+    }
+    model.backbone.float()
+    try:
+        yield model
+    finally:
+        for (name, kind, key), dtype in dtypes.items():
+            tensor = getattr(modules[name], kind)[key]
+            if tensor.dtype != dtype:
+                tensor.data = tensor.data.to(dtype)
+
+
+def _shuffled_rows(model, requests):
+    prepared = [model.prepare(r["state"], r["questions"], r.get("images"), r.get("videos")) for r in requests]
+    rows = [row for p in prepared for row in p.rows]
+    random.Random(1).shuffle(rows)
+    return prepared, rows
+
+
+def _check_batching(model, with_video: bool) -> None:
+    requests = _requests(with_video)
+    alone = [model.system_one(**request) for request in requests]
+    prepared, rows = _shuffled_rows(model, requests)
+    probabilities = dict(zip(rows, model.forward(rows), strict=True))
+    for request, single, p in zip(requests, alone, prepared, strict=True):
+        batched = p.answers(probabilities)
+        assert batched["usage"] == single["usage"], request["state"]
+        assert gap(batched, single) <= BATCH_TOL
+    # Each row alone answers the same as inside the mixed pass.
+    for row in rows:
+        assert np.abs(np.subtract(model.forward([row])[0], probabilities[row])).max() <= BATCH_TOL
+    # The mixed requests differ from each other well beyond the tolerance: a mix-up would show.
+    assert gap(alone[3], alone[4]) > 3 * BATCH_TOL  # same text, different image
+    route = [{"answers": {"route": alone[i]["answers"]["route"]}} for i in (2, 3)]
+    assert gap(*route) > 3 * BATCH_TOL  # text and image request
+    if with_video:
+        assert gap(alone[6], alone[7]) > 3 * BATCH_TOL  # same text, different video
+
+
+def _check_batching_exact(model, with_video: bool) -> None:
+    """In FP32 the only difference padding and batching may make is summation order: ~1e-6."""
+    requests = _requests(with_video)
+    with float32(model):
+        prepared, rows = _shuffled_rows(model, requests)
+        together = model.forward(rows)
+        half = len(rows) // 2
+        reordered = rows[::-1]
+        parts = dict(zip(reordered[:half], model.forward(reordered[:half]), strict=True))
+        parts.update(zip(reordered[half:], model.forward(reordered[half:]), strict=True))
+        for row, probabilities in zip(rows, together, strict=True):
+            assert np.abs(np.subtract(model.forward([row])[0], probabilities)).max() <= 1e-4
+            assert np.abs(np.subtract(parts[row], probabilities)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("check", [_check_batching, _check_batching_exact], ids=["bf16", "fp32"])
+def test_cross_request_batching_qwen35(qwen35_model, check):
+    check(qwen35_model, with_video=True)
+
+
+@pytest.mark.parametrize("check", [_check_batching, _check_batching_exact], ids=["bf16", "fp32"])
+def test_cross_request_batching_qwen35_noncausal(qwen35_noncausal_model, check):
+    check(qwen35_noncausal_model, with_video=True)
+
+
+@pytest.mark.parametrize("check", [_check_batching, _check_batching_exact], ids=["bf16", "fp32"])
+def test_cross_request_batching_qwen3vl(qwen3vl_model, check):
+    check(qwen3vl_model, with_video=False)
+
+
+def test_qwen3vl_refuses_video(qwen3vl_model):
+    with pytest.raises(
+        ValueError, match="video inputs are not available: video inputs need a Qwen3.5 backbone"
+    ):
+        qwen3vl_model.system_one(state="s", questions={"q": NOUL}, videos=[CLIP_A])
+    contract = qwen3vl_model.video_contract()
+    assert contract["supported"] is False and "Qwen3.5" in contract["unavailable"]
+    assert qwen3vl_model.image_contract()["supported"] is True
+
+
+def test_batch_size_groups_a_request(qwen35_text_model):
+    questions = {f"q{i}": NOUL for i in range(10)}
+    prepared = qwen35_text_model.prepare("s", questions)
+    assert [len(rows) for rows in qwen35_text_model.passes(prepared)] == [8, 2]
+
+
+# ------------------------------------------------------------------------------- permutation averaging
+
+
+def _reverse(question: dict) -> dict:
+    return {**question, "criteria": dict(reversed(list(question["criteria"].items())))}
+
+
+@pytest.mark.parametrize("media", ["text", "image", "video"])
+def test_permutation_average(averaging_model, qwen35_model, media):
+    extra = {"text": {}, "image": {"images": [IMAGE_A]}, "video": {"videos": [CLIP_A]}}[media]
+    single = {"type": "choice", "criteria": {"only": "the only way"}}
+    questions = {"route": CHOICE, "single": single, "stop": NOUL, "urgency": SCORE}
+    averaged = averaging_model.system_one(state=STATE, questions=questions, **extra)
+    forward = qwen35_model.system_one(state=STATE, questions=questions, **extra)
+    backward = qwen35_model.system_one(state=STATE, questions={"route": _reverse(CHOICE)}, **extra)
+
+    route = averaged["answers"]["route"]
+    expected = {
+        key: (
+            forward["answers"]["route"]["probabilities"][key]
+            + backward["answers"]["route"]["probabilities"][key]
+        )
+        / 2
+        for key in CHOICE["criteria"]
+    }
+    assert list(route["probabilities"]) == list(CHOICE["criteria"])  # original option order
+    for key, value in expected.items():
+        assert route["probabilities"][key] == pytest.approx(value, abs=BATCH_TOL)
+    assert route["choice"] == max(route["probabilities"], key=route["probabilities"].get)
+    assert route["confidence"] == pytest.approx(confidence(list(route["probabilities"].values())), abs=1e-12)
+    # The order matters to this model, so the average is not the forward answer.
+    assert (
+        max(abs(expected[k] - forward["answers"]["route"]["probabilities"][k]) for k in expected)
+        > 3 * BATCH_TOL
+    )
+    # One-option choices, noul and score questions are scored once, as without averaging.
+    for key in ("single", "stop", "urgency"):
+        assert (
+            gap({"answers": {key: averaged["answers"][key]}}, {"answers": {key: forward["answers"][key]}})
+            <= BATCH_TOL
+        )
+    # Both prompts of the choice question are counted.
+    assert (
+        averaged["usage"]["input_tokens"]
+        == forward["usage"]["input_tokens"] + backward["usage"]["input_tokens"]
+    )
+    prepared = averaging_model.prepare(STATE, questions, extra.get("images"), extra.get("videos"))
+    assert sorted(row.key for row in prepared.rows if row.reversed) == ["route"]
+
+
+def test_permutation_average_splits_wide_passes(averaging_model, qwen35_model):
+    """Six long choice questions and their twins (12 rows of ~900 tokens) exceed 8,192 padded tokens, so the
+    twins run in a pass of their own; the answers are the same as computed by hand."""
+    state = {"log": [f"event {i}: the robot passed checkpoint {i}" for i in range(60)]}
+    questions = {f"q{i}": {**CHOICE, "instructions": f"Question {i}: where next?"} for i in range(6)}
+    prepared = averaging_model.prepare(state, questions)
+    passes = averaging_model.passes(prepared)
+    assert [len(rows) for rows in passes] == [6, 6]
+    assert all(row.reversed for row in passes[1])
+    averaged = averaging_model.system_one(state=state, questions=questions)
+    forward = qwen35_model.system_one(state=state, questions=questions)
+    backward = qwen35_model.system_one(state=state, questions={k: _reverse(q) for k, q in questions.items()})
+    for key in questions:
+        for option in CHOICE["criteria"]:
+            expected = (
+                forward["answers"][key]["probabilities"][option]
+                + backward["answers"][key]["probabilities"][option]
+            ) / 2
+            assert averaged["answers"][key]["probabilities"][option] == pytest.approx(expected, abs=BATCH_TOL)
+
+
+def test_permutation_average_reported_in_provenance(averaging_model, qwen35_model):
+    assert averaging_model.provenance()["permutation_average"] is True
+    assert "reversed" in averaging_model.provenance()["policy"]
+    assert "permutation_average" not in qwen35_model.provenance()
+
+
+# -------------------------------------------------------------------------------- attention modes
+
+
+def test_noncausal_differs_from_causal(
+    qwen35_model, qwen35_noncausal_model, qwen35_checkpoint, qwen35_noncausal_checkpoint
+):
+    """Same seed, same weights; only the attention mode differs, and it changes the answers. (If the only
+    full-attention layer were the last one, both modes would coincide at the last position.)"""
+    config = json.loads((qwen35_checkpoint / "config.json").read_text())["text_config"]
+    assert "full_attention" in config["layer_types"][:-1], config["layer_types"]
+    assert (qwen35_checkpoint / "model.safetensors").read_bytes() == (
+        qwen35_noncausal_checkpoint / "model.safetensors"
+    ).read_bytes()
+    assert qwen35_noncausal_model.attention_mode == "noncausal_full_attention"
+    for extra in ({}, {"images": [IMAGE_A]}, {"videos": [CLIP_A]}):
+        causal = qwen35_model.system_one(state=STATE, questions=QUESTIONS, **extra)
+        noncausal = qwen35_noncausal_model.system_one(state=STATE, questions=QUESTIONS, **extra)
+        assert causal["usage"] == noncausal["usage"]
+        assert gap(causal, noncausal) > 3 * BATCH_TOL
+
+
+# ------------------------------------------------------------------------------------ reference runtime
+
+
+@pytest.fixture(scope="module")
+def reference_qwen35(reference, qwen35_checkpoint):
+    return reference.D3.from_pretrained(str(qwen35_checkpoint), device=device_for_tests())
+
+
+@pytest.fixture(scope="module")
+def reference_noncausal(reference, qwen35_noncausal_checkpoint):
+    return reference.D3.from_pretrained(str(qwen35_noncausal_checkpoint), device=device_for_tests())
+
+
+@pytest.fixture(scope="module")
+def reference_qwen3vl(reference, qwen3vl_checkpoint):
+    return reference.D3.from_pretrained(str(qwen3vl_checkpoint), device=device_for_tests())
+
+
+REFERENCE_CASES = {
+    "text": {"state": STATE, "questions": {**QUESTIONS, "described": NOUL_DESCRIBED, **INVALID}},
+    "image": {"state": STATE, "questions": {**QUESTIONS, "bad": INVALID["one_level"]}, "images": [IMAGE_A]},
+    "images": {"state": "two", "questions": {"route": CHOICE, "stop": NOUL}, "images": [IMAGE_B, IMAGE_C]},
+    "video": {"state": STATE, "questions": QUESTIONS, "videos": [CLIP_A]},
+    "media": {"state": STATE, "questions": QUESTIONS, "images": [IMAGE_C], "videos": [CLIP_B, CLIP_A]},
+}
+
+
+def _compare(ours, theirs, request, tolerance: float = REF_TOL) -> float:
+    mine, reference = ours.system_one(**request), theirs.system_one(**request)
+    assert mine["usage"] == reference["usage"]
+    assert errors(mine) == errors(reference)
+    difference = gap(mine, reference)
+    assert difference <= tolerance
+    return difference
+
+
+@pytest.mark.parametrize("case", list(REFERENCE_CASES))
+def test_matches_reference_qwen35(qwen35_model, reference_qwen35, case):
+    _compare(qwen35_model, reference_qwen35, REFERENCE_CASES[case])
+
+
+@pytest.mark.parametrize("case", ["text", "image", "video"])
+def test_matches_reference_noncausal(qwen35_noncausal_model, reference_noncausal, case):
+    _compare(qwen35_noncausal_model, reference_noncausal, REFERENCE_CASES[case])
+
+
+@pytest.mark.parametrize("case", ["text", "image", "images"])
+def test_matches_reference_qwen3vl(qwen3vl_model, reference_qwen3vl, case):
+    _compare(qwen3vl_model, reference_qwen3vl, REFERENCE_CASES[case])
+
+
+@pytest.mark.parametrize(
+    "which, case",
+    [("qwen35", case) for case in REFERENCE_CASES]
+    + [("noncausal", case) for case in ("text", "image", "video")]
+    + [("qwen3vl", case) for case in ("text", "image", "images")],
+)
+def test_matches_reference_exactly_in_fp32(request, which, case):
+    """With both backbones in FP32 the two runtimes agree to summation order (the text path's BF16 gap of a
+    few 1e-3 comes from the reference counting text positions from the padding, which RoPE makes
+    mathematically equivalent)."""
+    ours = request.getfixturevalue(
+        {"qwen35": "qwen35_model", "noncausal": "qwen35_noncausal_model", "qwen3vl": "qwen3vl_model"}[which]
+    )
+    theirs = request.getfixturevalue(f"reference_{which}")
+    with float32(ours), float32(theirs):
+        _compare(ours, theirs, REFERENCE_CASES[case], tolerance=1e-4)
+
+
+@pytest.mark.parametrize("case", ["text", "image", "video"])
+def test_matches_reference_permutation_average(averaging_model, reference_qwen35, monkeypatch, case):
+    monkeypatch.setattr(reference_qwen35, "permutation_average", True)
+    _compare(averaging_model, reference_qwen35, REFERENCE_CASES[case])
+
+
+def test_matches_reference_max_length(short_model, reference_qwen35, monkeypatch):
+    monkeypatch.setattr(reference_qwen35, "max_length", 100)
+    long_choice = {
+        "type": "choice",
+        "criteria": {f"o{i}": f"a long description of option {i}" for i in range(6)},
+    }
+    request = {
+        "state": "s",
+        "questions": {"bare": {"type": "noul"}, "long": long_choice, "bad": INVALID["eleven_levels"]},
+    }
+    _compare(short_model, reference_qwen35, request)
+    _compare(short_model, reference_qwen35, {**request, "images": [IMAGE_C]})
+
+
+def test_reference_comparison_is_sensitive(qwen35_model, reference_qwen35):
+    """The reference agreement above would catch a wrong image or state: they move answers by far more."""
+    a = reference_qwen35.system_one(state=STATE, questions=QUESTIONS, images=[IMAGE_A])
+    b = qwen35_model.system_one(state=STATE, questions=QUESTIONS, images=[IMAGE_B])
+    c = qwen35_model.system_one(state="another state entirely", questions=QUESTIONS, images=[IMAGE_A])
+    assert gap(a, b) > 5 * REF_TOL
+    assert gap(a, c) > REF_TOL
+
+
+# ----------------------------------------------------------------------------------------------- records
+
+
+def test_warmup_returns_seconds_and_keeps_answers(qwen35_model):
+    request = {"state": STATE, "questions": QUESTIONS, "images": [IMAGE_A]}
+    before = qwen35_model.system_one(**request)
+    seconds = qwen35_model.warmup(lengths=(8, 40), images=True)
+    assert isinstance(seconds, float) and seconds > 0
+    assert gap(qwen35_model.system_one(**request), before) <= BATCH_TOL
+
+
+def test_provenance(qwen35_model, qwen35_checkpoint):
+    record = qwen35_model.provenance()
+    json.dumps(record, allow_nan=False)  # serializable as strict JSON
+
+    def sha(name):
+        return hashlib.sha256((qwen35_checkpoint / name).read_bytes()).hexdigest()
+
+    names = [
+        "decision_config.json",
+        "readout.safetensors",
+        "config.json",
+        "d3_format.py",
+        "MODEL_MANIFEST.json",
+    ]
+    assert record["files_sha256"] == {name: sha(name) for name in names}
+    assert record["model_sha256"] == sha("model.safetensors")
+    assert record["model_name"] == "d3-random-qwen3_5-tiny-seed0"
+    assert record["runtime"] == "d3-runtime/1"
+    assert record["format_id"] == "d3-format/1"
+    assert record["attention_mode"] == "causal" and record["backbone"] == "qwen3_5"
+    assert record["temperature"] == 1.0 and record["readout_dtype"] == "float32"
+    assert record["images"]["supported"] is True and record["videos"]["supported"] is True
+
+
+def test_provenance_of_noncausal(qwen35_noncausal_model):
+    assert qwen35_noncausal_model.provenance()["attention_mode"] == "noncausal_full_attention"
+
+
+def test_contracts_without_vision(qwen35_text_model):
+    for contract in (qwen35_text_model.image_contract(), qwen35_text_model.video_contract()):
+        assert contract["supported"] is False
+        assert "no vision tower" in contract["unavailable"]
+        json.dumps(contract)
+
+
+def test_contracts_with_vision(qwen35_model):
+    image, video = qwen35_model.image_contract(), qwen35_model.video_contract()
+    assert image["supported"] is True and "unavailable" not in image
+    assert image["max_pixels"] == 1_638_400 and image["min_pixels"] == 65_536
+    assert image["strict"]["formats"] == ["PNG", "JPEG", "WEBP"]
+    assert video["supported"] is True and video["fps"] == 2.0
+    assert (video["min_frames"], video["max_frames"]) == (4, 32)
+    assert video["max_tokens_per_request"] == 16_384
+    assert video["video_processor"] and video["opencv"]
+
+
+def test_runtime_info(qwen35_model):
+    import torch
+    import transformers
+
+    info = qwen35_model.runtime_info()
+    json.dumps(info, allow_nan=False)
+    assert info["torch"] == torch.__version__ and info["transformers"] == transformers.__version__
+    assert info["device"] == str(qwen35_model.device)
+    assert info["parameters"] == qwen35_model.parameter_count() > 0
+    assert info["loaded_seconds"] >= 0
+
+
+# ---------------------------------------------------------------------------------------- loading errors
+
+
+@pytest.fixture
+def text_copy(qwen35_text_checkpoint, tmp_path) -> Path:
+    return copy_checkpoint(qwen35_text_checkpoint, tmp_path / "copy")
+
+
+def test_readout_of_the_wrong_shape(text_copy):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.zeros(255, 32)}, str(text_copy / "readout.safetensors"))
+    with pytest.raises(ValueError, match=r"package verification failed: readout\.safetensors"):
+        load_model(text_copy)
+    with pytest.raises(
+        ValueError, match=r"readout\.safetensors: weight has shape \(255, 32\), expected \(255, 64\)"
+    ):
+        load_model(text_copy, verify="none")
+    save_file({"bias": torch.zeros(255)}, str(text_copy / "readout.safetensors"))
+    with pytest.raises(ValueError, match=r"weight has shape None"):
+        load_model(text_copy, verify="none")
+
+
+@pytest.mark.parametrize(
+    "name, needle, replacement",
+    [
+        ("decision_config.json", b'"pooling": "last"', b'"pooling": "lasT"'),
+        ("d3_format.py", b"You make typed decisions.", b"You make typed decisionS."),
+    ],
+)
+def test_tampered_file_is_named(text_copy, name, needle, replacement):
+    flip_byte(text_copy / name, needle, replacement)
+    with pytest.raises(
+        ValueError, match=rf"{name.replace('.', '[.]')}: SHA-256 differs from MODEL_MANIFEST.json"
+    ):
+        load_model(text_copy)
+
+
+def test_changed_size_and_missing_files_are_named(text_copy):
+    with open(text_copy / "config.json", "a") as stream:
+        stream.write("\n")
+    (text_copy / "readout.safetensors").unlink()
+    with pytest.raises(ValueError) as failure:
+        load_model(text_copy)
+    message = str(failure.value)
+    assert "config.json:" in message and "manifest says" in message
+    assert "missing readout.safetensors" in message
+
+
+def test_manifest_that_is_not_a_manifest(text_copy):
+    (text_copy / "MODEL_MANIFEST.json").write_text('{"schema": "something-else"}')
+    with pytest.raises(ValueError, match="not a d3-package-manifest/1 manifest"):
+        load_model(text_copy)
+    with pytest.raises(ValueError, match="verify must be one of"):
+        load_model(text_copy, verify="sometimes")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"format_version": 2}, "format_version 2; this runtime reads version 1"),
+        ({"format_version": None}, "format_version None"),
+        (
+            {"attention_mode": "bidirectional"},
+            "attention_mode must be one of causal, noncausal_full_attention",
+        ),
+        ({"prompt": "chatml"}, "prompt must be one of d3"),
+        ({"pooling": "mean"}, "pooling must be one of last"),
+        ({"temperature": 0}, "temperature must be finite and positive, got 0"),
+        ({"temperature": -1.5}, "temperature must be finite and positive"),
+        ({"readout_dtype": "float16"}, "readout_dtype must be float32 or bfloat16"),
+    ],
+)
+def test_bad_decision_config_is_refused(text_copy, changes, message):
+    edit_config(text_copy, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_model(text_copy)
+
+
+def test_codes_that_do_not_match_the_tokenizer(text_copy):
+    config = json.loads((text_copy / "decision_config.json").read_text())
+    codes = config["codes"]
+    codes[0], codes[1] = codes[1], codes[0]
+    edit_config(text_copy, codes=codes)
+    with pytest.raises(ValueError, match="answer codes or token ids in decision_config.json differ"):
+        load_model(text_copy)
+
+
+def test_noncausal_qwen3vl_is_refused(qwen3vl_checkpoint, tmp_path):
+    root = copy_checkpoint(qwen3vl_checkpoint, tmp_path / "vl")
+    edit_config(root, attention_mode="noncausal_full_attention")
+    with pytest.raises(
+        ValueError, match="noncausal_full_attention needs a qwen3_5 backbone; this checkpoint is qwen3_vl"
+    ):
+        load_model(root)
+
+
+def test_unknown_backbone_and_bad_arguments(text_copy, tmp_path):
+    with pytest.raises(ValueError, match="no checkpoint directory"):
+        load_model(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="readout_dtype must be float32 or bfloat16"):
+        load_model(text_copy, readout_dtype="int8")
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        load_model(text_copy, batch_size=0)
+    config = json.loads((text_copy / "config.json").read_text())
+    config["model_type"] = "llama"
+    (text_copy / "config.json").write_text(json.dumps(config))
+    write_manifest(text_copy)
+    with pytest.raises(ValueError, match="unsupported backbone model_type 'llama'"):
+        load_model(text_copy)
+
+
+# ------------------------------------------------------------------------------- the checkpoint's contract
+
+
+def _edit_system_prompt(root: Path, marker: str) -> None:
+    path = root / "d3_format.py"
+    text = path.read_text()
+    assert '"You make typed decisions.' in text
+    path.write_text(text.replace('"You make typed decisions.', f'"{marker} You make typed decisions.', 1))
+    write_manifest(root)
+
+
+def test_the_checkpoints_own_d3_format_is_used(text_copy, qwen35_text_model):
+    _edit_system_prompt(text_copy, "Think like a careful dispatcher.")
+    model = load_model(text_copy)
+    prepared = model.prepare(STATE, {"stop": NOUL})
+    prompt = model.tokenizer.decode(prepared.rows[0].ids)
+    assert prompt.startswith("<|im_start|>system\nThink like a careful dispatcher. You make typed decisions.")
+    edited = model.system_one(state=STATE, questions={"stop": NOUL})
+    stock = qwen35_text_model.system_one(state=STATE, questions={"stop": NOUL})
+    extra = len(model.tokenizer("Think like a careful dispatcher.", add_special_tokens=False)["input_ids"])
+    assert edited["usage"]["input_tokens"] in (
+        stock["usage"]["input_tokens"] + extra,
+        stock["usage"]["input_tokens"] + extra + 1,
+    )
+    assert edited["answers"]["stop"]["noul"] != stock["answers"]["stop"]["noul"]
+
+
+def test_without_d3_format_the_built_in_contract_is_used(text_copy, qwen35_text_model):
+    (text_copy / "d3_format.py").unlink()
+    write_manifest(text_copy)
+    model = load_model(text_copy)
+    assert model.system_one(state=STATE, questions=QUESTIONS) == {
+        **qwen35_text_model.system_one(state=STATE, questions=QUESTIONS),
+        "model": "copy",
+    }
+    assert "d3_format.py" not in model.provenance()["files_sha256"]
+
+
+def test_reloading_a_changed_d3_format_uses_the_new_one(text_copy):
+    _edit_system_prompt(text_copy, "FIRST EDIT.")
+    first = load_model(text_copy, verify="none")
+    assert first.tokenizer.decode(first.prepare("s", {"q": NOUL}).rows[0].ids).count("FIRST EDIT.") == 1
+    path = text_copy / "d3_format.py"
+    path.write_text(path.read_text().replace("FIRST EDIT.", "SECOND EDIT."))
+    write_manifest(text_copy)
+    second = load_model(text_copy, verify="none")
+    assert "SECOND EDIT." in second.tokenizer.decode(second.prepare("s", {"q": NOUL}).rows[0].ids)
+
+
+def test_d3_is_the_public_class():
+    assert D3.from_pretrained.__doc__ and "verify" in D3.from_pretrained.__doc__
