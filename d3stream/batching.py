@@ -79,10 +79,12 @@ class BatchScheduler(Generic[T]):
         max_batch_tokens: int = 4096,
         linger_ms: float = 5.0,
         executor: Executor | None = None,
+        on_pass: Callable[[PassRecord], None] | None = None,
     ):
         if max_batch_rows < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_rows and max_batch_tokens must be positive")
         self._run = run
+        self._on_pass = on_pass
         self._length = length
         self.max_batch_rows = max_batch_rows
         self.max_batch_tokens = max_batch_tokens
@@ -174,6 +176,8 @@ class BatchScheduler(Generic[T]):
         self.rows_run += record.rows
         self.real_tokens += record.real_tokens
         self.padded_tokens += record.padded_tokens
+        if self._on_pass is not None:
+            self._on_pass(record)
         for waiting, result in zip(group, results, strict=True):
             if not waiting.future.done():
                 waiting.future.set_result((result, record))

@@ -24,9 +24,13 @@ def _serve(args: argparse.Namespace) -> int:
         print("d3stream serve: no checkpoint: set --model, D3STREAM_MODEL or model = ... in the settings file",
               file=sys.stderr)
         return 2
+    from .metrics import Metrics, serve_metrics
     from .runtime import D3
     from .service import Service
 
+    # The endpoint comes up before the model loads, so a liveness probe sees a live process meanwhile.
+    metrics = Metrics()
+    server = serve_metrics(metrics, settings)
     model = D3.from_pretrained(
         settings.model,
         device=settings.device,
@@ -36,7 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if settings.warmup:
         model.warmup()
-    service = Service(settings, model)
+    service = Service(settings, model, metrics=metrics)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -44,7 +48,11 @@ def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, service.stop)
         await service.run()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if server is not None:
+            server.stop()
     return 0
 
 

@@ -110,10 +110,13 @@ class AtLeastOnce:
 
     mode = "at_least_once"
 
-    def __init__(self, *, producer_factory: Any, consumer: Any, tracker: OffsetTracker, group_id: str):
+    def __init__(
+        self, *, producer_factory: Any, consumer: Any, tracker: OffsetTracker, group_id: str, metrics: Any = None
+    ):
         self._factory = producer_factory
         self.consumer = consumer
         self.tracker = tracker
+        self.metrics = metrics
         self.producer: Any = None
         self.commits = 0
         self.aborts = 0
@@ -127,11 +130,11 @@ class AtLeastOnce:
             await self.producer.stop()
 
     async def publish(self, record: Outgoing) -> None:
-        await send_with_retries(self.producer, record)
+        await send_with_retries(self.producer, record, self.metrics)
 
     async def deliver(self, partition: Any, offset: int, records: list[Outgoing]) -> None:
         for record in records:
-            await send_with_retries(self.producer, record)
+            await send_with_retries(self.producer, record, self.metrics)
         self.tracker.done(partition, offset)
 
     async def flush(self, partitions: Sequence[Any] | None = None) -> None:
@@ -144,9 +147,13 @@ class AtLeastOnce:
             await self.consumer.commit(offsets)
         except KafkaError as exc:  # a rebalance in progress: the next owner starts from the last commit
             log.warning("commit failed", error=f"{type(exc).__name__}: {exc}")
+            if self.metrics is not None:
+                self.metrics.count_commit(ok=False)
             return
         self.tracker.committed(offsets)
         self.commits += 1
+        if self.metrics is not None:
+            self.metrics.count_commit()
 
     async def assigned(self, partitions: Sequence[Any]) -> None:
         return None
@@ -160,11 +167,14 @@ class ExactlyOnce:
 
     mode = "exactly_once"
 
-    def __init__(self, *, producer_factory: Any, consumer: Any, tracker: OffsetTracker, group_id: str):
+    def __init__(
+        self, *, producer_factory: Any, consumer: Any, tracker: OffsetTracker, group_id: str, metrics: Any = None
+    ):
         self._factory = producer_factory
         self.consumer = consumer
         self.tracker = tracker
         self.group_id = group_id
+        self.metrics = metrics
         self._producers: dict[Any, Any] = {}
         self._pending: dict[Any, dict[int, list[Outgoing]]] = {}
         self._plain: Any = None  # for records outside any partition's transaction (provenance)
@@ -184,7 +194,7 @@ class ExactlyOnce:
             await self._plain.stop()
 
     async def publish(self, record: Outgoing) -> None:
-        await send_with_retries(self._plain, record)
+        await send_with_retries(self._plain, record, self.metrics)
 
     async def deliver(self, partition: Any, offset: int, records: list[Outgoing]) -> None:
         if not self.tracker.owns(partition):
@@ -226,6 +236,8 @@ class ExactlyOnce:
                 await producer.commit_transaction()
             except BaseException:
                 self.aborts += 1
+                if self.metrics is not None:
+                    self.metrics.count_transaction_abort()
                 if producer._txn_manager.is_in_transaction():  # noqa: SLF001 - aiokafka has no public check
                     try:
                         await producer.abort_transaction()
@@ -247,6 +259,8 @@ class ExactlyOnce:
             pending.pop(offset, None)
         self.tracker.committed({partition: point})
         self.commits += 1
+        if self.metrics is not None:
+            self.metrics.count_commit()
         log.debug("committed", partition=str(partition), offset=point, answers=len(ready),
                   ms=round((time.perf_counter() - started) * 1e3, 1))
 
@@ -275,7 +289,7 @@ async def _quietly_stop(producer: Any) -> None:
         log.debug("producer stop failed", error=str(exc))
 
 
-async def send_with_retries(producer: Any, record: Outgoing) -> None:
+async def send_with_retries(producer: Any, record: Outgoing, metrics: Any = None) -> None:
     """Publish and wait for the acknowledgement, retrying with backoff through broker outages."""
     from aiokafka.errors import KafkaError
 
@@ -287,4 +301,6 @@ async def send_with_retries(producer: Any, record: Outgoing) -> None:
             if pause is None:
                 raise
             log.warning("publish failed; retrying", topic=record.topic, attempt=attempt + 1, error=str(exc))
+            if metrics is not None:
+                metrics.count_publish_retry(record.topic)
             await asyncio.sleep(pause)

@@ -57,6 +57,7 @@ from .events import (
     decode_request,
     encode,
 )
+from .metrics import Metrics
 from .storage import FetchedMedia, MediaError, MediaFetcher
 
 __all__ = ["OffsetTracker", "Service", "default_token_budget"]
@@ -89,15 +90,24 @@ class _Work:
     media: list[MediaRecord] = field(default_factory=list)
     batch: BatchRecord = field(default_factory=BatchRecord)
     tokens: int = 0
+    questions: int = 0
     extra: list[Outgoing] = field(default_factory=list)  # e.g. a dead letter, published with the answer
 
 
 class Service:
     """One d3stream worker: a consumer group member serving one model."""
 
-    def __init__(self, settings: Settings, model: Any, *, fetcher: MediaFetcher | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        model: Any,
+        *,
+        fetcher: MediaFetcher | None = None,
+        metrics: Metrics | None = None,
+    ):
         self.settings = settings
         self.model = model
+        self.metrics = metrics or Metrics()
         if hasattr(model, "limit_prompt_tokens"):
             model.limit_prompt_tokens(settings.max_prompt_tokens)
         self.fetcher = fetcher or MediaFetcher(
@@ -129,10 +139,15 @@ class Service:
             max_batch_rows=settings.max_batch_rows,
             max_batch_tokens=budget,
             linger_ms=settings.linger_ms,
+            on_pass=self.metrics.observe_pass_record,
         )
         self.consumer: Any = None
         self.delivery: Any = None
         self.ready = False
+        self.joined = False  # the consumer has an assignment (set by the rebalance listener)
+        self.metrics.set_model(model.model_name, self.provenance_sha256, str(getattr(model, "device", "cpu")))
+        self.metrics.set_ready_check(lambda: self.ready and self.joined and not self._stop.is_set())
+        self._inflight_questions = 0
         self.counts: dict[str, int] = {"answered": 0, "errors": 0, "dead_letters": 0}
 
     # ---------------------------------------------------------------------------------- lifecycle
@@ -179,7 +194,11 @@ class Service:
 
         mode = ExactlyOnce if settings.delivery == "exactly_once" else AtLeastOnce
         self.delivery = mode(
-            producer_factory=producer_for, consumer=self.consumer, tracker=self.tracker, group_id=settings.group_id
+            producer_factory=producer_for,
+            consumer=self.consumer,
+            tracker=self.tracker,
+            group_id=settings.group_id,
+            metrics=self.metrics,
         )
         await self.delivery.start()
         try:
@@ -250,9 +269,23 @@ class Service:
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
             self._apply_backpressure()
+            self.metrics.set_in_flight(self._inflight_requests, self._inflight_questions, self._inflight_tokens)
+            self.metrics.set_paused(self._paused)
             if time.monotonic() >= next_commit:
                 await self.delivery.flush()
+                await self._report_lag()
                 next_commit = time.monotonic() + settings.commit_interval_ms / 1000
+
+    async def _report_lag(self) -> None:
+        for partition in self.consumer.assignment():
+            end = self.consumer.last_stable_offset(partition) or self.consumer.highwater(partition)
+            if end is None:
+                continue
+            try:
+                position = await self.consumer.position(partition)
+            except Exception:  # noqa: BLE001 - a partition moving away mid-call; next round reports it
+                continue
+            self.metrics.set_lag(partition.topic, partition.partition, max(0, end - position))
 
     def _apply_backpressure(self) -> None:
         settings = self.settings
@@ -302,14 +335,19 @@ class Service:
         answer.answer_id = answer_identity(answer, self.provenance_sha256)
         records = [*work.extra, Outgoing(self.settings.answer_topic, answer.id.encode(), encode(answer))]
         try:
+            publishing = time.perf_counter()
             await self.delivery.deliver(partition, record.offset, records)
+            self.metrics.observe_stage("publish", time.perf_counter() - publishing)
+            self.metrics.observe_stage("end_to_end", time.perf_counter() - work.received)
         except Exception:
             log.exception("answer could not be published; the offset stays uncommitted", offset=record.offset)
             self._stop.set()
             raise
         finally:
             self._inflight_requests -= 1
+            self._inflight_questions -= work.questions
         self.counts["errors" if answer.error else "answered"] += 1
+        self.metrics.count_answer(answer.error.code if answer.error else None)
 
     async def _answer(self, record: Any, work: _Work) -> Answer:
         try:
@@ -327,13 +365,17 @@ class Service:
                 request=request,
             )
         loop = asyncio.get_running_loop()
+        work.questions = len(request.questions)
+        self._inflight_questions += work.questions
         try:
             started = time.perf_counter()
             images, videos = await asyncio.gather(
                 self.fetcher.fetch_all(request.images, "image"), self.fetcher.fetch_all(request.videos, "video")
             )
             work.timings.fetch = _ms(time.perf_counter() - started)
+            self.metrics.observe_stage("fetch", time.perf_counter() - started)
             work.media = [_media_record(item) for item in (*images, *videos)]
+            self.metrics.add_media_bytes(sum(record.bytes for record in work.media))
         except MediaError as exc:
             return self._error(record, work, exc.code, exc.message, request=request)
         try:
@@ -342,6 +384,7 @@ class Service:
                 self._prepare_executor, self._decode_media, images, videos
             )
             work.timings.decode = _ms(time.perf_counter() - started)
+            self.metrics.observe_stage("decode", time.perf_counter() - started)
         except ValueError as exc:
             return self._error(record, work, "media_unreadable", str(exc), request=request)
         try:
@@ -357,6 +400,7 @@ class Service:
                 ),
             )
             work.timings.prepare = _ms(time.perf_counter() - started)
+            self.metrics.observe_stage("prepare", time.perf_counter() - started)
         except ValueError as exc:
             return self._error(record, work, "invalid_request", str(exc), request=request)
         work.tokens = prepared.input_tokens
@@ -406,6 +450,8 @@ class Service:
         forward = sum(record.seconds for record in passes.values())
         work.timings.forward = _ms(forward)
         work.timings.queued = _ms(max(0.0, finished - submitted - forward))
+        self.metrics.observe_stage("forward", forward)
+        self.metrics.observe_stage("queued", max(0.0, finished - submitted - forward))
         work.batch = BatchRecord(
             passes=len(passes),
             rows=sum(r.rows for r in passes.values()),
@@ -450,6 +496,7 @@ class Service:
             value=base64.b64encode(record.value or b"").decode(),
         )
         self.counts["dead_letters"] += 1
+        self.metrics.count_dead_letter()
         return Outgoing(self.settings.dead_letter_topic, record.key, encode(letter))
 
 
@@ -476,12 +523,14 @@ class _Rebalance(ConsumerRebalanceListener):
         await service.delivery.flush(revoked)
         await service.delivery.revoked(revoked)
         service.tracker.forget(revoked)
+        service.metrics.forget_partitions([(p.topic, p.partition) for p in revoked])
         if service._paused:
             service._paused = False  # a new assignment starts unpaused
         log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked])
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         await self.service.delivery.assigned(list(assigned))
+        self.service.joined = True
         log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned])
 
 
