@@ -124,6 +124,18 @@ class BatchScheduler(Generic[T]):
         self._arrived.set()
         return list(await asyncio.gather(*(w.future for w in waiting)))
 
+    async def submit_each(self, rows: Sequence[T]) -> list[tuple[Any, PassRecord] | BaseException]:
+        """Like ``submit``, but a row that fails alone gets its exception in its slot instead of raising."""
+        if self._closing:
+            raise RuntimeError("the batch scheduler is closed")
+        self.start()
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()
+        waiting = [_Waiting(row, loop.create_future(), now) for row in rows]
+        self._waiting.extend(waiting)
+        self._arrived.set()
+        return list(await asyncio.gather(*(w.future for w in waiting), return_exceptions=True))
+
     def _full(self) -> bool:
         if len(self._waiting) >= self.max_batch_rows:
             return True

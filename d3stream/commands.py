@@ -182,6 +182,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     chaos.add_argument("--json", action="store_true", help="print the report as one JSON object")
     chaos.set_defaults(run=_chaos)
 
-    from . import compare
+    from . import compare, replay
 
     compare.register(commands)
+    replay.register(commands)

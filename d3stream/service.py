@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import hashlib
 import json
 import os
@@ -63,6 +64,12 @@ from .storage import FetchedMedia, MediaError, MediaFetcher
 __all__ = ["OffsetTracker", "Service", "default_token_budget"]
 
 log = structlog.get_logger(__name__)
+
+# The (partition, offset) whose request the current task serves; schedulers that order passes by the
+# source (deterministic replays) read it.
+current_record: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar(
+    "d3stream_current_record", default=None
+)
 
 # Partitions resume once in-flight work falls below this share of both limits.
 RESUME_AT = 0.8
@@ -145,6 +152,7 @@ class Service:
         self.delivery: Any = None
         self.ready = False
         self.joined = False  # the consumer has an assignment (set by the rebalance listener)
+        self.replay_id: str | None = None  # set by replays, so their answers are never taken for live ones
         self.metrics.set_model(model.model_name, self.provenance_sha256, str(getattr(model, "device", "cpu")))
         self.metrics.set_ready_check(lambda: self.ready and self.joined and not self._stop.is_set())
         self._inflight_questions = 0
@@ -192,8 +200,7 @@ class Service:
                 **security,
             )
 
-        mode = ExactlyOnce if settings.delivery == "exactly_once" else AtLeastOnce
-        self.delivery = mode(
+        self.delivery = self._delivery_class()(
             producer_factory=producer_for,
             consumer=self.consumer,
             tracker=self.tracker,
@@ -203,8 +210,8 @@ class Service:
         await self.delivery.start()
         try:
             await self._publish_provenance()
-            self.consumer.subscribe(settings.request_topics, listener=_Rebalance(self))
             await self.consumer.start()
+            await self._subscribe()
             try:
                 self.ready = True
                 log.info(
@@ -226,6 +233,28 @@ class Service:
             self._prepare_executor.shutdown(wait=True)
             self.fetcher.close()
             log.info("stopped", **self.counts)
+
+    # Hooks a replay (replay.py) overrides; the live service reads the topics from the committed offsets on.
+
+    async def _subscribe(self) -> None:
+        self.consumer.subscribe(self.settings.request_topics, listener=_Rebalance(self))
+
+    async def _on_assigned(self, partitions: list[Any]) -> None:
+        return None
+
+    def _accept(self, partition: Any, record: Any) -> bool:
+        """Whether a fetched record is served (a replay skips what lies outside its range)."""
+        return True
+
+    async def _finished(self) -> bool:
+        """Whether the work is complete without a stop request (a replay ends with its range)."""
+        return False
+
+    def _request_finished(self, partition: Any, offset: int) -> None:
+        return None
+
+    def _delivery_class(self) -> type:
+        return ExactlyOnce if self.settings.delivery == "exactly_once" else AtLeastOnce
 
     async def _ensure_topics(self, security: dict[str, Any]) -> None:
         from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -263,6 +292,8 @@ class Service:
             batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
             for partition, records in batches.items():
                 for record in records:
+                    if not self._accept(partition, record):
+                        continue
                     self.tracker.add(partition, record.offset)
                     self._inflight_requests += 1
                     task = asyncio.create_task(self._serve(partition, record))
@@ -274,6 +305,8 @@ class Service:
             if time.monotonic() >= next_commit:
                 await self.delivery.flush()
                 await self._report_lag()
+            if await self._finished():
+                break
                 next_commit = time.monotonic() + settings.commit_interval_ms / 1000
 
     async def _report_lag(self) -> None:
@@ -318,6 +351,13 @@ class Service:
     # ------------------------------------------------------------------------------- one request
 
     async def _serve(self, partition: Any, record: Any) -> None:
+        current_record.set((partition, record.offset))
+        try:
+            await self._serve_record(partition, record)
+        finally:
+            self._request_finished(partition, record.offset)
+
+    async def _serve_record(self, partition: Any, record: Any) -> None:
         work = _Work(
             source=Source(
                 topic=record.topic, partition=record.partition, offset=record.offset, timestamp=record.timestamp
@@ -428,9 +468,7 @@ class Service:
         if not prepared.rows:
             return {}
         submitted = time.perf_counter()
-        outcomes = await asyncio.gather(
-            *(self.scheduler.submit([row]) for row in prepared.rows), return_exceptions=True
-        )
+        outcomes = await self.scheduler.submit_each(prepared.rows)
         probabilities: dict[Any, list[float]] = {}
         passes: dict[int, PassRecord] = {}
         for row, outcome in zip(prepared.rows, outcomes, strict=True):
@@ -442,7 +480,7 @@ class Service:
                     "message": f"the forward pass failed for this question: {type(outcome).__name__}: {outcome}",
                 }
                 continue
-            (result, record) = outcome[0]
+            (result, record) = outcome
             probabilities[row] = result
             passes[id(record)] = record
         prepared.rows = [row for row in prepared.rows if row.key not in prepared.errors]
@@ -462,7 +500,12 @@ class Service:
 
     def _provenance(self, work: _Work) -> Provenance:
         return Provenance(
-            model=self.model_record, media=work.media, batch=work.batch, timings=work.timings, worker=self.worker
+            model=self.model_record,
+            media=work.media,
+            batch=work.batch,
+            timings=work.timings,
+            worker=self.worker,
+            replay_id=self.replay_id,
         )
 
     def _error(
@@ -529,6 +572,7 @@ class _Rebalance(ConsumerRebalanceListener):
         log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked])
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
+        await self.service._on_assigned(list(assigned))
         await self.service.delivery.assigned(list(assigned))
         self.service.joined = True
         log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned])

@@ -1,0 +1,528 @@
+"""Replay: run a range of an old request topic through a checkpoint, as a resumable, parallel job.
+
+``d3stream replay`` reads a range of a request topic (by offsets or by timestamps, all or selected
+partitions) and answers it with the same media path, batching and delivery as ``serve``; the answers go
+to a target topic or a JSON-lines file and carry the replay id in their provenance, so a replayed
+answer is never taken for a live one.
+
+* **Resumable**: the replay id names a consumer group (``<group_id>-replay-<replay id>``) whose commits
+  record progress. A killed replay started again with the same id continues where it stopped; into a
+  topic with ``exactly_once`` delivery nothing is answered twice.
+* **Parallel**: several replay workers with the same id split the partitions through that group.
+* **Deterministic** (``--deterministic``): passes are cut from each partition's rows in source order,
+  ``rows_per_pass`` at a time, never from timing, so a replay of the same model over the same requests
+  reproduces itself bit for bit (with either worker count, since passes never span partitions).
+* **Drift** (``--compare-with``): the replayed answers are compared with recorded ones (the exact-replay
+  check: replaying the live model over its own requests must reproduce its answers within bf16 tolerance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from .batching import PassRecord
+from .config import Settings, kafka_security
+from .delivery import OffsetTracker, Outgoing
+from .service import Service, current_record
+
+log = structlog.get_logger(__name__)
+
+
+# ------------------------------------------------------------------------------------------ the range
+
+
+@dataclass
+class ReplayRange:
+    """What to replay: a topic, optionally some partitions, and where to start and stop."""
+
+    topic: str
+    partitions: list[int] | None = None
+    start_offset: int | None = None
+    end_offset: int | None = None  # exclusive
+    start_time: int | None = None  # epoch milliseconds, inclusive
+    end_time: int | None = None  # epoch milliseconds, exclusive
+
+
+def parse_time(text: str | None) -> int | None:
+    """ISO 8601 (``2026-11-29T10:00:00Z``) or epoch milliseconds -> epoch milliseconds."""
+    if text is None:
+        return None
+    if text.isdigit():
+        return int(text)
+    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return int(moment.timestamp() * 1000)
+
+
+async def resolve_bounds(consumer: Any, plan: ReplayRange) -> dict[Any, tuple[int, int]]:
+    """[start, end) offsets of every partition of the range, fixed when the replay starts."""
+    from aiokafka import TopicPartition
+
+    known = consumer.partitions_for_topic(plan.topic)
+    if not known:
+        await consumer._client.force_metadata_update()  # noqa: SLF001 - a fresh client knows no topics yet
+        known = consumer.partitions_for_topic(plan.topic)
+    if not known:
+        raise ValueError(f"topic {plan.topic!r} does not exist (setting: --from-topic)")
+    chosen = sorted(known) if plan.partitions is None else sorted(set(plan.partitions) & set(known))
+    if plan.partitions is not None and len(chosen) != len(set(plan.partitions)):
+        missing = sorted(set(plan.partitions) - set(known))
+        raise ValueError(f"topic {plan.topic!r} has no partition(s) {missing} (setting: --partitions)")
+    partitions = [TopicPartition(plan.topic, number) for number in chosen]
+    firsts = await consumer.beginning_offsets(partitions)
+    lasts = await consumer.end_offsets(partitions)
+
+    async def by_time(moment: int | None, fallback: dict[Any, int]) -> dict[Any, int]:
+        if moment is None:
+            return fallback
+        found = await consumer.offsets_for_times({p: moment for p in partitions})
+        return {p: (found[p].offset if found.get(p) is not None else lasts[p]) for p in partitions}
+
+    starts = await by_time(plan.start_time, firsts)
+    ends = await by_time(plan.end_time, lasts)
+    bounds = {}
+    for partition in partitions:
+        start = max(starts[partition], plan.start_offset or 0, firsts[partition])
+        end = min(ends[partition], lasts[partition] if plan.end_offset is None else plan.end_offset)
+        bounds[partition] = (start, max(start, end))
+    return bounds
+
+
+# ------------------------------------------------------------------------------------ ordered passes
+
+
+@dataclass
+class _Slot:
+    offset: int
+    rows: list[Any] | None = None  # None while the request is not prepared yet
+    futures: list[asyncio.Future] = field(default_factory=list)
+
+
+class OrderedPasses:
+    """A scheduler whose passes depend only on the source order: per partition, rows in offset order,
+    ``rows_per_pass`` at a time (the last pass of a partition takes what is left)."""
+
+    def __init__(self, run: Any, rows_per_pass: int, executor: Any = None, on_pass: Any = None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._run = run
+        self.rows_per_pass = rows_per_pass
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
+        self._on_pass = on_pass
+        self._queues: dict[Any, deque[_Slot]] = {}
+        self._ready: dict[Any, list[tuple[Any, asyncio.Future]]] = {}
+        self._closed: set[Any] = set()
+        self._lock = asyncio.Lock()
+        self._running: set[asyncio.Task] = set()
+        self.max_batch_tokens = None  # passes are cut by row count, not by a token budget
+        self.passes: list[list[tuple[Any, int]]] = []  # (partition, offset) of each row, per pass
+
+    def register(self, partition: Any, offset: int) -> None:
+        self._queues.setdefault(partition, deque()).append(_Slot(offset))
+
+    def resolve(self, partition: Any, offset: int) -> None:
+        """The request of ``offset`` is finished; if it never submitted rows it holds nothing back."""
+        for slot in self._queues.get(partition, ()):
+            if slot.offset == offset and slot.rows is None:
+                slot.rows = []
+        self._advance(partition)
+
+    def close_partition(self, partition: Any) -> None:
+        """The partition's range is fully fetched: its last, partial pass may run."""
+        self._closed.add(partition)
+        self._advance(partition)
+
+    async def submit_each(self, rows: Sequence[Any]) -> list[Any]:
+        located = current_record.get()
+        if located is None:
+            raise RuntimeError("ordered passes need the (partition, offset) of the request")
+        partition, offset = located
+        loop = asyncio.get_running_loop()
+        slot = next(s for s in self._queues[partition] if s.offset == offset)
+        slot.rows = list(rows)
+        slot.futures = [loop.create_future() for _ in rows]
+        self._advance(partition)
+        return list(await asyncio.gather(*slot.futures, return_exceptions=True))
+
+    def _advance(self, partition: Any) -> None:
+        queue = self._queues.get(partition, deque())
+        ready = self._ready.setdefault(partition, [])
+        while queue and queue[0].rows is not None:
+            slot = queue.popleft()
+            ready += [((row, slot.offset), future) for row, future in zip(slot.rows, slot.futures, strict=True)]
+        while len(ready) >= self.rows_per_pass:
+            self._launch(partition, ready[: self.rows_per_pass])
+            del ready[: self.rows_per_pass]
+        if ready and not queue and partition in self._closed:
+            self._launch(partition, list(ready))
+            ready.clear()
+
+    def _launch(self, partition: Any, group: list[tuple[tuple[Any, int], asyncio.Future]]) -> None:
+        self.passes.append([(partition, offset) for (_, offset), _ in group])
+        task = asyncio.get_running_loop().create_task(self._run_pass(group))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run_pass(self, group: list[tuple[tuple[Any, int], asyncio.Future]]) -> None:
+        rows = [row for (row, _), _ in group]
+        loop = asyncio.get_running_loop()
+        async with self._lock:  # one pass at a time on the model thread
+            started = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(self._executor, self._run, rows)
+            except Exception as exc:  # noqa: BLE001 - deterministic mode does not re-split: the pass fails whole
+                for _, future in group:
+                    if not future.done():
+                        future.set_exception(exc)
+                return
+        lengths = [row.length for row in rows]
+        record = PassRecord(len(rows), sum(lengths), len(rows) * max(lengths), time.perf_counter() - started)
+        if self._on_pass is not None:
+            self._on_pass(record)
+        for (_, future), result in zip(group, results, strict=True):
+            if not future.done():
+                future.set_result((result, record))
+
+    async def close(self) -> None:
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+
+
+# ---------------------------------------------------------------------------------------- file output
+
+
+class FileSink:
+    """Answers appended to a JSON-lines file; offsets committed (at least once) after each fsync.
+
+    On resume, records whose answers the file already holds are skipped, so the file gets each
+    request once even though the group's commit may lag the file by a flush interval.
+    """
+
+    mode = "file"
+
+    def __init__(self, *, consumer: Any, tracker: OffsetTracker, path: Path, **_: Any):
+        self.consumer = consumer
+        self.tracker = tracker
+        self.path = path
+        self._handle: Any = None
+        self.commits = 0
+        self.aborts = 0
+
+    async def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(self.path, "ab")  # noqa: SIM115 - held for the replay's lifetime
+
+    async def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+
+    async def publish(self, record: Outgoing) -> None:
+        return None  # the provenance record lives on the provenance topic of live workers
+
+    async def deliver(self, partition: Any, offset: int, records: list[Outgoing]) -> None:
+        for record in records:
+            if record.topic == "__answers__":
+                self._handle.write(record.value + b"\n")
+        self.tracker.done(partition, offset)
+
+    async def flush(self, partitions: Sequence[Any] | None = None) -> None:
+        from aiokafka.errors import KafkaError
+
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        offsets = self.tracker.committable(partitions)
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+        except KafkaError as exc:
+            log.warning("replay progress commit failed", error=str(exc))
+            return
+        self.tracker.committed(offsets)
+        self.commits += 1
+
+    async def assigned(self, partitions: Sequence[Any]) -> None:
+        return None
+
+    async def revoked(self, partitions: Sequence[Any]) -> None:
+        return None
+
+
+def written_sources(path: Path) -> set[tuple[str, int, int]]:
+    """(topic, partition, offset) of every answer a replay file already holds."""
+    sources: set[tuple[str, int, int]] = set()
+    if not path.is_file():
+        return sources
+    with open(path, "rb") as handle:
+        for line in handle:
+            try:
+                source = json.loads(line)["source"]
+                sources.add((source["topic"], int(source["partition"]), int(source["offset"])))
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line from a crash: that request is answered again
+    return sources
+
+
+# -------------------------------------------------------------------------------------------- the job
+
+
+class ReplayService(Service):
+    """The serving machinery pointed at a fixed range, ending when the range is answered."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        model: Any,
+        *,
+        plan: ReplayRange,
+        replay_id: str,
+        out_file: Path | None = None,
+        deterministic: bool = False,
+        rows_per_pass: int = 8,
+        progress: Any = None,
+        **kwargs: Any,
+    ):
+        settings = _replay_settings(settings, plan, replay_id, out_file)
+        super().__init__(settings, model, **kwargs)
+        self.plan = plan
+        self.replay_id = replay_id
+        self.out_file = out_file
+        self.progress = progress
+        self.bounds: dict[Any, tuple[int, int]] = {}
+        self._positions_done: set[Any] = set()
+        self._skip = written_sources(out_file) if out_file else set()
+        self.replayed = 0
+        self.ordered: OrderedPasses | None = None
+        if deterministic:
+            self.ordered = OrderedPasses(model.forward, rows_per_pass, on_pass=self.metrics.observe_pass_record)
+            self.scheduler = self.ordered  # type: ignore[assignment]
+
+    def _delivery_class(self) -> type:
+        if self.out_file is None:
+            return super()._delivery_class()
+        path = self.out_file
+
+        def sink(**kwargs: Any) -> FileSink:
+            return FileSink(path=path, **kwargs)
+
+        return sink  # type: ignore[return-value]
+
+    async def _subscribe(self) -> None:
+        self.bounds = await resolve_bounds(self.consumer, self.plan)
+        if self.plan.partitions is None:
+            await super()._subscribe()
+            return
+        partitions = list(self.bounds)
+        self.consumer.assign(partitions)
+        await self._on_assigned(partitions)
+        self.joined = True
+
+    async def _on_assigned(self, partitions: list[Any]) -> None:
+        for partition in partitions:
+            start, end = self.bounds.get(partition, (0, 0))
+            committed = await self.consumer.committed(partition)
+            self.consumer.seek(partition, max(start, committed or 0))
+            self._positions_done.discard(partition)
+
+    def _accept(self, partition: Any, record: Any) -> bool:
+        start, end = self.bounds.get(partition, (0, 0))
+        if not start <= record.offset < end:
+            return False
+        if (record.topic, record.partition, record.offset) in self._skip:
+            return False
+        if self.ordered is not None:
+            self.ordered.register(partition, record.offset)
+        return True
+
+    def _request_finished(self, partition: Any, offset: int) -> None:
+        self.replayed += 1
+        if self.progress is not None:
+            self.progress.update()
+        if self.ordered is not None:
+            self.ordered.resolve(partition, offset)
+
+    async def _finished(self) -> bool:
+        assignment = self.consumer.assignment()
+        if not assignment:
+            return False
+        for partition in assignment:
+            if partition in self._positions_done:
+                continue
+            _, end = self.bounds.get(partition, (0, 0))
+            if await self.consumer.position(partition) >= end:
+                self._positions_done.add(partition)
+                self.consumer.pause(partition)
+                if self.ordered is not None:
+                    self.ordered.close_partition(partition)
+        if not all(p in self._positions_done for p in assignment):
+            return False
+        return self.tracker.in_flight() == 0
+
+
+
+def _replay_settings(settings: Settings, plan: ReplayRange, replay_id: str, out_file: Path | None) -> Settings:
+    import msgspec
+
+    changes: dict[str, Any] = {
+        "request_topics": [plan.topic],
+        "group_id": f"{settings.group_id}-replay-{replay_id}",
+        "transactional_id_prefix": f"{settings.transactional_id_prefix}-replay-{replay_id}",
+        "auto_offset_reset": "earliest",
+    }
+    if out_file is not None:
+        changes["answer_topic"] = "__answers__"  # the file sink writes these records
+        changes["create_topics"] = False
+    return msgspec.structs.replace(settings, **changes)
+
+
+async def plan_total(settings: Settings, plan: ReplayRange) -> int:
+    """How many records the range holds (for the progress bar)."""
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=None,
+                                **kafka_security(settings))
+    await consumer.start()
+    try:
+        return sum(end - start for start, end in (await resolve_bounds(consumer, plan)).values())
+    finally:
+        await consumer.stop()
+
+
+async def run_replay(
+    settings: Settings,
+    model: Any,
+    plan: ReplayRange,
+    *,
+    replay_id: str,
+    out_file: Path | None = None,
+    deterministic: bool = False,
+    rows_per_pass: int = 8,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Run (or resume) one replay worker to the end of its range; returns its summary."""
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    total = await plan_total(settings, plan)
+    bar = tqdm(total=total, desc=f"replay {replay_id}", unit="req", disable=not progress, dynamic_ncols=True)
+    service = ReplayService(settings, model, plan=plan, replay_id=replay_id, out_file=out_file,
+                            deterministic=deterministic, rows_per_pass=rows_per_pass, progress=bar)
+    try:
+        await service.run()
+    finally:
+        bar.close()
+    return {
+        "replay_id": replay_id,
+        "topic": plan.topic,
+        "range_records": total,
+        "replayed": service.replayed,
+        "answered": service.counts["answered"],
+        "errors": service.counts["errors"],
+        "dead_letters": service.counts["dead_letters"],
+        "passes": len(service.ordered.passes) if service.ordered else service.scheduler.passes_run,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+
+def register(commands: Any) -> None:
+    """Add ``d3stream replay`` to the CLI."""
+    from .config import add_arguments
+
+    replay = commands.add_parser(
+        "replay",
+        help="answer a range of a request topic with a checkpoint (resumable, parallel, optionally deterministic)",
+    )
+    replay.add_argument("--from-topic", required=True, help="request topic to replay")
+    replay.add_argument("--replay-id", required=True, help="names the replay: resume and split work by reusing it")
+    replay.add_argument("--partitions", default=None, help="comma-separated partition numbers (default: all)")
+    replay.add_argument("--start-offset", type=int, default=None, help="first offset of every partition")
+    replay.add_argument("--end-offset", type=int, default=None, help="offset to stop before, every partition")
+    replay.add_argument("--start-time", default=None, help="ISO 8601 time or epoch ms: first request at or after it")
+    replay.add_argument("--end-time", default=None, help="ISO 8601 time or epoch ms: stop before requests from then")
+    target = replay.add_mutually_exclusive_group()
+    target.add_argument("--to-topic", default=None, help="topic for the replayed answers (default: answer_topic)")
+    target.add_argument("--out", default=None, help="JSON-lines file for the replayed answers instead of a topic")
+    replay.add_argument("--deterministic", action="store_true",
+                        help="passes cut from source order, --rows-per-pass rows each: bit-reproducible")
+    replay.add_argument("--rows-per-pass", type=int, default=8)
+    replay.add_argument("--compare-with", default=None,
+                        help="recorded answers (JSONL file or kafka:TOPIC) to measure the replay's drift against")
+    replay.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_arguments(replay)
+    replay.set_defaults(run=_replay_command)
+
+
+def _replay_command(args: Any) -> int:
+    import sys
+
+    from .config import load_settings
+    from .logs import configure_logging
+    from .runtime import D3
+
+    try:
+        settings = load_settings(args)
+    except ValueError as exc:
+        print(f"d3stream replay: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, "warning" if settings.log_level == "info" else settings.log_level)
+    if not settings.model:
+        print("d3stream replay: no checkpoint: set --model or D3STREAM_MODEL", file=sys.stderr)
+        return 2
+    if args.to_topic:
+        import msgspec
+
+        settings = msgspec.structs.replace(settings, answer_topic=args.to_topic)
+    plan = ReplayRange(
+        topic=args.from_topic,
+        partitions=[int(p) for p in args.partitions.split(",")] if args.partitions else None,
+        start_offset=args.start_offset,
+        end_offset=args.end_offset,
+        start_time=parse_time(args.start_time),
+        end_time=parse_time(args.end_time),
+    )
+    model = D3.from_pretrained(settings.model, device=settings.device, verify=settings.verify,
+                               model_name=settings.model_name, permutation_average=settings.permutation_average)
+    out = Path(args.out) if args.out else None
+    try:
+        summary = asyncio.run(run_replay(settings, model, plan, replay_id=args.replay_id, out_file=out,
+                                         deterministic=args.deterministic, rows_per_pass=args.rows_per_pass,
+                                         progress=not args.json and sys.stderr.isatty()))
+    except ValueError as exc:
+        print(f"d3stream replay: {exc}", file=sys.stderr)
+        return 2
+    if args.compare_with:
+        summary["drift"] = replay_drift(args.compare_with, str(out) if out else f"kafka:{settings.answer_topic}",
+                                        settings.bootstrap_servers)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            print(f"{key:<16}{json.dumps(value) if isinstance(value, dict) else value}")
+    return 0
+
+
+def replay_drift(recorded: str, replayed: str, bootstrap_servers: str) -> dict[str, Any]:
+    """How far the replayed answers are from the recorded ones (joined by request and question id)."""
+    from . import compare
+
+    report = compare.compare(
+        compare.load_answers(recorded, bootstrap_servers=bootstrap_servers),
+        compare.load_answers(replayed, bootstrap_servers=bootstrap_servers),
+    )
+    headline = report.headline()
+    return {key: headline.get(key) for key in ("joined", "only_a", "only_b", "agreement", "mean_abs_dp", "max_abs_dp")}
