@@ -305,3 +305,65 @@ def iter_table(report: dict[str, Any]) -> Iterator[str]:
         yield f"{key:<22}{report[key]}"
     for code, count in report["errors_by_code"].items():
         yield f"{'error ' + code:<22}{count}"
+
+
+# -------------------------------------------------------------------------------- what a mode costs
+
+
+async def measure_mode(broker: Any, model: Any, mode: str, *, requests: int, rate: float | None) -> dict[str, Any]:
+    """Serve one stream in ``mode``; latency is request timestamp -> answer readable by read_committed."""
+    from .clients import consume_answers, produce
+    from .config import Settings
+    from .service import Service
+
+    tag = f"cost-{mode.replace('_', '-')}-{'flood' if rate is None else int(rate)}-{time.time_ns()}"
+    requests_topic, answers_topic = f"{tag}.requests", f"{tag}.answers"
+    for topic in (requests_topic, answers_topic):
+        broker.create_topic(topic, exist_ok=True)
+    settings = Settings(bootstrap_servers=broker.bootstrap_servers, request_topics=[requests_topic],
+                        answer_topic=answers_topic, dead_letter_topic=f"{tag}.dlq", provenance_topic=f"{tag}.prov",
+                        group_id=tag, delivery=mode, commit_interval_ms=100, linger_ms=5, metrics_port=None)
+    rng = random.Random(1)
+    stream = [(f"req-{n:06d}".encode(), json.dumps(valid_request(n, rng, None)).encode()) for n in range(requests)]
+    service = Service(settings, model)
+    serving = asyncio.create_task(service.run())
+    latencies: list[float] = []
+
+    def note(answer: dict[str, Any]) -> None:
+        latencies.append(time.time() * 1000 - answer["source"]["timestamp"])
+
+    started = time.perf_counter()
+    reading = asyncio.create_task(consume_answers(broker.bootstrap_servers, answers_topic, expected=requests,
+                                                  timeout_s=600, on_record=note))
+    if rate is None:
+        await produce(broker.bootstrap_servers, requests_topic, stream)
+    else:
+        for start in range(0, requests, max(1, int(rate // 10))):
+            await produce(broker.bootstrap_servers, requests_topic, stream[start : start + max(1, int(rate // 10))])
+            await asyncio.sleep(0.1)
+    await reading
+    seconds = time.perf_counter() - started
+    service.stop()
+    await serving
+    latencies.sort()
+
+    def quantile(q: float) -> float:
+        return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 1) if latencies else float("nan")
+
+    return {"mode": mode, "requests": requests, "rate": rate, "answers_per_s": round(len(latencies) / seconds, 1),
+            "latency_ms_p50": quantile(0.5), "latency_ms_p99": quantile(0.99)}
+
+
+async def delivery_costs(requests: int = 1000, rate: float = 100.0, progress: bool = False) -> list[dict[str, Any]]:
+    """Both delivery modes on the same stream and machine: flood throughput, and latency at ``rate``/s."""
+    from .demo import demo_checkpoint
+    from .infra import local_stack
+    from .runtime import D3
+
+    rows = []
+    with local_stack(progress=progress) as (broker, _store):
+        model = D3.from_pretrained(demo_checkpoint())
+        for mode in ("at_least_once", "exactly_once"):
+            rows.append(await measure_mode(broker, model, mode, requests=requests, rate=None))
+            rows.append(await measure_mode(broker, model, mode, requests=min(requests, int(rate * 10)), rate=rate))
+    return rows

@@ -118,10 +118,21 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from .chaos import iter_table, run_chaos
+    from .chaos import delivery_costs, iter_table, run_chaos
     from .logs import configure_logging
 
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
+    if args.delivery_costs:
+        rows = asyncio.run(delivery_costs(requests=args.requests, rate=args.rate))
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            print("| mode | stream | answers/s | latency p50 (ms) | latency p99 (ms) |\n|---|---|---|---|---|")
+            for row in rows:
+                stream = "flood" if row["rate"] is None else f"{row['rate']:g} req/s"
+                print(f"| {row['mode']} | {row['requests']} requests, {stream} | {row['answers_per_s']} | "
+                      f"{row['latency_ms_p50']} | {row['latency_ms_p99']} |")
+        return 0
     report = asyncio.run(run_chaos(requests=args.requests, fuzzed=args.fuzzed, kills=args.kills, mode=args.mode,
                                    seed=args.seed, timeout_s=args.timeout,
                                    progress=not args.json and sys.stderr.isatty()))
@@ -180,6 +191,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     chaos.add_argument("--seed", type=int, default=0)
     chaos.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for every answer")
     chaos.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    chaos.add_argument("--delivery-costs", action="store_true",
+                       help="instead: measure both delivery modes on the same stream (throughput, latency)")
+    chaos.add_argument("--rate", type=float, default=100.0, help="arrival rate for the latency run of --delivery-costs")
     chaos.set_defaults(run=_chaos)
 
     from . import compare, replay
