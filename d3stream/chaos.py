@@ -236,6 +236,8 @@ async def run_chaos(
             "s3_read_timeout": 2,
             "media_allowlist": [CHAOS_BUCKET],
             "commit_interval_ms": 200,
+            # A CPU worker: prompts past 4k tokens (the fuzzed huge states) are refused, not run for minutes.
+            "max_prompt_tokens": 4096,
             "linger_ms": 10,
             "metrics_port": "",
             "log_format": "json",

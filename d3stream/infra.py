@@ -65,6 +65,17 @@ POM_PATH = Path(__file__).parent / "jvm" / "pom.xml"
 _T = TypeVar("_T")
 
 
+
+def _die_with_parent() -> None:
+    """In the child: ask Linux to stop this server when the Python process that started it dies, so a
+    killed test run or demo never leaves a broker or store behind (atexit does not run on SIGKILL)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
 class InfraError(RuntimeError):
     """A local server could not be resolved, started or reached; the message carries its log tail."""
 
@@ -228,6 +239,8 @@ class _Process:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                # Only from the main thread: Linux ties the signal to the starting *thread*'s exit.
+                preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
             )
         with _live_lock:
             _live.add(self)
