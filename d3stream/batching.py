@@ -90,6 +90,7 @@ class BatchScheduler(Generic[T]):
         self.max_batch_tokens = max_batch_tokens
         self.linger = linger_ms / 1000.0
         # One model thread: passes run one at a time, in the order they were cut.
+        self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
         self._waiting: list[_Waiting[T]] = []
         self._arrived = asyncio.Event()
@@ -111,6 +112,8 @@ class BatchScheduler(Generic[T]):
         if self._task is not None:
             await self._task
             self._task = None
+        if self._owns_executor:
+            self._executor.shutdown(wait=False)
 
     async def submit(self, rows: Sequence[T]) -> list[tuple[Any, PassRecord]]:
         """Each row's result and the pass it ran in; raises what ``run`` raised for a row that fails alone."""
@@ -161,7 +164,13 @@ class BatchScheduler(Generic[T]):
                     break
             taken, self._waiting = self._waiting, []
             for group in pack(taken, lambda w: self._length(w.row), self.max_batch_rows, self.max_batch_tokens):
-                await self._run_pass(group)
+                try:
+                    await self._run_pass(group)
+                except Exception as exc:  # noqa: BLE001 - the batcher must outlive any one pass
+                    log.exception("pass could not be completed")
+                    for waiting in group:
+                        if not waiting.future.done():
+                            waiting.future.set_exception(exc)
 
     async def _run_pass(self, group: list[_Waiting[T]]) -> None:
         loop = asyncio.get_running_loop()
@@ -182,6 +191,12 @@ class BatchScheduler(Generic[T]):
             await self._run_pass(group[middle:])
             return
         seconds = time.perf_counter() - started
+        if len(results) != len(group):  # a broken run function: its rows fail, the scheduler goes on
+            failure = RuntimeError(f"the model returned {len(results)} results for a pass of {len(group)} rows")
+            for waiting in group:
+                if not waiting.future.done():
+                    waiting.future.set_exception(failure)
+            return
         lengths = [self._length(row) for row in rows]
         record = PassRecord(len(rows), sum(lengths), len(rows) * max(lengths), seconds)
         self.passes_run += 1
@@ -189,7 +204,10 @@ class BatchScheduler(Generic[T]):
         self.real_tokens += record.real_tokens
         self.padded_tokens += record.padded_tokens
         if self._on_pass is not None:
-            self._on_pass(record)
+            try:
+                self._on_pass(record)
+            except Exception:  # noqa: BLE001 - a metrics hook must not stop the model
+                log.exception("pass hook failed")
         for waiting, result in zip(group, results, strict=True):
             if not waiting.future.done():
                 waiting.future.set_result((result, record))

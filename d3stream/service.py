@@ -98,6 +98,7 @@ class _Work:
     batch: BatchRecord = field(default_factory=BatchRecord)
     tokens: int = 0
     questions: int = 0
+    request: Request | None = None  # once decoded: even a worker fault is answered under its id
     extra: list[Outgoing] = field(default_factory=list)  # e.g. a dead letter, published with the answer
 
 
@@ -368,7 +369,9 @@ class Service:
             answer = await self._answer(record, work)
         except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
             log.exception("request failed", offset=record.offset, partition=record.partition)
-            answer = self._error(record, work, "internal_error", f"{type(exc).__name__}: {exc}")
+            answer = self._error(
+                record, work, "internal_error", f"{type(exc).__name__}: {exc}", request=work.request
+            )
         finally:
             self._inflight_tokens -= work.tokens
         work.timings.total = _ms(time.perf_counter() - work.received)
@@ -396,6 +399,7 @@ class Service:
             if exc.code == "undecodable_event":
                 work.extra.append(self._dead_letter(record, work, str(exc)))
             return self._error(record, work, exc.code, str(exc), request_id=exc.request_id)
+        work.request = request
         if request.model is not None and request.model != self.model.model_name:
             return self._error(
                 record,

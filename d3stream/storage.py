@@ -82,6 +82,11 @@ def parse_s3_reference(reference: str) -> S3Location:
     key = parts.path.lstrip("/")
     if not parts.netloc or not key:
         raise MediaError("media_not_allowed", f"{reference[:200]!r} names no bucket and key")
+    # HTTP layers resolve dot segments and merge empty ones, so such a key could read an object outside
+    # the prefix the allowlist checked: refuse it rather than normalise it.
+    segments = key.split("/")
+    if any(segment in ("", ".", "..") for segment in segments) or "\\" in key:
+        raise MediaError("media_not_allowed", f"{reference[:200]!r}: keys may not contain '.', '..' or empty segments")
     version = parse_qs(parts.query).get("versionId", [None])[0]
     return S3Location(parts.netloc, key, version)
 

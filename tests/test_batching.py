@@ -78,10 +78,10 @@ def test_pack_properties(lengths, max_rows, max_tokens):
         if any(item.length > max_tokens for item in group):
             assert len(group) == 1, "an over-budget row runs alone"
     # Similar lengths together: the passes cover disjoint, descending length ranges.
-    for first, second in zip(passes, passes[1:]):
+    for first, second in zip(passes, passes[1:], strict=False):
         assert min(i.length for i in first) >= max(i.length for i in second)
     # Greedy cuts: a pass is cut only when the next row would not fit.
-    for first, second in zip(passes, passes[1:]):
+    for first, second in zip(passes, passes[1:], strict=False):
         nxt = second[0]
         assert len(first) >= max_rows or (len(first) + 1) * max(first[0].length, nxt.length) > max_tokens
 
@@ -129,7 +129,7 @@ def test_linger_batches_rows_submitted_close_together():
 
     items, results, scheduler = _run(scenario())
     assert len(model.calls) == 1 and len(model.calls[0]) == 5
-    for item, [(value, record)] in zip(items, results):
+    for item, [(value, record)] in zip(items, results, strict=True):
         assert value == item.length * 2
         assert isinstance(record, PassRecord)
         assert record.rows == 5
@@ -203,7 +203,7 @@ def test_passes_respect_rows_and_tokens_and_sort_by_length():
     ran = sorted(id(i) for call in model.calls for i in call)
     assert ran == sorted(map(id, items))
     assert [sorted(i.length for i in call) for call in model.calls] == [[90, 95, 100], [6, 7, 8], [5]]
-    for item, [(value, _)] in zip(items, results):
+    for item, [(value, _)] in zip(items, results, strict=True):
         assert value == item.length * 2
 
 
@@ -225,7 +225,7 @@ def test_failing_pass_is_split_and_a_row_failing_alone_gets_the_exception():
         return items, outcomes
 
     items, outcomes = _run(scenario())
-    for item, outcome in zip(items, outcomes):
+    for item, outcome in zip(items, outcomes, strict=True):
         if item.name == "bad":
             assert isinstance(outcome, Poisoned)
         else:
@@ -311,12 +311,6 @@ def test_invalid_limits_are_refused():
         BatchScheduler(lambda rows: rows, length=len, max_batch_tokens=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: batching.py _run_pass zips results with rows (line ~177) outside its try; a pass whose run "
-    "returns the wrong number of results raises in the batcher task, which dies silently and leaves this "
-    "and every later submit() pending forever",
-)
 def test_a_pass_with_the_wrong_number_of_results_fails_its_rows_and_the_scheduler_keeps_going():
     def run(rows):
         if any(row.name == "short" for row in rows):

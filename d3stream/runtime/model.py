@@ -233,6 +233,9 @@ class Row:
     media: RequestMedia | None = None
     positions: Any = None  # [3, length] multimodal RoPE positions; None means 0..length-1
     reversed: bool = False
+    # The rendered prompt text (media placeholders unexpanded), kept for shared-prefix reuse
+    # (``runtime/prefix.py`` splits it at the question header); None for rows built by hand.
+    text: str | None = None
 
     @property
     def length(self) -> int:
@@ -425,6 +428,8 @@ class D3:
                     self._configure_video_processor()
                 except Exception as exc:  # noqa: BLE001 - text and image requests do not need it
                     self.video_unavailable = f"the video processor failed to load ({type(exc).__name__}: {exc})"
+        # Optional bounded cache of vision-tower features (``runtime/cache.py``); None: encode per request.
+        self.media_cache: Any = None
         self.loaded_seconds = time.perf_counter() - started
 
     @classmethod
@@ -673,7 +678,7 @@ class D3:
         if not prompts:
             return prepared
         tokenized = self.tokenizer([text for _, _, text in prompts], add_special_tokens=False)["input_ids"]
-        for (key, flipped, _), ids in zip(prompts, tokenized, strict=True):
+        for (key, flipped, text), ids in zip(prompts, tokenized, strict=True):
             if key in prepared.errors:
                 continue
             question = prepared.questions[key]
@@ -705,7 +710,7 @@ class D3:
             if request_media is not None:
                 positions = self._positions(ids, request_media)
             prepared.rows.append(
-                Row(key, ids, question.option_count, request_media, positions, reversed=flipped)
+                Row(key, ids, question.option_count, request_media, positions, reversed=flipped, text=text)
             )
         # A question refused in either option order is refused whole.
         prepared.rows = [row for row in prepared.rows if row.key not in prepared.errors]
@@ -717,6 +722,12 @@ class D3:
     def _features(self, media: RequestMedia) -> dict[str, Any]:
         """Vision-tower features of a request's images and videos, computed once per request."""
         if media.features is not None:
+            return media.features
+        # Media-feature cache hook (``runtime/cache.py``): with a ``MediaFeatureCache`` set on
+        # ``self.media_cache``, each image and video is looked up by content and processor settings and
+        # only the ones not cached are encoded. Without one (the default) nothing below changes.
+        if self.media_cache is not None:
+            media.features = self.media_cache.request_features(self, media)
             return media.features
         features: dict[str, Any] = {}
         backbone, device = self.backbone, self.device
@@ -794,14 +805,23 @@ class D3:
                 mm_encoder_outputs=self._encoder_outputs(rows),
                 use_cache=False,
             ).last_hidden_state[:, -1]
-            if self.readout_dtype == "float32":
-                logits = hidden.float() @ self.readout.T
-            else:
-                logits = torch.nn.functional.linear(hidden, self.readout).float()
-            counts = torch.as_tensor([row.options for row in rows], device=self.device)[:, None]
-            invalid = torch.arange(self.contract.MAX_OPTIONS, device=self.device)[None] >= counts
-            probabilities = torch.softmax(logits.masked_fill(invalid, float("-inf")) / self.temperature, dim=-1)
-            values = probabilities.cpu().tolist()
+            return self.readout_probabilities(hidden, rows)
+
+    def readout_probabilities(self, hidden: Any, rows: Sequence[Row]) -> list[list[float]]:
+        """Option probabilities from the last-position hidden states [rows, hidden] of ``rows``.
+
+        (Split out of ``forward`` unchanged so the shared-prefix path, ``runtime/prefix.py``, reads out
+        exactly as a full prompt does.)
+        """
+        torch = self.torch
+        if self.readout_dtype == "float32":
+            logits = hidden.float() @ self.readout.T
+        else:
+            logits = torch.nn.functional.linear(hidden, self.readout).float()
+        counts = torch.as_tensor([row.options for row in rows], device=self.device)[:, None]
+        invalid = torch.arange(self.contract.MAX_OPTIONS, device=self.device)[None] >= counts
+        probabilities = torch.softmax(logits.masked_fill(invalid, float("-inf")) / self.temperature, dim=-1)
+        values = probabilities.cpu().tolist()
         return [value[: row.options] for value, row in zip(values, rows, strict=True)]
 
     def passes(self, prepared: Prepared) -> list[list[Row]]:

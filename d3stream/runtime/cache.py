@@ -1,0 +1,226 @@
+"""A bounded cache of vision-tower features, so the same image in many requests is encoded once.
+
+Each image (and each video) of a request is keyed by
+
+* the content hash of the decoded media (mode, size and pixels of the PIL image; shape and bytes of a
+  video's sampled frames plus its frame indices and frame rate, which set its timestamps),
+* the settings of the processor that turned it into patches (``to_dict()`` of the image or video
+  processor: sizes, pixel budgets, patch and merge sizes, normalisation, ...) and its patch grid,
+* the model it was encoded by (checkpoint directory, identity, device),
+
+so two requests share an entry only when the vision tower would see exactly the same input. Entries are
+the tower's outputs (the merged features, plus Qwen3-VL's deepstack features) and are evicted least
+recently used once their tensors exceed ``max_bytes``; an entry larger than the whole budget is not kept.
+
+Wiring: ``model.media_cache = MediaFeatureCache(max_bytes=..., on_lookup=metrics.count_media_cache)``;
+``D3._features`` then asks the cache for each image and video and encodes only the ones it misses (all
+missing images of a request in one call of the tower, as before). ``stats()`` gives hits, misses,
+evictions, entries and bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class Entry:
+    """The vision-tower output of one image or video."""
+
+    pooled: Any  # [tokens, hidden]
+    deepstack: list[Any] | None  # per deepstack layer: [tokens, hidden] (Qwen3-VL), else None
+    nbytes: int
+
+
+def _tensor_bytes(tensor: Any) -> int:
+    return int(tensor.numel()) * int(tensor.element_size())
+
+
+def settings_digest(processor: Any) -> str:
+    """A digest of a (image or video) processor's settings; any setting that changes patches changes it."""
+    try:
+        settings = processor.to_dict()
+    except Exception:  # noqa: BLE001 - a processor without to_dict: fall back to its attributes
+        settings = dict(vars(processor))
+    settings = {k: v for k, v in settings.items() if not k.startswith("_")}
+    settings["__class__"] = type(processor).__name__
+    text = json.dumps(settings, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def image_digest(image: Any) -> str:
+    """Content hash of a decoded PIL image."""
+    digest = hashlib.sha256()
+    digest.update(f"image|{image.mode}|{image.size[0]}x{image.size[1]}|".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def video_digest(video: Any) -> str:
+    """Content hash of a sampled video: its frames and the metadata that sets their timestamps."""
+    import numpy as np
+
+    frames = np.ascontiguousarray(video.frames)
+    digest = hashlib.sha256()
+    meta = {"shape": list(frames.shape), "dtype": str(frames.dtype), **video.metadata()}
+    digest.update(("video|" + json.dumps(meta, sort_keys=True, default=repr) + "|").encode())
+    digest.update(frames.tobytes())
+    return digest.hexdigest()
+
+
+class MediaFeatureCache:
+    """LRU cache of vision features bounded by the bytes of its tensors. Thread-safe."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, *, on_lookup: Callable[[bool], None] | None = None):
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.max_bytes = int(max_bytes)
+        self.on_lookup = on_lookup
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.encoded = 0  # images and videos run through the vision tower
+
+    # ------------------------------------------------------------------------------------------- store
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def get(self, key: str) -> Entry | None:
+        """The entry (marked most recently used) or None; counts a hit or a miss."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
+        if self.on_lookup is not None:
+            self.on_lookup(entry is not None)
+        return entry
+
+    def put(self, key: str, entry: Entry) -> bool:
+        """Store an entry, evicting the least recently used ones past ``max_bytes``; False when too large."""
+        with self._lock:
+            if entry.nbytes > self.max_bytes:
+                return False
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.bytes -= old.nbytes
+            self._entries[key] = entry
+            self.bytes += entry.nbytes
+            while self.bytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self.bytes -= evicted.nbytes
+                self.evictions += 1
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.bytes = 0
+
+    def stats(self) -> dict[str, Any]:
+        lookups = self.hits + self.misses
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hits / lookups if lookups else None,
+            "evictions": self.evictions,
+            "encoded": self.encoded,
+            "entries": len(self._entries),
+            "bytes": self.bytes,
+            "max_bytes": self.max_bytes,
+        }
+
+    # ---------------------------------------------------------------------------------------- features
+
+    @staticmethod
+    def model_namespace(model: Any) -> str:
+        identity = ((getattr(model, "manifest", None) or {}).get("identity") or {}).get("model_sha256")
+        return f"{getattr(model, 'root', '')}|{identity}|{getattr(model, 'device', '')}"
+
+    def keys(self, model: Any, media: Any, kind: str) -> list[str]:
+        """The cache key of each image (``kind="image"``) or video of a request's media."""
+        grid_name = "image_grid_thw" if kind == "image" else "video_grid_thw"
+        processor = model.processor.image_processor if kind == "image" else model.processor.video_processor
+        settings = settings_digest(processor)
+        items = media.images if kind == "image" else media.videos
+        content = image_digest if kind == "image" else video_digest
+        grids = media.inputs[grid_name].tolist()
+        namespace = self.model_namespace(model)
+        return [
+            hashlib.sha256(f"{namespace}|{kind}|{settings}|{grid}|{content(item)}".encode()).hexdigest()
+            for item, grid in zip(items, grids, strict=True)
+        ]
+
+    def request_features(self, model: Any, media: Any) -> dict[str, Any]:
+        """What ``D3._features`` returns for ``media``, encoding only the images and videos not cached."""
+        features: dict[str, Any] = {}
+        for kind, pixels_name, grid_name in (
+            ("image", "pixel_values", "image_grid_thw"),
+            ("video", "pixel_values_videos", "video_grid_thw"),
+        ):
+            if pixels_name not in media.inputs:
+                continue
+            keys = self.keys(model, media, kind)
+            found: dict[str, Entry] = {}
+            missing: list[int] = []
+            for number, key in enumerate(keys):
+                if key in found or any(keys[m] == key for m in missing):
+                    continue  # the same media twice in one request: encoded (or looked up) once
+                entry = self.get(key)
+                if entry is None:
+                    missing.append(number)
+                else:
+                    found[key] = entry
+            if missing:
+                found.update(self._encode(model, media, kind, pixels_name, grid_name, missing, keys))
+            entries = [found[key] for key in keys]
+            features[kind] = [entry.pooled for entry in entries]
+            if entries and entries[0].deepstack is not None:
+                layers = len(entries[0].deepstack)
+                features[f"{kind}_deepstack"] = [[entry.deepstack[layer] for entry in entries] for layer in range(layers)]
+        return features
+
+    def _encode(
+        self, model: Any, media: Any, kind: str, pixels_name: str, grid_name: str, numbers: list[int], keys: list[str]
+    ) -> dict[str, Entry]:
+        torch = model.torch
+        grid = media.inputs[grid_name]
+        pixels = media.inputs[pixels_name]
+        patches = grid.prod(-1).tolist()
+        starts = [0]
+        for count in patches:
+            starts.append(starts[-1] + int(count))
+        chosen = torch.cat([pixels[starts[n] : starts[n + 1]] for n in numbers])
+        encode = model.backbone.get_image_features if kind == "image" else model.backbone.get_video_features
+        output = encode(chosen.to(model.device), grid[numbers].to(model.device), return_dict=True)
+        pooled = list(output.pooler_output)
+        deep = getattr(output, "deepstack_features", None)
+        self.encoded += len(numbers)
+        made: dict[str, Entry] = {}
+        for position, number in enumerate(numbers):
+            layers = None if deep is None else [layer[position] for layer in deep]
+            if len(numbers) > 1:  # split views would keep the whole batch's output alive: own the bytes counted
+                pooled[position] = pooled[position].clone()
+                layers = None if layers is None else [t.clone() for t in layers]
+            size = _tensor_bytes(pooled[position]) + sum(_tensor_bytes(t) for t in layers or [])
+            entry = Entry(pooled[position], layers, size)
+            self.put(keys[number], entry)
+            made[keys[number]] = entry
+        return made

@@ -1,0 +1,532 @@
+"""Shared-prefix reuse: run the prompt prefix a request's questions share once, then each question's tail.
+
+Every question of a request renders the same prompt up to the end of the state (system turn, images and
+videos, ``State:`` block: ``format.py``), and only the tail (``\\n\\nQuestion: ...``, the options, the
+assistant header) differs. With a **causal** checkpoint the hidden states of that prefix do not depend on
+what follows, so it can run once per request: the prefix pass keeps the backbone's cache (the key/value
+cache of the full-attention layers and the convolution and recurrent states of the Gated DeltaNet layers,
+both carried by transformers' ``DynamicCache``), and each question's suffix then runs on that cache.
+
+Batching. Prefix passes pack the prefixes of many requests (left-padded, exactly as ``D3.forward`` pads
+full prompts). Suffix passes pack suffix rows **across requests**: the cached prefix states of the rows of
+a pass are stacked, the key/value caches left-padded to the longest prefix of the pass (padding masked
+out), the recurrent states need no padding (one fixed-size state per row), and the suffixes are
+right-padded, so padding only ever follows a row's real tokens, which a causal model never reads. Rows are
+grouped by prefix length first, then by suffix length, so little attention is spent on padding.
+
+Safety:
+
+* ``noncausal_full_attention`` checkpoints are refused (``PrefixReuseUnavailable``): there the prefix reads
+  the question, so it cannot be shared.
+* Tokenization boundary: the prompt text is split at ``\\n\\nQuestion:`` and the prefix text tokenized on
+  its own; the request is served from a shared prefix only when those ids (media placeholders expanded)
+  are a true prefix of **every** row's ids. Otherwise (a BPE merge across the split, a custom format that
+  renders differently, media tokens after the split) that request runs with full prompts.
+* Exact replay: with ``verify_every=N`` every Nth question served from a prefix is also run from scratch;
+  ``max |Δp|`` of each check goes to ``on_check`` and ``report()``. A check above ``tolerance`` is logged,
+  the questions of that round are answered again from full prompts, and (``sticky``, the default) the
+  runner serves full prompts from then on.
+
+Requests with fewer than ``min_rows`` rows (default 2) gain nothing from a shared prefix and simply run
+as full prompts, packed under the same token budget.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from ..batching import pack
+from .model import D3, Prepared, RequestMedia, Row, sdpa_backends
+
+log = structlog.get_logger(__name__)
+
+QUESTION_HEADER = "\n\nQuestion:"
+DEFAULT_TOLERANCE = 1e-2
+# Prefix tokens whose cached states one round may hold at once (then the next round starts).
+DEFAULT_ROUND_TOKENS = 65_536
+
+
+class PrefixReuseUnavailable(ValueError):
+    """The checkpoint cannot share a prompt prefix between questions."""
+
+
+def check_supported(model: D3) -> None:
+    """Raise ``PrefixReuseUnavailable`` unless ``model`` reads its prompts causally."""
+    if model.attention_mode != "causal":
+        raise PrefixReuseUnavailable(
+            f"shared-prefix reuse needs a causal checkpoint; this one uses attention_mode="
+            f"{model.attention_mode!r}, where the prefix attends to the question that follows it, so its "
+            "states differ for every question"
+        )
+
+
+@dataclass(eq=False)
+class Plan:
+    """One request split into a shared prefix and one suffix per row."""
+
+    prepared: Prepared
+    ids: list[int]  # prefix token ids, media placeholders expanded
+    positions: Any  # [3, length] multimodal RoPE positions of the prefix; None: 0..length-1
+    media: RequestMedia | None
+    rows: list[Row]
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    def suffix_length(self, row: Row) -> int:
+        return row.length - self.length
+
+
+@dataclass(frozen=True)
+class Check:
+    """One exact-replay comparison: a question served from a prefix, run again from scratch."""
+
+    key: str
+    reversed: bool
+    max_abs_dp: float
+    passed: bool
+
+
+@dataclass(frozen=True)
+class PassInfo:
+    """One forward pass of the runner.
+
+    ``kind``: ``prefix`` (fills caches, answers nothing), ``suffix`` (answers rows from caches), ``full``
+    (answers rows from whole prompts) or ``verify`` (exact-replay check). ``real_tokens`` are the tokens
+    run through the backbone, ``padded_tokens`` the padded grid (rows x longest run). ``attention_pairs``
+    counts the (query, key) pairs causal attention really scores, for FLOP estimates.
+    """
+
+    kind: str
+    rows: int
+    real_tokens: int
+    padded_tokens: int
+    seconds: float
+    attention_pairs: int = 0
+    done: tuple[Row, ...] = ()
+
+
+@dataclass
+class _Prefix:
+    """The cached state of one plan's prefix: per layer ("kv", keys, values) or ("linear", conv, recurrent)."""
+
+    length: int
+    layers: list[tuple[str, Any, Any]]
+
+
+def _pairs(length: int, context: int = 0) -> int:
+    """(query, key) pairs a causal pass scores for ``length`` new tokens after ``context`` cached ones."""
+    return length * context + length * (length + 1) // 2
+
+
+class PrefixRunner:
+    """Answers prepared requests, running each request's shared prompt prefix once."""
+
+    def __init__(
+        self,
+        model: D3,
+        *,
+        max_batch_tokens: int = 4096,
+        max_batch_rows: int = 64,
+        max_cache_tokens: int | None = None,
+        round_tokens: int = DEFAULT_ROUND_TOKENS,
+        verify_every: int = 0,
+        tolerance: float = DEFAULT_TOLERANCE,
+        min_rows: int = 2,
+        sticky: bool = True,
+        on_pass: Callable[[PassInfo], None] | None = None,
+        on_check: Callable[[Check], None] | None = None,
+        on_fallback: Callable[[str, Prepared], None] | None = None,
+    ):
+        check_supported(model)
+        if max_batch_tokens < 1 or max_batch_rows < 1:
+            raise ValueError("max_batch_tokens and max_batch_rows must be positive")
+        if verify_every < 0:
+            raise ValueError("verify_every must be >= 0")
+        self.model = model
+        self.max_batch_tokens = int(max_batch_tokens)
+        self.max_batch_rows = int(max_batch_rows)
+        # Padded cached-plus-new tokens of a suffix pass (memory and attention work of its cache).
+        self.max_cache_tokens = int(max_cache_tokens or 16 * self.max_batch_tokens)
+        self.round_tokens = int(round_tokens)
+        self.verify_every = int(verify_every)
+        self.tolerance = float(tolerance)
+        self.min_rows = max(1, int(min_rows))
+        self.sticky = sticky
+        self.on_pass = on_pass
+        self.on_check = on_check
+        self.on_fallback = on_fallback
+        self.disabled: str | None = None  # why the runner serves full prompts only (after a failed check)
+        self.fallbacks: Counter[str] = Counter()
+        self.checks: list[Check] = []
+        self.counts: Counter[str] = Counter()
+        self._served = 0  # questions served from a prefix, for verify_every
+
+    # ------------------------------------------------------------------------------------ planning
+
+    def _fall_back(self, reason: str, prepared: Prepared) -> None:
+        self.fallbacks[reason] += 1
+        if self.on_fallback is not None:
+            self.on_fallback(reason, prepared)
+
+    def plan(self, prepared: Prepared) -> Plan | None:
+        """The request split at its shared prefix, or None when it must run as full prompts."""
+        rows = list(prepared.rows)
+        if len(rows) < self.min_rows:
+            return None
+        if self.disabled is not None:
+            self._fall_back("disabled", prepared)
+            return None
+        reason = None
+        plan = None
+        try:
+            plan = self._plan(prepared, rows)
+        except _NoPlan as exc:
+            reason = exc.reason
+        if plan is None:
+            self._fall_back(reason or "unknown", prepared)
+        return plan
+
+    def _plan(self, prepared: Prepared, rows: list[Row]) -> Plan:
+        model = self.model
+        if any(row.text is None for row in rows):
+            raise _NoPlan("no_prompt_text")
+        first = rows[0].text
+        cut = first.find(QUESTION_HEADER)
+        if cut <= 0:
+            raise _NoPlan("no_question_header")
+        text = first[:cut]
+        if any(not row.text.startswith(text) for row in rows):
+            raise _NoPlan("prefix_text_differs")
+        ids = list(model.tokenizer(text, add_special_tokens=False)["input_ids"])
+        media = rows[0].media
+        if any(row.media is not media for row in rows):
+            raise _NoPlan("media_differs")
+        if media is not None:
+            ids = model._expand(ids, media)
+        length = len(ids)
+        visual = {model.image_token_id, model.video_token_id} - {None}
+        for row in rows:
+            if row.length <= length:
+                raise _NoPlan("empty_suffix")
+            if row.ids[:length] != ids:
+                raise _NoPlan("tokenization_boundary")
+            if visual and any(token in visual for token in row.ids[length:]):
+                raise _NoPlan("media_in_suffix")
+        positions = None
+        if rows[0].positions is not None:
+            torch = model.torch
+            positions = rows[0].positions[:, :length]
+            if any(row.positions is None or not torch.equal(row.positions[:, :length], positions) for row in rows):
+                raise _NoPlan("positions_differ")
+        return Plan(prepared, ids, positions, media, rows)
+
+    # ------------------------------------------------------------------------------------- running
+
+    def run(self, requests: Iterable[Prepared]) -> dict[Row, list[float]]:
+        """Probabilities of every row of every request (shared prefixes where possible)."""
+        plans: list[Plan] = []
+        full: list[Row] = []
+        for prepared in requests:
+            plan = self.plan(prepared)
+            if plan is None:
+                full += prepared.rows
+                self.counts["requests_full"] += 1
+            else:
+                plans.append(plan)
+        results = self._run_full(full, kind="full")
+        for chunk in self._rounds(plans):
+            results.update(self._run_round(chunk))
+        return results
+
+    def run_one(self, prepared: Prepared) -> dict[Row, list[float]]:
+        return self.run([prepared])
+
+    def _rounds(self, plans: list[Plan]) -> Iterable[list[Plan]]:
+        chunk: list[Plan] = []
+        tokens = 0
+        for plan in plans:
+            if chunk and tokens + plan.length > self.round_tokens:
+                yield chunk
+                chunk, tokens = [], 0
+            chunk.append(plan)
+            tokens += plan.length
+        if chunk:
+            yield chunk
+
+    def _emit(self, info: PassInfo) -> None:
+        if self.on_pass is not None:
+            self.on_pass(info)
+
+    def _run_full(self, rows: list[Row], *, kind: str) -> dict[Row, list[float]]:
+        results: dict[Row, list[float]] = {}
+        for group in pack(rows, lambda row: row.length, self.max_batch_rows, self.max_batch_tokens):
+            started = time.perf_counter()
+            values = self.model.forward(group)
+            seconds = time.perf_counter() - started
+            results.update(zip(group, values, strict=True))
+            lengths = [row.length for row in group]
+            self._emit(
+                PassInfo(kind, len(group), sum(lengths), len(group) * max(lengths), seconds,
+                         sum(_pairs(n) for n in lengths), tuple(group) if kind == "full" else ())
+            )
+        if kind == "full":
+            self.counts["rows_full"] += len(rows)
+        return results
+
+    def _run_round(self, plans: list[Plan]) -> dict[Row, list[float]]:
+        states: dict[Plan, _Prefix] = {}
+        for group in pack(plans, lambda plan: plan.length, self.max_batch_rows, self.max_batch_tokens):
+            states.update(self._prefix_pass(group))
+        items = [(plan, row) for plan in plans for row in plan.rows]
+        results: dict[Row, list[float]] = {}
+        for group in self._pack_suffixes(items):
+            results.update(self._suffix_pass(group, states))
+        states.clear()
+        self.counts["prefix_tokens"] += sum(plan.length for plan in plans)
+        self.counts["suffix_tokens"] += sum(plan.suffix_length(row) for plan, row in items)
+
+        if self.verify_every:
+            chosen = []
+            for _, row in items:
+                if self._served % self.verify_every == 0:
+                    chosen.append(row)
+                self._served += 1
+            if chosen and not self._verify(chosen, results):
+                if self.sticky:
+                    self.disabled = self.disabled or (
+                        f"an exact-replay check differed from full prompts by more than {self.tolerance:g}"
+                    )
+                for plan in plans:
+                    self._fall_back("verify_failed", plan.prepared)
+                self.counts["requests_full"] += len(plans)
+                return self._run_full([row for _, row in items], kind="full")
+        else:
+            self._served += len(items)
+        self.counts["requests_reused"] += len(plans)
+        self.counts["rows_reused"] += len(items)
+        self.counts["saved_tokens"] += sum(plan.length * (len(plan.rows) - 1) for plan in plans)
+        return results
+
+    def _verify(self, rows: list[Row], results: dict[Row, list[float]]) -> bool:
+        exact = self._run_full(rows, kind="verify")
+        passed = True
+        for row in rows:
+            delta = max(abs(a - b) for a, b in zip(results[row], exact[row], strict=True))
+            check = Check(row.key, row.reversed, delta, delta <= self.tolerance)
+            self.checks.append(check)
+            if self.on_check is not None:
+                self.on_check(check)
+            if not check.passed:
+                passed = False
+                log.warning(
+                    "shared-prefix reuse differs from the full prompt; falling back to full prompts",
+                    question=row.key, max_abs_dp=round(delta, 6), tolerance=self.tolerance,
+                )
+        return passed
+
+    # -------------------------------------------------------------------------------------- passes
+
+    def _prefix_pass(self, group: list[Plan]) -> dict[Plan, _Prefix]:
+        """Run the prefixes of ``group`` (left-padded) and keep each one's cached states."""
+        from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
+
+        model, torch = self.model, self.model.torch
+        started = time.perf_counter()
+        with torch.inference_mode(), sdpa_backends(model.device):
+            for plan in group:
+                if plan.media is not None:
+                    model._features(plan.media)
+            width = max(plan.length for plan in group)
+            ids = torch.full((len(group), width), model.pad_id, dtype=torch.long)
+            present = torch.zeros((len(group), width), dtype=torch.long)
+            positions = torch.zeros((3, len(group), width), dtype=torch.long)
+            for number, plan in enumerate(group):
+                start = width - plan.length
+                ids[number, start:] = torch.as_tensor(plan.ids, dtype=torch.long)
+                present[number, start:] = 1
+                positions[:, number, start:] = torch.arange(plan.length) if plan.positions is None else plan.positions
+            ids, present, positions = (t.to(model.device, non_blocking=True) for t in (ids, present, positions))
+            carriers = [Row("prefix", plan.ids, 1, plan.media, plan.positions) for plan in group]
+            cache = DynamicCache(config=model.backbone.config)
+            model.backbone(
+                input_ids=ids,
+                attention_mask=present,
+                position_ids=positions,
+                mm_encoder_outputs=model._encoder_outputs(carriers),
+                cache=cache,
+                use_cache=True,
+            )
+            states: dict[Plan, _Prefix] = {}
+            for number, plan in enumerate(group):
+                pad = width - plan.length
+                layers: list[tuple[str, Any, Any]] = []
+                for layer in cache.layers:
+                    linear = isinstance(layer, LinearAttentionCacheLayerMixin)
+                    if linear and isinstance(layer, CacheLayerMixin):
+                        raise NotImplementedError(f"cache layers of type {type(layer).__name__} are not supported")
+                    if linear:
+                        if layer.number_of_states != 1:
+                            raise NotImplementedError("linear-attention layers with several states are not supported")
+                        layers.append(("linear", layer.conv_states[0][number], layer.recurrent_states[0][number]))
+                    else:
+                        layers.append(("kv", layer.keys[number, :, pad:], layer.values[number, :, pad:]))
+                states[plan] = _Prefix(plan.length, layers)
+            model.synchronize()
+        lengths = [plan.length for plan in group]
+        self._emit(PassInfo("prefix", len(group), sum(lengths), len(group) * width, time.perf_counter() - started,
+                            sum(_pairs(n) for n in lengths)))
+        return states
+
+    def _pack_suffixes(self, items: list[tuple[Plan, Row]]) -> list[list[tuple[Plan, Row]]]:
+        """Suffix passes: rows with similar prefix lengths together, then similar suffix lengths."""
+
+        def bucket(plan: Plan) -> int:
+            return int(2 * math.log2(plan.length))  # prefix lengths within a factor of about 1.4
+
+        ordered = sorted(items, key=lambda item: (bucket(item[0]), item[0].suffix_length(item[1])), reverse=True)
+        passes: list[list[tuple[Plan, Row]]] = []
+        current: list[tuple[Plan, Row]] = []
+        longest = context = 0
+        for plan, row in ordered:
+            size = plan.suffix_length(row)
+            grown_longest, grown_context = max(longest, size), max(context, plan.length)
+            if current and (
+                len(current) >= self.max_batch_rows
+                or (len(current) + 1) * grown_longest > self.max_batch_tokens
+                or (len(current) + 1) * (grown_context + grown_longest) > self.max_cache_tokens
+            ):
+                passes.append(current)
+                current, grown_longest, grown_context = [], size, plan.length
+            current.append((plan, row))
+            longest, context = grown_longest, grown_context
+        if current:
+            passes.append(current)
+        return passes
+
+    def _suffix_pass(self, group: list[tuple[Plan, Row]], states: dict[Plan, _Prefix]) -> dict[Row, list[float]]:
+        """Answer the rows of ``group`` from their plans' cached prefixes (right-padded suffixes)."""
+        from transformers.cache_utils import DynamicCache
+
+        model, torch = self.model, self.model.torch
+        device = model.device
+        started = time.perf_counter()
+        with torch.inference_mode(), sdpa_backends(device):
+            unique: list[Plan] = []
+            slot: dict[Plan, int] = {}
+            for plan, _ in group:
+                if plan not in slot:
+                    slot[plan] = len(unique)
+                    unique.append(plan)
+            index = torch.as_tensor([slot[plan] for plan, _ in group], dtype=torch.long, device=device)
+            context = max(plan.length for plan in unique)
+            cache = DynamicCache(config=model.backbone.config)
+            for number, (kind, *_) in enumerate(states[unique[0]].layers):
+                if kind == "kv":
+                    keys = [states[plan].layers[number][1] for plan in unique]
+                    values = [states[plan].layers[number][2] for plan in unique]
+                    heads, _, width = keys[0].shape
+                    stacked_k = keys[0].new_zeros((len(unique), heads, context, width))
+                    stacked_v = values[0].new_zeros((len(unique), heads, context, values[0].shape[-1]))
+                    for u, plan in enumerate(unique):
+                        stacked_k[u, :, context - plan.length :] = keys[u]
+                        stacked_v[u, :, context - plan.length :] = values[u]
+                    cache.update(stacked_k.index_select(0, index), stacked_v.index_select(0, index), number)
+                else:
+                    conv = torch.stack([states[plan].layers[number][1] for plan in unique]).index_select(0, index)
+                    recurrent = torch.stack([states[plan].layers[number][2] for plan in unique]).index_select(0, index)
+                    # A fresh layer takes the first conv state as a prefill (no concatenation): exactly ours.
+                    cache.update_conv_state(conv, number, conv_kernel_size=conv.shape[-1])
+                    cache.update_recurrent_state(recurrent, number)
+
+            lengths = [plan.suffix_length(row) for plan, row in group]
+            longest = max(lengths)
+            ids = torch.full((len(group), longest), model.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(group), context + longest), dtype=torch.long)
+            positions = torch.zeros((3, len(group), longest), dtype=torch.long)
+            for number, ((plan, row), length) in enumerate(zip(group, lengths, strict=True)):
+                ids[number, :length] = torch.as_tensor(row.ids[plan.length :], dtype=torch.long)
+                mask[number, context - plan.length : context + length] = 1
+                positions[:, number, :length] = (
+                    torch.arange(plan.length, row.length) if row.positions is None else row.positions[:, plan.length :]
+                )
+            ids, mask, positions = (t.to(device, non_blocking=True) for t in (ids, mask, positions))
+            hidden = model.backbone(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+            ).last_hidden_state
+            last = torch.as_tensor(lengths, device=device) - 1
+            hidden = hidden[torch.arange(len(group), device=device), last]
+            rows = [row for _, row in group]
+            values = model.readout_probabilities(hidden, rows)
+        self._emit(
+            PassInfo("suffix", len(group), sum(lengths), len(group) * longest, time.perf_counter() - started,
+                     sum(_pairs(n, plan.length) for (plan, _), n in zip(group, lengths, strict=True)), tuple(rows))
+        )
+        return dict(zip(rows, values, strict=True))
+
+    # ------------------------------------------------------------------------------------- records
+
+    @property
+    def max_abs_dp(self) -> float | None:
+        return max((check.max_abs_dp for check in self.checks), default=None)
+
+    def report(self) -> dict[str, Any]:
+        """Counters for metrics and benchmark reports."""
+        return {
+            "enabled": self.disabled is None,
+            "disabled_reason": self.disabled,
+            "verify_every": self.verify_every,
+            "tolerance": self.tolerance,
+            "requests_reused": self.counts["requests_reused"],
+            "requests_full": self.counts["requests_full"],
+            "rows_reused": self.counts["rows_reused"],
+            "rows_full": self.counts["rows_full"],
+            "prefix_tokens": self.counts["prefix_tokens"],
+            "suffix_tokens": self.counts["suffix_tokens"],
+            "saved_tokens": self.counts["saved_tokens"],
+            "checks": len(self.checks),
+            "failed_checks": sum(not check.passed for check in self.checks),
+            "max_abs_dp": self.max_abs_dp,
+            "fallbacks": dict(self.fallbacks),
+        }
+
+    def provenance(self) -> dict[str, Any]:
+        """What the lead can merge into the model's provenance record when the runner serves answers."""
+        return {
+            "shared_prefix_reuse": {
+                "split": QUESTION_HEADER,
+                "policy": "the prompt prefix up to the question header runs once per request when its token ids "
+                "are a true prefix of every question's ids; each question's suffix runs on its cached states "
+                "(full-attention key/value cache, Gated DeltaNet convolution and recurrent states); causal "
+                "checkpoints only",
+                "min_rows": self.min_rows,
+                "verify_every": self.verify_every,
+                "tolerance": self.tolerance,
+            }
+        }
+
+
+class _NoPlan(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def reuse_probabilities(
+    model: D3, requests: Sequence[Prepared], **options: Any
+) -> tuple[dict[Row, list[float]], PrefixRunner]:
+    """One-shot helper: run ``requests`` through a fresh ``PrefixRunner(model, **options)``."""
+    runner = PrefixRunner(model, **options)
+    return runner.run(requests), runner
