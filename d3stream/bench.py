@@ -92,9 +92,12 @@ class _Text:
     """Seeded filler text of about a given number of tokens."""
 
     def __init__(self, rng: Any, tokenizer: Any):
+        import numpy as np
+
+        self.rng = np.random.default_rng(12345)  # a sample of the generator's own text sets tokens per word
+        sample = self.words(4000)
+        self.tokens_per_word = len(tokenizer(sample, add_special_tokens=False)["input_ids"]) / 4000
         self.rng = rng
-        sample = " ".join(_WORDS[i % len(_WORDS)] for i in range(2000))
-        self.tokens_per_word = len(tokenizer(sample, add_special_tokens=False)["input_ids"]) / 2000
 
     def words(self, count: int) -> str:
         picked = self.rng.choice(len(_WORDS), size=max(1, count))
@@ -724,11 +727,21 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
     """Load the model, calibrate, run the chosen workloads; returns (report keyed by workload, calibration)."""
     import torch
 
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run_bench(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    import torch
+
     from .runtime import D3
     from .service import default_token_budget
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("d3stream bench: --device cuda but torch sees no CUDA device")

@@ -212,8 +212,11 @@ class ExactlyOnce:
 
     async def flush(self, partitions: Sequence[Any] | None = None) -> None:
         async with self._lock:
-            for partition, point in self.tracker.committable(partitions).items():
-                await self._commit_partition(partition, point)
+            # Each partition has its own producer: their transactions commit side by side.
+            await asyncio.gather(
+                *(self._commit_partition(partition, point)
+                  for partition, point in self.tracker.committable(partitions).items())
+            )
 
     async def _commit_partition(self, partition: Any, point: int) -> None:
         from aiokafka.errors import KafkaError, ProducerFenced

@@ -288,6 +288,7 @@ class Service:
     async def _consume(self) -> None:
         settings = self.settings
         next_commit = time.monotonic() + settings.commit_interval_ms / 1000
+        flushing: asyncio.Task | None = None
         while not self._stop.is_set():
             room = max(1, settings.max_inflight_requests - self._inflight_requests)
             batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
@@ -303,12 +304,18 @@ class Service:
             self._apply_backpressure()
             self.metrics.set_in_flight(self._inflight_requests, self._inflight_questions, self._inflight_tokens)
             self.metrics.set_paused(self._paused)
-            if time.monotonic() >= next_commit:
-                await self.delivery.flush()
-                await self._report_lag()
+            if time.monotonic() >= next_commit and (flushing is None or flushing.done()):
+                # Committing runs beside consumption: a transaction's round trips must not stall fetching.
+                flushing = asyncio.create_task(self._flush_and_report())
+                next_commit = time.monotonic() + settings.commit_interval_ms / 1000
             if await self._finished():
                 break
-                next_commit = time.monotonic() + settings.commit_interval_ms / 1000
+        if flushing is not None:
+            await flushing
+
+    async def _flush_and_report(self) -> None:
+        await self.delivery.flush()
+        await self._report_lag()
 
     async def _report_lag(self) -> None:
         for partition in self.consumer.assignment():
