@@ -301,12 +301,12 @@ async def run_chaos(
 
 
 def iter_table(report: dict[str, Any]) -> Iterator[str]:
-    yield f"{'mode':<22}{report['mode']}"
+    yield f"{'mode':<26}{report['mode']}"
     for key in ("sent", "answered", "duplicated", "lost", "dead_letters", "restarts", "broker_restarts",
                 "store_outages", "seconds"):
-        yield f"{key:<22}{report[key]}"
+        yield f"{key:<26}{report[key]}"
     for code, count in report["errors_by_code"].items():
-        yield f"{'error ' + code:<22}{count}"
+        yield f"{'error ' + code:<26}{count}"
 
 
 # -------------------------------------------------------------------------------- what a mode costs
