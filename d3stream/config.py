@@ -55,6 +55,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     permutation_average: bool = False
     warmup: bool = False
     max_prompt_tokens: int | None = 32_768
+    torch_threads: int | None = None
     # Batching and backpressure
     max_batch_rows: int = 64
     max_batch_tokens: int | None = None
@@ -108,6 +109,8 @@ HELP: dict[str, str] = {
     "permutation_average": "score choice questions in both option orders and average (requests may ask too)",
     "max_prompt_tokens": "longest question prompt served (tighter of this and the checkpoint's own limit); "
     "longer ones get max_length_exceeded, never truncated",
+    "torch_threads": "intra-op threads for CPU inference (default: torch's choice); on a shared CPU leave a "
+    "core to the event loop and Kafka clients, or passes slow down many times over",
     "warmup": "run the model over a spread of batch shapes before consuming",
     "max_batch_rows": "most question prompts in one forward pass",
     "max_batch_tokens": "most padded tokens (rows x longest prompt) in one pass; default 16384 on GPU, 4096 on CPU",

@@ -116,6 +116,10 @@ class Service:
         self.settings = settings
         self.model = model
         self.metrics = metrics or Metrics()
+        if settings.torch_threads:
+            import torch
+
+            torch.set_num_threads(settings.torch_threads)
         if hasattr(model, "limit_prompt_tokens"):
             model.limit_prompt_tokens(settings.max_prompt_tokens)
         self.fetcher = fetcher or MediaFetcher(
