@@ -117,15 +117,11 @@ class BatchScheduler(Generic[T]):
 
     async def submit(self, rows: Sequence[T]) -> list[tuple[Any, PassRecord]]:
         """Each row's result and the pass it ran in; raises what ``run`` raised for a row that fails alone."""
-        if self._closing:
-            raise RuntimeError("the batch scheduler is closed")
-        self.start()
-        loop = asyncio.get_running_loop()
-        now = time.perf_counter()
-        waiting = [_Waiting(row, loop.create_future(), now) for row in rows]
-        self._waiting.extend(waiting)
-        self._arrived.set()
-        return list(await asyncio.gather(*(w.future for w in waiting)))
+        outcomes = await self.submit_each(rows)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes  # type: ignore[return-value]
 
     async def submit_each(self, rows: Sequence[T]) -> list[tuple[Any, PassRecord] | BaseException]:
         """Like ``submit``, but a row that fails alone gets its exception in its slot instead of raising."""

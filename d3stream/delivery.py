@@ -105,10 +105,8 @@ class Outgoing:
     value: bytes
 
 
-class AtLeastOnce:
-    """Publish each answer at once (idempotent producer); commit offsets behind the acknowledgements."""
-
-    mode = "at_least_once"
+class _Delivery:
+    """What both modes share: where producers come from, whose offsets they commit, what they count."""
 
     def __init__(
         self, *, producer_factory: Any, consumer: Any, tracker: OffsetTracker, group_id: str, metrics: Any = None
@@ -116,10 +114,26 @@ class AtLeastOnce:
         self._factory = producer_factory
         self.consumer = consumer
         self.tracker = tracker
+        self.group_id = group_id
         self.metrics = metrics
-        self.producer: Any = None
         self.commits = 0
         self.aborts = 0
+
+    def _counted_commit(self, ok: bool = True) -> None:
+        if ok:
+            self.commits += 1
+        if self.metrics is not None:
+            self.metrics.count_commit(ok=ok)
+
+
+class AtLeastOnce(_Delivery):
+    """Publish each answer at once (idempotent producer); commit offsets behind the acknowledgements."""
+
+    mode = "at_least_once"
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.producer: Any = None
 
     async def start(self) -> None:
         self.producer = self._factory(None)
@@ -147,13 +161,10 @@ class AtLeastOnce:
             await self.consumer.commit(offsets)
         except KafkaError as exc:  # a rebalance in progress: the next owner starts from the last commit
             log.warning("commit failed", error=f"{type(exc).__name__}: {exc}")
-            if self.metrics is not None:
-                self.metrics.count_commit(ok=False)
+            self._counted_commit(ok=False)
             return
         self.tracker.committed(offsets)
-        self.commits += 1
-        if self.metrics is not None:
-            self.metrics.count_commit()
+        self._counted_commit()
 
     async def assigned(self, partitions: Sequence[Any]) -> None:
         return None
@@ -162,25 +173,17 @@ class AtLeastOnce:
         return None
 
 
-class ExactlyOnce:
+class ExactlyOnce(_Delivery):
     """Answers and offsets of each partition commit together, in transactions fenced per partition."""
 
     mode = "exactly_once"
 
-    def __init__(
-        self, *, producer_factory: Any, consumer: Any, tracker: OffsetTracker, group_id: str, metrics: Any = None
-    ):
-        self._factory = producer_factory
-        self.consumer = consumer
-        self.tracker = tracker
-        self.group_id = group_id
-        self.metrics = metrics
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
         self._producers: dict[Any, Any] = {}
         self._pending: dict[Any, dict[int, list[Outgoing]]] = {}
         self._plain: Any = None  # for records outside any partition's transaction (provenance)
         self._lock = asyncio.Lock()
-        self.commits = 0
-        self.aborts = 0
 
     async def start(self) -> None:
         self._plain = self._factory(None)
@@ -261,9 +264,7 @@ class ExactlyOnce:
         for offset in ready:
             pending.pop(offset, None)
         self.tracker.committed({partition: point})
-        self.commits += 1
-        if self.metrics is not None:
-            self.metrics.count_commit()
+        self._counted_commit()
         log.debug("committed", partition=str(partition), offset=point, answers=len(ready),
                   ms=round((time.perf_counter() - started) * 1e3, 1))
 
