@@ -41,6 +41,7 @@ class _Progress:
     index: dict[int, list] = field(default_factory=dict)
     last: int = -1
     committed: int | None = None
+    epoch: int = 0  # which assignment of the partition this progress belongs to
 
 
 class OffsetTracker:
@@ -48,21 +49,32 @@ class OffsetTracker:
 
     def __init__(self) -> None:
         self._partitions: dict[Any, _Progress] = {}
+        self._epochs = 0
 
-    def add(self, partition: Any, offset: int) -> None:
-        progress = self._partitions.setdefault(partition, _Progress())
+    def add(self, partition: Any, offset: int) -> int:
+        """Track an offset read from ``partition``; returns the assignment epoch its work belongs to."""
+        progress = self._partitions.get(partition)
+        if progress is None:
+            self._epochs += 1
+            progress = self._partitions[partition] = _Progress(epoch=self._epochs)
         entry = [offset, False]
         progress.entries.append(entry)
         progress.index[offset] = entry
         progress.last = max(progress.last, offset)
+        return progress.epoch
 
-    def owns(self, partition: Any) -> bool:
-        return partition in self._partitions
-
-    def done(self, partition: Any, offset: int) -> None:
+    def owns(self, partition: Any, epoch: int | None = None) -> bool:
+        """Whether the partition is (still) assigned, and with ``epoch``, in that same assignment: work
+        begun before a revocation must not be committed after the partition comes back."""
         progress = self._partitions.get(partition)
-        entry = progress.index.pop(offset, None) if progress else None
-        if entry is None:  # the partition was revoked meanwhile: not ours to commit any more
+        return progress is not None and (epoch is None or progress.epoch == epoch)
+
+    def done(self, partition: Any, offset: int, epoch: int | None = None) -> None:
+        if not self.owns(partition, epoch):
+            return  # revoked meanwhile: not ours to commit any more
+        progress = self._partitions[partition]
+        entry = progress.index.pop(offset, None)
+        if entry is None:
             return
         entry[1] = True
         while progress.entries and progress.entries[0][1]:
@@ -146,10 +158,10 @@ class AtLeastOnce(_Delivery):
     async def publish(self, record: Outgoing) -> None:
         await send_with_retries(self.producer, record, self.metrics)
 
-    async def deliver(self, partition: Any, offset: int, records: list[Outgoing]) -> None:
+    async def deliver(self, partition: Any, offset: int, records: list[Outgoing], epoch: int | None = None) -> None:
         for record in records:
             await send_with_retries(self.producer, record, self.metrics)
-        self.tracker.done(partition, offset)
+        self.tracker.done(partition, offset, epoch)
 
     async def flush(self, partitions: Sequence[Any] | None = None) -> None:
         from aiokafka.errors import KafkaError
@@ -184,6 +196,7 @@ class ExactlyOnce(_Delivery):
         self._pending: dict[Any, dict[int, list[Outgoing]]] = {}
         self._plain: Any = None  # for records outside any partition's transaction (provenance)
         self._lock = asyncio.Lock()
+        self._creating: dict[Any, asyncio.Future] = {}
 
     async def start(self) -> None:
         self._plain = self._factory(None)
@@ -199,18 +212,29 @@ class ExactlyOnce(_Delivery):
     async def publish(self, record: Outgoing) -> None:
         await send_with_retries(self._plain, record, self.metrics)
 
-    async def deliver(self, partition: Any, offset: int, records: list[Outgoing]) -> None:
-        if not self.tracker.owns(partition):
+    async def deliver(self, partition: Any, offset: int, records: list[Outgoing], epoch: int | None = None) -> None:
+        if not self.tracker.owns(partition, epoch):
             return  # revoked while this request ran: the new owner answers it, in its own transaction
         self._pending.setdefault(partition, {})[offset] = records
-        self.tracker.done(partition, offset)
+        self.tracker.done(partition, offset, epoch)
 
     async def _producer(self, partition: Any) -> Any:
-        producer = self._producers.get(partition)
-        if producer is None:
-            producer = self._factory(partition)
-            await producer.start()  # init_transactions: fences any older producer of this partition
-            self._producers[partition] = producer
+        # One creation per partition even when a flush and the rebalance callback ask at once: a second
+        # producer with the same transactional id would fence the first, i.e. this worker itself.
+        creating = self._creating.get(partition)
+        if creating is None:
+            creating = self._creating[partition] = asyncio.ensure_future(self._create_producer(partition))
+        try:
+            return await asyncio.shield(creating)
+        except BaseException:
+            if self._creating.get(partition) is creating and creating.done():
+                self._creating.pop(partition, None)
+            raise
+
+    async def _create_producer(self, partition: Any) -> Any:
+        producer = self._factory(partition)
+        await producer.start()  # init_transactions: fences any older producer of this partition
+        self._producers[partition] = producer
         return producer
 
     async def flush(self, partitions: Sequence[Any] | None = None) -> None:
@@ -269,6 +293,7 @@ class ExactlyOnce(_Delivery):
                   ms=round((time.perf_counter() - started) * 1e3, 1))
 
     async def _discard(self, partition: Any) -> None:
+        self._creating.pop(partition, None)
         producer = self._producers.pop(partition, None)
         if producer is not None:
             await _quietly_stop(producer)

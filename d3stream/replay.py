@@ -231,11 +231,11 @@ class FileSink:
     async def publish(self, record: Outgoing) -> None:
         return None  # the provenance record lives on the provenance topic of live workers
 
-    async def deliver(self, partition: Any, offset: int, records: list[Outgoing]) -> None:
+    async def deliver(self, partition: Any, offset: int, records: list[Outgoing], epoch: int | None = None) -> None:
         for record in records:
             if record.topic == "__answers__":
                 self._handle.write(record.value + b"\n")
-        self.tracker.done(partition, offset)
+        self.tracker.done(partition, offset, epoch)
 
     async def flush(self, partitions: Sequence[Any] | None = None) -> None:
         from aiokafka.errors import KafkaError

@@ -176,7 +176,7 @@ class Service:
         settings = self.settings
         security = kafka_security(settings)
         if settings.create_topics:
-            await self._ensure_topics(security)
+            await self._connecting(self._ensure_topics(security))
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=settings.bootstrap_servers,
             client_id=settings.client_id,
@@ -212,10 +212,10 @@ class Service:
             group_id=settings.group_id,
             metrics=self.metrics,
         )
-        await self.delivery.start()
+        await self._connecting(self.delivery.start())
         try:
             await self._publish_provenance()
-            await self.consumer.start()
+            await self._connecting(self.consumer.start())
             await self._subscribe()
             try:
                 self.ready = True
@@ -238,6 +238,25 @@ class Service:
             self._prepare_executor.shutdown(wait=True)
             self.fetcher.close()
             log.info("stopped", **self.counts)
+
+    async def _connecting(self, step: Any) -> Any:
+        """Run a start-up step that connects to Kafka; a refusal becomes an error that names the knobs."""
+        from aiokafka.errors import KafkaConnectionError, KafkaError
+
+        settings = self.settings
+        try:
+            return await step
+        except (KafkaConnectionError, KafkaError) as exc:
+            hint = (
+                f"SASL authentication ({settings.sasl_mechanism}) may have been refused: check sasl_username and "
+                "sasl_password (a wrong password closes the connection during the handshake)"
+                if settings.security_protocol.startswith("SASL")
+                else "check bootstrap_servers and security_protocol"
+            )
+            raise ConnectionError(
+                f"cannot connect to Kafka at {settings.bootstrap_servers} "
+                f"(security_protocol={settings.security_protocol}): {hint}. Cause: {type(exc).__name__}: {exc}"
+            ) from exc
 
     # Hooks a replay (replay.py) overrides; the live service reads the topics from the committed offsets on.
 
@@ -300,9 +319,9 @@ class Service:
                 for record in records:
                     if not self._accept(partition, record):
                         continue
-                    self.tracker.add(partition, record.offset)
+                    epoch = self.tracker.add(partition, record.offset)
                     self._inflight_requests += 1
-                    task = asyncio.create_task(self._serve(partition, record))
+                    task = asyncio.create_task(self._serve(partition, record, epoch))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
             self._apply_backpressure()
@@ -362,14 +381,14 @@ class Service:
 
     # ------------------------------------------------------------------------------- one request
 
-    async def _serve(self, partition: Any, record: Any) -> None:
+    async def _serve(self, partition: Any, record: Any, epoch: int | None = None) -> None:
         current_record.set((partition, record.offset))
         try:
-            await self._serve_record(partition, record)
+            await self._serve_record(partition, record, epoch)
         finally:
             self._request_finished(partition, record.offset)
 
-    async def _serve_record(self, partition: Any, record: Any) -> None:
+    async def _serve_record(self, partition: Any, record: Any, epoch: int | None = None) -> None:
         work = _Work(
             source=Source(
                 topic=record.topic, partition=record.partition, offset=record.offset, timestamp=record.timestamp
@@ -390,7 +409,7 @@ class Service:
         records = [*work.extra, Outgoing(self.settings.answer_topic, answer.id.encode(), encode(answer))]
         try:
             publishing = time.perf_counter()
-            await self.delivery.deliver(partition, record.offset, records)
+            await self.delivery.deliver(partition, record.offset, records, epoch)
             self.metrics.observe_stage("publish", time.perf_counter() - publishing)
             self.metrics.observe_stage("end_to_end", time.perf_counter() - work.received)
         except Exception:

@@ -159,7 +159,8 @@ class MediaFetcher:
                 config=Config(
                     connect_timeout=options["connect_timeout"],
                     read_timeout=options["read_timeout"],
-                    retries={"max_attempts": options["max_attempts"], "mode": "standard"},
+                    # total_max_attempts counts the first try too (botocore's max_attempts counts retries)
+                    retries={"total_max_attempts": options["max_attempts"], "mode": "standard"},
                     s3={"addressing_style": "path"},
                     signature_version="s3v4",
                 ),
