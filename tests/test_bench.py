@@ -1,0 +1,95 @@
+"""``d3stream bench`` (d3stream/bench.py): structure of its report on a tiny checkpoint, never its speed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from d3stream import bench
+
+PATH_KEYS = {
+    "seconds", "questions", "questions_per_s", "requests_per_s", "input_tokens_per_s", "computed_tokens_per_s",
+    "real_tokens", "padded_tokens", "real_over_padded", "passes", "model_tflops_per_s", "mfu", "peak_rss_mb",
+    "peak_cuda_mb", "latency", "media_cache",
+}
+RATIOS = {"b_over_a", "b_over_peak", "c_over_b", "real_over_padded", "max_abs_dp"}
+
+
+def test_bench_small_json(qwen35_checkpoint, capsys, tmp_path):
+    markdown = tmp_path / "bench.md"
+    code = bench.main([
+        "--workload", "small", "--json", "--checkpoint", str(qwen35_checkpoint), "--device", "cpu",
+        "--requests", "20", "--sweep", "quick", "--no-progress", "--markdown", str(markdown),
+        "--threads", "1",  # quick on a busy machine (the thread count is restored afterwards)
+    ])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == {"small"}
+    entry = report["small"]
+    assert RATIOS <= set(entry) and {"a", "b", "c", "workload", "setup", "calibration"} <= set(entry)
+    for path in "abc":
+        figures = entry[path]
+        assert PATH_KEYS <= set(figures), path
+        assert figures["questions"] == entry["workload"]["questions"] > 20  # 1-3 questions per request
+        assert figures["questions_per_s"] > 0 and figures["input_tokens_per_s"] > 0
+        assert 0 < figures["real_over_padded"] <= 1
+        latency = figures["latency"]
+        assert 0 < latency["p50_ms"] <= latency["p99_ms"]
+        assert latency["rate_rps"] == entry["a"]["latency"]["rate_rps"]  # one arrival process for all paths
+        assert figures["peak_rss_mb"] > 0 and figures["peak_cuda_mb"] is None
+    assert entry["a"]["media_cache"] is None
+    assert entry["c"]["prefix"]["requests_reused"] + entry["c"]["prefix"]["requests_full"] == 20
+    assert entry["b_over_a"] == pytest.approx(entry["b"]["questions_per_s"] / entry["a"]["questions_per_s"], rel=1e-2)
+    assert entry["c_over_b"] > 0 and entry["b_over_peak"] > 0
+    assert entry["real_over_padded"] == entry["b"]["real_over_padded"]
+    assert 0 <= entry["max_abs_dp"] <= 1e-2
+    assert entry["calibration"]["peak_tokens_per_s"] > 0 and entry["calibration"]["max_batch_tokens"] > 0
+    assert entry["workload"]["prompt_tokens"]["min"] >= 50 and entry["workload"]["prompt_tokens"]["max"] <= 450
+    table = markdown.read_text()
+    assert "| small | a reference" in table and "b ÷ a" in table
+
+
+def test_register_adds_the_command():
+    parser = argparse.ArgumentParser(prog="d3stream")
+    bench.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--workload", "long-state", "--calibrate", "--device", "cpu"])
+    assert args.run is bench._run and args.workload == "long-state" and args.calibrate
+
+
+def test_workloads_are_seeded_and_shaped(qwen35_text_model):
+    tokenizer = qwen35_text_model.tokenizer
+    small = bench.make_workload("small", 30, 0, tokenizer)
+    assert [r.state for r in small] == [r.state for r in bench.make_workload("small", 30, 0, tokenizer)]
+    assert [r.state for r in small] != [r.state for r in bench.make_workload("small", 30, 1, tokenizer)]
+    assert all(1 <= len(r.questions) <= 3 and not r.images for r in small)
+    long = bench.make_workload("long-state", 2, 0, tokenizer)
+    assert all(len(r.questions) == 10 for r in long)
+    tokens = len(tokenizer(long[0].state, add_special_tokens=False)["input_ids"])
+    assert 1700 <= tokens <= 2300
+    images = bench.make_workload("images", 10, 0, tokenizer)
+    assert all(1 <= len(r.images) <= 4 for r in images)
+    sizes = {image.size for r in images for image in r.images}
+    assert len(sizes) > 2
+    mixed = bench.make_workload("mixed", 40, 0, tokenizer)
+    assert {r.kind for r in mixed} >= {"small", "long-state", "images"}
+
+
+def test_percentile_is_nearest_rank():
+    values = list(range(1, 101))
+    assert bench.percentile(values, 0.5) == 50 and bench.percentile(values, 0.99) == 99
+    assert bench.percentile([7.0], 0.99) == 7.0 and bench.percentile([], 0.5) is None
+
+
+def test_best_seconds_takes_each_pass_at_its_fastest():
+    def tally(*seconds):
+        t = bench.Tally()
+        for n, value in enumerate(seconds):
+            t.add("batch", [10 + n], value)
+        return t
+
+    # Two rounds of the same passes: 1 + 1 (fastest of each) + 0.5 (least time between passes).
+    assert bench.best_seconds([tally(1.0, 3.0), tally(2.0, 1.0)], [4.5, 4.0]) == pytest.approx(2.5)
+    # Rounds that ran different passes: the fastest wall time.
+    assert bench.best_seconds([tally(1.0), tally(1.0, 1.0)], [3.0, 2.5]) == 2.5
