@@ -196,7 +196,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     chaos.add_argument("--rate", type=float, default=100.0, help="arrival rate for the latency run of --delivery-costs")
     chaos.set_defaults(run=_chaos)
 
-    from . import compare, replay
+    from . import bench, compare, replay
 
+    bench.register(commands)
     compare.register(commands)
     replay.register(commands)
