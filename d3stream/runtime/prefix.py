@@ -102,7 +102,10 @@ class PassInfo:
     ``kind``: ``prefix`` (fills caches, answers nothing), ``suffix`` (answers rows from caches), ``full``
     (answers rows from whole prompts) or ``verify`` (exact-replay check). ``real_tokens`` are the tokens
     run through the backbone, ``padded_tokens`` the padded grid (rows x longest run). ``attention_pairs``
-    counts the (query, key) pairs causal attention really scores, for FLOP estimates.
+    counts the (query, key) pairs causal attention really scores, for FLOP estimates. ``done``: the rows
+    this pass answered (suffix and full passes); after a failed exact-replay check the round's rows are
+    answered again by full passes, whose ``done`` lists them a second time (the later answer is the one
+    ``run`` returns).
     """
 
     kind: str
