@@ -301,15 +301,9 @@ class ExactlyOnce(_Delivery):
     async def assigned(self, partitions: Sequence[Any]) -> None:
         for partition in partitions:
             try:
-                # init_transactions waits until the previous owner's last transaction is complete, so the
-                # committed offset read next is the one that transaction wrote, not an older one.
                 await self._producer(partition)
-                committed = await self.consumer.committed(partition)
             except Exception as exc:  # noqa: BLE001 - retried lazily at the first commit
                 log.warning("transactional producer not ready", partition=str(partition), error=str(exc))
-                continue
-            if committed is not None:
-                self.consumer.seek(partition, committed)
 
     async def revoked(self, partitions: Sequence[Any]) -> None:
         for partition in partitions:

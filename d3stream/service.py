@@ -606,9 +606,8 @@ class _Rebalance(ConsumerRebalanceListener):
         log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked])
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
-        # Delivery first (it may seek to the stable committed offset), then the service's own positioning.
-        await self.service.delivery.assigned(list(assigned))
         await self.service._on_assigned(list(assigned))
+        await self.service.delivery.assigned(list(assigned))
         self.service.joined = True
         log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned])
 
