@@ -766,6 +766,26 @@ class D3:
                 gathered[kind] = types.SimpleNamespace(pooler_output=pooled, deepstack_features=deep)
         return gathered or None
 
+    def left_padded(self, rows: Sequence[Any]) -> tuple[Any, Any, Any]:
+        """Token ids, presence mask and [3, B, L] positions of rows left-padded to the longest, on the
+        device, with each row's media features computed (once per request). Rows need ``ids``,
+        ``length``, ``positions`` and ``media``."""
+        torch = self.torch
+        for row in rows:
+            if row.media is not None:
+                self._features(row.media)
+        width = max(row.length for row in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        present = torch.zeros((len(rows), width), dtype=torch.long)
+        positions = torch.zeros((3, len(rows), width), dtype=torch.long)
+        for number, row in enumerate(rows):
+            start = width - row.length
+            ids[number, start:] = torch.as_tensor(row.ids, dtype=torch.long)
+            present[number, start:] = 1
+            # Positions count from each row's first real token, so padding never shifts them.
+            positions[:, number, start:] = torch.arange(row.length) if row.positions is None else row.positions
+        return tuple(t.to(self.device, non_blocking=True) for t in (ids, present, positions))
+
     def forward(self, rows: Sequence[Row]) -> list[list[float]]:
         """Option probabilities of each row (cut to its option count), all rows in one left-padded pass.
 
@@ -775,22 +795,7 @@ class D3:
             return []
         torch = self.torch
         with torch.inference_mode(), sdpa_backends(self.device):
-            for row in rows:
-                if row.media is not None:
-                    self._features(row.media)
-            width = max(row.length for row in rows)
-            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-            present = torch.zeros((len(rows), width), dtype=torch.long)
-            positions = torch.zeros((3, len(rows), width), dtype=torch.long)
-            for number, row in enumerate(rows):
-                start = width - row.length
-                ids[number, start:] = torch.as_tensor(row.ids, dtype=torch.long)
-                present[number, start:] = 1
-                # Positions count from each row's first real token, so padding never shifts them.
-                positions[:, number, start:] = (
-                    torch.arange(row.length) if row.positions is None else row.positions
-                )
-            ids, present, positions = (t.to(self.device, non_blocking=True) for t in (ids, present, positions))
+            ids, present, positions = self.left_padded(rows)
             mask: Any = present
             if self.attention_mode == "noncausal_full_attention":
                 padded = not bool(present.all())

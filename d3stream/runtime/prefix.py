@@ -364,19 +364,8 @@ class PrefixRunner:
         model, torch = self.model, self.model.torch
         started = time.perf_counter()
         with torch.inference_mode(), sdpa_backends(model.device):
-            for plan in group:
-                if plan.media is not None:
-                    model._features(plan.media)
-            width = max(plan.length for plan in group)
-            ids = torch.full((len(group), width), model.pad_id, dtype=torch.long)
-            present = torch.zeros((len(group), width), dtype=torch.long)
-            positions = torch.zeros((3, len(group), width), dtype=torch.long)
-            for number, plan in enumerate(group):
-                start = width - plan.length
-                ids[number, start:] = torch.as_tensor(plan.ids, dtype=torch.long)
-                present[number, start:] = 1
-                positions[:, number, start:] = torch.arange(plan.length) if plan.positions is None else plan.positions
-            ids, present, positions = (t.to(model.device, non_blocking=True) for t in (ids, present, positions))
+            ids, present, positions = model.left_padded(group)
+            width = ids.shape[1]
             carriers = [Row("prefix", plan.ids, 1, plan.media, plan.positions) for plan in group]
             cache = DynamicCache(config=model.backbone.config)
             model.backbone(
