@@ -149,8 +149,13 @@ class Tally:
             self.errors_by_code[answer["error"]["code"]] += 1
 
 
-async def count_topic(bootstrap: str, topic: str) -> list[dict[str, Any]]:
-    """Every committed record of a topic, up to its end at the time of the call."""
+async def count_topic(bootstrap: str, topic: str, settle_s: float = 30.0) -> list[dict[str, Any]]:
+    """Every committed record of a topic, up to its end at the time of the call.
+
+    A transaction whose commit has returned may not have its markers written yet, and until then its
+    records lie beyond the partition's last stable offset. So reading goes on until the stable end has
+    caught up with the high watermark (every transaction settled), for at most ``settle_s``.
+    """
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
@@ -163,20 +168,22 @@ async def count_topic(bootstrap: str, topic: str) -> list[dict[str, Any]]:
             partitions = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
-        ends = await consumer.end_offsets(partitions)
         records: list[dict[str, Any]] = []
-        async def behind() -> bool:
-            for partition in partitions:
-                if await consumer.position(partition) < ends[partition]:
-                    return True
-            return False
-
-        while await behind():
-            batches = await consumer.getmany(timeout_ms=500)
-            for batch in batches.values():
-                records += [json.loads(r.value) for r in batch]
-            # Transaction markers occupy offsets too: positions move past them without records.
-        return records
+        deadline = time.monotonic() + settle_s
+        while True:
+            ends = await consumer.end_offsets(partitions)  # read_committed: the last stable offsets
+            while True:
+                # Transaction markers occupy offsets too: positions move past them without records.
+                batches = await consumer.getmany(timeout_ms=200)
+                for batch in batches.values():
+                    records += [json.loads(r.value) for r in batch]
+                positions = {p: await consumer.position(p) for p in partitions}
+                if all(positions[p] >= ends[p] for p in partitions):
+                    break
+            settled = all((consumer.highwater(p) or 0) <= ends[p] for p in partitions)
+            if settled or time.monotonic() > deadline:
+                return records
+            await asyncio.sleep(0.1)
     finally:
         await consumer.stop()
 

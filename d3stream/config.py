@@ -62,6 +62,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     linger_ms: float = 5.0
     max_inflight_requests: int = 256
     max_inflight_tokens: int = 262_144
+    prefix_reuse: Literal["auto", "on", "off"] = "auto"
+    prefix_verify_every: int = 200
+    prefix_tolerance: float = 1e-2
+    media_cache_bytes: int = 268_435_456
     # Object storage
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
@@ -117,6 +121,12 @@ HELP: dict[str, str] = {
     "linger_ms": "how long a question may wait for others to share its pass",
     "max_inflight_requests": "requests read but not yet answered before partitions are paused",
     "max_inflight_tokens": "prompt tokens in flight before partitions are paused",
+    "prefix_reuse": "run the prompt prefix a request's questions share once (causal checkpoints); auto: on "
+    "where the checkpoint allows it, off for noncausal_full_attention",
+    "prefix_verify_every": "with prefix reuse, also run every Nth question from its full prompt and compare "
+    "(0: never)",
+    "prefix_tolerance": "largest |dp| a verification may show; above it the worker logs it and serves full prompts",
+    "media_cache_bytes": "bytes of vision-tower features kept for media seen again (LRU by content hash; 0: off)",
     "s3_endpoint_url": "S3-compatible endpoint (default: AWS)",
     "s3_region": "S3 region",
     "media_allowlist": "buckets or bucket/prefix pairs requests may name (comma-separated); empty allows none",

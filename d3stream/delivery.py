@@ -189,6 +189,9 @@ class ExactlyOnce(_Delivery):
     """Answers and offsets of each partition commit together, in transactions fenced per partition."""
 
     mode = "exactly_once"
+    # The service holds a newly assigned partition until ``assigned`` returned (the previous owner's
+    # last transaction is then complete) and re-reads its committed offset: see service.py.
+    settles_assignments = True
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)

@@ -96,6 +96,10 @@ class BatchRecord(msgspec.Struct, kw_only=True):
     rows: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
+    # Shared-prefix reuse: the questions ran on one pass of the prompt prefix they share; saved_tokens
+    # is the prompt tokens that were therefore not run again.
+    shared_prefix: bool = False
+    saved_tokens: int = 0
 
 
 class Timings(msgspec.Struct, kw_only=True):

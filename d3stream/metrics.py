@@ -192,6 +192,29 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        # ---- shared-prefix reuse
+        self.prefix_requests = Counter(
+            f"{PREFIX}_prefix_requests",
+            "Requests with two or more questions by how they ran: 'shared' (the prompt prefix once, each "
+            "question's tail on its cached state) or the reason they ran as full prompts (disabled, "
+            "tokenization_boundary, ...).",
+            ["path"],
+            registry=r,
+        )
+        self.prefix_checks = Counter(
+            f"{PREFIX}_prefix_checks",
+            "Exact-replay checks of prefix reuse (every prefix_verify_every-th question also run from its "
+            "full prompt), by result; one 'failed' turns reuse off for the worker's lifetime.",
+            ["result"],
+            registry=r,
+        )
+        self._prefix_max_abs_dp = 0.0
+        self.prefix_max_abs_dp = Gauge(
+            f"{PREFIX}_prefix_max_abs_dp",
+            "Largest |dp| between a prefix-reuse answer and its full-prompt replay so far (prefix_tolerance "
+            "is the limit).",
+            registry=r,
+        )
         # ---- offsets and transactions
         self.commits = Counter(
             f"{PREFIX}_commits",
@@ -232,6 +255,8 @@ class Metrics:
             self.answers.labels(code=code)
         for result in ("hit", "miss"):
             self.media_cache.labels(result=result)
+        for result in ("passed", "failed"):
+            self.prefix_checks.labels(result=result)
 
     # ------------------------------------------------------------------------------- readiness
 
@@ -318,6 +343,18 @@ class Metrics:
     def count_media_cache(self, hit: bool) -> None:
         """One media cache lookup."""
         self.media_cache.labels(result="hit" if hit else "miss").inc()
+
+    # ------------------------------------------------------------------------- prefix reuse
+
+    def count_prefix_request(self, path: str) -> None:
+        """A multi-question request ran on a shared prefix (``shared``) or as full prompts (the reason)."""
+        self.prefix_requests.labels(path=path).inc()
+
+    def observe_prefix_check(self, max_abs_dp: float, passed: bool) -> None:
+        """One exact-replay check of prefix reuse."""
+        self.prefix_checks.labels(result="passed" if passed else "failed").inc()
+        self._prefix_max_abs_dp = max(self._prefix_max_abs_dp, max_abs_dp)
+        self.prefix_max_abs_dp.set(self._prefix_max_abs_dp)
 
     # ------------------------------------------------------------------------------ offsets
 

@@ -294,7 +294,7 @@ class ReplayService(Service):
         progress: Any = None,
         **kwargs: Any,
     ):
-        settings = _replay_settings(settings, plan, replay_id, out_file)
+        settings = _replay_settings(settings, plan, replay_id, out_file, deterministic)
         super().__init__(settings, model, **kwargs)
         self.plan = plan
         self.replay_id = replay_id
@@ -331,10 +331,13 @@ class ReplayService(Service):
 
     async def _on_assigned(self, partitions: list[Any]) -> None:
         for partition in partitions:
-            start, end = self.bounds.get(partition, (0, 0))
             committed = await self.consumer.committed(partition)
-            self.consumer.seek(partition, max(start, committed or 0))
+            self.consumer.seek(partition, self._start_position(partition, committed))
             self._positions_done.discard(partition)
+
+    def _start_position(self, partition: Any, committed: int | None) -> int | None:
+        start, _ = self.bounds.get(partition, (0, 0))
+        return max(start, committed or 0)
 
     def _accept(self, partition: Any, record: Any) -> bool:
         start, end = self.bounds.get(partition, (0, 0))
@@ -372,7 +375,9 @@ class ReplayService(Service):
 
 
 
-def _replay_settings(settings: Settings, plan: ReplayRange, replay_id: str, out_file: Path | None) -> Settings:
+def _replay_settings(
+    settings: Settings, plan: ReplayRange, replay_id: str, out_file: Path | None, deterministic: bool = False
+) -> Settings:
     import msgspec
 
     changes: dict[str, Any] = {
@@ -381,6 +386,8 @@ def _replay_settings(settings: Settings, plan: ReplayRange, replay_id: str, out_
         "transactional_id_prefix": f"{settings.transactional_id_prefix}-replay-{replay_id}",
         "auto_offset_reset": "earliest",
     }
+    if deterministic:  # passes cut in source order only: no second scheduler for shared prefixes
+        changes["prefix_reuse"] = "off"
     if out_file is not None:
         changes["answer_topic"] = "__answers__"  # the file sink writes these records
         changes["create_topics"] = False

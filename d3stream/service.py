@@ -18,6 +18,11 @@ in flight; beyond that every assigned partition is paused, and resumed once the 
 Rebalance: before partitions are taken away, their in-flight work gets ``rebalance_drain_s`` to
 finish and their finished offsets are committed; work that finishes later is still answered, but its
 offsets are no longer this worker's to commit (the new owner will answer those requests again).
+Newly assigned partitions stay paused until they are *settled*: in ``exactly_once`` the partition's
+transactional producer is initialised first (which waits until the previous owner's last transaction
+is complete) and only then is the committed offset read and sought to. aiokafka reads committed offsets
+on assignment without ``require_stable`` (KIP-447), so without this a new owner could start from the
+offset before the previous owner's last commit and answer those requests a second time.
 """
 
 from __future__ import annotations
@@ -132,6 +137,10 @@ class Service:
             max_attempts=settings.s3_max_attempts,
         )
         self.provenance = model.provenance()
+        if self._reuse_wanted(settings, model):
+            from .runtime.prefix import PrefixRunner
+
+            self.provenance.update(PrefixRunner.describe(settings.prefix_verify_every, settings.prefix_tolerance))
         self.provenance_sha256 = provenance_digest(self.provenance)
         self.model_record = ModelRecord(
             name=model.model_name, runtime=self.provenance.get("runtime", ""), provenance_sha256=self.provenance_sha256
@@ -144,6 +153,8 @@ class Service:
         self._inflight_tokens = 0
         self._paused = False
         self._prepare_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-prepare")
+        # One model thread for both schedulers: passes never run side by side on the device.
+        self._model_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
         budget = settings.max_batch_tokens or default_token_budget(str(getattr(model, "device", "cpu")))
         self.scheduler: BatchScheduler = BatchScheduler(
             model.forward,
@@ -151,8 +162,27 @@ class Service:
             max_batch_rows=settings.max_batch_rows,
             max_batch_tokens=budget,
             linger_ms=settings.linger_ms,
+            executor=self._model_executor,
             on_pass=self.metrics.observe_pass_record,
         )
+        if settings.media_cache_bytes > 0 and hasattr(model, "media_cache"):
+            from .runtime.cache import MediaFeatureCache
+
+            model.media_cache = MediaFeatureCache(settings.media_cache_bytes, on_lookup=self.metrics.count_media_cache)
+        self.prefix_runner = self._prefix_runner(settings, model, budget)
+        self.prefix_scheduler: BatchScheduler | None = None
+        self._call_passes: list[Any] = []  # the runner's passes during the current call (model thread only)
+        if self.prefix_runner is not None:
+            self.prefix_scheduler = BatchScheduler(
+                self._run_shared_prefix,
+                length=lambda plan: plan.length + sum(plan.suffix_length(row) for row in plan.rows),
+                max_batch_rows=settings.max_batch_rows,
+                # A call packs its own passes under the budget; a few passes' worth per call keeps the
+                # full-prompt scheduler's turn on the model thread near.
+                max_batch_tokens=4 * budget,
+                linger_ms=settings.linger_ms,
+                executor=self._model_executor,
+            )
         self.consumer: Any = None
         self.delivery: Any = None
         self.ready = False
@@ -162,6 +192,10 @@ class Service:
         self.metrics.set_ready_check(lambda: self.ready and self.joined and not self._stop.is_set())
         self._inflight_questions = 0
         self.counts: dict[str, int] = {"answered": 0, "errors": 0, "dead_letters": 0}
+        # Assigned partitions not yet positioned at their stable committed offset (kept paused meanwhile),
+        # and the first offset of any record that arrived for one anyway (read again once settled).
+        self._settling: dict[Any, asyncio.Task] = {}
+        self._skipped_while_settling: dict[Any, int] = {}
 
     # ---------------------------------------------------------------------------------- lifecycle
 
@@ -231,9 +265,13 @@ class Service:
                 await self.delivery.flush()
             finally:
                 self.ready = False
+                await self._stop_settling(list(self._settling))
                 await self.consumer.stop()
         finally:
             await self.scheduler.close()
+            if self.prefix_scheduler is not None:
+                await self.prefix_scheduler.close()
+            self._model_executor.shutdown(wait=True)
             await self.delivery.stop()
             self._prepare_executor.shutdown(wait=True)
             self.fetcher.close()
@@ -265,6 +303,10 @@ class Service:
 
     async def _on_assigned(self, partitions: list[Any]) -> None:
         return None
+
+    def _start_position(self, partition: Any, committed: int | None) -> int | None:
+        """Where a settled partition is read from (a replay clamps it to its range); None: leave as is."""
+        return committed
 
     def _accept(self, partition: Any, record: Any) -> bool:
         """Whether a fetched record is served (a replay skips what lies outside its range)."""
@@ -316,6 +358,12 @@ class Service:
             room = max(1, settings.max_inflight_requests - self._inflight_requests)
             batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
             for partition, records in batches.items():
+                if partition in self._settling:  # not positioned yet: read again once it is
+                    first = records[0].offset if records else None
+                    if first is not None:
+                        skipped = self._skipped_while_settling
+                        skipped[partition] = min(skipped.get(partition, first), first)
+                    continue
                 for record in records:
                     if not self._accept(partition, record):
                         continue
@@ -367,9 +415,54 @@ class Service:
             self._paused = True
             log.debug("paused", requests=self._inflight_requests, tokens=self._inflight_tokens)
         elif self._paused and drained:
-            self.consumer.resume(*assignment)
+            self.consumer.resume(*(p for p in assignment if p not in self._settling))
             self._paused = False
             log.debug("resumed", requests=self._inflight_requests, tokens=self._inflight_tokens)
+
+    def _begin_settling(self, partitions: list[Any]) -> None:
+        """Hold newly assigned partitions paused until the delivery is ready for them and they are read
+        from their stable committed offset (runs outside the rebalance callback, which must not block)."""
+        if not getattr(self.delivery, "settles_assignments", False) or not partitions:
+            return
+        self.consumer.pause(*partitions)
+        task = asyncio.create_task(self._settle(partitions))
+        for partition in partitions:
+            self._settling[partition] = task
+
+    async def _settle(self, partitions: list[Any]) -> None:
+        try:
+            await self.delivery.assigned(partitions)
+            for partition in partitions:
+                if partition not in self.consumer.assignment():
+                    continue
+                try:
+                    committed = await self.consumer.committed(partition)
+                except Exception as exc:  # noqa: BLE001 - fall back to the position aiokafka fetched itself
+                    log.warning("committed offset not re-read", partition=str(partition), error=str(exc))
+                    continue
+                skipped = self._skipped_while_settling.pop(partition, None)
+                position = self._start_position(partition, committed)
+                if position is None:
+                    position = skipped
+                if position is not None:
+                    self.consumer.seek(partition, position)
+        finally:
+            assignment = self.consumer.assignment()
+            settled = [p for p in partitions if self._settling.get(p) is asyncio.current_task()]
+            for partition in settled:
+                self._settling.pop(partition, None)
+            if not self._paused:
+                self.consumer.resume(*(p for p in settled if p in assignment))
+            log.debug("partitions settled", partitions=[f"{p.topic}-{p.partition}" for p in settled])
+
+    async def _stop_settling(self, partitions: list[Any]) -> None:
+        tasks = {self._settling.pop(p) for p in partitions if p in self._settling}
+        for partition in partitions:
+            self._skipped_while_settling.pop(partition, None)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def _drain(self, timeout: float, partitions: Sequence[Any] | None = None) -> None:
         """Wait until the in-flight work (of ``partitions``, or all) is answered, or ``timeout`` passes."""
@@ -479,7 +572,13 @@ class Service:
             return self._error(record, work, "invalid_request", str(exc), request=request)
         work.tokens = prepared.input_tokens
         self._inflight_tokens += work.tokens
-        probabilities = await self._run_rows(prepared, work)
+        plan = None
+        if self.prefix_runner is not None and len(prepared.rows) >= self.prefix_runner.min_rows:
+            plan = await loop.run_in_executor(self._prepare_executor, self._plan_shared_prefix, prepared)
+        if plan is not None:
+            probabilities = await self._run_shared(plan, prepared, work)
+        else:
+            probabilities = await self._run_rows(prepared, work)
         response = prepared.answers(probabilities)
         return Answer(
             id=request.id,
@@ -529,6 +628,86 @@ class Service:
             rows=sum(r.rows for r in passes.values()),
             real_tokens=sum(r.real_tokens for r in passes.values()),
             padded_tokens=sum(r.padded_tokens for r in passes.values()),
+        )
+        return probabilities
+
+    # --------------------------------------------------------------------- shared-prefix reuse
+
+    @staticmethod
+    def _reuse_wanted(settings: Settings, model: Any) -> bool:
+        if settings.prefix_reuse == "off" or not hasattr(model, "attention_mode"):
+            return False
+        if model.attention_mode == "causal":
+            return True
+        if settings.prefix_reuse == "on":
+            raise ValueError(
+                f"prefix_reuse=on needs a causal checkpoint; {model.model_name} uses attention_mode="
+                f"{model.attention_mode!r}, where the prefix reads the question. Set prefix_reuse to auto or off."
+            )
+        return False
+
+    def _prefix_runner(self, settings: Settings, model: Any, budget: int) -> Any:
+        if not self._reuse_wanted(settings, model):
+            return None
+        from .runtime.prefix import PrefixRunner
+
+        def checked(check: Any) -> None:
+            self.metrics.observe_prefix_check(check.max_abs_dp, check.passed)
+
+        return PrefixRunner(
+            model,
+            max_batch_tokens=budget,
+            max_batch_rows=settings.max_batch_rows,
+            verify_every=settings.prefix_verify_every,
+            tolerance=settings.prefix_tolerance,
+            on_pass=self._runner_pass,
+            on_check=checked,
+            on_fallback=lambda reason, prepared: self.metrics.count_prefix_request(reason),
+        )
+
+    def _runner_pass(self, info: Any) -> None:
+        self._call_passes.append(info)
+        self.metrics.observe_pass_record(info)
+
+    def _plan_shared_prefix(self, prepared: Any) -> Any:
+        plan = self.prefix_runner.plan(prepared)
+        if plan is not None:
+            self.metrics.count_prefix_request("shared")
+        return plan
+
+    def _run_shared_prefix(self, plans: list[Any]) -> list[tuple[dict[Any, list[float]], list[Any]]]:
+        """One call of the prefix runner on the model thread: each request's probabilities, and the passes
+        that answered its rows (for its provenance)."""
+        self._call_passes = []
+        results = self.prefix_runner.run_requests(plans)
+        passes = self._call_passes
+        return [
+            (result, [info for info in passes if plan in info.prefixes or any(row in result for row in info.done)])
+            for plan, result in zip(plans, results, strict=True)
+        ]
+
+    async def _run_shared(self, plan: Any, prepared: Any, work: _Work) -> dict[Any, list[float]]:
+        """A multi-question request on its shared prefix; if that fails, its rows run as full prompts."""
+        submitted = time.perf_counter()
+        try:
+            [((probabilities, passes), call)] = await self.prefix_scheduler.submit([plan])
+        except Exception as exc:  # noqa: BLE001 - the full-prompt path splits and reports row failures
+            log.warning("shared-prefix run failed; running full prompts", error=f"{type(exc).__name__}: {exc}")
+            return await self._run_rows(prepared, work)
+        finished = time.perf_counter()
+        forward = sum(info.seconds for info in passes)
+        work.timings.forward = _ms(forward)
+        work.timings.queued = _ms(max(0.0, finished - submitted - forward))
+        self.metrics.observe_stage("forward", forward)
+        self.metrics.observe_stage("queued", max(0.0, finished - submitted - forward))
+        reused = any(info.kind == "suffix" for info in passes)
+        work.batch = BatchRecord(
+            passes=len(passes),
+            rows=sum(info.rows for info in passes),
+            real_tokens=sum(info.real_tokens for info in passes),
+            padded_tokens=sum(info.padded_tokens for info in passes),
+            shared_prefix=reused,
+            saved_tokens=(len(plan.rows) - 1) * plan.length if reused else 0,
         )
         return probabilities
 
@@ -596,6 +775,7 @@ class _Rebalance(ConsumerRebalanceListener):
         if not revoked:
             return
         service = self.service
+        await service._stop_settling(revoked)
         await service._drain(service.settings.rebalance_drain_s, revoked)
         await service.delivery.flush(revoked)
         await service.delivery.revoked(revoked)
@@ -606,9 +786,14 @@ class _Rebalance(ConsumerRebalanceListener):
         log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked])
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
-        await self.service._on_assigned(list(assigned))
-        await self.service.delivery.assigned(list(assigned))
-        self.service.joined = True
+        assigned = list(assigned)
+        service = self.service
+        if getattr(service.delivery, "settles_assignments", False):
+            service._begin_settling(assigned)  # delivery.assigned runs there, outside this callback
+        else:
+            await service.delivery.assigned(assigned)
+        await service._on_assigned(assigned)
+        service.joined = True
         log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned])
 
 

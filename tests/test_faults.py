@@ -511,7 +511,8 @@ def test_oom_in_a_forward_pass_splits_the_batch_and_only_the_poisoned_question_f
                         "questions": {"ok": Q_NOUL, "bad": {"type": "noul", "instructions": f"Is {MARKER} set?"},
                                       "also": Q_SCORE}})
     # Everything arrives at once and lingers together, so the first passes are wide and fail.
-    settings = stack.settings(linger_ms=300, max_batch_rows=64)
+    # The fault is injected into D3.forward, the full-prompt path: shared-prefix passes would not see it.
+    settings = stack.settings(linger_ms=300, max_batch_rows=64, prefix_reuse="off")
     service, reader = run(serve(stack, settings, model, [record(r) for r in requests], [r["id"] for r in requests]))
     by_id = reader.by_id()
     assert len(reader.records) == len(requests) == len(by_id)

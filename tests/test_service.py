@@ -350,7 +350,9 @@ def test_mixed_stream_answers_match_system_one_with_provenance(stack, qwen35_mod
         answers.setdefault(answer["id"], []).append(answer)
     assert set(answers) == set(by_id)
     assert all(len(v) == 1 for v in answers.values()), {k: len(v) for k, v in answers.items() if len(v) > 1}
-    sha = provenance_digest(model.provenance())
+    # The worker's provenance: the model's, plus how it shares prompt prefixes (on by default: causal).
+    assert service.provenance == {**model.provenance(), "shared_prefix_reuse": service.provenance["shared_prefix_reuse"]}
+    sha = provenance_digest(service.provenance)
     # Deterministic answer ids: a function of the request record and the model.
     answer_ids = [answer_identity(decode_answer(item.value), sha) for item in records]
     assert [json.loads(item.value)["answer_id"] for item in records] == answer_ids
@@ -388,12 +390,15 @@ def test_mixed_stream_answers_match_system_one_with_provenance(stack, qwen35_mod
         assert source["topic"] == stack.requests and 0 <= source["partition"] < 4 and source["offset"] >= 0
         assert source["timestamp"] > 1_600_000_000_000
         prov = answer["provenance"]
-        assert prov["model"] == {"name": model.model_name, "runtime": model.provenance()["runtime"],
+        assert prov["model"] == {"name": model.model_name, "runtime": service.provenance["runtime"],
                                  "provenance_sha256": sha}
         assert prov["worker"] == {"host": socket.gethostname(), "pid": os.getpid(), "version": d3stream.__version__}
         batch = prov["batch"]
         assert batch["passes"] >= 1 and batch["rows"] >= own_rows[rid]
-        assert answer["usage"]["input_tokens"] <= batch["real_tokens"] <= batch["padded_tokens"]
+        # A shared prompt prefix runs once: the tokens it saved are not run again.
+        assert batch.get("shared_prefix", False) == (own_rows[rid] >= 2), rid
+        assert answer["usage"]["input_tokens"] - batch.get("saved_tokens", 0) <= batch["real_tokens"]
+        assert batch["real_tokens"] <= batch["padded_tokens"]
         timings = prov["timings"]
         assert set(timings) == {"queued", "fetch", "decode", "prepare", "forward", "total"}
         assert all(value >= 0 for value in timings.values()), timings
@@ -430,10 +435,106 @@ def test_mixed_stream_answers_match_system_one_with_provenance(stack, qwen35_mod
     prov_records, config_response = run(provenance_records())
     assert [r.key for r in prov_records] == [sha.encode()]
     stored = json.loads(prov_records[0].value)
-    assert stored == json.loads(json.dumps(model.provenance()))
+    assert stored == json.loads(json.dumps(service.provenance))
     assert provenance_digest(stored) == sha
     config = {entry[0]: entry[1] for entry in config_response.resources[0][4]}
     assert config.get("cleanup.policy") == "compact"
+
+
+# ------------------------------------------------------------------------- shared prefixes, media cache
+
+
+def test_questions_share_their_prompt_prefix_and_repeated_media_is_encoded_once(stack, qwen35_model):
+    """Multi-question requests run their common prefix once (and answer as full prompts would); every
+    question is verified against its full prompt (prefix_verify_every=1); the same image in several
+    requests is encoded once."""
+    model = qwen35_model
+    shared_image = stack.put("img/shared.png", make_png(64, 48, seed=21))
+    requests = [
+        {"id": f"long-{n}", "state": f"Report {n}. " + "The line is moving slowly today. " * 12,
+         "questions": {"noul": Q_NOUL, "route": Q_CHOICE, "level": Q_SCORE}}
+        for n in range(4)
+    ] + [
+        {"id": f"cam-{n}", "state": f"Camera {n}", "questions": {"noul": Q_NOUL, "route": Q_CHOICE},
+         "images": [shared_image]}
+        for n in range(3)
+    ] + [{"id": "single", "state": "One question only.", "questions": {"noul": Q_NOUL}}]
+    settings = stack.settings(prefix_verify_every=1)
+    by_id = {r["id"]: r for r in requests}
+
+    async def scenario():
+        await produce(stack.broker.bootstrap_servers, stack.requests, [record(r) for r in requests])
+        service = Service(settings, model)
+        async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
+            task = asyncio.create_task(service.run())
+            try:
+                await reader.wait_ids(set(by_id), 120, task)
+            finally:
+                await stop(service, task)
+            return service, {a["id"]: a for a in map(json.loads, (r.value for r in reader.records))}
+
+    service, answers = run(scenario())
+    for rid, request in by_id.items():
+        answer = answers[rid]
+        images = [make_png(64, 48, seed=21)] * len(request.get("images", [])) or None
+        expected = model.system_one(state=request["state"], questions=request["questions"], images=images, strict=True)
+        close_to(answer["answers"], expected["answers"], rid)
+        batch = answer["provenance"]["batch"]
+        if rid == "single":  # nothing to share: a full prompt, batched with others
+            assert not batch.get("shared_prefix") and not batch.get("saved_tokens")
+        else:
+            assert batch["shared_prefix"] and batch["saved_tokens"] > 0, (rid, batch)
+            assert answer["usage"]["input_tokens"] - batch["saved_tokens"] <= batch["real_tokens"]
+
+    value = service.metrics.registry.get_sample_value
+    questions = sum(len(r["questions"]) for r in requests if r["id"] != "single")
+    assert value("d3stream_prefix_requests_total", {"path": "shared"}) == len(requests) - 1
+    assert value("d3stream_prefix_checks_total", {"result": "passed"}) == questions
+    assert value("d3stream_prefix_checks_total", {"result": "failed"}) == 0
+    assert 0 < value("d3stream_prefix_max_abs_dp") <= settings.prefix_tolerance
+    # Three requests, one image: encoded once, then found in the cache (verification reruns may hit too).
+    assert value("d3stream_media_cache_lookups_total", {"result": "miss"}) == 1
+    assert value("d3stream_media_cache_lookups_total", {"result": "hit"}) >= 2
+    assert service.provenance["shared_prefix_reuse"]["verify_every"] == 1
+
+
+def test_a_failing_shared_prefix_call_falls_back_to_full_prompts(stack, qwen35_model):
+    model = qwen35_model
+    requests = [{"id": f"fb-{n}", "state": f"Fallback {n}", "questions": {"noul": Q_NOUL, "route": Q_CHOICE}}
+                for n in range(3)]
+
+    async def scenario():
+        await produce(stack.broker.bootstrap_servers, stack.requests, [record(r) for r in requests])
+        service = Service(stack.settings(), model)
+
+        def broken(rows, states):
+            raise RuntimeError("CUDA out of memory (simulated) in a suffix pass")
+
+        service.prefix_runner._suffix_pass = broken  # every shared-prefix call fails
+        async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
+            task = asyncio.create_task(service.run())
+            try:
+                await reader.wait_ids({r["id"] for r in requests}, 120, task)
+            finally:
+                await stop(service, task)
+            return service, {a["id"]: a for a in map(json.loads, (r.value for r in reader.records))}
+
+    service, answers = run(scenario())
+    # Planned for a shared prefix, failed there, answered from full prompts.
+    assert service.metrics.registry.get_sample_value("d3stream_prefix_requests_total", {"path": "shared"}) == 3
+    assert service.scheduler.rows_run >= 6
+    for request in requests:
+        answer = answers[request["id"]]
+        assert not answer["provenance"]["batch"].get("shared_prefix"), answer["provenance"]["batch"]
+        expected = model.system_one(state=request["state"], questions=request["questions"])
+        close_to(answer["answers"], expected["answers"], request["id"])
+
+
+def test_prefix_reuse_on_is_refused_for_a_noncausal_checkpoint(stack, qwen35_noncausal_model):
+    with pytest.raises(ValueError, match="prefix_reuse"):
+        Service(stack.settings(prefix_reuse="on"), qwen35_noncausal_model)
+    service = Service(stack.settings(), qwen35_noncausal_model)  # auto: full prompts, nothing to refuse
+    assert service.prefix_runner is None and "shared_prefix_reuse" not in service.provenance
 
 
 # ------------------------------------------------------------------------------------- error codes
@@ -550,7 +651,7 @@ def test_every_request_error_is_answered_and_the_stream_continues(stack, qwen35_
     expected["e-good-2"] = None
     by_id = {a["id"]: a for a in answers}
     assert collections.Counter(a["id"] for a in answers) == collections.Counter(set(expected)), "one answer each"
-    sha = provenance_digest(model.provenance())
+    sha = service.provenance_sha256
     for rid, code in expected.items():
         answer = by_id[rid]
         ANSWER_VALIDATOR.validate(answer)
@@ -637,7 +738,8 @@ class FaultyModel(SlowModel):
 
 def test_a_failing_pass_costs_only_its_own_question(stack, qwen35_model):
     model = FaultyModel(qwen35_model, 0.0)
-    settings = stack.settings(linger_ms=50)
+    # The fault is injected into D3.forward, the full-prompt path: shared-prefix passes would not see it.
+    settings = stack.settings(linger_ms=50, prefix_reuse="off")
     requests = [
         {"id": f"fc-{n}", "state": f"neighbour {n}", "questions": {"noul": Q_NOUL, "route": Q_CHOICE}}
         for n in range(5)

@@ -105,7 +105,7 @@ class PassInfo:
     counts the (query, key) pairs causal attention really scores, for FLOP estimates. ``done``: the rows
     this pass answered (suffix and full passes); after a failed exact-replay check the round's rows are
     answered again by full passes, whose ``done`` lists them a second time (the later answer is the one
-    ``run`` returns).
+    ``run`` returns). ``prefixes``: the requests a prefix pass ran the shared prefix of.
     """
 
     kind: str
@@ -115,6 +115,7 @@ class PassInfo:
     seconds: float
     attention_pairs: int = 0
     done: tuple[Row, ...] = ()
+    prefixes: tuple[Plan, ...] = ()  # prefix passes: the requests whose prefixes it ran
 
 
 @dataclass
@@ -242,12 +243,18 @@ class PrefixRunner:
 
     # ------------------------------------------------------------------------------------- running
 
-    def run(self, requests: Iterable[Prepared]) -> dict[Row, list[float]]:
-        """Probabilities of every row of every request (shared prefixes where possible)."""
+    def run(self, requests: Iterable[Prepared | Plan]) -> dict[Row, list[float]]:
+        """Probabilities of every row of every request (shared prefixes where possible). A request may
+        come already planned (``plan()`` ran earlier, e.g. off the model thread)."""
         plans: list[Plan] = []
         full: list[Row] = []
-        for prepared in requests:
-            plan = self.plan(prepared)
+        for item in requests:
+            if isinstance(item, Plan):
+                # A check that failed since it was planned turned reuse off: full prompts then.
+                plan = item if self.disabled is None else None
+                prepared = item.prepared
+            else:
+                plan, prepared = self.plan(item), item
             if plan is None:
                 full += prepared.rows
                 self.counts["requests_full"] += 1
@@ -261,11 +268,11 @@ class PrefixRunner:
     def run_one(self, prepared: Prepared) -> dict[Row, list[float]]:
         return self.run([prepared])
 
-    def run_requests(self, requests: Sequence[Prepared]) -> list[dict[Row, list[float]]]:
+    def run_requests(self, requests: Sequence[Prepared | Plan]) -> list[dict[Row, list[float]]]:
         """``run`` with one result per request, in order: the shape ``BatchScheduler`` expects of its ``run``
         when its items are whole requests (``length=lambda prepared: prepared.input_tokens``)."""
         results = self.run(requests)
-        return [{row: results[row] for row in prepared.rows} for prepared in requests]
+        return [{row: results[row] for row in item.rows} for item in requests]
 
     def _rounds(self, plans: list[Plan]) -> Iterable[list[Plan]]:
         chunk: list[Plan] = []
@@ -394,7 +401,7 @@ class PrefixRunner:
             model.synchronize()
         lengths = [plan.length for plan in group]
         self._emit(PassInfo("prefix", len(group), sum(lengths), len(group) * width, time.perf_counter() - started,
-                            sum(_pairs(n) for n in lengths)))
+                            sum(_pairs(n) for n in lengths), prefixes=tuple(group)))
         return states
 
     def _pack_suffixes(self, items: list[tuple[Plan, Row]]) -> list[list[tuple[Plan, Row]]]:
@@ -514,7 +521,11 @@ class PrefixRunner:
         }
 
     def provenance(self) -> dict[str, Any]:
-        """What the lead can merge into the model's provenance record when the runner serves answers."""
+        """What to merge into the model's provenance record when the runner serves answers."""
+        return self.describe(self.verify_every, self.tolerance, self.min_rows)
+
+    @staticmethod
+    def describe(verify_every: int, tolerance: float, min_rows: int = 2) -> dict[str, Any]:
         return {
             "shared_prefix_reuse": {
                 "split": QUESTION_HEADER,
@@ -522,9 +533,9 @@ class PrefixRunner:
                 "are a true prefix of every question's ids; each question's suffix runs on its cached states "
                 "(full-attention key/value cache, Gated DeltaNet convolution and recurrent states); causal "
                 "checkpoints only",
-                "min_rows": self.min_rows,
-                "verify_every": self.verify_every,
-                "tolerance": self.tolerance,
+                "min_rows": min_rows,
+                "verify_every": verify_every,
+                "tolerance": tolerance,
             }
         }
 
