@@ -847,7 +847,56 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     return report, calibration
 
 
+def _run_service_bench(args: argparse.Namespace) -> int:
+    """``--kafka`` / ``--soak``: the service-level benchmarks (``bench_service.py``) on the embedded broker."""
+    from tqdm import tqdm
+
+    from . import bench_service
+
+    report: dict[str, Any] = {}
+    tables: list[str] = []
+    if args.kafka:
+        with tqdm(total=4, desc="kafka", unit="run", file=sys.stderr, disable=not args.progress) as bar:
+            started: list[str] = []
+
+            def step(name: str) -> None:  # called as each run starts: the previous one is done
+                bar.update(1 if started else 0)
+                started.append(name)
+                bar.set_postfix_str(name)
+
+            report["kafka"] = bench_service.kafka_overhead(args.kafka, progress=step)
+            bar.update(bar.total - bar.n)
+        tables.append(bench_service.kafka_markdown(report["kafka"]))
+    if args.soak:
+        if args.checkpoint:
+            root = Path(args.checkpoint)
+        else:
+            from .demo import demo_checkpoint
+
+            root = demo_checkpoint(progress=args.progress)
+        with tqdm(total=args.soak, desc="soak", unit="req", file=sys.stderr, disable=not args.progress) as bar:
+            def tick(answered: int) -> None:
+                bar.update(answered - bar.n)
+
+            report["soak"] = bench_service.rss_soak(root, args.soak, threads=args.threads or 1, tick=tick)
+        soak = report["soak"]
+        tables.append(
+            f"RSS soak, {soak['requests']:,} requests ({soak['events_per_s']:,.0f}/s): "
+            f"{soak['rss_mb_after_warmup']:,.0f} MB after warm-up, {soak['rss_mb_at_end']:,.0f} MB at the end, "
+            f"growth {soak['growth']:+.1%} ({'flat' if soak['flat_within_5pct'] else 'NOT flat'} within 5 %)."
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("\n\n".join(tables))
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.kafka or args.soak:
+        return _run_service_bench(args)
     report, calibration = run_bench(args)
     table = markdown(report, calibration if args.calibrate else None)
     if args.out:
@@ -890,6 +939,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help=f"device peak for MFU (default on CUDA: H200 bf16 dense, {H200_BF16_PEAK_TFLOPS:g})")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--kafka", type=int, nargs="?", const=20_000, default=0, metavar="N",
+                        help="instead: the Kafka path with a null model against raw aiokafka consume->produce, on "
+                        "an embedded broker, N requests (default 20,000)")
+    parser.add_argument("--soak", type=int, nargs="?", const=100_000, default=0, metavar="N",
+                        help="instead: serve N small requests (default 100,000) with the checkpoint and report "
+                        "whether the resident set size stays flat")
     parser.add_argument("--out", metavar="FILE", help="also write the JSON report here")
     parser.add_argument("--markdown", metavar="FILE", help="also write the Markdown tables here")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

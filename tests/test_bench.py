@@ -93,3 +93,59 @@ def test_best_seconds_takes_each_pass_at_its_fastest():
     assert bench.best_seconds([tally(1.0, 3.0), tally(2.0, 1.0)], [4.5, 4.0]) == pytest.approx(2.5)
     # Rounds that ran different passes: the fastest wall time.
     assert bench.best_seconds([tally(1.0), tally(1.0, 1.0)], [3.0, 2.5]) == 2.5
+
+
+# ------------------------------------------------------------------- service-level (bench_service.py)
+
+
+def test_null_model_validates_questions_and_answers_uniformly():
+    from d3stream.bench_service import QUESTIONS, NullModel
+
+    model = NullModel()
+    prepared = model.prepare("a state", {"ok": QUESTIONS[1], "bad": {"type": "choice", "criteria": {}}})
+    assert prepared.errors["bad"]["error"] == "invalid_question"
+    response = prepared.answers(dict(zip(prepared.rows, model.forward(prepared.rows), strict=True)))
+    assert response["answers"]["ok"]["probabilities"] == {"approve": 1 / 3, "reject": 1 / 3, "escalate": 1 / 3}
+    with pytest.raises(ValueError, match="no media"):
+        model.load_images([b"x"])
+
+
+def test_kafka_overhead_runs_raw_and_service_side_by_side(kafka_broker, unique_name):
+    """Every request answered once by each path (the figures themselves are for the README, not asserted)."""
+    import asyncio
+
+    from d3stream.bench_service import kafka_markdown, kafka_overhead
+    from d3stream.chaos import count_topic
+
+    prefix = unique_name("kb")
+    report = kafka_overhead(300, broker=kafka_broker, prefix=prefix)
+    for name in ("raw_at_least_once", "d3stream_at_least_once", "raw_transactional", "d3stream_exactly_once"):
+        assert report[name]["events_per_s"] > 0, name
+    assert report["at_least_once_ratio"] > 0 and report["exactly_once_ratio"] > 0
+    answers = asyncio.run(count_topic(kafka_broker.bootstrap_servers, report["topics"]["answers"]))
+    # at_least_once and exactly_once each answered all 300 (one clean run each: no duplicates)
+    assert sorted(a["id"] for a in answers) == sorted([f"bench-0-{n:07d}" for n in range(300)] * 2)
+    assert all("error" not in a for a in answers)
+    raw = asyncio.run(count_topic(kafka_broker.bootstrap_servers, report["topics"]["raw-out"]))
+    assert len(raw) == 600
+    assert "exactly_once ÷ raw transactional" in kafka_markdown(report)
+
+
+def test_rss_soak_reports_samples_and_a_verdict(kafka_broker, unique_name, qwen35_text_model):
+    from d3stream.bench_service import rss_soak
+
+    report = rss_soak(qwen35_text_model, 400, chunk=100, threads=None, broker=kafka_broker, prefix=unique_name("soak"))
+    assert report["requests"] == 400 and report["samples"][-1][0] == 400
+    assert len(report["samples"]) >= 4 and report["rss_mb_at_end"] > 100
+    assert isinstance(report["flat_within_5pct"], bool)
+
+
+def test_soak_verdict_tells_flat_from_growing():
+    from d3stream.bench_service import soak_verdict
+
+    mb = 2**20
+    flat = [(n, 1000 * mb + (n % 3) * mb) for n in range(0, 100_000, 2_000)]
+    growing = [(n, 1000 * mb + n * mb // 500) for n in range(0, 100_000, 2_000)]  # +200 MB over the soak
+    assert soak_verdict(flat, 100_000, 100.0)["flat_within_5pct"]
+    verdict = soak_verdict(growing, 100_000, 100.0)
+    assert not verdict["flat_within_5pct"] and verdict["growth"] > 0.05

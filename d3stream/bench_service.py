@@ -1,0 +1,330 @@
+"""Service-level benchmarks on the embedded broker: the Kafka path's overhead, and memory over a long soak.
+
+``d3stream bench --kafka``: how much of a broker's consume -> produce rate the d3stream service keeps when
+the model costs nothing. The same requests are read from one topic and answered into another by
+
+* **raw**: a plain aiokafka loop (``getmany``, parse the JSON, send an answer-sized record per request,
+  wait for the acknowledgements, commit) -- the fastest a Python consumer-producer goes on this broker;
+* **d3stream**: ``Service`` with ``NullModel``, a stand-in that validates the questions and returns uniform
+  probabilities without running anything, so what remains is d3stream's own path: decoding, validation,
+  the batch scheduler, answer building with provenance, delivery and commits.
+
+Both run in the two delivery modes side by side (raw at-least-once against d3stream ``at_least_once``; raw
+transactional, one transaction per fetched batch, against d3stream ``exactly_once``), in one run, on the
+same broker. The clock starts when the consumer holds its partitions and stops when every answer is
+published and its offset committed.
+
+``d3stream bench --soak N``: the service with the tiny random checkpoint answers N small requests (fed in
+chunks, so backpressure holds the in-flight work bounded); the resident set size is sampled after every
+chunk. "Flat" means the last tenth of the samples averages within 5 % of the samples after the first
+tenth (warm-up: model load, allocator growth, first batch shapes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from .config import Settings
+from .runtime.model import Prepared, Row
+from .runtime.questions import normalize_question, question_error, require_json
+
+log = structlog.get_logger(__name__)
+
+QUESTIONS = (
+    {"type": "noul", "instructions": "Is the request urgent?"},
+    {"type": "choice", "criteria": {"approve": "approve it", "reject": "reject it", "escalate": "ask a person"}},
+    {"type": "score", "criteria": ["none", "low", "medium", "high"]},
+)
+NULL_ROW_TOKENS = 64  # what each question counts for the token budgets (nothing is run)
+
+
+class NullModel:
+    """A model stand-in for the Kafka benchmark: validates questions, answers uniform probabilities."""
+
+    model_name = "null-model"
+    device = "cpu"
+
+    def provenance(self) -> dict[str, Any]:
+        return {"kind": "null", "runtime": "d3stream-bench-null", "policy": "uniform probabilities, no model"}
+
+    def load_images(self, items: Sequence[Any], strict: bool = True) -> list[Any]:
+        if items:
+            raise ValueError("the null model takes no media")
+        return []
+
+    load_videos = load_images
+
+    def prepare(self, state: Any, questions: dict[str, Any], **_: Any) -> Prepared:
+        require_json(state, "state")
+        if not isinstance(questions, dict) or not questions:
+            raise ValueError("questions must be a nonempty mapping of question IDs to questions")
+        prepared = Prepared(keys=list(questions), model_name=self.model_name)
+        for key, question in questions.items():
+            try:
+                normalized = normalize_question(question)
+            except ValueError as exc:
+                prepared.errors[key] = question_error(question, "invalid_question", str(exc))
+                continue
+            prepared.questions[key] = normalized
+            prepared.rows.append(Row(key, [0] * NULL_ROW_TOKENS, normalized.option_count))
+        return prepared
+
+    def forward(self, rows: Sequence[Row]) -> list[list[float]]:
+        return [[1.0 / row.options] * row.options for row in rows]
+
+
+def small_requests(count: int, seed: int = 0) -> list[tuple[bytes, bytes]]:
+    """``count`` small text requests (1-3 questions, a sentence or two of state) as (key, value) records."""
+    rng = random.Random(seed)
+    records = []
+    for n in range(count):
+        chosen = rng.sample(range(len(QUESTIONS)), rng.randint(1, 3))
+        request = {
+            "id": f"bench-{seed}-{n:07d}",
+            "state": f"Ticket {n}: customer reports item {rng.randint(1, 10**6)} arrived {rng.choice(['late', 'damaged', 'early'])}.",
+            "questions": {f"q{i}": QUESTIONS[i] for i in chosen},
+        }
+        records.append((request["id"].encode(), json.dumps(request).encode()))
+    return records
+
+
+# ----------------------------------------------------------------------------------- kafka overhead
+
+
+async def _raw_loop(bootstrap: str, source: str, sink: str, group: str, count: int, transactional: bool) -> float:
+    """Consume ``count`` requests and publish one answer-sized record each; seconds from assignment to done."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
+                                auto_offset_reset="earliest", isolation_level="read_committed")
+    options: dict[str, Any] = {"transactional_id": f"{group}-raw"} if transactional else {}
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=2,
+                                **options)
+    await producer.start()
+    await consumer.start()
+    try:
+        done = 0
+        started: float | None = None
+        while done < count:
+            batches = await consumer.getmany(timeout_ms=200, max_records=2000)
+            if not batches:
+                continue
+            if started is None:
+                started = time.perf_counter()
+            offsets = {}
+            if transactional:
+                await producer.begin_transaction()
+            sends = []
+            for partition, records in batches.items():
+                for record in records:
+                    request = json.loads(record.value)
+                    answer = json.dumps({"id": request["id"], "answers": {k: {"p": 0.5} for k in request["questions"]},
+                                         "padding": "x" * 600}).encode()
+                    sends.append(await producer.send(sink, answer, key=record.key))
+                offsets[partition] = records[-1].offset + 1
+                done += len(records)
+            await asyncio.gather(*sends)
+            if transactional:
+                await producer.send_offsets_to_transaction(offsets, group)
+                await producer.commit_transaction()
+            else:
+                await consumer.commit(offsets)
+        return time.perf_counter() - (started or time.perf_counter())
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
+async def _service_run(settings: Settings, model: Any, count: int) -> tuple[float, Any]:
+    """Serve until ``count`` requests are answered and committed; seconds from assignment to done."""
+    from .service import Service
+
+    service = Service(settings, model)
+    task = asyncio.create_task(service.run())
+    try:
+        while not service.joined:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.002)
+        started = time.perf_counter()
+        while service.counts["answered"] + service.counts["errors"] < count:
+            if task.done():
+                task.result()
+                raise RuntimeError("the service stopped before answering every request")
+            await asyncio.sleep(0.002)
+        await service.delivery.flush()
+        while service.tracker.committable():  # a flush already under way may still be finishing
+            await asyncio.sleep(0.002)
+            await service.delivery.flush()
+        seconds = time.perf_counter() - started
+    finally:
+        service.stop()
+        await asyncio.wait_for(task, 120)
+    return seconds, service
+
+
+def kafka_overhead(count: int = 20_000, *, broker: Any = None, prefix: str = "bench",
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The raw-versus-d3stream comparison on ``broker`` (an ``infra.KafkaBroker``; default: a fresh one,
+    started and stopped here), on topics named ``<prefix>.*``; figures as one dict."""
+    if broker is None:
+        from .infra import KafkaBroker, ensure_jars
+
+        ensure_jars()
+        with KafkaBroker(partitions=4) as broker:
+            return kafka_overhead(count, broker=broker, prefix=prefix, progress=progress)
+    from .clients import produce
+
+    bootstrap = broker.bootstrap_servers
+    topics = {name: f"{prefix}.{name}" for name in ("requests", "raw-out", "answers", "dlq", "prov")}
+    for topic in topics.values():
+        broker.create_topic(topic, 4, exist_ok=True)
+    asyncio.run(produce(bootstrap, topics["requests"], small_requests(count)))
+    report: dict[str, Any] = {"requests": count, "partitions": 4, "topics": topics}
+    runs = (
+        ("raw_at_least_once", "raw", False, "at_least_once"),
+        ("d3stream_at_least_once", "service", False, "at_least_once"),
+        ("raw_transactional", "raw", True, "exactly_once"),
+        ("d3stream_exactly_once", "service", True, "exactly_once"),
+    )
+    for name, kind, transactional, mode in runs:
+        if progress is not None:
+            progress(name)
+        group = f"{prefix}-{name}"
+        if kind == "raw":
+            seconds = asyncio.run(_raw_loop(bootstrap, topics["requests"], topics["raw-out"], group, count,
+                                            transactional))
+        else:
+            settings = Settings(
+                bootstrap_servers=bootstrap, request_topics=[topics["requests"]], answer_topic=topics["answers"],
+                dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"], group_id=group, client_id=group,
+                delivery=mode, metrics_port=None, create_topics=False, log_level="warning",
+                max_inflight_requests=4096, commit_interval_ms=100, linger_ms=2,
+            )
+            seconds, _ = asyncio.run(_service_run(settings, NullModel(), count))
+        report[name] = {"seconds": round(seconds, 3), "events_per_s": round(count / seconds, 1)}
+    report["at_least_once_ratio"] = round(
+        report["d3stream_at_least_once"]["events_per_s"] / report["raw_at_least_once"]["events_per_s"], 3)
+    report["exactly_once_ratio"] = round(
+        report["d3stream_exactly_once"]["events_per_s"] / report["raw_transactional"]["events_per_s"], 3)
+    return report
+
+
+def kafka_markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"Kafka path with a null model, {report['requests']:,} small requests, {report['partitions']} partitions:",
+        "",
+        "| path | seconds | events/s |",
+        "|---|---:|---:|",
+    ]
+    for name in ("raw_at_least_once", "d3stream_at_least_once", "raw_transactional", "d3stream_exactly_once"):
+        figures = report[name]
+        lines.append(f"| {name.replace('_', ' ')} | {figures['seconds']:.2f} | {figures['events_per_s']:,.0f} |")
+    lines += [
+        "",
+        f"d3stream ÷ raw: at_least_once {report['at_least_once_ratio']:.2f}, "
+        f"exactly_once ÷ raw transactional {report['exactly_once_ratio']:.2f} (target ≥ 0.5).",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- RSS soak
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+async def _soak(settings: Settings, model: Any, bootstrap: str, total: int, chunk: int,
+                tick: Callable[[int], None] | None) -> list[tuple[int, int]]:
+    from .clients import produce
+    from .service import Service
+
+    service = Service(settings, model)
+    task = asyncio.create_task(service.run())
+    samples: list[tuple[int, int]] = []
+    try:
+        sent = 0
+        while sent < total:
+            size = min(chunk, total - sent)
+            await produce(bootstrap, settings.request_topics[0], small_requests(size, seed=sent))
+            sent += size
+            # Keep at most two chunks ahead of the service, so the topic is never drained dry for long.
+            while service.counts["answered"] + service.counts["errors"] < sent - chunk:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.05)
+            answered = service.counts["answered"] + service.counts["errors"]
+            samples.append((answered, _rss_bytes()))
+            if tick is not None:
+                tick(answered)
+        while service.counts["answered"] + service.counts["errors"] < total:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.05)
+        samples.append((total, _rss_bytes()))
+    finally:
+        service.stop()
+        await asyncio.wait_for(task, 300)
+    return samples
+
+
+def rss_soak(model: Any, total: int = 100_000, *, chunk: int = 2_000, threads: int | None = 1,
+             broker: Any = None, prefix: str = "soak",
+             tick: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Answer ``total`` small requests with ``model`` (a loaded D3, or a checkpoint path) on ``broker`` (an
+    ``infra.KafkaBroker``; default: a fresh one); RSS samples and the verdict."""
+    if not hasattr(model, "forward"):
+        from .runtime.model import D3
+
+        model = D3.from_pretrained(Path(model), device="cpu")
+    if broker is None:
+        from .infra import KafkaBroker, ensure_jars
+
+        ensure_jars()
+        with KafkaBroker(partitions=4) as broker:
+            return rss_soak(model, total, chunk=chunk, threads=threads, broker=broker, prefix=prefix, tick=tick)
+    bootstrap = broker.bootstrap_servers
+    topics = {name: f"{prefix}.{name}" for name in ("requests", "answers", "dlq", "prov")}
+    for topic in topics.values():
+        broker.create_topic(topic, 4, exist_ok=True)
+    settings = Settings(
+        bootstrap_servers=bootstrap, request_topics=[topics["requests"]], answer_topic=topics["answers"],
+        dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"], group_id=f"{prefix}-soak",
+        client_id=f"{prefix}-soak", metrics_port=None, create_topics=False, log_level="warning",
+        torch_threads=threads,
+    )
+    started = time.perf_counter()
+    samples = asyncio.run(_soak(settings, model, bootstrap, total, chunk, tick))
+    return soak_verdict(samples, total, time.perf_counter() - started)
+
+
+def soak_verdict(samples: list[tuple[int, int]], total: int, seconds: float) -> dict[str, Any]:
+    """Whether RSS stayed flat: the last tenth of the samples against the samples after the first tenth."""
+    values = [rss for _, rss in samples]
+    tenth = max(1, len(values) // 10)
+    settled = statistics.mean(values[tenth: 2 * tenth] or values[-tenth:])
+    final = statistics.mean(values[-tenth:])
+    growth = final / settled - 1.0
+    return {
+        "requests": total,
+        "seconds": round(seconds, 1),
+        "events_per_s": round(total / seconds, 1),
+        "rss_mb_after_warmup": round(settled / 2**20, 1),
+        "rss_mb_at_end": round(final / 2**20, 1),
+        "rss_mb_max": round(max(values) / 2**20, 1),
+        "growth": round(growth, 4),
+        "flat_within_5pct": abs(growth) <= 0.05,
+        "samples": [(answered, round(rss / 2**20, 1)) for answered, rss in samples],
+    }
