@@ -146,6 +146,10 @@ class AtLeastOnce(_Delivery):
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
         self.producer: Any = None
+        # Hands records to the producer one caller at a time. With thousands of requests answering at
+        # once, each waiting in aiokafka's accumulator for room would be woken on every drain (measured:
+        # 30 wake-ups per record, 5x slower); queued here, only the head of the line waits there.
+        self._enqueue = asyncio.Lock()
 
     async def start(self) -> None:
         self.producer = self._factory(None)
@@ -156,11 +160,11 @@ class AtLeastOnce(_Delivery):
             await self.producer.stop()
 
     async def publish(self, record: Outgoing) -> None:
-        await send_with_retries(self.producer, record, self.metrics)
+        await send_with_retries(self.producer, record, self.metrics, self._enqueue)
 
     async def deliver(self, partition: Any, offset: int, records: list[Outgoing], epoch: int | None = None) -> None:
         for record in records:
-            await send_with_retries(self.producer, record, self.metrics)
+            await send_with_retries(self.producer, record, self.metrics, self._enqueue)
         self.tracker.done(partition, offset, epoch)
 
     async def flush(self, partitions: Sequence[Any] | None = None) -> None:
@@ -321,13 +325,23 @@ async def _quietly_stop(producer: Any) -> None:
         log.debug("producer stop failed", error=str(exc))
 
 
-async def send_with_retries(producer: Any, record: Outgoing, metrics: Any = None) -> None:
-    """Publish and wait for the acknowledgement, retrying with backoff through broker outages."""
+async def send_with_retries(
+    producer: Any, record: Outgoing, metrics: Any = None, enqueue: asyncio.Lock | None = None
+) -> None:
+    """Publish and wait for the acknowledgement, retrying with backoff through broker outages. With
+    ``enqueue``, records enter the producer's buffer one caller at a time (acknowledgements are awaited
+    side by side)."""
     from aiokafka.errors import KafkaError
 
     for attempt, pause in enumerate((*PUBLISH_BACKOFF_S, None)):
         try:
-            await producer.send_and_wait(record.topic, value=record.value, key=record.key, headers=HEADERS)
+            if enqueue is None:
+                await producer.send_and_wait(record.topic, value=record.value, key=record.key, headers=HEADERS)
+            else:
+                async with enqueue:
+                    acknowledged = await producer.send(record.topic, value=record.value, key=record.key,
+                                                       headers=HEADERS)
+                await acknowledged
             return
         except KafkaError as exc:
             if pause is None:

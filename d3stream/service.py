@@ -536,8 +536,12 @@ class Service:
         self._inflight_questions += work.questions
         try:
             started = time.perf_counter()
-            images, videos = await asyncio.gather(
-                self.fetcher.fetch_all(request.images, "image"), self.fetcher.fetch_all(request.videos, "video")
+            images, videos = (
+                await asyncio.gather(
+                    self.fetcher.fetch_all(request.images, "image"), self.fetcher.fetch_all(request.videos, "video")
+                )
+                if request.images or request.videos
+                else ([], [])
             )
             work.timings.fetch = _ms(time.perf_counter() - started)
             self.metrics.observe_stage("fetch", time.perf_counter() - started)
@@ -547,8 +551,10 @@ class Service:
             return self._error(record, work, exc.code, exc.message, request=request)
         try:
             started = time.perf_counter()
-            decoded_images, decoded_videos = await loop.run_in_executor(
-                self._prepare_executor, self._decode_media, images, videos
+            decoded_images, decoded_videos = (
+                await loop.run_in_executor(self._prepare_executor, self._decode_media, images, videos)
+                if images or videos
+                else ([], [])  # nothing to decode: no trip to the prepare thread
             )
             work.timings.decode = _ms(time.perf_counter() - started)
             self.metrics.observe_stage("decode", time.perf_counter() - started)
