@@ -852,7 +852,9 @@ def _run_service_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from . import bench_service
+    from .logs import configure_logging
 
+    configure_logging(level="warning")  # a line per commit would drown the figures
     report: dict[str, Any] = {}
     tables: list[str] = []
     if args.kafka:
@@ -882,8 +884,10 @@ def _run_service_bench(args: argparse.Namespace) -> int:
         soak = report["soak"]
         tables.append(
             f"RSS soak, {soak['requests']:,} requests ({soak['events_per_s']:,.0f}/s): "
-            f"{soak['rss_mb_after_warmup']:,.0f} MB after warm-up, {soak['rss_mb_at_end']:,.0f} MB at the end, "
-            f"growth {soak['growth']:+.1%} ({'flat' if soak['flat_within_5pct'] else 'NOT flat'} within 5 %)."
+            f"{soak['rss_mb_first_tenth']:,.0f} MB after the first tenth, {soak['rss_mb_halfway']:,.0f} MB halfway, "
+            f"{soak['rss_mb_at_end']:,.0f} MB at the end: second half {soak['growth_second_half']:+.1%} "
+            f"({'flat' if soak['flat_within_5pct'] else 'NOT flat'} within 5 %), since the first tenth "
+            f"{soak['growth_since_first_tenth']:+.1%}."
         )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -148,4 +148,8 @@ def test_soak_verdict_tells_flat_from_growing():
     growing = [(n, 1000 * mb + n * mb // 500) for n in range(0, 100_000, 2_000)]  # +200 MB over the soak
     assert soak_verdict(flat, 100_000, 100.0)["flat_within_5pct"]
     verdict = soak_verdict(growing, 100_000, 100.0)
-    assert not verdict["flat_within_5pct"] and verdict["growth"] > 0.05
+    assert not verdict["flat_within_5pct"] and verdict["growth_second_half"] > 0.05
+    # warm-up that levels off by the middle is not a leak
+    warming = [(n, min(1000 * mb + n * mb // 100, 1400 * mb)) for n in range(0, 100_000, 2_000)]
+    verdict = soak_verdict(warming, 100_000, 100.0)
+    assert verdict["flat_within_5pct"] and verdict["growth_since_first_tenth"] > 0.05

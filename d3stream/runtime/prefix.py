@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -178,7 +178,11 @@ class PrefixRunner:
         self.on_fallback = on_fallback
         self.disabled: str | None = None  # why the runner serves full prompts only (after a failed check)
         self.fallbacks: Counter[str] = Counter()
-        self.checks: list[Check] = []
+        # The most recent checks (a long-running worker must not keep them all), and running totals.
+        self.checks: deque[Check] = deque(maxlen=1000)
+        self.checks_run = 0
+        self.checks_failed = 0
+        self._max_abs_dp: float | None = None
         self.counts: Counter[str] = Counter()
         self._served = 0  # questions served from a prefix, for verify_every
 
@@ -352,6 +356,9 @@ class PrefixRunner:
             delta = max(abs(a - b) for a, b in zip(results[row], exact[row], strict=True))
             check = Check(row.key, row.reversed, delta, delta <= self.tolerance)
             self.checks.append(check)
+            self.checks_run += 1
+            self.checks_failed += not check.passed
+            self._max_abs_dp = delta if self._max_abs_dp is None else max(self._max_abs_dp, delta)
             if self.on_check is not None:
                 self.on_check(check)
             if not check.passed:
@@ -498,7 +505,7 @@ class PrefixRunner:
 
     @property
     def max_abs_dp(self) -> float | None:
-        return max((check.max_abs_dp for check in self.checks), default=None)
+        return self._max_abs_dp
 
     def report(self) -> dict[str, Any]:
         """Counters for metrics and benchmark reports."""
@@ -514,8 +521,8 @@ class PrefixRunner:
             "prefix_tokens": self.counts["prefix_tokens"],
             "suffix_tokens": self.counts["suffix_tokens"],
             "saved_tokens": self.counts["saved_tokens"],
-            "checks": len(self.checks),
-            "failed_checks": sum(not check.passed for check in self.checks),
+            "checks": self.checks_run,
+            "failed_checks": self.checks_failed,
             "max_abs_dp": self.max_abs_dp,
             "fallbacks": dict(self.fallbacks),
         }
