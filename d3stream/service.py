@@ -706,7 +706,9 @@ class Service:
         work.timings.queued = _ms(max(0.0, finished - submitted - forward))
         self.metrics.observe_stage("forward", forward)
         self.metrics.observe_stage("queued", max(0.0, finished - submitted - forward))
-        reused = any(info.kind == "suffix" for info in passes)
+        # Shared only if each row's answer came from a suffix pass (a failed check re-answers from full prompts).
+        answered_by = {row: info.kind for info in passes if info.kind in ("suffix", "full") for row in info.done}
+        reused = bool(answered_by) and all(kind == "suffix" for kind in answered_by.values())
         work.batch = BatchRecord(
             passes=len(passes),
             rows=sum(info.rows for info in passes),
