@@ -249,10 +249,9 @@ class Metrics:
         )
         self.ready_gauge.set_function(lambda: 1.0 if self.is_ready() else 0.0)
 
-        for stage in STAGES:
-            self.stage_seconds.labels(stage=stage)
-        for code in ("ok", *ERROR_CODES):
-            self.answers.labels(code=code)
+        # The per-request series, looked up once: ``labels()`` costs more than the observation itself.
+        self._stage_series = {stage: self.stage_seconds.labels(stage=stage) for stage in STAGES}
+        self._answer_series = {code: self.answers.labels(code=code) for code in ("ok", *ERROR_CODES)}
         for result in ("hit", "miss"):
             self.media_cache.labels(result=result)
         for result in ("passed", "failed"):
@@ -317,15 +316,19 @@ class Metrics:
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         """Seconds one request spent in ``stage`` (one of ``STAGES``)."""
-        if stage not in STAGES:
+        series = self._stage_series.get(stage)
+        if series is None:
             raise ValueError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
-        self.stage_seconds.labels(stage=stage).observe(max(0.0, seconds))
+        series.observe(max(0.0, seconds))
 
     # -------------------------------------------------------------------------------- outcomes
 
     def count_answer(self, code: str | None) -> None:
         """One answer event published: ``None`` (or "ok") when answered, else the request's error code."""
-        self.answers.labels(code=code or "ok").inc()
+        series = self._answer_series.get(code or "ok")
+        if series is None:  # a code outside the documented table still counts
+            series = self._answer_series[code] = self.answers.labels(code=code)
+        series.inc()
 
     def count_dead_letter(self) -> None:
         self.dead_letters.inc()
