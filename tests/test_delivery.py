@@ -17,7 +17,6 @@
 * Work that outlives ``rebalance_drain_s`` is not committed a second time when its partition comes back.
 """
 
-# ruff: noqa: F811 - the ``stack`` fixture is imported from tests.test_faults and requested by name
 
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ from d3stream.clients import produce
 from d3stream.delivery import ExactlyOnce, OffsetTracker, Outgoing
 from d3stream.service import Service
 from tests.media_makers import make_png
-from tests.test_faults import Q_CHOICE, Q_NOUL, Q_SCORE, Reader, assigned_and_ready, record, stack, stop  # noqa: F401
+from tests.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, Reader, assigned_and_ready, record, stop
 
 pytestmark = pytest.mark.timeout(300)
 

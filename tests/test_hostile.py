@@ -16,7 +16,6 @@
   wrong one is refused with a clear error in bounded time.
 """
 
-# ruff: noqa: F811 - the ``stack`` fixture is imported from tests.test_faults and requested by name
 
 from __future__ import annotations
 
@@ -47,7 +46,7 @@ from d3stream.runtime.questions import ERRORS as QUESTION_ERRORS
 from d3stream.service import Service
 from tests.fault_proxy import FaultProxy
 from tests.media_makers import make_jpeg, make_mp4, make_png, make_png_header_only
-from tests.test_faults import Q_NOUL, Reader, assigned_and_ready, record, serve, stack  # noqa: F401 - fixture
+from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, serve
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -18,8 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +26,27 @@ import pytest
 
 import d3stream
 from d3stream.clients import produce
-from d3stream.config import FIELDS, Settings
+from d3stream.config import FIELDS
 from d3stream.events import decode_answer
 from d3stream.service import Service, answer_identity, provenance_digest
 from d3stream.storage import MediaError, MediaFetcher
 from tests.media_makers import data_url, make_jpeg, make_mp4, make_png, make_png_header_only
+from tests.stream_helpers import (
+    Q_CHOICE,
+    Q_NOUL,
+    Q_SCORE,
+    TOLERANCE,
+    Reader,
+    committed,
+    read_all,
+    record,
+    run,
+    stop,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[1]
-Q_NOUL = {"type": "noul", "instructions": "Is anything unusual visible?"}
-Q_CHOICE = {"type": "choice", "criteria": {"left": "turn left", "right": "turn right", "stop": "stop here"}}
-Q_SCORE = {"type": "score", "criteria": ["none", "low", "high"]}
-TOLERANCE = 1e-2
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -63,186 +69,6 @@ class SlowModel:
         return self._model.forward(rows)
 
 
-@dataclass
-class Stack:
-    """This test's names on the shared broker and store."""
-
-    broker: Any
-    store: Any
-    bucket: str
-    requests: str
-    answers: str
-    dead_letters: str
-    provenance: str
-    group: str
-    unique: Callable[[str], str]
-
-    def settings(self, **overrides: Any) -> Settings:
-        values: dict[str, Any] = dict(
-            bootstrap_servers=self.broker.bootstrap_servers,
-            request_topics=[self.requests],
-            answer_topic=self.answers,
-            dead_letter_topic=self.dead_letters,
-            provenance_topic=self.provenance,
-            group_id=self.group,
-            client_id=self.group,
-            s3_endpoint_url=self.store.endpoint_url,
-            s3_region=self.store.region,
-            media_allowlist=[self.bucket],
-            linger_ms=20,
-            commit_interval_ms=100,
-            shutdown_timeout_s=60,
-            rebalance_drain_s=10,
-        )
-        values.update(overrides)
-        return Settings(**values)
-
-    def put(self, key: str, data: bytes) -> str:
-        self.store.client().put_object(Bucket=self.bucket, Key=key, Body=data)
-        return f"s3://{self.bucket}/{key}"
-
-    def create_topics(self, request_partitions: int = 4) -> None:
-        self.broker.create_topic(self.requests, request_partitions, exist_ok=True)
-        self.broker.create_topic(self.answers, 4, exist_ok=True)
-        self.broker.create_topic(self.dead_letters, 4, exist_ok=True)
-
-
-@pytest.fixture
-def stack(kafka_broker, object_store, s3_bucket, topic_names, unique_name, monkeypatch) -> Stack:
-    # The service reads S3 credentials from the standard AWS chain only.
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", object_store.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", object_store.secret_key)
-    for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    stack = Stack(
-        broker=kafka_broker,
-        store=object_store,
-        bucket=s3_bucket,
-        requests=topic_names("req"),
-        answers=topic_names("ans"),
-        dead_letters=topic_names("dlq"),
-        provenance=topic_names("prov"),
-        group=unique_name("grp"),
-        unique=unique_name,
-    )
-    stack.create_topics()
-    return stack
-
-
-def record(request: dict[str, Any]) -> tuple[bytes, bytes]:
-    return request["id"].encode(), json.dumps(request).encode()
-
-
-class Reader:
-    """Reads a topic from the beginning in the background (every partition, committed records only)."""
-
-    def __init__(self, bootstrap: str, topic: str, partitions: int = 4):
-        self.bootstrap = bootstrap
-        self.topic = topic
-        self.partitions = partitions
-        self.records: list[Any] = []
-        self.next_offset: dict[int, int] = {}
-        self._task: asyncio.Task | None = None
-
-    async def __aenter__(self) -> Reader:
-        from aiokafka import AIOKafkaConsumer, TopicPartition
-
-        self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap,
-            group_id=None,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            isolation_level="read_committed",
-        )
-        await self.consumer.start()
-        self.consumer.assign([TopicPartition(self.topic, p) for p in range(self.partitions)])
-        self._task = asyncio.create_task(self._loop())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-        await self.consumer.stop()
-
-    async def _loop(self) -> None:
-        while True:
-            batches = await self.consumer.getmany(timeout_ms=100)
-            for records in batches.values():
-                self.records.extend(records)
-            # Positions, not record offsets: transaction markers take offsets too.
-            for tp in self.consumer.assignment():
-                self.next_offset[tp.partition] = await self.consumer.position(tp)
-
-    def answers(self) -> list[dict[str, Any]]:
-        return [json.loads(r.value) for r in self.records]
-
-    def by_id(self) -> dict[str, dict[str, Any]]:
-        return {a["id"]: a for a in self.answers()}
-
-    def counts(self) -> collections.Counter:
-        return collections.Counter(a["id"] for a in self.answers())
-
-    async def wait(self, predicate: Callable[[], bool], timeout: float, *tasks: asyncio.Task, what: str = "") -> None:
-        """Until ``predicate()``; fails early when a service task ended with an exception."""
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            for task in tasks:
-                if task.done():
-                    task.result()  # raises what the service raised
-                    raise AssertionError(f"a service stopped by itself while waiting for {what}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}; have {len(self.records)}")
-            await asyncio.sleep(0.05)
-
-    async def wait_ids(self, ids: set[str], timeout: float, *tasks: asyncio.Task) -> None:
-        await self.wait(lambda: ids <= set(self.counts()), timeout, *tasks, what=f"answers to {len(ids)} ids")
-
-    async def caught_up(self, timeout: float = 30) -> None:
-        """Until everything on the topic now has been read."""
-        from aiokafka import TopicPartition
-
-        partitions = [TopicPartition(self.topic, p) for p in range(self.partitions)]
-        ends = await self.consumer.end_offsets(partitions)
-        await self.wait(
-            lambda: all(self.next_offset.get(tp.partition, 0) >= end for tp, end in ends.items() if end),
-            timeout,
-            what="the end of the topic",
-        )
-
-
-async def read_all(bootstrap: str, topic: str, partitions: int = 1) -> list[Any]:
-    async with Reader(bootstrap, topic, partitions) as reader:
-        await reader.caught_up()
-        return list(reader.records)
-
-
-async def stop(service: Service, task: asyncio.Task, timeout: float = 90) -> None:
-    service.stop()
-    await asyncio.wait_for(task, timeout)
-
-
-async def committed(bootstrap: str, group: str, topic: str, partitions: int) -> dict[int, int]:
-    from aiokafka import TopicPartition
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        offsets = await admin.list_consumer_group_offsets(group)
-    finally:
-        await admin.close()
-    return {
-        p: offsets[TopicPartition(topic, p)].offset
-        for p in range(partitions)
-        if TopicPartition(topic, p) in offsets and offsets[TopicPartition(topic, p)].offset >= 0
-    }
-
-
-def run(coroutine):
-    return asyncio.run(coroutine)
 
 
 def close_to(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
