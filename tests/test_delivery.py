@@ -582,3 +582,18 @@ def test_work_that_outlives_the_rebalance_drain_is_not_committed_twice(stack, qw
     assert moved, "no partition moved to the second worker"
     assert set(counts) == ids
     assert not duplicates, f"committed twice in exactly_once mode: {duplicates}"
+
+
+def test_the_delivery_cost_pacer_publishes_everything_a_tick_at_a_time(kafka_broker, topic_names):
+    """``chaos.publish_paced`` (the paced stream of ``chaos --delivery-costs``): every record, in order, spread
+    over ticks of a tenth of a second (25 records at 100/s: ticks at 0, 0.1 and 0.2 s)."""
+    from d3stream.chaos import publish_paced
+
+    topic = topic_names("paced")
+    kafka_broker.create_topic(topic, 1)
+    stream = [(f"k{n}".encode(), json.dumps({"id": f"p{n:02d}"}).encode()) for n in range(25)]
+    started = time.monotonic()
+    asyncio.run(publish_paced(kafka_broker.bootstrap_servers, topic, stream, rate=100))
+    assert time.monotonic() - started >= 0.2
+    records = asyncio.run(count_topic(kafka_broker.bootstrap_servers, topic))
+    assert [r["id"] for r in records] == [f"p{n:02d}" for n in range(25)]
