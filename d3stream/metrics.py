@@ -208,7 +208,6 @@ class Metrics:
             ["result"],
             registry=r,
         )
-        self._prefix_max_abs_dp = 0.0
         self.prefix_max_abs_dp = Gauge(
             f"{PREFIX}_prefix_max_abs_dp",
             "Largest |dp| between a prefix-reuse answer and its full-prompt replay so far (prefix_tolerance "
@@ -353,11 +352,10 @@ class Metrics:
         """A multi-question request ran on a shared prefix (``shared``) or as full prompts (the reason)."""
         self.prefix_requests.labels(path=path).inc()
 
-    def observe_prefix_check(self, max_abs_dp: float, passed: bool) -> None:
-        """One exact-replay check of prefix reuse."""
+    def observe_prefix_check(self, passed: bool, max_abs_dp: float) -> None:
+        """One exact-replay check of prefix reuse, and the largest |dp| of all checks so far."""
         self.prefix_checks.labels(result="passed" if passed else "failed").inc()
-        self._prefix_max_abs_dp = max(self._prefix_max_abs_dp, max_abs_dp)
-        self.prefix_max_abs_dp.set(self._prefix_max_abs_dp)
+        self.prefix_max_abs_dp.set(max_abs_dp)
 
     # ------------------------------------------------------------------------------ offsets
 

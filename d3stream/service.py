@@ -136,11 +136,11 @@ class Service:
             read_timeout=settings.s3_read_timeout,
             max_attempts=settings.s3_max_attempts,
         )
+        budget = settings.max_batch_tokens or default_token_budget(str(getattr(model, "device", "cpu")))
+        self.prefix_runner = self._prefix_runner(settings, model, budget)
         self.provenance = model.provenance()
-        if self._reuse_wanted(settings, model):
-            from .runtime.prefix import PrefixRunner
-
-            self.provenance.update(PrefixRunner.describe(settings.prefix_verify_every, settings.prefix_tolerance))
+        if self.prefix_runner is not None:  # answers depend on the reuse policy too
+            self.provenance.update(self.prefix_runner.provenance())
         self.provenance_sha256 = provenance_digest(self.provenance)
         self.model_record = ModelRecord(
             name=model.model_name, runtime=self.provenance.get("runtime", ""), provenance_sha256=self.provenance_sha256
@@ -155,7 +155,6 @@ class Service:
         self._prepare_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-prepare")
         # One model thread for both schedulers: passes never run side by side on the device.
         self._model_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
-        budget = settings.max_batch_tokens or default_token_budget(str(getattr(model, "device", "cpu")))
         self.scheduler: BatchScheduler = BatchScheduler(
             model.forward,
             length=lambda row: row.length,
@@ -169,7 +168,6 @@ class Service:
             from .runtime.cache import MediaFeatureCache
 
             model.media_cache = MediaFeatureCache(settings.media_cache_bytes, on_lookup=self.metrics.count_media_cache)
-        self.prefix_runner = self._prefix_runner(settings, model, budget)
         self.prefix_scheduler: BatchScheduler | None = None
         self._call_passes: list[Any] = []  # the runner's passes during the current call (model thread only)
         if self.prefix_runner is not None:
@@ -623,19 +621,25 @@ class Service:
             probabilities[row] = result
             passes[id(record)] = record
         prepared.rows = [row for row in prepared.rows if row.key not in prepared.errors]
-        finished = time.perf_counter()
-        forward = sum(record.seconds for record in passes.values())
+        self._account_passes(work, submitted, list(passes.values()))
+        return probabilities
+
+    def _account_passes(self, work: _Work, submitted: float, passes: Sequence[Any], **batch: Any) -> None:
+        """The request's forward and queueing time and its batch record, from the passes that carried it
+        (``PassRecord`` or the prefix runner's ``PassInfo``: both have rows, tokens and seconds)."""
+        forward = sum(record.seconds for record in passes)
+        queued = max(0.0, time.perf_counter() - submitted - forward)
         work.timings.forward = _ms(forward)
-        work.timings.queued = _ms(max(0.0, finished - submitted - forward))
+        work.timings.queued = _ms(queued)
         self.metrics.observe_stage("forward", forward)
-        self.metrics.observe_stage("queued", max(0.0, finished - submitted - forward))
+        self.metrics.observe_stage("queued", queued)
         work.batch = BatchRecord(
             passes=len(passes),
-            rows=sum(r.rows for r in passes.values()),
-            real_tokens=sum(r.real_tokens for r in passes.values()),
-            padded_tokens=sum(r.padded_tokens for r in passes.values()),
+            rows=sum(record.rows for record in passes),
+            real_tokens=sum(record.real_tokens for record in passes),
+            padded_tokens=sum(record.padded_tokens for record in passes),
+            **batch,
         )
-        return probabilities
 
     # --------------------------------------------------------------------- shared-prefix reuse
 
@@ -658,7 +662,7 @@ class Service:
         from .runtime.prefix import PrefixRunner
 
         def checked(check: Any) -> None:
-            self.metrics.observe_prefix_check(check.max_abs_dp, check.passed)
+            self.metrics.observe_prefix_check(check.passed, self.prefix_runner.max_abs_dp)
 
         return PrefixRunner(
             model,
@@ -696,27 +700,15 @@ class Service:
         """A multi-question request on its shared prefix; if that fails, its rows run as full prompts."""
         submitted = time.perf_counter()
         try:
-            [((probabilities, passes), call)] = await self.prefix_scheduler.submit([plan])
+            [((probabilities, passes), _)] = await self.prefix_scheduler.submit([plan])
         except Exception as exc:  # noqa: BLE001 - the full-prompt path splits and reports row failures
             log.warning("shared-prefix run failed; running full prompts", error=f"{type(exc).__name__}: {exc}")
             return await self._run_rows(prepared, work)
-        finished = time.perf_counter()
-        forward = sum(info.seconds for info in passes)
-        work.timings.forward = _ms(forward)
-        work.timings.queued = _ms(max(0.0, finished - submitted - forward))
-        self.metrics.observe_stage("forward", forward)
-        self.metrics.observe_stage("queued", max(0.0, finished - submitted - forward))
         # Shared only if each row's answer came from a suffix pass (a failed check re-answers from full prompts).
         answered_by = {row: info.kind for info in passes if info.kind in ("suffix", "full") for row in info.done}
         reused = bool(answered_by) and all(kind == "suffix" for kind in answered_by.values())
-        work.batch = BatchRecord(
-            passes=len(passes),
-            rows=sum(info.rows for info in passes),
-            real_tokens=sum(info.real_tokens for info in passes),
-            padded_tokens=sum(info.padded_tokens for info in passes),
-            shared_prefix=reused,
-            saved_tokens=(len(plan.rows) - 1) * plan.length if reused else 0,
-        )
+        self._account_passes(work, submitted, passes, shared_prefix=reused,
+                             saved_tokens=(len(plan.rows) - 1) * plan.length if reused else 0)
         return probabilities
 
     def _provenance(self, work: _Work) -> Provenance:

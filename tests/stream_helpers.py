@@ -98,6 +98,29 @@ def stack(kafka_broker, object_store, s3_bucket, topic_names, unique_name, monke
     return stack
 
 
+def close_to(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
+    """Two System One answers agree within TOLERANCE (question errors: the same code)."""
+    assert got.keys() == want.keys(), where
+    for key, expected in want.items():
+        actual = got[key]
+        label = f"{where}/{key}"
+        if "error" in expected:
+            assert actual.get("error") == expected["error"], label
+            continue
+        assert "error" not in actual, (label, actual)
+        assert actual["type"] == expected["type"], label
+        assert actual["probabilities"].keys() == expected["probabilities"].keys(), label
+        for option, p in expected["probabilities"].items():
+            assert abs(actual["probabilities"][option] - p) <= TOLERANCE, (label, option, actual, expected)
+        kind = expected["type"]
+        if kind in ("noul", "score"):
+            assert abs(actual[kind] - expected[kind]) <= TOLERANCE * len(expected["probabilities"]), label
+        elif kind == "choice":
+            top = sorted(expected["probabilities"].values(), reverse=True)
+            if len(top) < 2 or top[0] - top[1] > 2 * TOLERANCE:
+                assert actual["choice"] == expected["choice"], label
+
+
 def record(request: dict[str, Any]) -> tuple[bytes, bytes]:
     return request["id"].encode(), json.dumps(request).encode()
 

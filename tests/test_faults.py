@@ -26,8 +26,8 @@ from tests.stream_helpers import (
     Q_CHOICE,
     Q_NOUL,
     Q_SCORE,
-    TOLERANCE,
     Reader,
+    close_to,
     record,
     serve,
 )
@@ -48,21 +48,6 @@ def proxy(object_store):
         yield running
 
 
-
-
-def close_to(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
-    """Two System One answers agree within TOLERANCE (question errors: the same code)."""
-    assert got.keys() == want.keys(), where
-    for key, expected in want.items():
-        actual = got[key]
-        label = f"{where}/{key}"
-        if "error" in expected:
-            assert actual.get("error") == expected["error"], label
-            continue
-        assert "error" not in actual, (label, actual)
-        assert actual["type"] == expected["type"], label
-        for option, p in expected["probabilities"].items():
-            assert abs(actual["probabilities"][option] - p) <= TOLERANCE, (label, option, actual, expected)
 
 
 def service_threads(baseline: set[threading.Thread], allow: tuple[str, ...] = ()) -> list[str]:

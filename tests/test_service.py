@@ -35,12 +35,13 @@ from tests.stream_helpers import (
     Q_CHOICE,
     Q_NOUL,
     Q_SCORE,
-    TOLERANCE,
     Reader,
+    close_to,
     committed,
     read_all,
     record,
     run,
+    serve,
     stop,
 )
 
@@ -69,29 +70,6 @@ class SlowModel:
         return self._model.forward(rows)
 
 
-
-
-def close_to(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
-    """Two System One answers agree within TOLERANCE (question errors: the same code)."""
-    assert got.keys() == want.keys(), where
-    for key, expected in want.items():
-        actual = got[key]
-        label = f"{where}/{key}"
-        if "error" in expected:
-            assert actual.get("error") == expected["error"], label
-            continue
-        assert "error" not in actual, (label, actual)
-        assert actual["type"] == expected["type"], label
-        assert actual["probabilities"].keys() == expected["probabilities"].keys(), label
-        for option, p in expected["probabilities"].items():
-            assert abs(actual["probabilities"][option] - p) <= TOLERANCE, (label, option, actual, expected)
-        kind = expected["type"]
-        if kind in ("noul", "score"):
-            assert abs(actual[kind] - expected[kind]) <= TOLERANCE * len(expected["probabilities"]), label
-        elif kind == "choice":
-            top = sorted(expected["probabilities"].values(), reverse=True)
-            if len(top) < 2 or top[0] - top[1] > 2 * TOLERANCE:
-                assert actual["choice"] == expected["choice"], label
 
 
 ANSWER_VALIDATOR = jsonschema.Draft202012Validator(json.loads((REPO / "schemas" / "answer.schema.json").read_text()))
@@ -287,19 +265,8 @@ def test_questions_share_their_prompt_prefix_and_repeated_media_is_encoded_once(
     ] + [{"id": "single", "state": "One question only.", "questions": {"noul": Q_NOUL}}]
     settings = stack.settings(prefix_verify_every=1)
     by_id = {r["id"]: r for r in requests}
-
-    async def scenario():
-        await produce(stack.broker.bootstrap_servers, stack.requests, [record(r) for r in requests])
-        service = Service(settings, model)
-        async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
-            task = asyncio.create_task(service.run())
-            try:
-                await reader.wait_ids(set(by_id), 120, task)
-            finally:
-                await stop(service, task)
-            return service, {a["id"]: a for a in map(json.loads, (r.value for r in reader.records))}
-
-    service, answers = run(scenario())
+    service, reader = run(serve(stack, settings, model, [record(r) for r in requests], by_id, timeout=120))
+    answers = reader.by_id()
     for rid, request in by_id.items():
         answer = answers[rid]
         images = [make_png(64, 48, seed=21)] * len(request.get("images", [])) or None

@@ -529,10 +529,6 @@ class PrefixRunner:
 
     def provenance(self) -> dict[str, Any]:
         """What to merge into the model's provenance record when the runner serves answers."""
-        return self.describe(self.verify_every, self.tolerance, self.min_rows)
-
-    @staticmethod
-    def describe(verify_every: int, tolerance: float, min_rows: int = 2) -> dict[str, Any]:
         return {
             "shared_prefix_reuse": {
                 "split": QUESTION_HEADER,
@@ -540,9 +536,9 @@ class PrefixRunner:
                 "are a true prefix of every question's ids; each question's suffix runs on its cached states "
                 "(full-attention key/value cache, Gated DeltaNet convolution and recurrent states); causal "
                 "checkpoints only",
-                "min_rows": min_rows,
-                "verify_every": verify_every,
-                "tolerance": tolerance,
+                "min_rows": self.min_rows,
+                "verify_every": self.verify_every,
+                "tolerance": self.tolerance,
             }
         }
 
