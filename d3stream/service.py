@@ -164,6 +164,9 @@ class Service:
             executor=self._model_executor,
             on_pass=self.metrics.observe_pass_record,
         )
+        # The service's cache lives as long as the service: close() hands the model back as it was given, so a
+        # model shared with other callers (a replay next to a live service, tests) keeps no features from here.
+        self._model_media_cache_before = getattr(model, "media_cache", None)
         if settings.media_cache_bytes > 0 and hasattr(model, "media_cache"):
             from .runtime.cache import MediaFeatureCache
 
@@ -270,6 +273,8 @@ class Service:
             if self.prefix_scheduler is not None:
                 await self.prefix_scheduler.close()
             self._model_executor.shutdown(wait=True)
+            if hasattr(self.model, "media_cache"):
+                self.model.media_cache = self._model_media_cache_before
             await self.delivery.stop()
             self._prepare_executor.shutdown(wait=True)
             self.fetcher.close()

@@ -32,6 +32,7 @@ Helpers usable without pytest: ``build``, ``sharpen_checkpoint``, ``copy_checkpo
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import os
@@ -219,3 +220,25 @@ def reference():
     if module is None:
         pytest.skip(f"reference runtime not found at {REFERENCE_RUNTIME}")
     return module
+
+
+@contextlib.contextmanager
+def float32(model):
+    """The model's backbone in FP32 for the duration; afterwards every parameter and buffer has its old dtype
+    again (BF16 -> FP32 -> BF16 is exact; FP32 buffers such as RoPE frequencies are left FP32)."""
+    modules = dict(model.backbone.named_modules())
+    dtypes = {
+        (name, kind, key): tensor.dtype
+        for name, module in modules.items()
+        for kind in ("_parameters", "_buffers")
+        for key, tensor in getattr(module, kind).items()
+        if tensor is not None
+    }
+    model.backbone.float()
+    try:
+        yield model
+    finally:
+        for (name, kind, key), dtype in dtypes.items():
+            tensor = getattr(modules[name], kind)[key]
+            if tensor.dtype != dtype:
+                tensor.data = tensor.data.to(dtype)

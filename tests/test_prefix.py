@@ -15,6 +15,7 @@ import pytest
 from d3stream.runtime.cache import MediaFeatureCache
 from d3stream.runtime.prefix import PrefixReuseUnavailable, PrefixRunner
 from tests.media_makers import frames_array, noise_image
+from tests.model_fixtures import float32
 
 TOL = 1e-2
 
@@ -296,6 +297,21 @@ def test_media_cache_keys_depend_on_processor_settings_and_content(qwen35_model,
     monkeypatch.setattr(processor, "image_mean", [0.25, 0.25, 0.25])  # same grid, different pixels seen
     changed = cache.keys(model, media, "image")
     assert not set(changed) & set(keys)
+
+
+def test_media_cache_does_not_serve_features_encoded_in_another_dtype(qwen35_model, counted_encodes, monkeypatch):
+    """Features cached while the tower ran in BF16 are not reused once it runs in FP32: the FP32 answer is
+    the one an uncached FP32 run gives."""
+    model = qwen35_model
+    with float32(model):
+        uncached = model.system_one(state="Yard.", questions={"stop": STOP}, images=[IMAGE_A])
+    monkeypatch.setattr(model, "media_cache", MediaFeatureCache())
+    model.system_one(state="Yard.", questions={"stop": STOP}, images=[IMAGE_A])  # cached in the model's dtype
+    counted_encodes.clear()
+    with float32(model):
+        cached = model.system_one(state="Yard.", questions={"stop": STOP}, images=[IMAGE_A])
+    assert counted_encodes == [1]  # encoded again in FP32, not looked up
+    assert cached["answers"] == uncached["answers"]
 
 
 def test_media_cache_lru_order():

@@ -16,7 +16,6 @@ is 1e-2 too.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -29,7 +28,7 @@ import pytest
 from d3stream.runtime import D3
 from d3stream.runtime.package import write_manifest
 from tests.media_makers import frames_array, noise_image
-from tests.model_fixtures import copy_checkpoint, device_for_tests, load_model
+from tests.model_fixtures import copy_checkpoint, device_for_tests, float32, load_model
 
 BATCH_TOL = 1e-2
 REF_TOL = 1e-2
@@ -396,28 +395,6 @@ def _requests(with_video: bool) -> list[dict]:
             },
         ]
     return requests
-
-
-@contextlib.contextmanager
-def float32(model):
-    """The model's backbone in FP32 for the duration; afterwards every parameter and buffer has its old dtype
-    again (BF16 -> FP32 -> BF16 is exact; FP32 buffers such as RoPE frequencies are left FP32)."""
-    modules = dict(model.backbone.named_modules())
-    dtypes = {
-        (name, kind, key): tensor.dtype
-        for name, module in modules.items()
-        for kind in ("_parameters", "_buffers")
-        for key, tensor in getattr(module, kind).items()
-        if tensor is not None
-    }
-    model.backbone.float()
-    try:
-        yield model
-    finally:
-        for (name, kind, key), dtype in dtypes.items():
-            tensor = getattr(modules[name], kind)[key]
-            if tensor.dtype != dtype:
-                tensor.data = tensor.data.to(dtype)
 
 
 def _shuffled_rows(model, requests):

@@ -289,6 +289,7 @@ def test_questions_share_their_prompt_prefix_and_repeated_media_is_encoded_once(
     assert value("d3stream_media_cache_lookups_total", {"result": "miss"}) == 1
     assert value("d3stream_media_cache_lookups_total", {"result": "hit"}) >= 2
     assert service.provenance["shared_prefix_reuse"]["verify_every"] == 1
+    assert model.media_cache is None  # the service's cache went with it: a later caller of the model sees none
 
 
 def test_a_failing_shared_prefix_call_falls_back_to_full_prompts(stack, qwen35_model):

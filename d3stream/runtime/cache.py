@@ -6,7 +6,7 @@ Each image (and each video) of a request is keyed by
   video's sampled frames plus its frame indices and frame rate, which set its timestamps),
 * the settings of the processor that turned it into patches (``to_dict()`` of the image or video
   processor: sizes, pixel budgets, patch and merge sizes, normalisation, ...) and its patch grid,
-* the model it was encoded by (checkpoint directory, identity, device),
+* the model it was encoded by (checkpoint directory, identity, device, vision-tower dtype),
 
 so two requests share an entry only when the vision tower would see exactly the same input. Entries are
 the tower's outputs (the merged features, plus Qwen3-VL's deepstack features) and are evicted least
@@ -42,6 +42,17 @@ class Entry:
 
 def _tensor_bytes(tensor: Any) -> int:
     return int(tensor.numel()) * int(tensor.element_size())
+
+
+def vision_dtype(model: Any) -> str:
+    """The dtype the vision tower computes in (its first parameter's); empty for a model without one."""
+    backbone = getattr(model, "backbone", None)
+    if backbone is None:
+        return ""
+    for name, parameter in backbone.named_parameters():
+        if "visual" in name:
+            return str(parameter.dtype)
+    return ""
 
 
 def settings_digest(processor: Any) -> str:
@@ -151,8 +162,11 @@ class MediaFeatureCache:
 
     @staticmethod
     def model_namespace(model: Any) -> str:
+        """The model, device and vision-tower dtype the features came from: the same weights cast to another
+        dtype encode the same image to different features, and a cached BF16 encoding must not answer an FP32
+        run."""
         identity = ((getattr(model, "manifest", None) or {}).get("identity") or {}).get("model_sha256")
-        return f"{getattr(model, 'root', '')}|{identity}|{getattr(model, 'device', '')}"
+        return f"{getattr(model, 'root', '')}|{identity}|{getattr(model, 'device', '')}|{vision_dtype(model)}"
 
     def keys(self, model: Any, media: Any, kind: str) -> list[str]:
         """The cache key of each image (``kind="image"``) or video of a request's media."""
