@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import contextvars
 import hashlib
 import json
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,13 +165,6 @@ class Service:
             executor=self._model_executor,
             on_pass=self.metrics.observe_pass_record,
         )
-        # The service's cache lives as long as the service: close() hands the model back as it was given, so a
-        # model shared with other callers (a replay next to a live service, tests) keeps no features from here.
-        self._model_media_cache_before = getattr(model, "media_cache", None)
-        if settings.media_cache_bytes > 0 and hasattr(model, "media_cache"):
-            from .runtime.cache import MediaFeatureCache
-
-            model.media_cache = MediaFeatureCache(settings.media_cache_bytes, on_lookup=self.metrics.count_media_cache)
         self.prefix_scheduler: BatchScheduler | None = None
         self._call_passes: list[Any] = []  # the runner's passes during the current call (model thread only)
         if self.prefix_runner is not None:
@@ -206,6 +200,28 @@ class Service:
 
     async def run(self) -> None:
         """Serve until ``stop()``; then finish in-flight work, publish, commit and close."""
+        with self._media_cache_lent():
+            await self._serve_until_stopped()
+
+    @contextlib.contextmanager
+    def _media_cache_lent(self) -> Iterator[None]:
+        """The model encodes through this service's media-feature cache while it serves, and is handed back as
+        it was given however serving ends, so a model shared with other callers (a replay beside a live
+        service, the next test) keeps no features, and no counter, from this one."""
+        settings, model = self.settings, self.model
+        if settings.media_cache_bytes <= 0 or not hasattr(model, "media_cache"):
+            yield
+            return
+        from .runtime.cache import MediaFeatureCache
+
+        before = model.media_cache
+        model.media_cache = MediaFeatureCache(settings.media_cache_bytes, on_lookup=self.metrics.count_media_cache)
+        try:
+            yield
+        finally:
+            model.media_cache = before
+
+    async def _serve_until_stopped(self) -> None:
         from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
         settings = self.settings
@@ -273,8 +289,6 @@ class Service:
             if self.prefix_scheduler is not None:
                 await self.prefix_scheduler.close()
             self._model_executor.shutdown(wait=True)
-            if hasattr(self.model, "media_cache"):
-                self.model.media_cache = self._model_media_cache_before
             await self.delivery.stop()
             self._prepare_executor.shutdown(wait=True)
             self.fetcher.close()
