@@ -60,11 +60,37 @@ def pack(items: Sequence[T], length: Callable[[T], int], max_rows: int, max_toke
     return passes
 
 
+_UNSET: Any = object()
+
+
+@dataclass(eq=False)
+class _Submission:
+    """One ``submit_each`` call: its rows' outcomes, filled in as their passes finish, and one future for
+    all of them (a future per row cost more event-loop time than the passes' bookkeeping itself)."""
+
+    future: asyncio.Future
+    outcomes: list[Any]
+    remaining: int
+
+    def settle(self, index: int, outcome: Any) -> None:
+        if self.outcomes[index] is not _UNSET:
+            return
+        self.outcomes[index] = outcome
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            self.future.set_result(self.outcomes)
+
+
 @dataclass(eq=False)
 class _Waiting(Generic[T]):
     row: T
-    future: asyncio.Future
+    submission: _Submission
+    index: int
     since: float
+    length: int
+
+    def settle(self, outcome: Any) -> None:
+        self.submission.settle(self.index, outcome)
 
 
 class BatchScheduler(Generic[T]):
@@ -93,6 +119,7 @@ class BatchScheduler(Generic[T]):
         self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
         self._waiting: list[_Waiting[T]] = []
+        self._waiting_tokens = 0
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -128,17 +155,19 @@ class BatchScheduler(Generic[T]):
         if self._closing:
             raise RuntimeError("the batch scheduler is closed")
         self.start()
-        loop = asyncio.get_running_loop()
+        if not rows:
+            return []
+        submission = _Submission(asyncio.get_running_loop().create_future(), [_UNSET] * len(rows), len(rows))
         now = time.perf_counter()
-        waiting = [_Waiting(row, loop.create_future(), now) for row in rows]
-        self._waiting.extend(waiting)
+        for index, row in enumerate(rows):
+            length = self._length(row)
+            self._waiting.append(_Waiting(row, submission, index, now, length))
+            self._waiting_tokens += length
         self._arrived.set()
-        return list(await asyncio.gather(*(w.future for w in waiting), return_exceptions=True))
+        return list(await submission.future)
 
     def _full(self) -> bool:
-        if len(self._waiting) >= self.max_batch_rows:
-            return True
-        return sum(self._length(w.row) for w in self._waiting) >= self.max_batch_tokens
+        return len(self._waiting) >= self.max_batch_rows or self._waiting_tokens >= self.max_batch_tokens
 
     async def _loop(self) -> None:
         while True:
@@ -158,15 +187,14 @@ class BatchScheduler(Generic[T]):
                     await asyncio.wait_for(self._arrived.wait(), timeout=remaining)
                 except TimeoutError:
                     break
-            taken, self._waiting = self._waiting, []
-            for group in pack(taken, lambda w: self._length(w.row), self.max_batch_rows, self.max_batch_tokens):
+            taken, self._waiting, self._waiting_tokens = self._waiting, [], 0
+            for group in pack(taken, lambda w: w.length, self.max_batch_rows, self.max_batch_tokens):
                 try:
                     await self._run_pass(group)
                 except Exception as exc:  # noqa: BLE001 - the batcher must outlive any one pass
                     log.exception("pass could not be completed")
                     for waiting in group:
-                        if not waiting.future.done():
-                            waiting.future.set_exception(exc)
+                        waiting.settle(exc)
 
     async def _run_pass(self, group: list[_Waiting[T]]) -> None:
         loop = asyncio.get_running_loop()
@@ -177,8 +205,7 @@ class BatchScheduler(Generic[T]):
         except Exception as exc:  # noqa: BLE001 - any pass failure is contained to its rows
             if len(group) == 1:
                 log.warning("row failed alone", error=f"{type(exc).__name__}: {exc}")
-                if not group[0].future.done():
-                    group[0].future.set_exception(exc)
+                group[0].settle(exc)
                 return
             log.warning("pass failed; retrying each half", rows=len(group), error=f"{type(exc).__name__}: {exc}")
             self._release_memory()
@@ -190,10 +217,9 @@ class BatchScheduler(Generic[T]):
         if len(results) != len(group):  # a broken run function: its rows fail, the scheduler goes on
             failure = RuntimeError(f"the model returned {len(results)} results for a pass of {len(group)} rows")
             for waiting in group:
-                if not waiting.future.done():
-                    waiting.future.set_exception(failure)
+                waiting.settle(failure)
             return
-        lengths = [self._length(row) for row in rows]
+        lengths = [waiting.length for waiting in group]
         record = PassRecord(len(rows), sum(lengths), len(rows) * max(lengths), seconds)
         self.passes_run += 1
         self.rows_run += record.rows
@@ -205,8 +231,7 @@ class BatchScheduler(Generic[T]):
             except Exception:  # noqa: BLE001 - a metrics hook must not stop the model
                 log.exception("pass hook failed")
         for waiting, result in zip(group, results, strict=True):
-            if not waiting.future.done():
-                waiting.future.set_result((result, record))
+            waiting.settle((result, record))
 
     @staticmethod
     def _release_memory() -> None:

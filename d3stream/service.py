@@ -64,6 +64,7 @@ from .events import (
     decode_request,
     encode,
 )
+from .jobthread import JobThread
 from .metrics import Metrics
 from .storage import FetchedMedia, MediaError, MediaFetcher
 
@@ -153,7 +154,8 @@ class Service:
         self._inflight_requests = 0
         self._inflight_tokens = 0
         self._paused = False
-        self._prepare_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-prepare")
+        # Decoding, prompt preparation and prefix planning: one thread, woken once for many requests.
+        self._prepare_thread = JobThread("d3stream-prepare")
         # One model thread for both schedulers: passes never run side by side on the device.
         self._model_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
         self.scheduler: BatchScheduler = BatchScheduler(
@@ -290,7 +292,7 @@ class Service:
                 await self.prefix_scheduler.close()
             self._model_executor.shutdown(wait=True)
             await self.delivery.stop()
-            self._prepare_executor.shutdown(wait=True)
+            self._prepare_thread.shutdown()
             self.fetcher.close()
             log.info("stopped", **self.counts)
 
@@ -548,7 +550,6 @@ class Service:
                 f"this worker serves {self.model.model_name!r}, not {request.model!r}",
                 request=request,
             )
-        loop = asyncio.get_running_loop()
         work.questions = len(request.questions)
         self._inflight_questions += work.questions
         try:
@@ -569,7 +570,7 @@ class Service:
         try:
             started = time.perf_counter()
             decoded_images, decoded_videos = (
-                await loop.run_in_executor(self._prepare_executor, self._decode_media, images, videos)
+                await self._prepare_thread.run(lambda: self._decode_media(images, videos))
                 if images or videos
                 else ([], [])  # nothing to decode: no trip to the prepare thread
             )
@@ -579,8 +580,7 @@ class Service:
             return self._error(record, work, "media_unreadable", str(exc), request=request)
         try:
             started = time.perf_counter()
-            prepared = await loop.run_in_executor(
-                self._prepare_executor,
+            prepared = await self._prepare_thread.run(
                 lambda: self.model.prepare(
                     request.state,
                     request.questions,
@@ -597,7 +597,7 @@ class Service:
         self._inflight_tokens += work.tokens
         plan = None
         if self.prefix_runner is not None and len(prepared.rows) >= self.prefix_runner.min_rows:
-            plan = await loop.run_in_executor(self._prepare_executor, self._plan_shared_prefix, prepared)
+            plan = await self._prepare_thread.run(lambda: self._plan_shared_prefix(prepared))
         if plan is not None:
             probabilities = await self._run_shared(plan, prepared, work)
         else:

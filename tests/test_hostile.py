@@ -377,7 +377,7 @@ def record_path(qwen35_text_model):
 
     yield serve_one
     asyncio.run_coroutine_threadsafe(service.scheduler.close(), loop).result(timeout=30)
-    service._prepare_executor.shutdown(wait=True)
+    service._prepare_thread.shutdown()
     service.fetcher.close()
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
