@@ -214,16 +214,27 @@ class Reader:
                         what=f"answers to {len(ids)} ids (missing {sorted(ids - set(self.counts()))[:5]})")
 
     async def caught_up(self, timeout: float = 30) -> None:
-        """Until everything on the topic now has been read."""
+        """Until everything on the topic now has been read. A read_committed reader's end is the last stable
+        offset, which lags for a moment behind a transaction that was just committed (its markers are
+        written after the commit returns): so read on until the stable end reaches the log end, or the
+        timeout passes (a transaction left open, by a killed worker say, holds it back longer)."""
         from aiokafka import TopicPartition
 
         partitions = [TopicPartition(self.topic, p) for p in range(self.partitions)]
-        ends = await self.consumer.end_offsets(partitions)
-        await self.wait(
-            lambda: all(self.next_offset.get(tp.partition, 0) >= end for tp, end in ends.items() if end),
-            timeout,
-            what="the end of the topic",
-        )
+        deadline = time.monotonic() + timeout
+        while True:
+            ends = await self.consumer.end_offsets(partitions)
+            await self.wait(
+                lambda ends=ends: all(self.next_offset.get(tp.partition, 0) >= end for tp, end in ends.items() if end),
+                max(0.1, deadline - time.monotonic()),
+                what="the end of the topic",
+            )
+            stable = self.isolation_level != "read_committed" or all(
+                (self.consumer.highwater(tp) or 0) <= end for tp, end in ends.items()
+            )
+            if stable or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.05)
 
 
 async def stop(service: Service, task: asyncio.Task, timeout: float = 90) -> None:
