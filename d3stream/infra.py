@@ -427,13 +427,85 @@ def _write_properties(path: Path, props: Mapping[str, str]) -> None:
     path.write_text("".join(f"{k}={v.replace(chr(92), chr(92) * 2)}\n" for k, v in props.items()))
 
 
-class KafkaBroker:
+class _LocalServer:
+    """What the embedded broker and object store share: one JVM process with its config, data and log in a
+    work folder. ``stop``/``start`` keep the port and the data, so a test can take a server away under a
+    running service and bring the same one back; ``close`` also deletes the folder if this object made it.
+    Subclasses set ``workdir``, ``_owns_workdir``, ``log_path``, ``startup_timeout`` and ``stop_grace`` and
+    start through :meth:`_launch`."""
+
+    event = "server"  # prefix of the log events: <event>.starting, .ready, .stopping
+    label = "server"  # its name in start-up errors
+    workdir: Path
+    _owns_workdir: bool
+    log_path: Path
+    startup_timeout: float
+    stop_grace: float
+    startup_seconds: float | None = None
+    _proc: _Process | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self.running and self._proc else None
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+    def _launch(self, cmd: list[str], started: float, *, poll_s: float = 0.2, **where: Any) -> None:
+        """Run ``cmd`` and wait until :meth:`_ready`; a server that dies or stays unready is stopped and the
+        error carries its log tail."""
+        log.info(f"{self.event}.starting", workdir=str(self.workdir), **where)
+        self._proc = _Process(self.event, cmd, self.log_path, self.workdir)
+        try:
+            _wait_until(self._ready, self._proc, self.label, self.startup_timeout, interval=poll_s)
+        except BaseException:
+            self._proc.stop(grace=5)
+            raise
+        self.startup_seconds = time.monotonic() - started
+        log.info(f"{self.event}.ready", pid=self._proc.pid, seconds=round(self.startup_seconds, 2), **where)
+
+    def stop(self) -> None:
+        """Clean shutdown (SIGTERM, SIGKILL after ``stop_grace``); the data stays for the next ``start``."""
+        if self._proc is None:
+            return
+        log.info(f"{self.event}.stopping", pid=self._proc.pid)
+        self._proc.stop(self.stop_grace)
+        self._proc = None
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def restart(self) -> None:
+        """Stop then start on the same port and data folder."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop, and delete the work folder if this object created it."""
+        self.stop()
+        if self._owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KafkaBroker(_LocalServer):
     """A single-node Kafka (KRaft) on 127.0.0.1, for tests and the demo.
 
     Ports and the data folder are fixed for the object's lifetime, so :meth:`restart` (or :meth:`kill`
     then :meth:`start`) brings the *same* cluster back: same address, same topics, same committed offsets.
     Use as a context manager, or call :meth:`start` and :meth:`close`.
     """
+
+    event, label = "kafka", "Kafka"
 
     def __init__(
         self,
@@ -462,18 +534,10 @@ class KafkaBroker:
         self.bootstrap_servers = f"127.0.0.1:{self.port}"
         self.log_path = self.workdir / "kafka.log"
         self.data_dir = self.workdir / "data"
-        self.startup_seconds: float | None = None
-        self._proc: _Process | None = None
+        self.startup_seconds = None
+        self._proc = None
 
     # -- lifecycle
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.alive()
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self.running and self._proc else None
 
     def start(self) -> Self:
         """Write the config, format storage on first start, launch the JVM and wait until it serves metadata."""
@@ -509,20 +573,7 @@ class KafkaBroker:
         started = time.monotonic()
         if not (self.data_dir / "meta.properties").is_file():
             self._format(jvm, props_path)
-        log.info("kafka.starting", bootstrap=self.bootstrap_servers, workdir=str(self.workdir))
-        self._proc = _Process("kafka", [*jvm, "kafka.Kafka", str(props_path)], self.log_path, self.workdir)
-        try:
-            _wait_until(self._ready, self._proc, "Kafka", self.startup_timeout)
-        except BaseException:
-            self._proc.stop(grace=5)
-            raise
-        self.startup_seconds = time.monotonic() - started
-        log.info(
-            "kafka.ready",
-            bootstrap=self.bootstrap_servers,
-            pid=self._proc.pid,
-            seconds=round(self.startup_seconds, 2),
-        )
+        self._launch([*jvm, "kafka.Kafka", str(props_path)], started, bootstrap=self.bootstrap_servers)
         return self
 
     def _format(self, jvm: list[str], props_path: Path) -> None:
@@ -568,37 +619,12 @@ class KafkaBroker:
 
         return _run_sync(probe)
 
-    def stop(self) -> None:
-        """Clean shutdown (SIGTERM, SIGKILL after ``stop_grace``); data stays for the next :meth:`start`."""
-        if self._proc is None:
-            return
-        log.info("kafka.stopping", pid=self._proc.pid)
-        self._proc.stop(self.stop_grace)
-        self._proc = None
-
     def kill(self) -> None:
         """SIGKILL, no clean shutdown: the broker crashing. :meth:`start` recovers the logs."""
         if self._proc is not None:
             log.info("kafka.killing", pid=self._proc.pid)
             self._proc.kill()
             self._proc = None
-
-    def restart(self) -> None:
-        """Stop then start on the same ports and data folder."""
-        self.stop()
-        self.start()
-
-    def close(self) -> None:
-        """Stop, and delete the work folder if this object created it."""
-        self.stop()
-        if self._owns_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- helpers
 
@@ -665,13 +691,15 @@ class KafkaBroker:
 # S3
 
 
-class ObjectStore:
+class ObjectStore(_LocalServer):
     """S3Proxy on 127.0.0.1 with the filesystem backend: a real S3 HTTP API whose objects are files.
 
     Signatures are checked (V2 or V4) against fixed test keys, so code that forgets credentials fails
     here as it would against AWS. :meth:`stop`/:meth:`start` keep the port and the files, so a test can
     take the store away under a running service and bring it back.
     """
+
+    event, label = "s3", "S3Proxy"
 
     def __init__(
         self,
@@ -696,16 +724,8 @@ class ObjectStore:
         self.stop_grace = stop_grace
         self.data_dir = self.workdir / "data"
         self.log_path = self.workdir / "s3proxy.log"
-        self.startup_seconds: float | None = None
-        self._proc: _Process | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.alive()
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self.running and self._proc else None
+        self.startup_seconds = None
+        self._proc = None
 
     def start(self) -> Self:
         """Launch S3Proxy and wait until its HTTP port answers (any status: unauthenticated gets 403)."""
@@ -736,18 +756,7 @@ class ObjectStore:
             "--properties",
             str(props_path),
         ]
-        started = time.monotonic()
-        log.info("s3.starting", endpoint=self.endpoint_url, workdir=str(self.workdir))
-        self._proc = _Process("s3proxy", cmd, self.log_path, self.workdir)
-        try:
-            _wait_until(self._ready, self._proc, "S3Proxy", self.startup_timeout, interval=0.1)
-        except BaseException:
-            self._proc.stop(grace=5)
-            raise
-        self.startup_seconds = time.monotonic() - started
-        log.info(
-            "s3.ready", endpoint=self.endpoint_url, pid=self._proc.pid, seconds=round(self.startup_seconds, 2)
-        )
+        self._launch(cmd, time.monotonic(), poll_s=0.1, endpoint=self.endpoint_url)
         return self
 
     def _ready(self) -> bool:
@@ -759,30 +768,6 @@ class ObjectStore:
             return False
         finally:
             conn.close()
-
-    def stop(self) -> None:
-        """Stop the server; the files (buckets, objects) stay for the next :meth:`start`."""
-        if self._proc is None:
-            return
-        log.info("s3.stopping", pid=self._proc.pid)
-        self._proc.stop(self.stop_grace)
-        self._proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def close(self) -> None:
-        """Stop, and delete the work folder if this object created it."""
-        self.stop()
-        if self._owns_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def client_kwargs(self) -> dict[str, Any]:
