@@ -15,6 +15,7 @@ import d3stream
 from d3stream.batching import PassRecord
 from d3stream.config import Settings
 from d3stream.metrics import ERROR_CODES, STAGES, Metrics, MetricsServer, serve_metrics
+from tests.stream_helpers import scrape
 
 
 def _status(url: str) -> int:
@@ -23,19 +24,6 @@ def _status(url: str) -> int:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
-
-
-def _scrape(server: MetricsServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of /metrics, keyed by (sample name, sorted labels)."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as response:
-        assert response.status == 200
-        assert response.headers["Content-Type"].startswith("text/plain")
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
 
 
 def _value(samples: dict, metric: str, /, **labels: str) -> float:
@@ -61,11 +49,11 @@ def test_health_and_readiness(served, state) -> None:
     _, server = served
     assert _status(server.url + "/healthz") == 200
     assert _status(server.url + "/readyz") == 503
-    assert _value(_scrape(server), "d3stream_ready") == 0
+    assert _value(scrape(server.url), "d3stream_ready") == 0
     state["ready"] = True
     assert _status(server.url + "/readyz") == 200
     assert _status(server.url + "/healthz") == 200
-    assert _value(_scrape(server), "d3stream_ready") == 1
+    assert _value(scrape(server.url), "d3stream_ready") == 1
     state["ready"] = False  # shutting down: no longer ready, still alive
     assert _status(server.url + "/readyz") == 503
     assert _status(server.url + "/healthz") == 200
@@ -85,7 +73,7 @@ def test_a_failing_readiness_check_is_not_ready() -> None:
 
 def test_counters_move(served) -> None:
     metrics, server = served
-    before = _scrape(server)
+    before = scrape(server.url)
     assert _value(before, "d3stream_answers_total", code="ok") == 0
     for code in ERROR_CODES:  # pre-created, so rate() works from the first error on
         assert _value(before, "d3stream_answers_total", code=code) == 0
@@ -118,7 +106,7 @@ def test_counters_move(served) -> None:
     metrics.count_transaction_abort()
     metrics.set_model("d3-tiny", "9f2c" * 16, "cuda:0")
 
-    after = _scrape(server)
+    after = scrape(server.url)
     assert _value(after, "d3stream_consumer_lag", topic="d3.requests", partition="3") == 42
     assert _value(after, "d3stream_consumer_lag", topic="d3.requests", partition="4") == 0
     assert _value(after, "d3stream_requests_in_flight") == 7
@@ -152,7 +140,7 @@ def test_counters_move(served) -> None:
     assert _value(after, "d3stream_model_info", name="d3-tiny", provenance_sha256="9f2c" * 16, device="cuda:0") == 1
 
     metrics.forget_partitions([("d3.requests", 3), ("d3.requests", 99)])  # 99 was never seen: no error
-    gone = _scrape(server)
+    gone = scrape(server.url)
     assert ("d3stream_consumer_lag", (("partition", "3"), ("topic", "d3.requests"))) not in gone
     assert _value(gone, "d3stream_consumer_lag", topic="d3.requests", partition="4") == 0
 

@@ -7,22 +7,11 @@ import json
 import urllib.error
 import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from d3stream.clients import produce
 from d3stream.config import Settings
 from d3stream.metrics import Metrics, MetricsServer
 from d3stream.service import Service
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
+from tests.stream_helpers import scrape
 
 
 def status(url: str, path: str) -> int:
