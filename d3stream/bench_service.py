@@ -145,6 +145,20 @@ async def _raw_loop(bootstrap: str, source: str, sink: str, group: str, count: i
         await producer.stop()
 
 
+def _finished(service: Any) -> int:
+    """Requests the service has answered (an error answer counts)."""
+    return service.counts["answered"] + service.counts["errors"]
+
+
+async def _until_finished(service: Any, task: asyncio.Task, count: int, poll_s: float) -> None:
+    """Until the service has answered ``count`` requests; what it raised if it stopped first."""
+    while _finished(service) < count:
+        if task.done():
+            task.result()
+            raise RuntimeError("the service stopped before answering every request")
+        await asyncio.sleep(poll_s)
+
+
 async def _service_run(settings: Settings, model: Any, count: int) -> tuple[float, Any]:
     """Serve until ``count`` requests are answered and committed; seconds from assignment to done."""
     from .service import Service
@@ -157,11 +171,7 @@ async def _service_run(settings: Settings, model: Any, count: int) -> tuple[floa
                 task.result()
             await asyncio.sleep(0.002)
         started = time.perf_counter()
-        while service.counts["answered"] + service.counts["errors"] < count:
-            if task.done():
-                task.result()
-                raise RuntimeError("the service stopped before answering every request")
-            await asyncio.sleep(0.002)
+        await _until_finished(service, task, count, 0.002)
         await service.delivery.flush()
         while service.tracker.committable():  # a flush already under way may still be finishing
             await asyncio.sleep(0.002)
@@ -262,18 +272,12 @@ async def _soak(settings: Settings, model: Any, bootstrap: str, total: int, chun
             await produce(bootstrap, settings.request_topics[0], small_requests(size, seed=sent))
             sent += size
             # Keep at most two chunks ahead of the service, so the topic is never drained dry for long.
-            while service.counts["answered"] + service.counts["errors"] < sent - chunk:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.05)
-            answered = service.counts["answered"] + service.counts["errors"]
+            await _until_finished(service, task, sent - chunk, 0.05)
+            answered = _finished(service)
             samples.append((answered, _rss_bytes()))
             if tick is not None:
                 tick(answered)
-        while service.counts["answered"] + service.counts["errors"] < total:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.05)
+        await _until_finished(service, task, total, 0.05)
         samples.append((total, _rss_bytes()))
     finally:
         service.stop()

@@ -331,8 +331,11 @@ class ReplayService(Service):
 
     async def _on_assigned(self, partitions: list[Any]) -> None:
         for partition in partitions:
-            committed = await self.consumer.committed(partition)
-            self.consumer.seek(partition, self._start_position(partition, committed))
+            # A settling partition (exactly_once) is positioned once settled, through _start_position; a
+            # committed offset read here could predate the previous owner's last transaction.
+            if partition not in self._settling:
+                committed = await self.consumer.committed(partition)
+                self.consumer.seek(partition, self._start_position(partition, committed))
             self._positions_done.discard(partition)
 
     def _start_position(self, partition: Any, committed: int | None) -> int | None:

@@ -35,7 +35,17 @@ from d3stream.clients import produce
 from d3stream.delivery import ExactlyOnce, OffsetTracker, Outgoing
 from d3stream.service import Service
 from tests.media_makers import make_png
-from tests.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, Reader, assigned_and_ready, record, stop
+from tests.stream_helpers import (
+    Q_CHOICE,
+    Q_NOUL,
+    Q_SCORE,
+    Reader,
+    assigned_and_ready,
+    record,
+    run,
+    serve,
+    stop,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,10 +63,6 @@ class SlowModel:
     def forward(self, rows):
         time.sleep(self.delay_s)
         return self._model.forward(rows)
-
-
-def run(coroutine):
-    return asyncio.run(coroutine)
 
 
 # ====================================================================================== crash cycles
@@ -275,26 +281,16 @@ def test_broker_restart_mid_stream_loses_and_doubles_nothing(stack, qwen35_model
     ids = {r["id"] for r in requests}
     marks: dict[str, Any] = {}
 
-    async def scenario():
-        bootstrap = stack.broker.bootstrap_servers
-        service = Service(settings, model)
-        async with Reader(bootstrap, stack.answers) as reader:
-            task = asyncio.create_task(service.run())
-            try:
-                await reader.wait(lambda: assigned_and_ready(service), 60, task, what="the assignment")
-                await produce(bootstrap, stack.requests, [record(r) for r in requests])
-                await reader.wait(lambda: len(reader.counts()) >= 12, 90, task, what="12 answers")
-                marks["before"] = len(reader.counts())
-                started = time.monotonic()
-                await asyncio.to_thread(stack.broker.restart)  # the service keeps running meanwhile
-                marks["restart_s"] = round(time.monotonic() - started, 1)
-                await reader.wait_ids(ids, 120, task)
-            finally:
-                await stop(service, task)
-            await reader.caught_up()
-            return service, reader.counts()
+    async def restart_the_broker(service, reader, task):
+        await reader.wait(lambda: len(reader.counts()) >= 12, 90, task, what="12 answers")
+        marks["before"] = len(reader.counts())
+        started = time.monotonic()
+        await asyncio.to_thread(stack.broker.restart)  # the service keeps running meanwhile
+        marks["restart_s"] = round(time.monotonic() - started, 1)
 
-    service, counts = run(scenario())
+    service, reader = run(serve(stack, settings, model, [record(r) for r in requests], ids, timeout=120,
+                                during=restart_the_broker))
+    counts = reader.counts()
     with capsys.disabled():
         print(f"\n[broker restart] {marks}, aborted transactions {service.delivery.aborts}, "
               f"commits {service.delivery.commits}")

@@ -29,6 +29,7 @@ from tests.stream_helpers import (
     Reader,
     close_to,
     record,
+    run,
     serve,
 )
 
@@ -71,10 +72,6 @@ def assert_no_thread_leak(baseline: set[threading.Thread], settle_s: float = 5.0
     assert threading.active_count() - proxy_threads <= len(baseline) + len(allow), [
         t.name for t in threading.enumerate()
     ]
-
-
-def run(coroutine):
-    return asyncio.run(coroutine)
 
 
 # ===================================================================================== the proxy itself

@@ -46,7 +46,7 @@ from d3stream.runtime.questions import ERRORS as QUESTION_ERRORS
 from d3stream.service import Service
 from tests.fault_proxy import FaultProxy
 from tests.media_makers import make_jpeg, make_mp4, make_png, make_png_header_only
-from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, serve
+from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,10 +59,6 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )
 TEN_MB = 10 * 1024 * 1024
-
-
-def run(coroutine):
-    return asyncio.run(coroutine)
 
 
 # ========================================================================================= strategies
