@@ -454,13 +454,12 @@ class Service:
             for partition in partitions:
                 if partition not in self.consumer.assignment():
                     continue
-                try:
-                    committed = await self.consumer.committed(partition)
-                except Exception as exc:  # noqa: BLE001 - fall back to the position aiokafka fetched itself
-                    log.warning("committed offset not re-read", partition=str(partition), error=str(exc))
-                    continue
                 skipped = self._skipped_while_settling.pop(partition, None)
-                position = self._start_position(partition, committed)
+                try:
+                    position = self._start_position(partition, await self.consumer.committed(partition))
+                except Exception as exc:  # noqa: BLE001 - then from where aiokafka positioned it, or what was skipped
+                    log.warning("committed offset not re-read", partition=str(partition), error=str(exc))
+                    position = None
                 if position is None:
                     position = skipped
                 if position is not None:
