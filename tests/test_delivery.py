@@ -41,6 +41,7 @@ from tests.stream_helpers import (
     Q_SCORE,
     Reader,
     assigned_and_ready,
+    committed,
     record,
     run,
     serve,
@@ -154,17 +155,9 @@ def crash_cycles(stack, checkpoint: Path, folder: Path, *, mode: str, requests: 
     }
 
 
-async def _committed_records(bootstrap: str, group: str, topic: str) -> int:
+async def _committed_records(bootstrap: str, group: str, topic: str, partitions: int = 4) -> int:
     """Records of ``topic`` the group has committed (the sum of its committed offsets)."""
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        offsets = await admin.list_consumer_group_offsets(group)
-    finally:
-        await admin.close()
-    return sum(meta.offset for tp, meta in offsets.items() if tp.topic == topic and meta.offset > 0)
+    return sum((await committed(bootstrap, group, topic, partitions)).values())
 
 
 def _serving(worker: WorkerProcess) -> int:
