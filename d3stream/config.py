@@ -66,6 +66,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefix_verify_every: int = 200
     prefix_tolerance: float = 1e-2
     media_cache_bytes: int = 268_435_456
+    max_inflight_media_bytes: int = 1_073_741_824
+    # Media limits (per request, checked before the work)
+    max_media_references: int = 32
+    max_media_pixels: int = 100_000_000
+    max_video_frames: int = 128
+    media_decode_timeout_s: float = 10.0
+    media_decode_processes: int = 1
     # Object storage
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
@@ -127,6 +134,16 @@ HELP: dict[str, str] = {
     "(0: never)",
     "prefix_tolerance": "largest |dp| a verification may show; above it the worker logs it and serves full prompts",
     "media_cache_bytes": "bytes of vision-tower features kept for media seen again (LRU by content hash; 0: off)",
+    "max_inflight_media_bytes": "decoded media bytes held at once: a request waits for its share (estimated from "
+    "headers) before it decodes; partitions pause while it is full",
+    "max_media_references": "most images + videos one request may name (more: invalid_request, nothing fetched)",
+    "max_media_pixels": "most decoded pixels of one request's media, every image reference and sampled video "
+    "frame counted, from the headers before decoding (more: invalid_request)",
+    "max_video_frames": "most sampled video frames of one request, from the headers before decoding "
+    "(more: invalid_request)",
+    "media_decode_timeout_s": "deadline of one request's media decode; a video decode past it is killed, and the "
+    "request answered media_unreadable",
+    "media_decode_processes": "worker processes that decode videos (killed and replaced at the deadline)",
     "s3_endpoint_url": "S3-compatible endpoint (default: AWS)",
     "s3_region": "S3 region",
     "media_allowlist": "buckets or bucket/prefix pairs requests may name (comma-separated); empty allows none",

@@ -47,6 +47,7 @@ from aiokafka import ConsumerRebalanceListener
 from . import __version__
 from .batching import BatchScheduler, PassRecord
 from .config import Settings, kafka_security
+from .decoding import ByteBudget, MediaDecoder
 from .delivery import AtLeastOnce, ExactlyOnce, OffsetTracker, Outgoing
 from .events import (
     Answer,
@@ -66,6 +67,7 @@ from .events import (
 )
 from .jobthread import JobThread
 from .metrics import Metrics
+from .runtime.media import MediaBudgetExceeded, reason
 from .storage import FetchedMedia, MediaError, MediaFetcher
 
 __all__ = ["OffsetTracker", "Service", "default_token_budget"]
@@ -104,6 +106,7 @@ class _Work:
     media: list[MediaRecord] = field(default_factory=list)
     batch: BatchRecord = field(default_factory=BatchRecord)
     tokens: int = 0
+    media_bytes: int = 0  # held of the in-flight media budget
     questions: int = 0
     request: Request | None = None  # once decoded: even a worker fault is answered under its id
     extra: list[Outgoing] = field(default_factory=list)  # e.g. a dead letter, published with the answer
@@ -154,8 +157,17 @@ class Service:
         self._inflight_requests = 0
         self._inflight_tokens = 0
         self._paused = False
-        # Decoding, prompt preparation and prefix planning: one thread, woken once for many requests.
+        # Prompt preparation and prefix planning: one thread, woken once for many requests.
         self._prepare_thread = JobThread("d3stream-prepare")
+        # Media decoding: images on a thread of their own, videos in killable processes, under a deadline;
+        # decoded media wait for their share of max_inflight_media_bytes.
+        self.decoder = MediaDecoder(
+            timeout_s=settings.media_decode_timeout_s,
+            processes=settings.media_decode_processes,
+            max_pixels=settings.max_media_pixels,
+            max_video_frames=settings.max_video_frames,
+        )
+        self.media_budget = ByteBudget(settings.max_inflight_media_bytes)
         # One model thread for both schedulers: passes never run side by side on the device.
         self._model_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
         self.scheduler: BatchScheduler = BatchScheduler(
@@ -267,6 +279,8 @@ class Service:
         )
         await self._connecting(self.delivery.start())
         try:
+            if getattr(self.model, "video_unavailable", True) is None:
+                self.decoder.warm()  # the first video should not wait for its decoding process to start
             await self._publish_provenance()
             await self._connecting(self.consumer.start())
             await self._subscribe()
@@ -293,6 +307,7 @@ class Service:
             self._model_executor.shutdown(wait=True)
             await self.delivery.stop()
             self._prepare_thread.shutdown()
+            self.decoder.close()
             self.fetcher.close()
             log.info("stopped", **self.counts)
 
@@ -423,10 +438,12 @@ class Service:
         full = (
             self._inflight_requests >= settings.max_inflight_requests
             or self._inflight_tokens >= settings.max_inflight_tokens
+            or self.media_budget.full
         )
         drained = (
             self._inflight_requests < RESUME_AT * settings.max_inflight_requests
             and self._inflight_tokens < RESUME_AT * settings.max_inflight_tokens
+            and self.media_budget.used < RESUME_AT * self.media_budget.capacity
         )
         assignment = self.consumer.assignment()
         if full and not self._paused and assignment:
@@ -510,11 +527,10 @@ class Service:
             answer = await self._answer(record, work)
         except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
             log.exception("request failed", offset=record.offset, partition=record.partition)
-            answer = self._error(
-                record, work, "internal_error", f"{type(exc).__name__}: {exc}", request=work.request
-            )
+            answer = self._error(record, work, "internal_error", reason(exc), request=work.request)
         finally:
             self._inflight_tokens -= work.tokens
+            self.media_budget.release(work.media_bytes)
         work.timings.total = _ms(time.perf_counter() - work.received)
         answer.answer_id = answer_identity(answer, self.provenance_sha256)
         records = [*work.extra, Outgoing(self.settings.answer_topic, answer.id.encode(), encode(answer))]
@@ -551,32 +567,10 @@ class Service:
             )
         work.questions = len(request.questions)
         self._inflight_questions += work.questions
-        try:
-            started = time.perf_counter()
-            images, videos = (
-                await asyncio.gather(
-                    self.fetcher.fetch_all(request.images, "image"), self.fetcher.fetch_all(request.videos, "video")
-                )
-                if request.images or request.videos
-                else ([], [])
-            )
-            work.timings.fetch = _ms(time.perf_counter() - started)
-            self.metrics.observe_stage("fetch", time.perf_counter() - started)
-            work.media = [_media_record(item) for item in (*images, *videos)]
-            self.metrics.add_media_bytes(sum(record.bytes for record in work.media))
-        except MediaError as exc:
-            return self._error(record, work, exc.code, exc.message, request=request)
-        try:
-            started = time.perf_counter()
-            decoded_images, decoded_videos = (
-                await self._prepare_thread.run(lambda: self._decode_media(images, videos))
-                if images or videos
-                else ([], [])  # nothing to decode: no trip to the prepare thread
-            )
-            work.timings.decode = _ms(time.perf_counter() - started)
-            self.metrics.observe_stage("decode", time.perf_counter() - started)
-        except ValueError as exc:
-            return self._error(record, work, "media_unreadable", str(exc), request=request)
+        media = await self._media(record, work, request)
+        if isinstance(media, Answer):
+            return media
+        decoded_images, decoded_videos = media
         try:
             started = time.perf_counter()
             prepared = await self._prepare_thread.run(
@@ -612,11 +606,56 @@ class Service:
             metadata=request.metadata,
         )
 
-    def _decode_media(self, images: list[FetchedMedia], videos: list[FetchedMedia]) -> tuple[list, list]:
-        return (
-            self.model.load_images([item.data for item in images], strict=True),
-            self.model.load_videos([item.data for item in videos], strict=True),
-        )
+    async def _media(self, record: Any, work: _Work, request: Request) -> tuple[list, list] | Answer:
+        """Fetch and decode a request's media, or the error answer that ends it. The reference count is
+        checked before any fetch, pixel and frame totals (from headers) before any decode; identical
+        references are fetched and decoded once."""
+        if not request.images and not request.videos:
+            return [], []
+        settings = self.settings
+        references = len(request.images) + len(request.videos)
+        if references > settings.max_media_references:
+            return self._error(
+                record, work, "invalid_request",
+                f"the request names {references:,} images and videos; at most {settings.max_media_references:,} "
+                "are accepted (setting: max_media_references)",
+                request=request,
+            )
+        for kind, listed in (("image", request.images), ("video", request.videos)):
+            unavailable = getattr(self.model, f"{kind}_unavailable", None)
+            if listed and unavailable is not None:
+                return self._error(record, work, "media_unreadable", f"{kind} inputs are not available: {unavailable}",
+                                   request=request)
+        try:
+            started = time.perf_counter()
+            images, videos = await asyncio.gather(
+                self.fetcher.fetch_all(request.images, "image"), self.fetcher.fetch_all(request.videos, "video")
+            )
+            work.timings.fetch = _ms(time.perf_counter() - started)
+            self.metrics.observe_stage("fetch", time.perf_counter() - started)
+            work.media = [_media_record(item) for item in (*images, *videos)]
+            fetched = {id(item): len(item.data) for item in (*images, *videos)}  # a repeated reference once
+            self.metrics.add_media_bytes(sum(fetched.values()))
+        except MediaError as exc:
+            return self._error(record, work, exc.code, exc.message, request=request)
+
+        async def reserve(estimate: int) -> None:
+            work.media_bytes = await self.media_budget.acquire(estimate)
+
+        try:
+            started = time.perf_counter()
+            decoded = await self.decoder.decode([i.data for i in images], [v.data for v in videos], reserve)
+            work.timings.decode = _ms(time.perf_counter() - started)
+            self.metrics.observe_stage("decode", time.perf_counter() - started)
+        except MediaBudgetExceeded as exc:
+            return self._error(record, work, "invalid_request", str(exc), request=request)
+        except ValueError as exc:
+            return self._error(record, work, "media_unreadable", str(exc), request=request)
+        held = decoded.nbytes
+        if held < work.media_bytes:  # keep what the media really take, give the rest of the estimate back
+            self.media_budget.release(work.media_bytes - held)
+            work.media_bytes = held
+        return decoded.images, decoded.videos
 
     async def _run_rows(self, prepared: Any, work: _Work) -> dict[Any, list[float]]:
         """Submit a request's rows to the shared scheduler; a row whose pass failed alone fails its question."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ log = structlog.get_logger(__name__)
 
 LIMITS = {"image": media_io.MAX_IMAGE_BYTES, "video": media_io.MAX_VIDEO_BYTES}
 DATA_URL_TYPES = {"image": media_io.DATA_URL_IMAGE_TYPES, "video": media_io.VIDEO_FORMATS}
+# S3 bucket names (and the dotted names older buckets have): lower case, digits, dots, hyphens.
+BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
 
 
 class MediaError(Exception):
@@ -73,34 +76,47 @@ def parse_s3_reference(reference: str) -> S3Location:
     """``s3://bucket/key[?versionId=v]`` -> S3Location; MediaError(media_not_allowed) for anything else."""
     if reference.startswith(("http://", "https://")):
         raise MediaError("media_not_allowed", "web addresses are not fetched; store the object in an allowed bucket")
-    parts = urlsplit(reference)
+    try:
+        parts = urlsplit(reference)
+        netloc = parts.netloc
+    except ValueError as exc:  # e.g. "s3://[bucket]/x": brackets read as a malformed IPv6 host
+        raise MediaError("media_not_allowed", f"{reference[:200]!r} is not a valid s3://bucket/key reference") from exc
     if parts.scheme != "s3":
         raise MediaError(
             "media_not_allowed",
             f"media must be s3://bucket/key or a data: URL; {reference[:80]!r} is neither (local paths are refused)",
         )
     key = parts.path.lstrip("/")
-    if not parts.netloc or not key:
+    if not netloc or not key:
         raise MediaError("media_not_allowed", f"{reference[:200]!r} names no bucket and key")
+    if not BUCKET_NAME.fullmatch(netloc):  # user info, ports, brackets, upper case: not a bucket
+        raise MediaError("media_not_allowed", f"{reference[:200]!r}: {netloc[:80]!r} is not an S3 bucket name")
     # HTTP layers resolve dot segments and merge empty ones, so such a key could read an object outside
     # the prefix the allowlist checked: refuse it rather than normalise it.
     segments = key.split("/")
     if any(segment in ("", ".", "..") for segment in segments) or "\\" in key:
         raise MediaError("media_not_allowed", f"{reference[:200]!r}: keys may not contain '.', '..' or empty segments")
     version = parse_qs(parts.query).get("versionId", [None])[0]
-    return S3Location(parts.netloc, key, version)
+    return S3Location(netloc, key, version)
 
 
 @dataclass
 class Allowlist:
-    """Buckets, or bucket/prefix pairs, that requests may name. Empty means nothing is allowed."""
+    """Buckets, or bucket/prefix pairs, that requests may name. Empty means nothing is allowed.
+
+    A prefix matches whole path segments: ``bucket/prefix`` (with or without a trailing slash) allows
+    ``bucket/prefix/...``, never ``bucket/prefixEVIL/...``."""
 
     entries: list[str] = field(default_factory=list)
 
     def allows(self, location: S3Location) -> bool:
+        key_segments = location.key.split("/")
         for entry in self.entries:
             bucket, _, prefix = entry.partition("/")
-            if location.bucket == bucket and location.key.startswith(prefix):
+            if location.bucket != bucket:
+                continue
+            prefix_segments = [segment for segment in prefix.split("/") if segment]
+            if key_segments[: len(prefix_segments)] == prefix_segments and len(key_segments) > len(prefix_segments):
                 return True
         return False
 
@@ -195,7 +211,11 @@ class MediaFetcher:
         return fetched
 
     async def fetch_all(self, references: list[str], kind: str) -> list[FetchedMedia]:
-        return list(await asyncio.gather(*(self.fetch(reference, kind) for reference in references)))
+        """The bytes of each reference, in order; a reference named twice is fetched once (the same
+        ``FetchedMedia`` stands at both places)."""
+        distinct = list(dict.fromkeys(references))
+        fetched = dict(zip(distinct, await asyncio.gather(*(self.fetch(r, kind) for r in distinct)), strict=True))
+        return [fetched[reference] for reference in references]
 
     def _read(self, location: S3Location, kind: str) -> FetchedMedia:
         from botocore.exceptions import BotoCoreError, ClientError

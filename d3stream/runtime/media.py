@@ -10,9 +10,19 @@ Two ways in:
   must be MP4, WebM, QuickTime or Matroska, at most 32,000,000 bytes, 300 seconds and 8,294,400 pixels
   per frame.
 
-Every refusal is a ``ValueError`` whose message says what was wrong, so the service can turn it into
-an error answer. Videos are sampled at 2 frames per second, at least 4 and at most 32 frames spread
-evenly over the whole clip; the frame count is made even because every two frames form one token group.
+Every refusal is a ``ValueError`` whose message says what was wrong (never an object's repr or a heap
+address), so the service can turn it into an error answer. Videos are sampled at 2 frames per second,
+at least 4 and at most 32 frames spread evenly over the whole clip; the frame count is made even because
+every two frames form one token group.
+
+Bounded work: an image's size is read from its header (``image_header``) before it is decoded, and a
+video's frame size, rate and count before any frame is read, so a caller's ``MediaBudget`` (pixels and
+frames a request may decode to) refuses media before the work. A video is read frame by frame only across
+short gaps between sampled frames; across longer ones the reader seeks, so the frames read stay about
+``VIDEO_MAX_FRAMES * VIDEO_SEEK_GAP`` whatever frame rate and length the container claims (a clip of
+120,000 samples at 1000 fps used to be decoded in full). Seeking still decodes from the previous
+keyframe inside FFmpeg, which a hostile file can put far back: callers that take bytes from outside run
+decoding with a deadline (the service: ``d3stream.decoding``).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import binascii
 import io
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +62,54 @@ VIDEO_FORMATS = ("mp4", "webm", "quicktime", "x-matroska")
 # A container frame rate outside this range is not believed; the clip is read as 24 fps instead.
 VIDEO_SOURCE_FPS = (0.1, 1000.0)
 VIDEO_UNKNOWN_FPS = 24.0
+# Sampled frames further apart than this are reached by seeking, nearer ones by reading on.
+VIDEO_SEEK_GAP = 24
+# A container that does not say how many frames it has is counted by reading, at most this far
+# (300 s at 60 fps); a longer one is refused.
+VIDEO_MAX_COUNTED_FRAMES = 18_000
+
+# "<_io.BytesIO object at 0x7f...>" and the like in library messages: an object's repr says nothing to a
+# producer and leaks heap addresses.
+_OBJECT_REPR = re.compile(r"\s*<[^<>]*\bat 0x[0-9a-fA-F]+>")
+
+
+def reason(exc: BaseException) -> str:
+    """``Type: message`` of a library exception, without object reprs or heap addresses."""
+    text = _OBJECT_REPR.sub("", str(exc)).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class MediaBudgetExceeded(ValueError):
+    """A request's media would decode to more pixels or video frames than its ``MediaBudget`` allows."""
+
+
+@dataclass
+class MediaBudget:
+    """What one request's media may still decode to, spent as each image or video header is read.
+
+    ``None`` is no limit. The setting names go into the refusal, so the message says which knob to turn.
+    """
+
+    pixels: int | None = None
+    frames: int | None = None
+    pixels_setting: str = "max_media_pixels"
+    frames_setting: str = "max_video_frames"
+
+    def spend(self, what: str, pixels: int, frames: int = 0) -> None:
+        if self.frames is not None:
+            if frames > self.frames:
+                raise MediaBudgetExceeded(
+                    f"{what} needs {frames:,} decoded video frames; the request has {self.frames:,} left "
+                    f"(setting: {self.frames_setting})"
+                )
+            self.frames -= frames
+        if self.pixels is not None:
+            if pixels > self.pixels:
+                raise MediaBudgetExceeded(
+                    f"{what} decodes to {pixels:,} pixels; the request has {self.pixels:,} left "
+                    f"(setting: {self.pixels_setting})"
+                )
+            self.pixels -= pixels
 
 
 # ------------------------------------------------------------------------------------------- data URLs
@@ -89,11 +148,12 @@ def _decode_image(data: bytes) -> Any:
         with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
     except Exception as exc:  # noqa: BLE001 - PIL raises many exception classes
-        raise ValueError(f"the image could not be decoded ({type(exc).__name__}: {exc})") from exc
+        raise ValueError(f"the image could not be decoded ({reason(exc)})") from exc
 
 
-def checked_image_bytes(data: bytes) -> Any:
-    """Strictly read encoded image bytes from outside: format, size and pixel limits, integrity check."""
+def _open_checked(data: bytes) -> Any:
+    """The PIL image of encoded bytes from outside, opened (header read, nothing decoded) and checked:
+    byte limit, format, pixel limit."""
     from PIL import Image
 
     if len(data) > MAX_IMAGE_BYTES:
@@ -101,8 +161,8 @@ def checked_image_bytes(data: bytes) -> Any:
     try:
         probe = Image.open(io.BytesIO(data))
     except Exception as exc:  # noqa: BLE001 - unidentified, decompression bomb, ...
-        raise ValueError(f"the image could not be identified ({type(exc).__name__}: {exc})") from exc
-    with probe:
+        raise ValueError(f"the image could not be identified ({reason(exc)})") from exc
+    try:
         if probe.format not in IMAGE_FORMATS:
             raise ValueError(f"the image is {probe.format or 'of an unknown format'}; send PNG, JPEG or WebP")
         width, height = probe.size
@@ -110,10 +170,26 @@ def checked_image_bytes(data: bytes) -> Any:
             raise ValueError(
                 f"the image has {width * height:,} pixels; at most {MAX_IMAGE_SOURCE_PIXELS:,} are accepted"
             )
+    except BaseException:
+        probe.close()
+        raise
+    return probe
+
+
+def image_header(data: bytes) -> tuple[int, int]:
+    """(width, height) of encoded image bytes from outside, from the header alone, after the strict byte,
+    format and pixel checks (ValueError otherwise). Nothing is decoded."""
+    with _open_checked(data) as probe:
+        return probe.size
+
+
+def checked_image_bytes(data: bytes) -> Any:
+    """Strictly read encoded image bytes from outside: format, size and pixel limits, integrity check."""
+    with _open_checked(data) as probe:
         try:
             probe.verify()
         except Exception as exc:  # noqa: BLE001
-            raise ValueError(f"the image failed the integrity check ({type(exc).__name__}: {exc})") from exc
+            raise ValueError(f"the image failed the integrity check ({reason(exc)})") from exc
     return _decode_image(data)
 
 
@@ -161,6 +237,7 @@ class Video:
     fps: float
     indices: list[int]
     total_frames: int
+    frames_read: int = 0  # frames this decode read from the file (seeks not counted): at most ~32 x 24
 
     @property
     def size(self) -> tuple[int, int]:
@@ -187,7 +264,7 @@ def sample_indices(total: int, fps: float) -> list[int]:
     return np.linspace(0, total - 1, count).round().astype(int).tolist()
 
 
-def _assemble(frames: list[np.ndarray], indices: list[int], fps: float, total: int) -> Video:
+def _assemble(frames: list[np.ndarray], indices: list[int], fps: float, total: int, read: int = 0) -> Video:
     if len(frames) % 2:  # frames pair up into token groups; repeat the last to complete the pair
         frames.append(frames[-1])
         indices.append(indices[-1])
@@ -195,7 +272,7 @@ def _assemble(frames: list[np.ndarray], indices: list[int], fps: float, total: i
         stacked = np.stack(frames)
     except ValueError as exc:
         raise ValueError("all frames of a video must have the same size") from exc
-    return Video(np.ascontiguousarray(stacked), float(fps), list(indices), int(total))
+    return Video(np.ascontiguousarray(stacked), float(fps), list(indices), int(total), int(read))
 
 
 def container_of(data: bytes) -> str | None:
@@ -208,19 +285,75 @@ def container_of(data: bytes) -> str | None:
     return None
 
 
-def _decode_video(source: str, *, strict: bool) -> Video:
-    """Decode a video file with OpenCV (FFmpeg) and sample its frames."""
+def _open_video(source: str) -> Any:
     import cv2
 
     try:
         backend = cv2.CAP_FFMPEG if cv2.videoio_registry.hasBackend(cv2.CAP_FFMPEG) else cv2.CAP_ANY
     except (AttributeError, cv2.error):
         backend = cv2.CAP_ANY
+    return cv2.VideoCapture(source, backend)
+
+
+def _count_frames(source: str, fps: float, strict: bool) -> int:
+    """Frames of a video whose container does not say, counted by reading (bounded when strict)."""
+    limit = min(int(MAX_VIDEO_SECONDS * fps), VIDEO_MAX_COUNTED_FRAMES) if strict else None
+    reader = _open_video(source)
+    total = 0
+    try:
+        while reader.grab():
+            total += 1
+            if limit is not None and total > limit:
+                raise ValueError(
+                    f"the video does not say how many frames it has, and has more than {limit:,} "
+                    f"(at most {MAX_VIDEO_SECONDS} seconds and {VIDEO_MAX_COUNTED_FRAMES:,} frames are counted)"
+                )
+    finally:
+        reader.release()
+    return total
+
+
+def _read_sampled(reader: Any, indices: list[int]) -> tuple[list[np.ndarray], list[int], int]:
+    """The frames at ``indices`` (ascending): read on across short gaps, seek across long ones, so the
+    frames read stay near ``len(indices) * VIDEO_SEEK_GAP`` however long the clip claims to be."""
+    import cv2
+
     frames: list[np.ndarray] = []
     kept: list[int] = []
+    position = 0  # the frame the next grab() returns
+    read = 0
+    for index in indices:
+        if kept and index == kept[-1]:  # a repeated index (short clips): the same frame again
+            frames.append(frames[-1])
+            kept.append(index)
+            continue
+        if index - position > VIDEO_SEEK_GAP:
+            reader.set(cv2.CAP_PROP_POS_FRAMES, index)
+            position = index
+        grabbed = True
+        while position <= index:
+            grabbed = reader.grab()
+            read += 1
+            position += 1
+            if not grabbed:
+                break
+        if not grabbed:
+            continue
+        ok, frame = reader.retrieve()
+        if ok and frame is not None and frame.size:
+            frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+            kept.append(index)
+    return frames, kept, read
+
+
+def _decode_video(source: str, *, strict: bool, budget: MediaBudget | None = None, what: str = "the video") -> Video:
+    """Decode a video file with OpenCV (FFmpeg) and sample its frames; ``budget`` is spent on the sampled
+    frames (from the header, before any is read)."""
+    import cv2
+
     reader = None
     try:
-        reader = cv2.VideoCapture(source, backend)
+        reader = _open_video(source)
         if not reader.isOpened():
             raise ValueError("the video could not be opened")
         width = int(reader.get(cv2.CAP_PROP_FRAME_WIDTH))
@@ -233,28 +366,17 @@ def _decode_video(source: str, *, strict: bool) -> Video:
         if not (math.isfinite(fps) and VIDEO_SOURCE_FPS[0] <= fps <= VIDEO_SOURCE_FPS[1]):
             fps = VIDEO_UNKNOWN_FPS
         total = int(reader.get(cv2.CAP_PROP_FRAME_COUNT) or 0)
-        if total <= 0:  # the container does not say: count the frames (bounded when strict), then reopen
-            limit = int(MAX_VIDEO_SECONDS * fps) if strict else None
-            while reader.grab():
-                total += 1
-                if limit is not None and total > limit:
-                    break
-            reader.release()
-            reader = cv2.VideoCapture(source, backend)
+        if total <= 0:  # the container does not say: count the frames (bounded when strict)
+            total = _count_frames(source, fps, strict)
         if total <= 0:
             raise ValueError("the video has no frames")
         if strict and total / fps > MAX_VIDEO_SECONDS:
             raise ValueError(f"each video must be at most {MAX_VIDEO_SECONDS} seconds long")
         indices = sample_indices(total, fps)
-        wanted = set(indices)
-        for number in range(indices[-1] + 1):
-            if not reader.grab():
-                continue
-            if number in wanted:
-                ok, frame = reader.retrieve()
-                if ok and frame is not None and frame.size:
-                    frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
-                    kept.append(number)
+        if budget is not None:
+            count = len(indices) + len(indices) % 2  # the count is made even
+            budget.spend(f"{what} ({count} frames of {width}x{height})", count * width * height, count)
+        frames, kept, read = _read_sampled(reader, indices)
     except cv2.error as exc:
         raise ValueError(f"invalid video data ({type(exc).__name__})") from exc
     finally:
@@ -262,26 +384,28 @@ def _decode_video(source: str, *, strict: bool) -> Video:
             reader.release()
     if not frames:
         raise ValueError("no frame of the video could be decoded")
-    return _assemble(frames, kept, fps, total)
+    return _assemble(frames, kept, fps, total, read)
 
 
-def _decode_video_bytes(data: bytes, *, strict: bool) -> Video:
+def _decode_video_bytes(data: bytes, *, strict: bool, budget: MediaBudget | None = None,
+                        what: str = "the video") -> Video:
     # Bytes decode through a temporary file so they read exactly like the same file given by path.
     with tempfile.NamedTemporaryFile(prefix="d3-video-", delete=False) as handle:
         handle.write(data)
     try:
-        return _decode_video(handle.name, strict=strict)
+        return _decode_video(handle.name, strict=strict, budget=budget, what=what)
     finally:
         os.unlink(handle.name)
 
 
-def checked_video_bytes(data: bytes) -> Video:
-    """Strictly read encoded video bytes from outside: container, size, length and frame-size limits."""
+def checked_video_bytes(data: bytes, budget: MediaBudget | None = None, what: str = "the video") -> Video:
+    """Strictly read encoded video bytes from outside: container, size, length and frame-size limits, and
+    the sampled frames against ``budget`` before any is read."""
     if len(data) > MAX_VIDEO_BYTES:
         raise ValueError(f"the video has {len(data):,} bytes, over the {MAX_VIDEO_BYTES:,} byte limit")
     if container_of(data) is None:
         raise ValueError("the video is not an MP4, WebM, QuickTime or Matroska file")
-    return _decode_video_bytes(data, strict=True)
+    return _decode_video_bytes(data, strict=True, budget=budget, what=what)
 
 
 def frames_video(value: Any) -> Video:
