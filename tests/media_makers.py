@@ -25,8 +25,10 @@ __all__ = [
     "make_gif",
     "make_jpeg",
     "make_mp4",
+    "make_mp4_bomb",
     "make_png",
     "make_png_header_only",
+    "make_smooth_png",
     "make_video",
     "make_webm",
     "make_webp",
@@ -88,6 +90,16 @@ def make_png_header_only(w: int, h: int, *, rows: int = 1) -> bytes:
         + _png_chunk(b"IDAT", data)
         + _png_chunk(b"IEND", b"")
     )
+
+
+def make_smooth_png(w: int, h: int) -> bytes:
+    """A horizontal gradient: compresses to almost nothing, so a 16-megapixel PNG is ~60 KB."""
+    from PIL import Image
+
+    row = np.linspace(0, 255, w, dtype=np.uint8)[None, :, None]
+    buffer = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(np.broadcast_to(row, (h, w, 3))), "RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def data_url(data: bytes, mime: str) -> str:
@@ -177,3 +189,91 @@ def webm_supported() -> bool:
         return bool(ok)
     finally:
         os.unlink(path)
+
+
+# --------------------------------------------------------------------------------------- video bombs
+
+_MP4_CONTAINERS = (b"moov", b"trak", b"mdia", b"minf", b"stbl")
+
+
+def _mp4_boxes(data: bytes):
+    position = 0
+    while position + 8 <= len(data):
+        size, kind = struct.unpack(">I4s", data[position : position + 8])
+        header = 8
+        if size == 1:
+            size, header = struct.unpack(">Q", data[position + 8 : position + 16])[0], 16
+        elif size == 0:
+            size = len(data) - position
+        yield kind, data[position + header : position + size]
+        position += size
+
+
+def _mp4_box(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I4s", 8 + len(payload), kind) + payload
+
+
+def _with_duration(kind: bytes, payload: bytes, duration: int, timescale: int | None = None) -> bytes:
+    """mvhd / mdhd: (timescale,) duration; tkhd: duration -- versions 0 and 1."""
+    version = payload[0]
+    if kind == b"tkhd":
+        at = 20 if version == 0 else 28
+    else:
+        at = 12 if version == 0 else 20
+        if timescale is not None:
+            payload = payload[:at] + struct.pack(">I", timescale) + payload[at + 4 :]
+        at += 4
+    width = 4 if version == 0 else 8
+    return payload[:at] + duration.to_bytes(width, "big") + payload[at + width :]
+
+
+def make_mp4_bomb(samples: int, w: int, h: int, fps: int = 1000, *, keyframe: str = "every") -> bytes:
+    """An MP4 of ``samples`` frames that all point at one stored ``mp4v`` frame: ``samples * 4`` bytes of
+    sample table and a few KB of picture, however many frames it claims (30,000 frames: ~130 KB).
+
+    ``keyframe="every"``: no sync-sample table, so every frame is a keyframe and seeking is cheap.
+    ``"first"``: only the first frame is a keyframe, so FFmpeg decodes from the start on every seek.
+    """
+    import cv2
+
+    descriptor, path = tempfile.mkstemp(prefix="d3-test-bomb-", suffix=".mp4")
+    os.close(descriptor)
+    try:
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (w, h))
+        row = np.linspace(0, 255, w, dtype=np.uint8)[None, :, None]
+        writer.write(np.ascontiguousarray(np.broadcast_to(row, (h, w, 3))))
+        writer.release()
+        with open(path, "rb") as stream:
+            data = stream.read()
+    finally:
+        os.unlink(path)
+    top = list(_mp4_boxes(data))
+    moov = dict(top)[b"moov"]
+    mvhd = dict(_mp4_boxes(moov))[b"mvhd"]
+    movie_scale = struct.unpack(">I", mvhd[12:16] if mvhd[0] == 0 else mvhd[20:24])[0]
+    movie_duration = samples * movie_scale // fps
+
+    def rebuilt(kind: bytes, payload: bytes) -> bytes:
+        if kind in _MP4_CONTAINERS:
+            inner = b"".join(rebuilt(k, p) for k, p in _mp4_boxes(payload) if k not in (b"edts", b"stss"))
+            if kind == b"stbl" and keyframe == "first":
+                inner += _mp4_box(b"stss", struct.pack(">III", 0, 1, 1))
+            return _mp4_box(kind, inner)
+        if kind in (b"mvhd", b"tkhd"):
+            return _mp4_box(kind, _with_duration(kind, payload, movie_duration))
+        if kind == b"mdhd":  # one tick per frame at fps ticks per second
+            return _mp4_box(kind, _with_duration(kind, payload, samples, fps))
+        if kind == b"stts":
+            return _mp4_box(kind, struct.pack(">IIII", 0, 1, samples, 1))
+        if kind == b"stsc":  # one sample per chunk
+            return _mp4_box(kind, struct.pack(">IIIII", 0, 1, 1, 1, 1))
+        if kind == b"stsz":
+            size = struct.unpack(">I", payload[4:8])[0] or struct.unpack(">I", payload[12:16])[0]
+            return _mp4_box(kind, struct.pack(">III", 0, size, samples))
+        if kind == b"stco":  # every chunk at the one stored frame
+            offset = struct.unpack(">I", payload[8:12])[0]
+            return _mp4_box(kind, struct.pack(">II", 0, samples) + struct.pack(">I", offset) * samples)
+        return _mp4_box(kind, payload)
+
+    # moov comes after mdat in OpenCV's files, so the frame's offset does not move.
+    return b"".join(rebuilt(kind, payload) if kind == b"moov" else _mp4_box(kind, payload) for kind, payload in top)

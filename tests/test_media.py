@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 
 import numpy as np
@@ -16,8 +17,10 @@ from tests.media_makers import (
     make_gif,
     make_jpeg,
     make_mp4,
+    make_mp4_bomb,
     make_png,
     make_png_header_only,
+    make_smooth_png,
     make_webm,
     make_webp,
     noise_image,
@@ -311,6 +314,65 @@ def test_video_path_in_process(tmp_path):
     assert len(media.load_video(path).frames) == 4
     with pytest.raises(ValueError, match="no video file"):
         media.load_video(str(tmp_path / "missing.mp4"))
+
+
+def test_a_clip_claiming_30000_frames_is_read_only_near_its_sampled_frames():
+    # 30,000 samples at 1000 fps all pointing at one stored frame (~125 KB): reading every frame up to the
+    # last sampled one was 30,000 decodes; seeking across the gaps reads one frame per sample.
+    bomb = make_mp4_bomb(30_000, 320, 180, fps=1000)
+    assert len(bomb) < 200_000
+    video = media.load_video(bomb, strict=True)
+    assert video.total_frames == 30_000 and len(video.frames) == 32
+    assert video.indices[-1] == 29_999
+    assert video.frames_read <= media.VIDEO_MAX_FRAMES * (media.VIDEO_SEEK_GAP + 1)
+
+
+def test_seeking_returns_the_frames_reading_on_would():
+    # 3,000 frames at 30 fps: sampled frames ~97 apart, reached by seeking; a 40-frame clip is read on.
+    import cv2
+
+    for clip in (make_mp4(3000, 32, 32, 30, seed=2), make_mp4(40, 32, 32, 10, seed=3)):
+        video = media.load_video(clip, strict=True)
+        with tempfile.NamedTemporaryFile(suffix=".mp4") as handle:
+            handle.write(clip)
+            handle.flush()
+            capture = cv2.VideoCapture(handle.name)
+            every = []
+            while True:
+                ok, frame = capture.read()
+                if not ok:
+                    break
+                every.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+            capture.release()
+        for frame, index in zip(video.frames, video.indices, strict=True):
+            assert np.array_equal(frame, every[index]), index
+
+
+def test_a_budget_refuses_a_video_from_its_header_naming_the_setting():
+    clip = make_mp4(100, 64, 48, 10)  # 20 sampled frames of 64 x 48
+    with pytest.raises(media.MediaBudgetExceeded, match=r"20 decoded video frames; .* 8 left \(setting: max_video_frames\)"):
+        media.checked_video_bytes(clip, media.MediaBudget(frames=8))
+    with pytest.raises(media.MediaBudgetExceeded, match=r"61,440 pixels; .* 1,000 left \(setting: max_media_pixels\)"):
+        media.checked_video_bytes(clip, media.MediaBudget(pixels=1_000))
+    budget = media.MediaBudget(pixels=100_000, frames=30)
+    assert len(media.checked_video_bytes(clip, budget).frames) == 20
+    assert budget.frames == 10 and budget.pixels == 100_000 - 61_440
+
+
+def test_image_header_reads_the_size_without_decoding(monkeypatch):
+    monkeypatch.setattr(media, "_decode_image", lambda data: pytest.fail("decoded"))
+    assert media.image_header(make_smooth_png(4000, 4000)) == (4000, 4000)
+    with pytest.raises(ValueError, match="25,000,000 pixels"):
+        media.image_header(make_png_header_only(5000, 5000))
+
+
+def test_messages_carry_no_object_reprs_or_heap_addresses():
+    with pytest.raises(ValueError) as caught:
+        media.load_image(bytes(range(256)) * 4, strict=True)  # PIL: "cannot identify image file <_io...>"
+    message = str(caught.value)
+    assert "cannot identify image file" in message
+    assert "0x" not in message and "BytesIO" not in message and "<" not in message
+    assert media.reason(ValueError("bad <foo.Bar object at 0xdeadbeef> here")) == "ValueError: bad here"
 
 
 # ------------------------------------------------------------------------------------------ frame arrays

@@ -1,0 +1,237 @@
+"""Media limits before work, bounded decoding, allowlist segments (issue 11, points 2, 3, 5 and 7).
+
+* A video decode bomb (a file whose only keyframe is its first, so every seek decodes from the start) is
+  abandoned at ``media_decode_timeout_s``, its process killed and replaced, and answered
+  ``media_unreadable``; text-only requests are answered while it decodes, a later video decodes in the
+  fresh process, and the worker stops on ``stop()`` within the deadline.
+* 30 references to one 16-megapixel PNG and 1,000 references to a small PNG are refused
+  (``invalid_request`` naming ``max_media_pixels`` / ``max_media_references``) before any decode / fetch,
+  a repeated reference is fetched once, and the test process's RSS stays within a stated bound.
+* Allowlist prefixes match whole path segments; malformed ``s3://`` references are ``media_not_allowed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+import psutil
+import pytest
+from aiokafka.partitioner import murmur2
+
+from d3stream.clients import produce
+from d3stream.decoding import DecodeTimeout, MediaDecoder
+from d3stream.runtime import media
+from d3stream.service import Service
+from d3stream.storage import Allowlist, MediaError, S3Location, parse_s3_reference
+from tests.media_makers import data_url, make_mp4, make_mp4_bomb, make_png, make_smooth_png
+from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, run, serve, stop
+
+pytestmark = pytest.mark.timeout(300)
+
+# A 16-megapixel gradient PNG decodes to 48 MB of RGB; 30 references of it were 8.4 GB before.
+RSS_BOUND = 600 * 2**20
+
+
+def request(rid: str, **fields) -> dict:
+    return {"id": rid, "state": f"request {rid}", "questions": {"noul": Q_NOUL}, **fields}
+
+
+def partition_of(rid: str, partitions: int = 4) -> int:
+    """The partition the producer's default partitioner puts the record keyed ``rid`` on."""
+    return (murmur2(rid.encode()) & 0x7FFFFFFF) % partitions
+
+
+def ids_off_partition(prefix: str, avoid: int, count: int) -> list[str]:
+    """``count`` ids on other partitions than ``avoid``: in exactly_once a partition's answers are
+    published in offset order, so an answer behind a decoding request would wait for it."""
+    ids = (f"{prefix}-{n}" for n in range(1000))
+    return [rid for rid in ids if partition_of(rid) != avoid][:count]
+
+
+# ----------------------------------------------------------------------------------------- allowlist
+
+
+@pytest.mark.parametrize("entry", ["media/cams", "media/cams/", "media/cams//"])
+def test_allowlist_prefixes_match_whole_path_segments(entry):
+    allowlist = Allowlist([entry])
+    assert allowlist.allows(S3Location("media", "cams/a.png"))
+    assert allowlist.allows(S3Location("media", "cams/deep/a.png"))
+    assert not allowlist.allows(S3Location("media", "camsEVIL/a.png"))
+    assert not allowlist.allows(S3Location("media", "cams"))  # the prefix itself names no object under it
+    assert not allowlist.allows(S3Location("media", "other/cams/a.png"))
+    assert not allowlist.allows(S3Location("media-2", "cams/a.png"))
+
+
+def test_a_bucket_entry_allows_the_whole_bucket_and_only_it():
+    for entry in ("media", "media/"):
+        allowlist = Allowlist([entry])
+        assert allowlist.allows(S3Location("media", "any/key.png"))
+        assert not allowlist.allows(S3Location("mediaX", "any/key.png"))
+
+
+@pytest.mark.parametrize(
+    "reference",
+    ["s3://[media]/x.png", "s3://[::1/x.png", "s3://user@media/x.png", "s3://media:9000/x.png", "s3://MEDIA/x.png"],
+)
+def test_malformed_s3_references_are_media_not_allowed(reference):
+    with pytest.raises(MediaError) as caught:
+        parse_s3_reference(reference)
+    assert caught.value.code == "media_not_allowed"
+
+
+# ------------------------------------------------------------------------------------------ decoding
+
+
+def test_a_decode_past_its_deadline_is_abandoned_and_the_next_one_decodes():
+    # 30,000 frames whose only keyframe is the first: each of the 32 seeks decodes from frame 0 (minutes).
+    bomb = make_mp4_bomb(30_000, 320, 180, fps=1000, keyframe="first")
+    clip = make_mp4(20, 64, 48, 10)
+    decoder = MediaDecoder(timeout_s=1.0, max_pixels=100_000_000, max_video_frames=128)
+
+    async def scenario():
+        decoder.warm()
+        with pytest.raises(DecodeTimeout, match=r"longer than 1 s and was abandoned \(setting: media_decode_timeout_s\)"):
+            await decoder.decode([], [bomb])
+        assert decoder.processes.abandoned == 1
+        decoded = await decoder.decode([make_png(32, 32)] * 3, [clip, clip])
+        return decoded
+
+    try:
+        decoded = asyncio.run(scenario())
+    finally:
+        decoder.close()
+    # Repeated references: decoded once, the same object at each place.
+    assert decoded.images[0] is decoded.images[1] is decoded.images[2]
+    assert decoded.videos[0] is decoded.videos[1] and len(decoded.videos[0].frames) == 4
+    assert decoded.nbytes == 32 * 32 * 3 + decoded.videos[0].frames.nbytes
+
+
+def test_budgets_are_spent_per_reference_from_headers_before_decoding():
+    big = make_smooth_png(4000, 4000)
+    decoder = MediaDecoder(timeout_s=10.0, max_pixels=100_000_000, max_video_frames=8)
+
+    async def scenario():
+        with pytest.raises(media.MediaBudgetExceeded, match=r"images\[6\] .*setting: max_media_pixels"):
+            await decoder.decode([big] * 7, [])
+        with pytest.raises(media.MediaBudgetExceeded, match=r"videos\[0\].*setting: max_video_frames"):
+            await decoder.decode([], [make_mp4(100, 32, 32, 10)])  # 20 sampled frames
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        decoder.close()
+
+
+# ------------------------------------------------------------------------------------ through a service
+
+
+class RssWatch:
+    """The highest RSS of this process while the ``with`` block runs (sampled every 20 ms)."""
+
+    def __init__(self):
+        self.process = psutil.Process()
+        self.baseline = self.process.memory_info().rss
+        self.peak = self.baseline
+        self._task: asyncio.Task | None = None
+
+    async def _sample(self):
+        while True:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            await asyncio.sleep(0.02)
+
+    async def __aenter__(self):
+        self._task = asyncio.create_task(self._sample())
+        return self
+
+    async def __aexit__(self, *exc):
+        self._task.cancel()
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.baseline
+
+
+def test_a_video_decode_bomb_is_abandoned_while_text_requests_flow_and_stop_is_prompt(stack, qwen35_model):
+    deadline = 8.0
+    bomb = make_mp4_bomb(30_000, 320, 180, fps=1000, keyframe="first")  # minutes of decoding unbounded
+    clip = make_mp4(20, 64, 48, 10, seed=5)
+    settings = stack.settings(media_decode_timeout_s=deadline, shutdown_timeout_s=60)
+    texts = [request(rid) for rid in ids_off_partition("text", partition_of("bomb"), 6)]
+    service = Service(settings, qwen35_model)
+    bootstrap = stack.broker.bootstrap_servers
+
+    async def scenario():
+        async with Reader(bootstrap, stack.answers) as reader:
+            task = asyncio.create_task(service.run())
+            try:
+                await reader.wait(lambda: assigned_and_ready(service), 60, task, what="the assignment")
+                await produce(bootstrap, stack.requests,
+                              [record(request("bomb", videos=[data_url(bomb, "video/mp4")]))])
+                await reader.wait(lambda: service.decoder.processes.busy > 0, 30, task, what="the bomb's decode")
+                decode_started = time.monotonic()
+                await produce(bootstrap, stack.requests, [record(r) for r in texts])
+                await reader.wait_ids([r["id"] for r in texts], 60, task)
+                # Answered while the bomb was still being decoded: nothing waits behind a decode.
+                busy_while_texts_answered = service.decoder.processes.busy > 0
+                await produce(bootstrap, stack.requests, [record(request("clip", videos=[data_url(clip, "video/mp4")]))])
+                await reader.wait_ids(["bomb", "clip"], 60, task)
+                bomb_answered = reader.seen_at["bomb"] - decode_started
+                # A second bomb, then stop() while it decodes: the worker stops within the deadline.
+                await produce(bootstrap, stack.requests,
+                              [record(request("bomb-2", videos=[data_url(bomb, "video/mp4")]))])
+                await reader.wait(lambda: service.decoder.processes.busy > 0, 30, task, what="the second decode")
+            finally:
+                stopping = time.monotonic()
+                await stop(service, task, timeout=deadline + 30)
+                stopped_after = time.monotonic() - stopping
+            await reader.caught_up()
+            return reader, busy_while_texts_answered, bomb_answered, stopped_after
+
+    reader, busy_while_texts_answered, bomb_answered, stopped_after = run(scenario())
+    by_id = reader.by_id()
+    assert sorted(reader.counts().values()) == [1] * (len(texts) + 3), reader.counts()
+    assert busy_while_texts_answered
+    assert all("error" not in by_id[r["id"]] for r in texts)
+    for rid in ("bomb", "bomb-2"):
+        error = by_id[rid]["error"]
+        assert error["code"] == "media_unreadable" and "media_decode_timeout_s" in error["message"], error
+    assert bomb_answered < deadline + 30  # abandoned at its deadline (unbounded: minutes)
+    assert stopped_after < deadline + 30
+    assert "error" not in by_id["clip"], by_id["clip"].get("error")  # decoded in the replacement process
+    assert service.decoder.processes.abandoned == 2
+
+
+def test_many_references_are_refused_before_work_and_repeats_fetched_once(stack, qwen35_model):
+    big = make_smooth_png(4000, 4000)  # 16 Mpx, ~60 KB
+    small = make_png(64, 64, seed=9)
+    big_uri, small_uri = stack.put("m/big.png", big), stack.put("m/small.png", small)
+    requests = [
+        request("big-x30", images=[big_uri] * 30),
+        request("small-x1000", images=[small_uri] * 1000),
+        request("small-x8", images=[small_uri] * 8),
+        request("text"),
+    ]
+    settings = stack.settings()
+
+    async def scenario():
+        async with RssWatch() as watch:
+            service, reader = await serve(stack, settings, qwen35_model, [record(r) for r in requests],
+                                          [r["id"] for r in requests])
+        return service, reader, watch
+
+    service, reader, watch = run(scenario())
+    by_id = reader.by_id()
+    assert sorted(reader.counts().values()) == [1] * len(requests)
+    refused = by_id["big-x30"]["error"]
+    assert refused["code"] == "invalid_request" and "max_media_pixels" in refused["message"], refused
+    refused = by_id["small-x1000"]["error"]
+    assert refused["code"] == "invalid_request" and "max_media_references" in refused["message"], refused
+    assert by_id["small-x1000"]["provenance"]["media"] == []  # nothing fetched
+    assert "error" not in by_id["small-x8"] and "error" not in by_id["text"]
+    media_records = by_id["small-x8"]["provenance"]["media"]
+    assert len(media_records) == 8 and {m["sha256"] for m in media_records} == {hashlib.sha256(small).hexdigest()}
+    # Each object read once: the 30 big references and the 8 small ones.
+    assert service.fetcher.bytes_fetched == len(big) + len(small)
+    assert watch.growth < RSS_BOUND, f"RSS grew by {watch.growth / 2**20:.0f} MiB"
