@@ -158,8 +158,9 @@ class ProcessDecoder:
         self.timeout_s = timeout_s
         self.setting = setting
         self._idle: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
-        for number in range(max(1, processes)):
-            self._idle.put(_Slot(f"d3stream-decode-{number}"))
+        self._all = [_Slot(f"d3stream-decode-{number}") for number in range(max(1, processes))]
+        for slot in self._all:
+            self._idle.put(slot)
         self._slots = max(1, processes)
         self._waiters = ThreadPoolExecutor(max_workers=self._slots, thread_name_prefix="d3stream-decode-wait")
         self._closed = threading.Event()
@@ -215,6 +216,10 @@ class ProcessDecoder:
     def close(self) -> None:
         """Kill the processes; a job still waiting fails with DecodeCrashed."""
         self._closed.set()
+        for slot in self._all:  # a busy one too: its waiter sees the end of the pipe and cleans up
+            process = slot.process
+            if process is not None and process.poll() is None:
+                process.kill()
         slots = []
         while True:
             try:
