@@ -58,6 +58,7 @@ from .events import (
     ModelRecord,
     Provenance,
     Request,
+    RequestLimits,
     Source,
     Timings,
     Worker,
@@ -129,6 +130,9 @@ class Service:
             torch.set_num_threads(settings.torch_threads)
         if hasattr(model, "limit_prompt_tokens"):
             model.limit_prompt_tokens(settings.max_prompt_tokens)
+        if hasattr(model, "limit_request_tokens"):
+            model.limit_request_tokens(settings.max_request_tokens)
+        self.request_limits = RequestLimits.from_settings(settings)
         self.fetcher = fetcher or MediaFetcher(
             allowlist=settings.media_allowlist,
             endpoint_url=settings.s3_endpoint_url,
@@ -535,7 +539,7 @@ class Service:
 
     async def _answer(self, record: Any, work: _Work) -> Answer:
         try:
-            request = decode_request(record.value, record.key)
+            request = decode_request(record.value, record.key, self.request_limits)
         except EventError as exc:
             if exc.code == "undecodable_event":
                 work.extra.append(self._dead_letter(record, work, str(exc)))
@@ -551,6 +555,15 @@ class Service:
             )
         work.questions = len(request.questions)
         self._inflight_questions += work.questions
+        if (request.images or request.videos) and self._may_exceed_tokens(record, request):
+            try:  # refuse a request certainly over max_request_tokens before fetching its media
+                await self._prepare_thread.run(
+                    lambda: self.model.check_request_tokens(
+                        request.state, request.questions, permutation_average=request.permutation_average
+                    )
+                )
+            except ValueError as exc:
+                return self._error(record, work, "invalid_request", str(exc), request=request)
         try:
             started = time.perf_counter()
             images, videos = (
@@ -611,6 +624,10 @@ class Service:
             provenance=self._provenance(work),
             metadata=request.metadata,
         )
+
+    def _may_exceed_tokens(self, record: Any, request: Request) -> bool:
+        check = getattr(self.model, "request_may_exceed_tokens", None)
+        return check is not None and check(len(record.value), len(request.questions))
 
     def _decode_media(self, images: list[FetchedMedia], videos: list[FetchedMedia]) -> tuple[list, list]:
         return (

@@ -231,9 +231,14 @@ def test_deeply_nested_state_is_refused_too():
     assert _refused(_doc(id="r", questions=QUESTIONS, state=state)).code == "invalid_request"
 
 
-def test_huge_but_flat_request_decodes():
-    request = decode_request(_doc(id="big", questions=QUESTIONS, state="x" * 2_000_000))
+def test_huge_but_flat_request_decodes_when_the_byte_limit_allows():
+    value = _doc(id="big", questions=QUESTIONS, state="x" * 2_000_000)
+    request = decode_request(value, limits=events.RequestLimits(bytes=None))
     assert len(request.state) == 2_000_000
+    # With the default max_request_bytes it is refused unread, under its key.
+    with pytest.raises(EventError, match="max_request_bytes") as refused:
+        decode_request(value, b"big-key")
+    assert refused.value.code == "invalid_request" and refused.value.request_id == "big-key"
 
 
 def test_error_codes_are_the_documented_ones():
