@@ -159,6 +159,10 @@ def test_the_estimate_never_refuses_what_the_exact_count_accepts(qwen35_text_mod
     monkeypatch.setattr(model, "max_request_tokens", exact - 1)
     with pytest.raises(ValueError, match="max_request_tokens"):
         model.prepare(state, asked, permutation_average=averaged)
+    # The service's byte bound (which decides whether to estimate before fetching media) never calls a
+    # request over the limit cheap.
+    wire = json.dumps({"id": "r", "state": state, "questions": asked, "permutation_average": averaged}).encode()
+    assert model.request_may_exceed_tokens(len(wire), len(asked))
 
 
 # --------------------------------------------------------------------------------- answers fit Kafka
