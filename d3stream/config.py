@@ -55,6 +55,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     permutation_average: bool = False
     warmup: bool = False
     max_prompt_tokens: int | None = 32_768
+    # Request limits, checked before any media fetch, decoding or device time (invalid_request)
+    max_request_bytes: int | None = 262_144
+    max_request_questions: int | None = 256
+    max_request_options: int | None = 8_192
+    max_request_tokens: int | None = 262_144
     torch_threads: int | None = None
     # Batching and backpressure
     max_batch_rows: int = 64
@@ -83,7 +88,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     s3_max_attempts: int = 4
     # Observability
     metrics_port: int | None = 9464
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"
     # Lifecycle and logs
     shutdown_timeout_s: float = 120.0
     rebalance_drain_s: float = 10.0
@@ -120,6 +125,13 @@ HELP: dict[str, str] = {
     "permutation_average": "score choice questions in both option orders and average (requests may ask too)",
     "max_prompt_tokens": "longest question prompt served (tighter of this and the checkpoint's own limit); "
     "longer ones get max_length_exceeded, never truncated",
+    "max_request_bytes": "largest request record value in bytes; larger ones get invalid_request unread (unset: "
+    "no limit)",
+    "max_request_questions": "most questions in one request (the answer carries one object per question)",
+    "max_request_options": "most answer options summed over a request's questions (choice options, score levels, "
+    "2 per noul): each option is echoed in the answer, which must fit the answer topic's message limit",
+    "max_request_tokens": "most prompt tokens summed over a request's question prompts (media tokens included); "
+    "over it the request gets invalid_request before any device time",
     "torch_threads": "intra-op threads for CPU inference (default: torch's choice); on a shared CPU leave a "
     "core to the event loop and Kafka clients, or passes slow down many times over",
     "warmup": "run the model over a spread of batch shapes before consuming",
@@ -152,7 +164,8 @@ HELP: dict[str, str] = {
     "s3_read_timeout": "seconds to wait for object store data",
     "s3_max_attempts": "attempts per object store call (retries back off on throttling, 5xx, timeouts)",
     "metrics_port": "port of the Prometheus /metrics, /healthz and /readyz endpoints (unset: no endpoint)",
-    "metrics_host": "address the metrics endpoint listens on",
+    "metrics_host": "address the metrics endpoint listens on (0.0.0.0: every interface, e.g. in a pod that "
+    "Prometheus scrapes)",
     "shutdown_timeout_s": "on SIGTERM, how long in-flight work may take to finish before exit",
     "rebalance_drain_s": "on rebalance, how long revoked partitions' work may take to finish",
     "log_format": "auto: console on a terminal, JSON otherwise",

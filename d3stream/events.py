@@ -13,6 +13,7 @@ test fails when the checked-in files drift).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -161,10 +162,38 @@ class EventError(ValueError):
 
 
 _request_decoder = msgspec.json.Decoder(Request)
+_document_decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 
 # Nesting deeper than this is refused before it reaches the model (JSON bombs of brackets).
 MAX_NESTING = 64
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Request-level limits checked while decoding, before any fetch, decode or device time.
+
+    Each is the setting of the same name with ``max_request_`` in front (``config.Settings``); None means
+    no limit. The defaults keep the answer of any request within them well under Kafka's default 1 MB
+    message limit: the answer echoes every option key (and a score's level texts) with a probability
+    (~25 bytes each), the question ids and the metadata, so its size is bounded by about the request's
+    bytes plus 35 bytes per option.
+    """
+
+    bytes: int | None = 262_144
+    questions: int | None = 256
+    options: int | None = 8_192
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> RequestLimits:
+        return cls(
+            bytes=settings.max_request_bytes,
+            questions=settings.max_request_questions,
+            options=settings.max_request_options,
+        )
+
+
+DEFAULT_LIMITS = RequestLimits()
 
 
 def _depth_ok(value: Any, limit: int = MAX_NESTING) -> bool:
@@ -180,11 +209,91 @@ def _depth_ok(value: Any, limit: int = MAX_NESTING) -> bool:
     return True
 
 
-def decode_request(value: bytes | None, key: bytes | None = None) -> Request:
-    """A validated request from a record's bytes; EventError with the code and reason otherwise."""
+def _option_count(question: Any) -> int:
+    """The answer options a question asks for, as far as its shape says (validation comes later)."""
+    if not isinstance(question, dict):
+        return 0
+    if question.get("type") == "noul":
+        return 2
+    criteria = question.get("criteria")
+    return len(criteria) if isinstance(criteria, (dict, list)) else 0
+
+
+def _refuse_duplicate_keys(value: bytes, request_id: str | None) -> None:
+    """EventError naming the key when a JSON object of the record has the same key twice.
+
+    msgspec (like most JSON parsers) keeps the last of duplicate keys, so a request could show one value
+    to a reviewer's parser and another to the model. The check is cheap on the normal path: every object
+    member has one ``:`` outside strings and ``:`` is never escaped on output, so re-encoding the
+    decoded document gives as many colons as the record exactly when no member was dropped. Only a
+    mismatch (a duplicate, or a ``\\u003a`` escape in a string) pays for a second, pair-by-pair parse.
+    """
+    if _encoder.encode(_document_decoder.decode(value)).count(b":") == value.count(b":"):
+        return
+    duplicate: list[str] = []
+
+    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen and not duplicate:
+                duplicate.append(name)
+            seen.add(name)
+        return dict(pairs)
+
+    try:
+        json.loads(value, object_pairs_hook=pairs_hook)
+    except (ValueError, RecursionError) as exc:  # msgspec read it, so this is a parser difference
+        raise EventError("invalid_request", f"the request could not be checked for duplicate keys: {exc}", request_id) from exc
+    if duplicate:
+        raise EventError(
+            "invalid_request",
+            f"the request has the key {duplicate[0][:80]!r} twice in one JSON object; keys must be unique "
+            "(parsers disagree on which value counts)",
+            request_id,
+        )
+
+
+def _check_limits(request: Request, limits: RequestLimits) -> None:
+    if limits.questions is not None and len(request.questions) > limits.questions:
+        raise EventError(
+            "invalid_request",
+            f"the request has {len(request.questions):,} questions, over max_request_questions "
+            f"({limits.questions:,}); split it into several requests",
+            request.id,
+        )
+    if limits.options is not None:
+        options = sum(_option_count(question) for question in request.questions.values())
+        if options > limits.options:
+            raise EventError(
+                "invalid_request",
+                f"the request's questions have {options:,} options in all, over max_request_options "
+                f"({limits.options:,}); split it into several requests",
+                request.id,
+            )
+
+
+def decode_request(value: bytes | None, key: bytes | None = None, limits: RequestLimits = DEFAULT_LIMITS) -> Request:
+    """A validated request from a record's bytes; EventError with the code and reason otherwise.
+
+    ``limits`` are checked here, before anything is fetched or run: the record's size before it is
+    parsed, duplicate keys, then the counts of questions and options.
+    """
     fallback_id = key.decode("utf-8", "replace") if key else None
     if value is None:
         raise EventError("undecodable_event", "the record has no value (a tombstone is not a request)", fallback_id)
+    if limits.bytes is not None and len(value) > limits.bytes:
+        raise EventError(
+            "invalid_request",
+            f"the record is {len(value):,} bytes, over max_request_bytes ({limits.bytes:,}); it was not read",
+            fallback_id,
+        )
+    request = _decode(value, fallback_id)
+    _refuse_duplicate_keys(value, request.id)
+    _check_limits(request, limits)
+    return request
+
+
+def _decode(value: bytes, fallback_id: str | None) -> Request:
     if value.count(b"[") + value.count(b"{") <= MAX_NESTING:
         # Too few brackets to nest too deep: the typed decoder alone decides, once. (Failures take the
         # slower path below, which names the problem.)

@@ -395,7 +395,7 @@ def _plain(start_response: Callable, status: str, body: str) -> list[bytes]:
 class MetricsServer:
     """``/metrics``, ``/healthz`` and ``/readyz`` on ``host:port``, served from a daemon thread."""
 
-    def __init__(self, metrics: Metrics, *, host: str = "0.0.0.0", port: int = 9464) -> None:
+    def __init__(self, metrics: Metrics, *, host: str = "127.0.0.1", port: int = 9464) -> None:
         self.metrics = metrics
         self.host = host
         self.requested_port = port
@@ -477,6 +477,6 @@ def serve_metrics(metrics: Metrics, settings: Any) -> MetricsServer | None:
     port = getattr(settings, "metrics_port", None)
     if port is None:
         return None
-    server = MetricsServer(metrics, host=getattr(settings, "metrics_host", "0.0.0.0"), port=int(port))
+    server = MetricsServer(metrics, host=getattr(settings, "metrics_host", "127.0.0.1"), port=int(port))
     server.start()
     return server

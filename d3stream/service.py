@@ -59,6 +59,7 @@ from .events import (
     ModelRecord,
     Provenance,
     Request,
+    RequestLimits,
     Source,
     Timings,
     Worker,
@@ -132,6 +133,9 @@ class Service:
             torch.set_num_threads(settings.torch_threads)
         if hasattr(model, "limit_prompt_tokens"):
             model.limit_prompt_tokens(settings.max_prompt_tokens)
+        if hasattr(model, "limit_request_tokens"):
+            model.limit_request_tokens(settings.max_request_tokens)
+        self.request_limits = RequestLimits.from_settings(settings)
         self.fetcher = fetcher or MediaFetcher(
             allowlist=settings.media_allowlist,
             endpoint_url=settings.s3_endpoint_url,
@@ -551,7 +555,7 @@ class Service:
 
     async def _answer(self, record: Any, work: _Work) -> Answer:
         try:
-            request = decode_request(record.value, record.key)
+            request = decode_request(record.value, record.key, self.request_limits)
         except EventError as exc:
             if exc.code == "undecodable_event":
                 work.extra.append(self._dead_letter(record, work, str(exc)))
@@ -567,6 +571,15 @@ class Service:
             )
         work.questions = len(request.questions)
         self._inflight_questions += work.questions
+        if (request.images or request.videos) and self._may_exceed_tokens(record, request):
+            try:  # refuse a request certainly over max_request_tokens before fetching its media
+                await self._prepare_thread.run(
+                    lambda: self.model.check_request_tokens(
+                        request.state, request.questions, permutation_average=request.permutation_average
+                    )
+                )
+            except ValueError as exc:
+                return self._error(record, work, "invalid_request", str(exc), request=request)
         media = await self._media(record, work, request)
         if isinstance(media, Answer):
             return media
@@ -656,6 +669,10 @@ class Service:
             self.media_budget.release(work.media_bytes - held)
             work.media_bytes = held
         return decoded.images, decoded.videos
+
+    def _may_exceed_tokens(self, record: Any, request: Request) -> bool:
+        check = getattr(self.model, "request_may_exceed_tokens", None)
+        return check is not None and check(len(record.value), len(request.questions))
 
     async def _run_rows(self, prepared: Any, work: _Work) -> dict[Any, list[float]]:
         """Submit a request's rows to the shared scheduler; a row whose pass failed alone fails its question."""

@@ -578,6 +578,8 @@ def test_images_and_manifests_agree() -> None:
     settings = _settings(objects)
     assert environ["D3STREAM_MODEL"] == settings.model
     assert int(environ["D3STREAM_METRICS_PORT"]) == settings.metrics_port
+    # The default host is the loopback address; probes and Prometheus come from outside the container.
+    assert environ["D3STREAM_METRICS_HOST"] == settings.metrics_host == "0.0.0.0"
     user = [c.value[0] for c in final if c.cmd.upper() == "USER"][-1]
     pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
     assert user.split(":")[0] == str(pod["securityContext"]["runAsUser"])

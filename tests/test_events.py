@@ -231,9 +231,14 @@ def test_deeply_nested_state_is_refused_too():
     assert _refused(_doc(id="r", questions=QUESTIONS, state=state)).code == "invalid_request"
 
 
-def test_huge_but_flat_request_decodes():
-    request = decode_request(_doc(id="big", questions=QUESTIONS, state="x" * 2_000_000))
+def test_huge_but_flat_request_decodes_when_the_byte_limit_allows():
+    value = _doc(id="big", questions=QUESTIONS, state="x" * 2_000_000)
+    request = decode_request(value, limits=events.RequestLimits(bytes=None))
     assert len(request.state) == 2_000_000
+    # With the default max_request_bytes it is refused unread, under its key.
+    with pytest.raises(EventError, match="max_request_bytes") as refused:
+        decode_request(value, b"big-key")
+    assert refused.value.code == "invalid_request" and refused.value.request_id == "big-key"
 
 
 def test_error_codes_are_the_documented_ones():
@@ -396,3 +401,78 @@ def test_fuzz_request_shaped_objects_with_wrong_types(document, key):
 def test_fuzz_truncated_and_corrupted_requests(document, cut, junk):
     wire = json.dumps(document).encode()
     _check_contract(wire[: cut % (len(wire) + 1)] + junk, None)
+
+
+# ----------------------------------------------------------------------------------- duplicate keys
+
+
+@pytest.mark.parametrize(
+    ("wire", "key"),
+    [
+        ('{"id": "a", "id": "b", "questions": {"q": {"type": "noul"}}}', "id"),
+        ('{"id": "r", "questions": {"q": {"type": "noul"}, "q": {"type": "choice"}}}', "q"),
+        ('{"id": "r", "questions": {"q": {"type": "noul", "type": "score"}}}', "type"),
+        ('{"id": "r", "state": {"a": {"b": [{"c": 1, "c": 2}]}}, "questions": {"q": {"type": "noul"}}}', "c"),
+        ('{"id": "r", "questions": {"q": {"type": "choice", "criteria": {"x": 1, "x": 2}}}}', "x"),
+        ('{"id": "r", "metadata": {"m:n": 1, "m:n": 2}, "questions": {"q": {"type": "noul"}}}', "m:n"),
+    ],
+)
+def test_duplicate_keys_are_refused_naming_the_key(wire, key):
+    refused = _refused(wire.encode())
+    assert refused.code == "invalid_request"
+    assert f"key {key!r} twice" in str(refused)
+
+
+def test_colons_in_strings_and_escaped_colons_are_not_duplicates():
+    wire = (
+        '{"id": "r:1", "state": {"url": "http://x:80/a:b", "k\\u003ay": "v\\u003a", "a": "\\"b\\":c"},'
+        ' "questions": {"q:1": {"type": "noul", "instructions": "at 10:30?"}}}'
+    )
+    request = decode_request(wire.encode())
+    assert request.state == {"url": "http://x:80/a:b", "k:y": "v:", "a": '"b":c'}
+
+
+@FUZZ
+@given(document=json_value, name=st.text(max_size=8))
+def test_fuzz_a_duplicated_key_anywhere_is_refused(document, name):
+    """Insert the same key twice into the state (at the top or inside the document): always refused."""
+    state = json.dumps(document)
+    twice = f'{{{json.dumps(name)}: 1, "inner": {state}, {json.dumps(name)}: 2}}'
+    wire = f'{{"id": "r", "state": {twice}, "questions": {json.dumps(QUESTIONS)}}}'.encode()
+    refused = _refused(wire)
+    assert refused.code == "invalid_request" and "twice" in str(refused)
+    # Without the duplicate the same document is a request.
+    once = f'{{"id": "r", "state": {{"inner": {state}}}, "questions": {json.dumps(QUESTIONS)}}}'.encode()
+    assert decode_request(once).state == {"inner": document}
+
+
+# ------------------------------------------------------------------------------------- request limits
+
+
+def test_each_request_limit_refuses_naming_its_setting():
+    limits = events.RequestLimits(bytes=2_000, questions=3, options=10)
+    cases = {
+        "max_request_bytes": _doc(id="r", questions=QUESTIONS, state="x" * 2_000),
+        "max_request_questions": _doc(id="r", questions={f"q{i}": QUESTIONS["q"] for i in range(4)}),
+        "max_request_options": _doc(
+            id="r", questions={"a": {"type": "score", "criteria": list("abcdefghi")}, "b": {"type": "noul"}}
+        ),
+    }
+    for setting, value in cases.items():
+        with pytest.raises(EventError, match=setting) as refused:
+            decode_request(value, b"k", limits)
+        assert refused.value.code == "invalid_request"
+    # At each limit exactly, accepted.
+    decode_request(_doc(id="r", questions={f"q{i}": QUESTIONS["q"] for i in range(3)}), None, limits)
+    decode_request(_doc(id="r", questions={"a": {"type": "choice", "criteria": dict.fromkeys("abcdefgh")},
+                                           "b": {"type": "noul"}}), None, limits)
+
+
+def test_request_limits_come_from_the_settings():
+    from d3stream.config import Settings
+
+    limits = events.RequestLimits.from_settings(
+        Settings(max_request_bytes=None, max_request_questions=5, max_request_options=7)
+    )
+    assert limits == events.RequestLimits(bytes=None, questions=5, options=7)
+    assert events.RequestLimits.from_settings(Settings()) == events.DEFAULT_LIMITS

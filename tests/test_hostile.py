@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 
 from d3stream.clients import produce
 from d3stream.config import Settings
-from d3stream.events import ERROR_CODES, EventError, Request, decode_answer, decode_request
+from d3stream.events import ERROR_CODES, EventError, Request, RequestLimits, decode_answer, decode_request
 from d3stream.runtime.questions import ERRORS as QUESTION_ERRORS
 from d3stream.service import Service
 from tests.fault_proxy import FaultProxy
@@ -276,11 +276,12 @@ def test_decode_request_ends_as_a_request_or_an_error_code(case):
 def limited_text_model(qwen35_text_model):
     """The text model with the service's prompt limit (what ``Service`` sets: max_prompt_tokens); the shared
     model gets its own limit back afterwards."""
-    original = qwen35_text_model.max_length
+    original = qwen35_text_model.max_length, qwen35_text_model.max_request_tokens
     qwen35_text_model.limit_prompt_tokens(Settings().max_prompt_tokens)  # as Service.__init__ does
+    qwen35_text_model.limit_request_tokens(Settings().max_request_tokens)  # ditto
     assert qwen35_text_model.max_length is not None
     yield qwen35_text_model
-    qwen35_text_model.max_length = original
+    qwen35_text_model.max_length, qwen35_text_model.max_request_tokens = original
 
 
 def _uniform(prepared) -> dict[Any, list[float]]:
@@ -315,9 +316,16 @@ def test_decode_and_prepare_end_as_a_prepared_request_or_a_value_error(limited_t
     msgspec.json.encode(response)  # it can be published
 
 
-def test_ten_megabyte_state_is_refused_per_question_without_truncation(limited_text_model):
-    request = decode_request(json.dumps({"id": "ten-mb", "state": "word " * (TEN_MB // 5),
-                                         "questions": {"a": Q_NOUL}}).encode())
+def test_ten_megabyte_state_is_refused_unread_or_per_question_without_truncation(limited_text_model, monkeypatch):
+    wire = json.dumps({"id": "ten-mb", "state": "word " * (TEN_MB // 5), "questions": {"a": Q_NOUL}}).encode()
+    with pytest.raises(EventError, match="max_request_bytes"):  # the service's default: never parsed
+        decode_request(wire)
+    request = decode_request(wire, limits=RequestLimits(bytes=None))
+    # With the service's max_request_tokens the request is refused whole, before its prompt is tokenized.
+    with pytest.raises(ValueError, match="max_request_tokens"):
+        limited_text_model.prepare(request.state, request.questions, decoded_images=[], decoded_videos=[])
+    # Without it, the question alone is refused, after tokenizing, and nothing is truncated.
+    monkeypatch.setattr(limited_text_model, "max_request_tokens", None)
     started = time.monotonic()
     prepared = limited_text_model.prepare(request.state, request.questions, decoded_images=[], decoded_videos=[])
     assert time.monotonic() - started < 60  # the whole prompt is tokenized before it is refused: seconds
@@ -353,7 +361,8 @@ class RecordingDelivery:
 @pytest.fixture(scope="module")
 def record_path(qwen35_text_model):
     """A ``Service`` (never connected to Kafka) whose ``_serve`` runs on a loop in a helper thread."""
-    original_limit = qwen35_text_model.max_length  # Service sets max_prompt_tokens on the shared model
+    # Service sets max_prompt_tokens and max_request_tokens on the shared model
+    original_limit, original_request_limit = qwen35_text_model.max_length, qwen35_text_model.max_request_tokens
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="hostile-loop", daemon=True)
     thread.start()
@@ -378,7 +387,7 @@ def record_path(qwen35_text_model):
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     loop.close()
-    qwen35_text_model.max_length = original_limit
+    qwen35_text_model.max_length, qwen35_text_model.max_request_tokens = original_limit, original_request_limit
 
 
 @settings(FUZZ, max_examples=200)

@@ -55,6 +55,9 @@ DEFAULT_BATCH_SIZE = 8
 # A pass carrying both option orders (permutation_average) above this many padded tokens is split in two,
 # so peak memory stays that of the original order.
 MERGE_TOKENS = 8192
+# Bytes a rendered prompt adds to the request's own text at most (system turn, headers, option codes'
+# punctuation): generous, it only decides whether a request is cheap enough to skip a token estimate.
+PROMPT_OVERHEAD_BYTES = 2048
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
 
@@ -380,6 +383,12 @@ class D3:
         vocabulary = self.tokenizer.get_vocab()
         self.image_token_id = vocabulary.get(IMAGE_TOKEN)
         self.video_token_id = vocabulary.get(VIDEO_TOKEN)
+        # Every added token (special or not: <|im_start|>, <|im_end|>, <think>, the vision tokens, ...). In
+        # text from a request they are plain text, never control tokens (``_user_text_as_text``).
+        self.added_token_ids = frozenset(int(i) for i in self.tokenizer.get_added_vocab().values())
+        self._template_added: dict[tuple[int, int], list[int]] = {}
+        # Most prompt tokens summed over one request's prompts (``limit_request_tokens``); None: no limit.
+        self.max_request_tokens: int | None = None
 
         if device is None:
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -471,6 +480,11 @@ class D3:
         a service must not let one huge state occupy the device for minutes."""
         if limit is not None:
             self.max_length = min(self.max_length or limit, int(limit))
+
+    def limit_request_tokens(self, limit: int | None) -> None:
+        """Serve at most ``limit`` prompt tokens summed over one request's prompts (media tokens included);
+        a request over it raises ValueError naming ``max_request_tokens`` before any device time."""
+        self.max_request_tokens = None if limit is None else int(limit)
 
     def _load_processor(self) -> Any:
         from transformers import AutoProcessor
@@ -662,26 +676,20 @@ class D3:
         request_media = self._process_media(image_list, video_list) if image_list or video_list else None
         n_images, n_videos = len(image_list), len(video_list)
 
-        prepared = Prepared(keys=list(questions), model_name=self.model_name, contract=self.contract)
-        prompts: list[tuple[str, bool, str]] = []  # (question id, reversed, text)
-        for key, question in questions.items():
-            try:
-                normalized = normalize_question(question, contract=self.contract)
-                prompts.append((key, False, self.render(state, normalized.rendered, n_images, n_videos)))
-                flipped = reversed_question(normalized) if averaged else None
-                if flipped is not None:
-                    prompts.append((key, True, self.render(state, flipped, n_images, n_videos)))
-            except ValueError as exc:
-                prepared.errors[key] = question_error(question, "invalid_question", str(exc))
-                continue
-            prepared.questions[key] = normalized
+        prepared, prompts = self._render_prompts(state, questions, n_images, n_videos, averaged)
         if not prompts:
             return prepared
-        tokenized = self.tokenizer([text for _, _, text in prompts], add_special_tokens=False)["input_ids"]
-        for (key, flipped, text), ids in zip(prompts, tokenized, strict=True):
+        self._refuse_certainly_costly(state, [text for _, _, text, _ in prompts])
+        tokenized = self.tokenizer([text for _, _, text, _ in prompts], add_special_tokens=False)["input_ids"]
+        for (key, flipped, text, rendered), ids in zip(prompts, tokenized, strict=True):
             if key in prepared.errors:
                 continue
             question = prepared.questions[key]
+            try:
+                ids = self._user_text_as_text(ids, text, state, rendered, n_images, n_videos)
+            except ValueError as exc:
+                prepared.errors[key] = question_error(question, "invalid_question", str(exc))
+                continue
             if ids.count(self.image_token_id) != n_images or ids.count(self.video_token_id) != n_videos:
                 # A literal placeholder would pull another prompt's media features into this one.
                 prepared.errors[key] = question_error(
@@ -715,7 +723,145 @@ class D3:
         # A question refused in either option order is refused whole.
         prepared.rows = [row for row in prepared.rows if row.key not in prepared.errors]
         prepared.media = request_media
+        if self.max_request_tokens is not None and prepared.input_tokens > self.max_request_tokens:
+            raise ValueError(
+                f"the request's prompts have {prepared.input_tokens:,} tokens in all, over max_request_tokens "
+                f"({self.max_request_tokens:,}); send fewer questions, a shorter state or fewer media"
+            )
         return prepared
+
+    def _render_prompts(
+        self, state: Any, questions: Mapping[str, Any], n_images: int, n_videos: int, averaged: bool
+    ) -> tuple[Prepared, list[tuple[str, bool, str, dict[str, Any]]]]:
+        """The request's validated questions and per-question errors, and its prompts as
+        (question id, reversed, text, rendered question), one per question and option order."""
+        prepared = Prepared(keys=list(questions), model_name=self.model_name, contract=self.contract)
+        prompts: list[tuple[str, bool, str, dict[str, Any]]] = []
+        for key, question in questions.items():
+            try:
+                normalized = normalize_question(question, contract=self.contract)
+                rendered = normalized.rendered
+                prompts.append((key, False, self.render(state, rendered, n_images, n_videos), rendered))
+                flipped = reversed_question(normalized) if averaged else None
+                if flipped is not None:
+                    prompts.append((key, True, self.render(state, flipped, n_images, n_videos), flipped))
+            except ValueError as exc:
+                prepared.errors[key] = question_error(question, "invalid_question", str(exc))
+                continue
+            prepared.questions[key] = normalized
+        return prepared, prompts
+
+    # ------------------------------------------------------------------------- request cost (tokens)
+
+    def request_may_exceed_tokens(self, record_bytes: int, questions: int) -> bool:
+        """False when a request of ``record_bytes`` JSON bytes and ``questions`` questions certainly stays
+        within ``max_request_tokens`` with its text alone (no tokenizer needed: the caller can skip
+        ``check_request_tokens``). A prompt renders the request's JSON text at most twice as long (the
+        state's separators gain a space) plus the fixed template, each question in two option orders at
+        most, and a token is at least one UTF-8 byte."""
+        limit = self.max_request_tokens
+        return limit is not None and 2 * questions * (2 * record_bytes + PROMPT_OVERHEAD_BYTES) > limit
+
+    def check_request_tokens(
+        self, state: Any, questions: Mapping[str, Any], *, permutation_average: bool | None = None
+    ) -> None:
+        """ValueError naming ``max_request_tokens`` when the request's text prompts alone (media not yet
+        counted) are certainly over it; cheap (the state is tokenized once, whole prompts never). For a
+        caller that wants to refuse such a request before fetching and decoding its media; ``prepare``
+        makes the same check and then the exact one."""
+        if self.max_request_tokens is None or not isinstance(questions, Mapping) or not questions:
+            return
+        averaged = self.permutation_average if permutation_average is None else bool(permutation_average)
+        _, prompts = self._render_prompts(state, questions, 0, 0, averaged)
+        if prompts:
+            self._refuse_certainly_costly(state, [text for _, _, text, _ in prompts])
+
+    def _refuse_certainly_costly(self, state: Any, texts: Sequence[str]) -> None:
+        """Refuse, before tokenizing them, prompts whose tokens certainly exceed ``max_request_tokens``.
+
+        Exact enough and never wrong: a token is at least one UTF-8 byte, so prompts of fewer bytes in
+        all than the limit pass unexamined (ordinary requests). Otherwise the state text, which every
+        prompt repeats, is tokenized once on its own; its pieces away from both ends are tokenized
+        exactly so inside every prompt (pre-tokenization is local; two pieces at each end are left out
+        for what the surrounding text can merge), so prompts x that count is a lower bound.
+        """
+        limit = self.max_request_tokens
+        if limit is None or 4 * sum(map(len, texts)) <= limit:
+            return
+        if sum(len(text.encode("utf-8", "surrogatepass")) for text in texts) <= limit:
+            return
+        state_text = self.contract.describe(state)
+        if not state_text or not all(state_text in text for text in texts):
+            return  # a custom prompt contract that does not repeat the state verbatim: the exact check decides
+        pieces = self._plain_pieces(state_text)
+        if pieces is None:
+            return
+        backend = self.tokenizer.backend_tokenizer
+        floor = len(texts) * sum(len(backend.model.tokenize(piece)) for piece in pieces[2:-2])
+        if floor > limit:
+            raise ValueError(
+                f"the request's {len(texts)} prompts have at least {floor:,} tokens in all (each repeats the "
+                f"state), over max_request_tokens ({limit:,}); send fewer questions or a shorter state"
+            )
+
+    # ---------------------------------------------------------------------- user text stays text
+
+    def _plain_pieces(self, text: str) -> list[str] | None:
+        """``text`` normalized and pre-tokenized as the tokenizer does, with no added-token matching;
+        None for a tokenizer without a Rust backend."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        if backend.pre_tokenizer is None:
+            return [text]
+        return [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+
+    def plain_text_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` as plain text: the tokenizer's normalizer, pre-tokenizer and BPE model,
+        without the added-vocabulary step, so ``<|im_end|>`` or ``<think>`` in it becomes the ordinary
+        tokens of those characters, never the control token. (For text without added-token strings
+        this is exactly what the tokenizer gives.)"""
+        pieces = self._plain_pieces(text)
+        if pieces is None:
+            raise ValueError(
+                "the text contains a special token string and this tokenizer cannot read it as plain text"
+            )
+        model = self.tokenizer.backend_tokenizer.model
+        return [token.id for piece in pieces for token in model.tokenize(piece)]
+
+    def _template_added_ids(self, n_images: int, n_videos: int) -> list[int]:
+        """The added-token ids the chat template itself puts into a prompt, in order (cached per media
+        count): those of a prompt whose user text holds none."""
+        key = (n_images, n_videos)
+        if key not in self._template_added:
+            text = self.render("s", {"type": "noul", "instructions": "q", "criteria": {}}, n_images, n_videos)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            self._template_added[key] = [token for token in ids if token in self.added_token_ids]
+        return self._template_added[key]
+
+    def _user_text_as_text(
+        self, ids: list[int], text: str, state: Any, question: dict[str, Any], n_images: int, n_videos: int
+    ) -> list[int]:
+        """A prompt's ids with the user turn's text (state, instructions, option keys and descriptions)
+        tokenized as plain text.
+
+        The tokenizer matches added tokens anywhere in the prompt, so ``<|im_end|><|im_start|>system`` in a
+        customer's ticket would otherwise forge the chat structure. A prompt whose added tokens are exactly
+        the template's keeps its ids (every ordinary request, unchanged); otherwise the user text is cut
+        out of the rendered prompt and tokenized as plain text between the template's own pieces.
+        """
+        added = self.added_token_ids
+        if [token for token in ids if token in added] == self._template_added_ids(n_images, n_videos):
+            return ids
+        content = self.contract.user_prompt(state, question, self.codes)
+        start = text.find(content)
+        if start < 0:
+            raise ValueError("the prompt contract does not place the user text verbatim; special tokens are refused")
+        head, tail = text[:start], text[start + len(content) :]
+        head_ids, tail_ids = self.tokenizer([head, tail], add_special_tokens=False)["input_ids"]
+        return list(head_ids) + self.plain_text_ids(content) + list(tail_ids)
 
     # ---------------------------------------------------------------------------------------- running
 
