@@ -49,7 +49,7 @@ from aiokafka import ConsumerRebalanceListener
 
 from . import __version__
 from .batching import BatchScheduler, PassRecord
-from .config import Settings, check_settings, kafka_security
+from .config import Settings, check_settings, heartbeat_interval_ms, kafka_security
 from .delivery import AtLeastOnce, ExactlyOnce, OffsetTracker, Outgoing
 from .events import (
     Answer,
@@ -243,6 +243,7 @@ class Service:
             group_instance_id=settings.group_instance_id,
             session_timeout_ms=settings.session_timeout_ms,
             rebalance_timeout_ms=settings.rebalance_timeout_ms,
+            heartbeat_interval_ms=heartbeat_interval_ms(settings),
             # A JoinGroup waits on the broker for the whole rebalance: its request must outlast it.
             request_timeout_ms=max(40_000, settings.rebalance_timeout_ms + 5_000),
             enable_auto_commit=False,
