@@ -173,3 +173,62 @@ def test_a_stuck_request_is_visible_and_makes_the_worker_unready(stack, qwen35_m
     assert seen["d3stream_commit_stalled_seconds"] >= 1.5
     assert after == 0, "answered and committed: no stall any more"
 
+
+
+def _sample(service: Service, name: str) -> float:
+    return service.metrics.registry.get_sample_value(name) or 0.0
+
+
+def test_a_drain_longer_than_the_session_timeout_costs_one_rebalance_not_a_storm(stack, qwen35_model):
+    """The issue's storm: a 6 s session timeout, and revoked work that outlives it (a pass stuck for longer
+    than the drain). The revocation drains for rebalance_drain_s (8 s, longer than the session timeout), leaves
+    the stuck work to the new owners and rejoins within the rebalance timeout: the joining worker costs the
+    group one generation, after which it stays put; every request is answered once."""
+    settings = stack.settings(session_timeout_ms=6000, rebalance_drain_s=8, max_batch_rows=1, linger_ms=0)
+    gated = GatedModel(qwen35_model)
+    stuck = [{"id": f"stuck-{n}", "state": f"stuck {n}", "questions": {"noul": Q_NOUL}} for n in range(8)]
+    ids = {r["id"] for r in stuck}
+
+    async def scenario():
+        from d3stream.clients import produce
+
+        bootstrap = stack.broker.bootstrap_servers
+        first, second = Service(settings, gated), Service(settings, qwen35_model)
+        async with Reader(bootstrap, stack.answers) as reader:
+            task = asyncio.create_task(first.run())
+            joining = None
+            try:
+                await reader.wait(lambda: assigned_and_ready(first) and not first._settling, 60, task,
+                                  what="the first worker's assignment")
+                await produce(bootstrap, stack.requests, [record(r) for r in stuck])
+                await reader.wait(lambda: first._inflight_requests == len(stuck), 30, task, what="requests stuck")
+                generation = _sample(first, "d3stream_group_generation")
+                joining = asyncio.create_task(second.run())
+                # The second worker answers what moved to it while the first still holds its stuck passes.
+                await reader.wait(lambda: second.counts["answered"] >= 1 and len(reader.counts()) >= 1, 60,
+                                  task, joining, what="answers from the joining worker")
+                await asyncio.sleep(8.0)  # longer than a session timeout: a dropped member would rejoin by now
+                figures = {
+                    "generations": _sample(first, "d3stream_group_generation") - generation,
+                    "first_rebalances": _sample(first, "d3stream_rebalances_total"),
+                    "second_rebalances": _sample(second, "d3stream_rebalances_total"),
+                    "abandoned": _sample(first, "d3stream_revoked_requests_abandoned_total"),
+                }
+                gated.gate.set()
+                await reader.wait_ids(ids, 60, task, joining)
+                await asyncio.sleep(1.0)  # a few commit intervals: a late duplicate would show now
+            finally:
+                gated.gate.set()
+                first.stop()
+                second.stop()
+                await asyncio.wait_for(asyncio.gather(task, *([joining] if joining else []),
+                                                      return_exceptions=True), 90)
+            await reader.caught_up()
+            return figures, reader.counts()
+
+    figures, counts = run(scenario())
+    assert figures["generations"] == 1, f"the join cost more than one rebalance: {figures}"
+    assert figures["first_rebalances"] == 2 and figures["second_rebalances"] == 1, figures
+    assert figures["abandoned"] == len(stuck), figures
+    assert set(counts) == ids, f"unanswered: {sorted(ids - set(counts))}"
+    assert all(count == 1 for count in counts.values()), f"answered twice: {counts}"
