@@ -301,7 +301,7 @@ def worker_settings(bootstrap: str, topics: dict[str, Any], group: str, checkpoi
     return env
 
 
-async def _report(workers: int, kills: int, session_timeouts: list[int]) -> list[dict[str, Any]]:
+async def _report(workers: int, kills: int, cases: list[tuple[bool, int]]) -> list[dict[str, Any]]:
     import tempfile
 
     from .demo import demo_checkpoint
@@ -311,19 +311,19 @@ async def _report(workers: int, kills: int, session_timeouts: list[int]) -> list
     folder = Path(tempfile.mkdtemp(prefix="d3stream-scaleout-"))
     with local_stack() as (broker, _store):
         checkpoint = demo_checkpoint()
-        for static in (False, True):
-            for timeout_ms in session_timeouts:
-                name = f"so-{'static' if static else 'dynamic'}-{timeout_ms}"
-                topics = {"request_topics": [f"{name}.requests"], "answer_topic": f"{name}.answers",
-                          "dead_letter_topic": f"{name}.dead-letters", "provenance_topic": f"{name}.provenance"}
-                broker.create_topic(f"{name}.requests", 3, exist_ok=True)
-                broker.create_topic(f"{name}.answers", 3, exist_ok=True)
-                env = worker_settings(broker.bootstrap_servers, topics, name, checkpoint)
-                result = await churn(bootstrap=broker.bootstrap_servers, env=env, request_topic=f"{name}.requests",
-                                     answer_topic=f"{name}.answers", folder=folder / name, workers=workers,
-                                     partitions=3, kills=kills, static=static, session_timeout_ms=timeout_ms)
-                print(_line(result), file=sys.stderr, flush=True)
-                results.append(result)
+        for static, timeout_ms in cases:
+            name = f"so-{'static' if static else 'dynamic'}-{timeout_ms}"
+            topics = {"request_topics": [f"{name}.requests"], "answer_topic": f"{name}.answers",
+                      "dead_letter_topic": f"{name}.dead-letters", "provenance_topic": f"{name}.provenance"}
+            broker.create_topic(f"{name}.requests", 3, exist_ok=True)
+            broker.create_topic(f"{name}.answers", 3, exist_ok=True)
+            env = worker_settings(broker.bootstrap_servers, topics, name, checkpoint)
+            (folder / name).mkdir(parents=True, exist_ok=True)
+            result = await churn(bootstrap=broker.bootstrap_servers, env=env, request_topic=f"{name}.requests",
+                                 answer_topic=f"{name}.answers", folder=folder / name, workers=workers,
+                                 partitions=3, kills=kills, static=static, session_timeout_ms=timeout_ms)
+            print(_line(result), file=sys.stderr, flush=True)
+            results.append(result)
     return results
 
 
@@ -343,11 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m d3stream.scaleout", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--kills", type=int, default=3)
-    parser.add_argument("--session-timeouts", default="6000,10000", help="comma-separated, in ms")
+    parser.add_argument("--cases", default="dynamic:6000,dynamic:10000,static:10000,static:45000",
+                        help="comma-separated membership:session_timeout_ms pairs (membership: dynamic or static)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    timeouts = [int(t) for t in args.session_timeouts.split(",")]
-    results = asyncio.run(_report(args.workers, args.kills, timeouts))
+    cases = [(kind == "static", int(ms)) for kind, ms in (case.split(":") for case in args.cases.split(","))]
+    results = asyncio.run(_report(args.workers, args.kills, cases))
     for result in results:
         print(json.dumps(result) if args.json else _line(result))
     return 0 if all(not r["lost"] and not r["duplicated"] for r in results) else 1
