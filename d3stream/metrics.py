@@ -8,7 +8,8 @@ workers can hold several) and offers one small typed method per thing the servic
     GET /healthz   200 while the process is alive and its HTTP thread answers (liveness)
     GET /readyz    200 when the readiness check returns True, else 503 (readiness)
 
-Ready means: the model is loaded (and warmed up, when asked), and the consumer has joined its group.
+Ready means: the model is loaded (and warmed up, when asked), the consumer has joined its group, and no
+partition's committed offset has stood still with work waiting for ``stall_unready_s``.
 A worker that is loading, warming up, rebalancing out or shutting down answers 503 on ``/readyz`` but
 200 on ``/healthz``, so Kubernetes waits for it instead of restarting it.
 

@@ -234,3 +234,29 @@ def test_a_drain_longer_than_the_session_timeout_costs_one_rebalance_not_a_storm
     assert figures["abandoned"] == len(stuck), figures
     assert set(counts) == ids, f"unanswered: {sorted(ids - set(counts))}"
     assert all(count == 1 for count in counts.values()), f"answered twice: {counts}"
+
+
+def test_the_tracker_times_a_stall_from_the_arrival_of_work_to_the_next_commit(monkeypatch):
+    from d3stream import delivery
+
+    clock = [1000.0]
+    monkeypatch.setattr(delivery.time, "monotonic", lambda: clock[0])
+    tracker = delivery.OffsetTracker()
+    assert tracker.stall("p") == (0.0, 0.0) and tracker.commit_base("p") is None
+    tracker.add("p", 10)
+    clock[0] += 2
+    tracker.add("p", 11)
+    clock[0] += 3
+    assert tracker.stall("p") == (5.0, 5.0)
+    assert tracker.commit_base("p") == 10, "nothing committed yet: the group's offset is where reading began"
+    tracker.done("p", 10)
+    assert tracker.stall("p") == (3.0, 5.0), "the oldest unanswered one is now offset 11"
+    tracker.done("p", 11)
+    clock[0] += 1
+    assert tracker.stall("p") == (0.0, 6.0), "answered but not committed is still waiting"
+    tracker.committed(tracker.committable())
+    assert tracker.stall("p") == (0.0, 0.0) and tracker.commit_base("p") == 12
+    clock[0] += 100  # a quiet spell, then work: the stall counts from its arrival, not from the last commit
+    tracker.add("p", 12)
+    clock[0] += 1
+    assert tracker.stall("p") == (1.0, 1.0)
