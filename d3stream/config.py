@@ -35,6 +35,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     group_id: str = "d3stream"
     group_instance_id: str | None = None
     session_timeout_ms: int = 10_000
+    rebalance_timeout_ms: int = 30_000
     client_id: str = "d3stream"
     auto_offset_reset: Literal["earliest", "latest"] = "earliest"
     create_topics: bool = True
@@ -91,7 +92,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     metrics_host: str = "127.0.0.1"
     # Lifecycle and logs
     shutdown_timeout_s: float = 120.0
-    rebalance_drain_s: float = 10.0
+    rebalance_drain_s: float = 5.0
+    stall_unready_s: float = 300.0
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -105,6 +107,8 @@ HELP: dict[str, str] = {
     "group_id": "Kafka consumer group; workers in one group split the partitions",
     "group_instance_id": "static group membership id (e.g. the pod name): a restarted worker rejoins at once",
     "session_timeout_ms": "how long the group waits for a silent worker before moving its partitions",
+    "rebalance_timeout_ms": "how long a rebalance waits for every worker to rejoin (its revocation drain and "
+    "final commit run first); must exceed rebalance_drain_s plus a 5 s margin",
     "client_id": "Kafka client id (shows in broker logs and metrics)",
     "auto_offset_reset": "where a new consumer group starts reading",
     "create_topics": "create missing answer, dead-letter and provenance topics at start",
@@ -167,7 +171,10 @@ HELP: dict[str, str] = {
     "metrics_host": "address the metrics endpoint listens on (0.0.0.0: every interface, e.g. in a pod that "
     "Prometheus scrapes)",
     "shutdown_timeout_s": "on SIGTERM, how long in-flight work may take to finish before exit",
-    "rebalance_drain_s": "on rebalance, how long revoked partitions' work may take to finish",
+    "rebalance_drain_s": "on rebalance, how long revoked partitions' work may take to finish (exactly_once: "
+    "what is unfinished then is abandoned and answered by the new owner)",
+    "stall_unready_s": "/readyz fails while a partition's committed offset has not moved for this long although "
+    "it has work (0: never)",
     "log_format": "auto: console on a terminal, JSON otherwise",
     "log_level": "log level",
 }
@@ -260,9 +267,43 @@ def load_settings(
         if value is not None:
             merged[name] = _coerce_text(name, value) if isinstance(value, str) else value
     try:
-        return msgspec.convert(merged, Settings, strict=False)
+        settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid setting: {exc} (flag, {ENV_PREFIX}* variable or settings file)") from exc
+    return check_settings(settings)
+
+
+# Kept free within the rebalance timeout after the drain: the revoked partitions' final commit and the
+# closing of their producers (a transaction's round trips, a slow broker).
+REBALANCE_MARGIN_S = 5.0
+
+
+def check_settings(settings: Settings) -> Settings:
+    """Refuse settings that cannot work together, naming them (ValueError).
+
+    A rebalance waits ``rebalance_timeout_ms`` for every member to rejoin, and a member rejoins only after
+    its revocation callback (drain, final commit) returned. A member slower than that is dropped from the
+    group, rejoins as a new member and starts the next rebalance: with drains longer than the timeout the
+    group never settles (a rebalance storm). aiokafka would take the timeout from ``session_timeout_ms``."""
+    drain_ms = settings.rebalance_drain_s * 1000
+    if settings.rebalance_drain_s < 0:
+        raise ValueError(f"rebalance_drain_s must be 0 or more, got {settings.rebalance_drain_s}")
+    if drain_ms + REBALANCE_MARGIN_S * 1000 > settings.rebalance_timeout_ms:
+        raise ValueError(
+            f"rebalance_drain_s ({settings.rebalance_drain_s:g} s) plus a {REBALANCE_MARGIN_S:g} s margin for the "
+            f"final commit must fit in rebalance_timeout_ms ({settings.rebalance_timeout_ms} ms): a worker still "
+            "draining when the rebalance times out is dropped from the group and starts the next rebalance. Lower "
+            f"rebalance_drain_s or raise rebalance_timeout_ms to at least {int(drain_ms + REBALANCE_MARGIN_S * 1000)}"
+        )
+    if settings.stall_unready_s < 0:
+        raise ValueError(f"stall_unready_s must be 0 (off) or more, got {settings.stall_unready_s}")
+    return settings
+
+
+def heartbeat_interval_ms(settings: Settings) -> int:
+    """aiokafka's 3 s heartbeat, or a third of a shorter session timeout, so one late heartbeat does not
+    drop a healthy worker from the group."""
+    return min(3000, settings.session_timeout_ms // 3)
 
 
 def kafka_security(settings: Settings) -> dict[str, Any]:

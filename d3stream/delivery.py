@@ -42,6 +42,13 @@ class _Progress:
     last: int = -1
     committed: int | None = None
     epoch: int = 0  # which assignment of the partition this progress belongs to
+    first: int | None = None  # the first offset read in this assignment (where the group's commit stood)
+    moved_at: float = 0.0  # monotonic time the commit point last moved, or work arrived after none waited
+    added_at: dict[int, float] = field(default_factory=dict)  # offset -> when it was read, while unanswered
+
+    def waiting(self) -> bool:
+        """Whether work of this partition is not committed yet (unanswered, or answered but uncommitted)."""
+        return bool(self.entries) or (self.last >= 0 and self.committed != self.last + 1)
 
 
 class OffsetTracker:
@@ -57,6 +64,12 @@ class OffsetTracker:
         if progress is None:
             self._epochs += 1
             progress = self._partitions[partition] = _Progress(epoch=self._epochs)
+        now = time.monotonic()
+        if not progress.waiting():
+            progress.moved_at = now  # a stall is counted from when work arrived
+        if progress.first is None:
+            progress.first = offset
+        progress.added_at[offset] = now
         entry = [offset, False]
         progress.entries.append(entry)
         progress.index[offset] = entry
@@ -76,6 +89,7 @@ class OffsetTracker:
         entry = progress.index.pop(offset, None)
         if entry is None:
             return
+        progress.added_at.pop(offset, None)
         entry[1] = True
         while progress.entries and progress.entries[0][1]:
             progress.entries.popleft()
@@ -96,9 +110,28 @@ class OffsetTracker:
         return result
 
     def committed(self, offsets: dict[Any, int]) -> None:
+        now = time.monotonic()
         for partition, offset in offsets.items():
             if partition in self._partitions:
                 self._partitions[partition].committed = offset
+                self._partitions[partition].moved_at = now
+
+    def commit_base(self, partition: Any) -> int | None:
+        """The partition's committed offset as far as this worker knows: its last commit, else where it began
+        reading in this assignment (None: nothing read yet)."""
+        progress = self._partitions.get(partition)
+        if progress is None:
+            return None
+        return progress.committed if progress.committed is not None else progress.first
+
+    def stall(self, partition: Any, now: float | None = None) -> tuple[float, float]:
+        """(age of the oldest unanswered request, seconds the commit point has not moved while work waited)."""
+        progress = self._partitions.get(partition)
+        if progress is None or not progress.waiting():
+            return 0.0, 0.0
+        now = time.monotonic() if now is None else now
+        oldest = now - min(progress.added_at.values()) if progress.added_at else 0.0
+        return oldest, now - progress.moved_at
 
     def forget(self, partitions: Sequence[Any]) -> None:
         for partition in partitions:
@@ -231,6 +264,7 @@ class ExactlyOnce(_Delivery):
         creating = self._creating.get(partition)
         if creating is None:
             creating = self._creating[partition] = asyncio.ensure_future(self._create_producer(partition))
+            creating.add_done_callback(_retrieved)  # a caller cancelled meanwhile (a bounded revocation) reads none
         try:
             return await asyncio.shield(creating)
         except BaseException:
@@ -262,13 +296,19 @@ class ExactlyOnce(_Delivery):
             producer = await self._producer(partition)
             await producer.begin_transaction()
             try:
-                sends = []
-                for offset in ready:
-                    for record in pending[offset]:
-                        sends.append(
-                            await producer.send(record.topic, value=record.value, key=record.key, headers=HEADERS)
-                        )
-                await asyncio.gather(*sends)
+                sends: list[asyncio.Future] = []
+                try:
+                    for offset in ready:
+                        for record in pending[offset]:
+                            sends.append(
+                                await producer.send(record.topic, value=record.value, key=record.key, headers=HEADERS)
+                            )
+                finally:
+                    for sent in sends:  # when one fails (fenced: all of them do) the rest are read here
+                        sent.add_done_callback(_retrieved)
+                failed = [r for r in await asyncio.gather(*sends, return_exceptions=True) if isinstance(r, BaseException)]
+                if failed:
+                    raise failed[0]
                 await producer.send_offsets_to_transaction({partition: point}, self.group_id)
                 await producer.commit_transaction()
             except BaseException:
@@ -282,7 +322,8 @@ class ExactlyOnce(_Delivery):
                         pass
                 raise
         except ProducerFenced:
-            log.warning("fenced: another worker owns this partition now", partition=str(partition))
+            # Expected for a previous owner after a rebalance: its uncommitted answers are the new owner's to give.
+            log.info("fenced: another worker owns this partition now", partition=str(partition))
             await self._discard(partition)
             self.tracker.forget([partition])
             self._pending.pop(partition, None)
@@ -316,6 +357,12 @@ class ExactlyOnce(_Delivery):
         for partition in partitions:
             self._pending.pop(partition, None)
             await self._discard(partition)
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark a future's exception as seen (asyncio otherwise logs it as never retrieved, with a traceback)."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _quietly_stop(producer: Any) -> None:

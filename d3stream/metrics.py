@@ -8,7 +8,8 @@ workers can hold several) and offers one small typed method per thing the servic
     GET /healthz   200 while the process is alive and its HTTP thread answers (liveness)
     GET /readyz    200 when the readiness check returns True, else 503 (readiness)
 
-Ready means: the model is loaded (and warmed up, when asked), and the consumer has joined its group.
+Ready means: the model is loaded (and warmed up, when asked), the consumer has joined its group, and no
+partition's committed offset has stood still with work waiting for ``stall_unready_s``.
 A worker that is loading, warming up, rebalancing out or shutting down answers 503 on ``/readyz`` but
 200 on ``/healthz``, so Kubernetes waits for it instead of restarting it.
 
@@ -88,6 +89,61 @@ class Metrics:
             "its read position). Growing on every partition: workers are too slow, add replicas; "
             "growing on one: a hot or stuck partition. Broker-side group lag is what KEDA scales on.",
             ["topic", "partition"],
+            registry=r,
+        )
+        self.committed_lag = Gauge(
+            f"{PREFIX}_consumer_committed_lag",
+            "Records in a partition this worker owns after its committed offset (last stable offset minus "
+            "committed offset): includes records read but not yet answered and committed, so it stays above 0 "
+            "while work waits, unlike d3stream_consumer_lag. The lag the group shows on the broker.",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self.oldest_unanswered = Gauge(
+            f"{PREFIX}_oldest_unanswered_seconds",
+            "Age of the oldest request of a partition that was read and is not answered yet (0: none). Growing "
+            "without bound: a request is stuck (a hung pass, a media fetch that never returns).",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self.commit_stalled = Gauge(
+            f"{PREFIX}_commit_stalled_seconds",
+            "Seconds since a partition's committed offset last moved while it had work (0: nothing waiting). "
+            "/readyz fails once it passes stall_unready_s.",
+            ["topic", "partition"],
+            registry=r,
+        )
+        # ---- consumer group
+        self.rebalances = Counter(
+            f"{PREFIX}_rebalances",
+            "Group generations this worker joined (one per rebalance it took part in). A steady rate over "
+            "minutes with no deployment going on is a rebalance storm: see rebalance_timeout_ms.",
+            registry=r,
+        )
+        self.partitions_assigned_total = Counter(
+            f"{PREFIX}_partitions_assigned",
+            "Partitions handed to this worker by rebalances.",
+            registry=r,
+        )
+        self.partitions_revoked_total = Counter(
+            f"{PREFIX}_partitions_revoked",
+            "Partitions taken from this worker by rebalances.",
+            registry=r,
+        )
+        self.revoked_abandoned = Counter(
+            f"{PREFIX}_revoked_requests_abandoned",
+            "Requests of revoked partitions not answered within rebalance_drain_s: never committed by this "
+            "worker (exactly_once), the partition's new owner answers them.",
+            registry=r,
+        )
+        self.generation = Gauge(
+            f"{PREFIX}_group_generation",
+            "The consumer group generation of this worker's current assignment (moves on every rebalance).",
+            registry=r,
+        )
+        self.partitions_owned = Gauge(
+            f"{PREFIX}_partitions_owned",
+            "Partitions this worker owns now; over all workers of a settled group, the topic's partition count.",
             registry=r,
         )
         self.requests_in_flight = Gauge(
@@ -276,13 +332,37 @@ class Metrics:
         """Records of ``topic``/``partition`` after this worker's read position."""
         self.consumer_lag.labels(topic=topic, partition=str(partition)).set(max(0, lag))
 
+    def set_partition_progress(
+        self, topic: str, partition: int, *, committed_lag: int, oldest_unanswered_s: float, stalled_s: float
+    ) -> None:
+        """Where a partition's committed work stands: lag behind the committed offset, the age of its oldest
+        unanswered request, and how long its committed offset has not moved although it has work."""
+        labels = {"topic": topic, "partition": str(partition)}
+        self.committed_lag.labels(**labels).set(max(0, committed_lag))
+        self.oldest_unanswered.labels(**labels).set(max(0.0, oldest_unanswered_s))
+        self.commit_stalled.labels(**labels).set(max(0.0, stalled_s))
+
     def forget_partitions(self, partitions: Iterable[tuple[str, int]]) -> None:
-        """Drop the lag series of partitions this worker no longer owns (call on revocation)."""
+        """Drop the per-partition series of partitions this worker no longer owns (call on revocation)."""
         for topic, partition in partitions:
-            try:
-                self.consumer_lag.remove(topic, str(partition))
-            except KeyError:
-                pass
+            for gauge in (self.consumer_lag, self.committed_lag, self.oldest_unanswered, self.commit_stalled):
+                try:
+                    gauge.remove(topic, str(partition))
+                except KeyError:
+                    pass
+
+    def count_rebalance(self, generation: int | None, assigned: int, owned: int) -> None:
+        """A rebalance this worker took part in: ``assigned`` partitions it received, ``owned`` it holds now."""
+        self.rebalances.inc()
+        self.partitions_assigned_total.inc(assigned)
+        self.partitions_owned.set(owned)
+        if generation is not None:
+            self.generation.set(generation)
+
+    def count_revoked(self, revoked: int, abandoned: int) -> None:
+        """Partitions taken away, and the requests of theirs left unanswered when the drain ended."""
+        self.partitions_revoked_total.inc(revoked)
+        self.revoked_abandoned.inc(abandoned)
 
     def set_in_flight(self, requests: int, questions: int, tokens: int = 0) -> None:
         """Requests, their questions and their prompt tokens that are read but not answered yet."""

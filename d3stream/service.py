@@ -16,8 +16,11 @@ in flight; beyond that every assigned partition is paused, and resumed once the 
 80 % of both limits. Memory stays bounded however fast producers publish.
 
 Rebalance: before partitions are taken away, their in-flight work gets ``rebalance_drain_s`` to
-finish and their finished offsets are committed; work that finishes later is still answered, but its
-offsets are no longer this worker's to commit (the new owner will answer those requests again).
+finish and their finished offsets are committed; work that finishes later is abandoned (``exactly_once``:
+never committed, the new owner answers it; ``at_least_once``: published, not committed). The whole
+revocation fits in ``rebalance_timeout_ms`` (set explicitly: aiokafka would use the session timeout):
+a member that is still revoking when the group's rebalance times out is dropped, rejoins as a new member
+and starts the next rebalance, so long drains under a short timeout made a rebalance storm.
 Newly assigned partitions stay paused until they are *settled*: in ``exactly_once`` the partition's
 transactional producer is initialised first (which waits until the previous owner's last transaction
 is complete) and only then is the committed offset read and sought to. aiokafka reads committed offsets
@@ -46,7 +49,7 @@ from aiokafka import ConsumerRebalanceListener
 
 from . import __version__
 from .batching import BatchScheduler, PassRecord
-from .config import Settings, kafka_security
+from .config import Settings, check_settings, heartbeat_interval_ms, kafka_security
 from .decoding import ByteBudget, MediaDecoder
 from .delivery import AtLeastOnce, ExactlyOnce, OffsetTracker, Outgoing
 from .events import (
@@ -124,7 +127,7 @@ class Service:
         fetcher: MediaFetcher | None = None,
         metrics: Metrics | None = None,
     ):
-        self.settings = settings
+        self.settings = check_settings(settings)
         self.model = model
         self.metrics = metrics or Metrics()
         if settings.torch_threads:
@@ -202,7 +205,10 @@ class Service:
         self.joined = False  # the consumer has an assignment (set by the rebalance listener)
         self.replay_id: str | None = None  # set by replays, so their answers are never taken for live ones
         self.metrics.set_model(model.model_name, self.provenance_sha256, str(getattr(model, "device", "cpu")))
-        self.metrics.set_ready_check(lambda: self.ready and self.joined and not self._stop.is_set())
+        self.metrics.set_ready_check(
+            lambda: self.ready and self.joined and not self._stop.is_set() and not self.stalled
+        )
+        self.stalled: list[str] = []  # partitions whose commit point has not moved for stall_unready_s
         self._inflight_questions = 0
         self.counts: dict[str, int] = {"answered": 0, "errors": 0, "dead_letters": 0}
         # Assigned partitions not yet positioned at their stable committed offset (kept paused meanwhile),
@@ -252,6 +258,10 @@ class Service:
             group_id=settings.group_id,
             group_instance_id=settings.group_instance_id,
             session_timeout_ms=settings.session_timeout_ms,
+            rebalance_timeout_ms=settings.rebalance_timeout_ms,
+            heartbeat_interval_ms=heartbeat_interval_ms(settings),
+            # A JoinGroup waits on the broker for the whole rebalance: its request must outlast it.
+            request_timeout_ms=max(40_000, settings.rebalance_timeout_ms + 5_000),
             enable_auto_commit=False,
             auto_offset_reset=settings.auto_offset_reset,
             isolation_level="read_committed",
@@ -427,7 +437,15 @@ class Service:
         await self._report_lag()
 
     async def _report_lag(self) -> None:
+        """Per partition: read lag (behind the position), committed lag (behind the commit point), the oldest
+        unanswered request, and how long the commit point has stood still with work waiting; a stall longer
+        than ``stall_unready_s`` makes the worker unready."""
+        now = time.monotonic()
+        stalled = []
         for partition in self.consumer.assignment():
+            oldest, stalled_s = self.tracker.stall(partition, now)
+            if self.settings.stall_unready_s and stalled_s >= self.settings.stall_unready_s:
+                stalled.append(f"{partition.topic}-{partition.partition}")
             end = self.consumer.last_stable_offset(partition) or self.consumer.highwater(partition)
             if end is None:
                 continue
@@ -436,6 +454,18 @@ class Service:
             except Exception:  # noqa: BLE001 - a partition moving away mid-call; next round reports it
                 continue
             self.metrics.set_lag(partition.topic, partition.partition, max(0, end - position))
+            base = self.tracker.commit_base(partition)
+            self.metrics.set_partition_progress(
+                partition.topic,
+                partition.partition,
+                committed_lag=end - (position if base is None else base),
+                oldest_unanswered_s=oldest,
+                stalled_s=stalled_s,
+            )
+        if stalled and stalled != self.stalled:
+            log.warning("no progress: committed offsets stand still with work waiting; not ready",
+                        partitions=stalled, stall_unready_s=self.settings.stall_unready_s)
+        self.stalled = stalled
 
     def _apply_backpressure(self) -> None:
         settings = self.settings
@@ -845,19 +875,28 @@ class _Rebalance(ConsumerRebalanceListener):
         self.service = service
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
+        """Drain, commit and let go, all within the rebalance timeout: the member rejoins only when this
+        returns, and one that rejoins too late is dropped and starts another rebalance."""
         revoked = list(revoked)
         if not revoked:
             return
         service = self.service
+        settings = service.settings
+        started = time.monotonic()
+        # What is left of the rebalance timeout after the drain; a second of it stays for the rejoin itself.
+        deadline = started + settings.rebalance_timeout_ms / 1000 - 1.0
         await service._stop_settling(revoked)
-        await service._drain(service.settings.rebalance_drain_s, revoked)
-        await service.delivery.flush(revoked)
-        await service.delivery.revoked(revoked)
-        service.tracker.forget(revoked)
+        await service._drain(settings.rebalance_drain_s, revoked)
+        abandoned = service.tracker.in_flight(revoked)
+        committed = await _within(service.delivery.flush(revoked), deadline, "final commit of revoked partitions")
+        await _within(service.delivery.revoked(revoked), deadline, "closing revoked partitions' producers")
+        service.tracker.forget(revoked)  # from here on, late answers of these partitions are not committed
         service.metrics.forget_partitions([(p.topic, p.partition) for p in revoked])
+        service.metrics.count_revoked(len(revoked), abandoned)
         if service._paused:
             service._paused = False  # a new assignment starts unpaused
-        log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked])
+        log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked],
+                 abandoned=abandoned, committed=committed, seconds=round(time.monotonic() - started, 3))
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         assigned = list(assigned)
@@ -868,7 +907,25 @@ class _Rebalance(ConsumerRebalanceListener):
             await service.delivery.assigned(assigned)
         await service._on_assigned(assigned)
         service.joined = True
-        log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned])
+        generation = getattr(getattr(service.consumer, "_coordinator", None), "generation", None)
+        service.metrics.count_rebalance(generation, len(assigned), len(service.consumer.assignment()))
+        log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned],
+                 generation=generation)
+
+
+async def _within(step: Any, deadline: float, what: str) -> bool:
+    """Run a revocation step until ``deadline`` (monotonic); past it, leave it behind and say so. A step cut
+    short loses nothing: an unfinished transaction is aborted (or completed) by the new owner's producer, and
+    an uncommitted offset is answered by the new owner."""
+    task = asyncio.ensure_future(step)
+    done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
+    if task in done:
+        task.result()
+        return True
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    log.warning(f"{what} did not finish within the rebalance timeout; left to the new owner")
+    return False
 
 
 def _media_record(item: FetchedMedia) -> MediaRecord:

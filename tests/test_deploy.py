@@ -188,6 +188,49 @@ _SERVICE_MONITOR = {
         },
     },
 }
+_PROMETHEUS_RULE = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "metadata": _METADATA,
+        "spec": {
+            "type": "object",
+            "required": ["groups"],
+            "additionalProperties": False,
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["name", "rules"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "name": {"type": "string"},
+                            "interval": _DURATION,
+                            "rules": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["alert", "expr"],
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "alert": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                                        "expr": {"type": "string"},
+                                        "for": _DURATION,
+                                        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                                        "annotations": {"type": "object",
+                                                        "additionalProperties": {"type": "string"}},
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
 _KAFKA_METADATA_KEYS = {
     "bootstrapServers", "consumerGroup", "topic", "lagThreshold", "activationLagThreshold",
     "offsetResetPolicy", "allowIdleConsumers", "scaleToZeroOnInvalidOffset", "excludePersistentLag",
@@ -308,6 +351,7 @@ _TRIGGER_AUTHENTICATION = {
 }
 CUSTOM_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): _SERVICE_MONITOR,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): _PROMETHEUS_RULE,
     ("keda.sh/v1alpha1", "ScaledObject"): _SCALED_OBJECT,
     ("keda.sh/v1alpha1", "TriggerAuthentication"): _TRIGGER_AUTHENTICATION,
 }
@@ -339,7 +383,7 @@ def _validate_custom(obj: dict, version: str) -> None:
 def test_renders_the_expected_objects(rendered: list[dict]) -> None:
     kinds = {o["kind"] for o in rendered}
     assert {
-        "Deployment", "PodDisruptionBudget", "ConfigMap", "Service", "ServiceMonitor", "ScaledObject",
+        "Deployment", "PodDisruptionBudget", "ConfigMap", "Service", "ServiceMonitor", "PrometheusRule", "ScaledObject",
         "PersistentVolumeClaim", "ServiceAccount",
     } <= kinds  # fmt: skip
     assert "Secret" not in kinds, "credentials never live in the manifests; they reference Secrets"
@@ -428,6 +472,23 @@ def test_metrics_are_scraped(rendered: list[dict]) -> None:
     for endpoint in monitor["spec"]["endpoints"]:
         assert endpoint["port"] in by_name
         assert endpoint.get("path", "/metrics") == "/metrics"
+
+
+def test_alerts_watch_metrics_the_worker_exports(rendered: list[dict]) -> None:
+    """Every d3stream_* series an alert reads is one a worker serves (a renamed metric would silence it), and
+    there is an alert for a rebalance storm and for a stalled partition."""
+    import re
+
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "info": ["_info"]}
+    exported = {family.name + suffix for family in Metrics().registry.collect()
+                for suffix in suffixes.get(family.type, [""])}
+    rules = [rule for rule_set in _of_kind(rendered, "PrometheusRule") for group in rule_set["spec"]["groups"]
+             for rule in group["rules"]]
+    used = {name for rule in rules for name in re.findall(r"\bd3stream_\w+", rule["expr"])}
+    assert used, "no alert reads a d3stream metric"
+    assert used <= exported, f"alerts read series no worker exports: {sorted(used - exported)}"
+    read = " ".join(rule["expr"] for rule in rules)
+    assert "d3stream_rebalances_total" in read and "d3stream_commit_stalled_seconds" in read
 
 
 def test_shutdown_fits_the_grace_period(rendered: list[dict]) -> None:
