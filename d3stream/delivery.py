@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -63,10 +63,18 @@ def classify(exc: BaseException, *, transactional: bool) -> ErrorClass:
                         errors.ClusterAuthorizationFailedError, errors.TransactionalIdAuthorizationFailed,
                         errors.InvalidTopicError, errors.UnsupportedVersionError)):
         return "worker"
-    if not transactional and isinstance(exc, (errors.ProducerFenced, errors.InvalidProducerEpoch,
-                                              errors.OutOfOrderSequenceNumber)):
-        return "worker"  # an idempotent producer cannot go on; exactly_once handles fencing per partition
+    if not transactional and isinstance(exc, errors.ProducerFenced):
+        return "worker"  # exactly_once handles fencing per partition (the partition moved)
     return "retriable"
+
+
+def breaks_the_producer(exc: BaseException) -> bool:
+    """Whether an idempotent producer must be replaced before it can send again: a batch the broker refused
+    (too large) still took its sequence numbers, so every later batch of that partition is out of order."""
+    from aiokafka import errors
+
+    return isinstance(exc, (errors.OutOfOrderSequenceNumber, errors.InvalidProducerEpoch,
+                            errors.MessageSizeTooLargeError, errors.RecordListTooLargeError))
 
 
 def fatal(record: Outgoing | None, exc: BaseException, what: str = "publishing") -> WorkerFatal:
@@ -211,6 +219,7 @@ class AtLeastOnce(_Delivery):
         # once, each waiting in aiokafka's accumulator for room would be woken on every drain (measured:
         # 30 wake-ups per record, 5x slower); queued here, only the head of the line waits there.
         self._enqueue = asyncio.Lock()
+        self._renewing = asyncio.Lock()
 
     async def start(self) -> None:
         self.producer = self._factory(None)
@@ -221,12 +230,25 @@ class AtLeastOnce(_Delivery):
             await self.producer.stop()
 
     async def publish(self, record: Outgoing) -> None:
-        await send_with_retries(self.producer, record, self.metrics, self._enqueue)
+        await send_with_retries(self.producer, record, self.metrics, self._enqueue, renew=self._renew)
 
     async def deliver(self, partition: Any, offset: int, records: list[Outgoing], epoch: int | None = None) -> None:
         for record in records:
-            await send_with_retries(self.producer, record, self.metrics, self._enqueue)
+            await send_with_retries(self.producer, record, self.metrics, self._enqueue, renew=self._renew)
         self.tracker.done(partition, offset, epoch)
+
+    async def _renew(self, failed: Any, broken: bool) -> Any:
+        """The producer to send with after ``failed`` failed: with ``broken``, a fresh idempotent producer
+        (new producer id, sequences from zero) in its place, which callers that saw the same failure share;
+        else the current one (which a caller of the old one needs after a replacement)."""
+        async with self._renewing:
+            if broken and self.producer is failed:
+                log.warning("replacing the producer (its sequence numbers are out of step with the broker)")
+                fresh = self._factory(None)
+                await fresh.start()
+                self.producer = fresh
+                asyncio.ensure_future(_quietly_stop(failed))  # its remaining sends fail and are retried
+            return self.producer
 
     async def flush(self, partitions: Sequence[Any] | None = None) -> None:
         from aiokafka.errors import KafkaError
@@ -439,13 +461,15 @@ async def _quietly_stop(producer: Any) -> None:
 
 
 async def send_with_retries(
-    producer: Any, record: Outgoing, metrics: Any = None, enqueue: asyncio.Lock | None = None
+    producer: Any, record: Outgoing, metrics: Any = None, enqueue: asyncio.Lock | None = None,
+    renew: Callable[[Any, bool], Awaitable[Any]] | None = None,
 ) -> Outgoing:
     """Publish and wait for the acknowledgement, retrying retriable errors with backoff through broker
     outages (``PUBLISH_BACKOFF_S``, then ``WorkerFatal``). A record refused as too large is replaced by its
     ``replacement``; worker-fatal errors raise ``WorkerFatal`` at once. With ``enqueue``, records enter the
-    producer's buffer one caller at a time (acknowledgements are awaited side by side). Returns the record
-    that was published."""
+    producer's buffer one caller at a time (acknowledgements are awaited side by side). With ``renew``, a
+    producer an error left unusable is replaced (``renew(producer, broken)`` returns the one to use). Returns the
+    record that was published."""
     from aiokafka.errors import KafkaError
 
     retries = 0
@@ -461,6 +485,8 @@ async def send_with_retries(
             return record
         except KafkaError as exc:
             kind = classify(exc, transactional=False)
+            if renew is not None:
+                producer = await renew(producer, breaks_the_producer(exc))
             if kind == "record":
                 record = replaced(record, exc)
                 continue

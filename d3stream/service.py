@@ -847,7 +847,7 @@ class Service:
         if fit.fits:
             def instead(cause: str) -> Outgoing:
                 self.metrics.count_answer("answer_too_large")
-                smaller = self._too_large(record, work, answer, f"the broker refused it: {cause}")
+                smaller = self._too_large(record, work, answer, f"the broker refused it for topic {topic!r}: {cause}")
                 return Outgoing(topic, smaller.id.encode(), encode(smaller))
 
             return answer, Outgoing(topic, answer.id.encode(), value, replacement=instead)
