@@ -276,16 +276,9 @@ class Service:
             group_id=settings.group_id,
             metrics=self.metrics,
         )
-        if getattr(self.delivery, "writes_to_kafka", True):
-            self.limits.topics = await self._connecting(read_topic_limits(
-                {"bootstrap_servers": settings.bootstrap_servers, **security},
-                [settings.answer_topic, settings.dead_letter_topic, settings.provenance_topic],
-                create_topics=settings.create_topics,
-            ))
-            log.info("topic limits", max_message_bytes=self.limits.topics, compression=self.limits.compression,
-                     max_request_size=self.limits.max_request_size)
         await self._connecting(self.delivery.start())
         try:
+            await self._read_limits(security)
             await self._publish_provenance()
             await self._connecting(self.consumer.start())
             await self._subscribe()
@@ -340,6 +333,20 @@ class Service:
             await step
         except WorkerFatal as exc:
             self._fail(exc)
+
+    async def _read_limits(self, security: dict[str, Any]) -> None:
+        """The message limits of the topics this worker publishes to, from the broker (WorkerFatal for a
+        topic that does not exist while create_topics is off)."""
+        settings = self.settings
+        if not getattr(self.delivery, "writes_to_kafka", True):
+            return
+        self.limits.topics = await self._connecting(read_topic_limits(
+            {"bootstrap_servers": settings.bootstrap_servers, **security},
+            [settings.answer_topic, settings.dead_letter_topic, settings.provenance_topic],
+            create_topics=settings.create_topics,
+        ))
+        log.info("topic limits", max_message_bytes=self.limits.topics, compression=self.limits.compression,
+                 max_request_size=self.limits.max_request_size)
 
     async def _connecting(self, step: Any) -> Any:
         """Run a start-up step that connects to Kafka; a refusal becomes an error that names the knobs."""

@@ -15,6 +15,8 @@ On the real broker with its default limits (``message.max.bytes`` 1,048,588):
   or answered twice (exactly_once).
 * An answer topic that does not exist, with ``create_topics`` off: ``d3stream serve`` exits non-zero (3)
   and says which topic.
+* An answer topic the worker may not write to (a broker with Kafka's authorizer and a DENY ACL): the worker
+  stops by itself with ``WorkerFatal`` naming the topic and the cause, in both modes, committing nothing.
 """
 
 from __future__ import annotations
@@ -197,3 +199,70 @@ async def _topics(bootstrap: str) -> set[str]:
         return set(await admin.list_topics())
     finally:
         await admin.close()
+
+
+# ================================================================================ a broker with an authorizer
+
+
+@pytest.fixture(scope="module")
+def authorizing_broker(kafka_broker):
+    """A second broker with Kafka's StandardAuthorizer, which allows what no ACL names (so only the DENY ACLs a
+    test adds apply; clients connect as User:ANONYMOUS). It asks for ``kafka_broker`` only to share its
+    skip-or-fail rule when java or the jars are missing."""
+    from d3stream.infra import KafkaBroker
+
+    extra = {"authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+             "allow.everyone.if.no.acl.found": "true"}
+    with KafkaBroker(extra_properties=extra) as broker:
+        yield broker
+
+
+async def deny_writes(bootstrap: str, topic: str) -> None:
+    """A DENY ACL: User:ANONYMOUS may not write to ``topic``. (aiokafka has no create_acls yet; the request is
+    the protocol's own.)"""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.protocol.admin import CreateAclsRequest
+
+    topic_resource, literal, write, deny = 2, 3, 4, 2
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        response = await admin._send_request(  # noqa: SLF001 - no public call for ACLs in aiokafka
+            CreateAclsRequest(topic_resource, topic, literal, "User:ANONYMOUS", "*", write, deny))
+        assert all(result[0] == 0 for result in response.creation_responses), response
+    finally:
+        await admin.close()
+
+
+@pytest.mark.parametrize("mode", ["exactly_once", "at_least_once"])
+def test_an_answer_topic_the_worker_may_not_write_to_stops_it_naming_the_topic(authorizing_broker, unique_name,
+                                                                                qwen35_text_model, mode):
+    from d3stream.config import Settings
+    from d3stream.limits import WorkerFatal
+    from d3stream.service import Service
+
+    broker, bootstrap = authorizing_broker, authorizing_broker.bootstrap_servers
+    names = {kind: unique_name(kind) for kind in ("req", "ans", "dlq", "prov", "grp")}
+    broker.create_topic(names["req"], 1)
+    for kind in ("ans", "dlq", "prov"):
+        broker.create_topic(names[kind], 1)
+    run(deny_writes(bootstrap, names["ans"]))
+    settings = Settings(bootstrap_servers=bootstrap, request_topics=[names["req"]], answer_topic=names["ans"],
+                        dead_letter_topic=names["dlq"], provenance_topic=names["prov"], group_id=names["grp"],
+                        delivery=mode, commit_interval_ms=100, linger_ms=10, metrics_port=None)
+
+    async def scenario() -> BaseException | None:
+        service = Service(settings, qwen35_text_model)
+        task = asyncio.create_task(service.run())
+        await produce(bootstrap, names["req"], [record(small("denied"))])
+        try:
+            await asyncio.wait_for(task, 90)
+        except WorkerFatal as exc:
+            return exc
+        return None
+
+    stopped = run(scenario())
+    assert isinstance(stopped, WorkerFatal), "the worker should stop by itself"
+    assert names["ans"] in str(stopped) and "TopicAuthorizationFailed" in str(stopped), stopped
+    # Nothing was committed past the request it could not answer.
+    assert run(committed(bootstrap, names["grp"], names["req"], 1)) == {}
