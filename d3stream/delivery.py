@@ -86,6 +86,8 @@ def fatal(record: Outgoing | None, exc: BaseException, what: str = "publishing")
         "TransactionalIdAuthorizationFailed": "grant Write on the transactional ids "
                                               "(transactional_id_prefix), or use delivery=at_least_once",
         "ClusterAuthorizationFailedError": "grant IdempotentWrite on the cluster",
+        "MessageSizeTooLargeError": "not even the smallest replacement fits: raise the topic's max.message.bytes",
+        "RecordTooLargeError": "not even the smallest replacement fits: raise max_request_size",
     }.get(type(exc).__name__, "see the cause")
     return WorkerFatal(f"{what}{topic} failed and cannot succeed by retrying: {type(exc).__name__}: {exc}; {hint}")
 
@@ -398,7 +400,7 @@ class ExactlyOnce(_Delivery):
             if classify(exc, transactional=True) == "worker":
                 topics = sorted({record.topic for offset in ready for record in pending[offset]})
                 raise fatal(None, exc, f"the transaction of partition {partition} (topics {topics})") from exc
-            self._back_off(partition, exc)
+            self._back_off(partition, exc, next((r.topic for o in ready for r in pending[o]), partition.topic))
             return
         self._failures.pop(partition, None)
         self._retry_at.pop(partition, None)
@@ -424,13 +426,13 @@ class ExactlyOnce(_Delivery):
             refused.append((offset, index, exc))
             return None
 
-    def _back_off(self, partition: Any, exc: BaseException) -> None:
+    def _back_off(self, partition: Any, exc: BaseException, topic: str) -> None:
         """A retriable failure: the partition's next transaction waits, twice as long each time (bounded)."""
         failures = self._failures[partition] = self._failures.get(partition, 0) + 1
         delay = min(MAX_TXN_BACKOFF_S, PUBLISH_BACKOFF_S[0] * 2 ** (failures - 1))
         self._retry_at[partition] = time.monotonic() + delay
         if self.metrics is not None:
-            self.metrics.count_publish_retry(partition.topic)
+            self.metrics.count_publish_retry(topic)
         log.warning("transaction failed; will retry", partition=str(partition), attempt=failures,
                     retry_in_s=round(delay, 1), error=f"{type(exc).__name__}: {exc}")
 

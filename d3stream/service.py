@@ -23,6 +23,13 @@ transactional producer is initialised first (which waits until the previous owne
 is complete) and only then is the committed offset read and sought to. aiokafka reads committed offsets
 on assignment without ``require_stable`` (KIP-447), so without this a new owner could start from the
 offset before the previous owner's last commit and answer those requests a second time.
+
+Unwritable records: the answer, dead-letter and provenance topics' message limits are read from the broker
+at start (``limits.py``); an answer that does not fit its topic even compressed is published as an
+``answer_too_large`` error answer under the same id, and a dead letter carries the raw bytes only up to
+``dead_letter_max_bytes``, so no record can halt its partition by being refused forever. An error that no
+retry can cure (``WorkerFatal``: no permission, a missing topic) stops the worker without committing past
+the record; ``run`` raises it and ``d3stream serve`` exits with status 3.
 """
 
 from __future__ import annotations
