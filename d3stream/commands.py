@@ -9,6 +9,9 @@ import signal
 import sys
 from pathlib import Path
 
+# The exit status of `d3stream serve` after a worker-fatal error (2 is a configuration error).
+WORKER_FATAL_EXIT = 3
+
 
 def _serve(args: argparse.Namespace) -> int:
     from .config import load_settings
@@ -48,8 +51,13 @@ def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, service.stop)
         await service.run()
 
+    from .limits import WorkerFatal
+
     try:
         asyncio.run(main())
+    except WorkerFatal as exc:  # e.g. no permission on the answer topic: a restart would not help by itself
+        print(f"d3stream serve: stopped: {exc}", file=sys.stderr)
+        return WORKER_FATAL_EXIT
     finally:
         if server is not None:
             server.stop()

@@ -48,6 +48,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     commit_interval_ms: int = 500
     delivery: Literal["exactly_once", "at_least_once"] = "exactly_once"
     transactional_id_prefix: str = "d3stream"
+    compression: Literal["zstd", "lz4", "gzip", "none"] = "zstd"
+    max_request_size: int = 4_194_304
+    dead_letter_max_bytes: int = 65_536
     # Model
     model: str | None = None
     model_name: str | None = None
@@ -122,6 +125,12 @@ HELP: dict[str, str] = {
     "delivery": "exactly_once: answers and offsets commit in one Kafka transaction; at_least_once: faster, "
     "duplicates possible after a crash",
     "transactional_id_prefix": "prefix of the per-partition transactional ids (exactly_once)",
+    "compression": "compression of published records (answers, dead letters); what the broker counts against a "
+    "topic's max.message.bytes is the compressed batch",
+    "max_request_size": "largest uncompressed record the producer sends (aiokafka max_request_size); an answer "
+    "over it, or over the answer topic's max.message.bytes once compressed, becomes answer_too_large",
+    "dead_letter_max_bytes": "raw bytes of a record a dead letter carries (base64); beyond, only the first this "
+    "many, with the size and SHA-256 of the whole",
     "model": "checkpoint directory (required for serve)",
     "model_name": "name answers carry (default: the checkpoint's manifest name)",
     "device": "torch device (default: cuda:0 when present, else cpu)",

@@ -15,6 +15,18 @@ Two modes, one interface (``deliver`` an answer for an offset, ``flush`` what ca
   committed once the answers for it and every earlier offset are acknowledged. After a crash the
   uncommitted requests are answered again: the duplicate carries the same key and the same
   deterministic ``answer_id``, so downstream can drop it.
+
+Publish and commit errors fall in three classes (``classify``), in both modes:
+
+* *retriable* (a broker restart, a leader election, a timeout): retried with bounded backoff and counted
+  (``d3stream_publish_retries``); at_least_once gives up after ``PUBLISH_BACKOFF_S`` and the worker exits
+  non-zero, exactly_once retries the partition's transaction with backoff up to ``MAX_TXN_BACKOFF_S``.
+* *record-fatal* (the broker or the producer refuses one record as too large): that record is replaced
+  by its ``Outgoing.replacement`` (an answer becomes an ``answer_too_large`` error answer under the same
+  id, a dead letter loses its raw bytes) and the replacement is published instead.
+* *worker-fatal* (no permission, a fenced idempotent producer, a topic that does not exist, a record
+  whose replacement is refused too): ``WorkerFatal`` naming the topic and the cause; the service stops
+  without committing past the record and exits non-zero.
 """
 
 from __future__ import annotations
@@ -22,17 +34,62 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
 from .events import HEADERS
+from .limits import WorkerFatal
 
 log = structlog.get_logger(__name__)
 
 PUBLISH_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+# exactly_once: the longest wait between retries of a partition's failing transaction.
+MAX_TXN_BACKOFF_S = 10.0
+
+ErrorClass = Literal["retriable", "record", "worker"]
+
+
+def classify(exc: BaseException, *, transactional: bool) -> ErrorClass:
+    """Which of the three classes a publish or commit error is in (see the module's docstring)."""
+    from aiokafka import errors
+
+    if isinstance(exc, (errors.MessageSizeTooLargeError, errors.RecordTooLargeError,
+                        errors.RecordListTooLargeError)):
+        return "record"
+    if isinstance(exc, (errors.TopicAuthorizationFailedError, errors.GroupAuthorizationFailedError,
+                        errors.ClusterAuthorizationFailedError, errors.TransactionalIdAuthorizationFailed,
+                        errors.InvalidTopicError, errors.UnsupportedVersionError)):
+        return "worker"
+    if not transactional and isinstance(exc, errors.ProducerFenced):
+        return "worker"  # exactly_once handles fencing per partition (the partition moved)
+    return "retriable"
+
+
+def breaks_the_producer(exc: BaseException) -> bool:
+    """Whether an idempotent producer must be replaced before it can send again: a batch the broker refused
+    (too large) still took its sequence numbers, so every later batch of that partition is out of order."""
+    from aiokafka import errors
+
+    return isinstance(exc, (errors.OutOfOrderSequenceNumber, errors.InvalidProducerEpoch,
+                            errors.MessageSizeTooLargeError, errors.RecordListTooLargeError))
+
+
+def fatal(record: Outgoing | None, exc: BaseException, what: str = "publishing") -> WorkerFatal:
+    """The worker-fatal error for ``exc``, naming the topic and the cause."""
+    topic = f" to topic {record.topic!r}" if record is not None else ""
+    hint = {
+        "TopicAuthorizationFailedError": "grant this worker's principal Write (and Describe) on the topic",
+        "GroupAuthorizationFailedError": "grant this worker's principal Read on the consumer group (group_id)",
+        "TransactionalIdAuthorizationFailed": "grant Write on the transactional ids "
+                                              "(transactional_id_prefix), or use delivery=at_least_once",
+        "ClusterAuthorizationFailedError": "grant IdempotentWrite on the cluster",
+        "MessageSizeTooLargeError": "not even the smallest replacement fits: raise the topic's max.message.bytes",
+        "RecordTooLargeError": "not even the smallest replacement fits: raise max_request_size",
+    }.get(type(exc).__name__, "see the cause")
+    return WorkerFatal(f"{what}{topic} failed and cannot succeed by retrying: {type(exc).__name__}: {exc}; {hint}")
 
 
 @dataclass
@@ -148,6 +205,20 @@ class Outgoing:
     topic: str
     key: bytes | None
     value: bytes
+    # What to publish instead when this record is refused as too large (the refusal's text as argument);
+    # None: nothing smaller exists, and a refusal is worker-fatal.
+    replacement: Callable[[str], Outgoing] | None = field(default=None, repr=False, compare=False)
+
+
+def replaced(record: Outgoing, exc: BaseException) -> Outgoing:
+    """The record-fatal path: the smaller record to publish instead of ``record``, or WorkerFatal."""
+    if record.replacement is None:
+        raise fatal(record, exc) from exc
+    log.warning("record refused as too large; publishing its replacement", topic=record.topic,
+                error=f"{type(exc).__name__}: {exc}")
+    substitute = record.replacement(f"{type(exc).__name__}: {exc}")
+    substitute.replacement = None  # a refused replacement is worker-fatal, not replaced again
+    return substitute
 
 
 class _Delivery:
@@ -183,6 +254,7 @@ class AtLeastOnce(_Delivery):
         # once, each waiting in aiokafka's accumulator for room would be woken on every drain (measured:
         # 30 wake-ups per record, 5x slower); queued here, only the head of the line waits there.
         self._enqueue = asyncio.Lock()
+        self._renewing = asyncio.Lock()
 
     async def start(self) -> None:
         self.producer = self._factory(None)
@@ -193,12 +265,25 @@ class AtLeastOnce(_Delivery):
             await self.producer.stop()
 
     async def publish(self, record: Outgoing) -> None:
-        await send_with_retries(self.producer, record, self.metrics, self._enqueue)
+        await send_with_retries(self.producer, record, self.metrics, self._enqueue, renew=self._renew)
 
     async def deliver(self, partition: Any, offset: int, records: list[Outgoing], epoch: int | None = None) -> None:
         for record in records:
-            await send_with_retries(self.producer, record, self.metrics, self._enqueue)
+            await send_with_retries(self.producer, record, self.metrics, self._enqueue, renew=self._renew)
         self.tracker.done(partition, offset, epoch)
+
+    async def _renew(self, failed: Any, broken: bool) -> Any:
+        """The producer to send with after ``failed`` failed: with ``broken``, a fresh idempotent producer
+        (new producer id, sequences from zero) in its place, which callers that saw the same failure share;
+        else the current one (which a caller of the old one needs after a replacement)."""
+        async with self._renewing:
+            if broken and self.producer is failed:
+                log.warning("replacing the producer (its sequence numbers are out of step with the broker)")
+                fresh = self._factory(None)
+                await fresh.start()
+                self.producer = fresh
+                asyncio.ensure_future(_quietly_stop(failed))  # its remaining sends fail and are retried
+            return self.producer
 
     async def flush(self, partitions: Sequence[Any] | None = None) -> None:
         from aiokafka.errors import KafkaError
@@ -209,6 +294,8 @@ class AtLeastOnce(_Delivery):
         try:
             await self.consumer.commit(offsets)
         except KafkaError as exc:  # a rebalance in progress: the next owner starts from the last commit
+            if classify(exc, transactional=False) == "worker":
+                raise fatal(None, exc, f"committing offsets of group {self.group_id!r}") from exc
             log.warning("commit failed", error=f"{type(exc).__name__}: {exc}")
             self._counted_commit(ok=False)
             return
@@ -237,6 +324,9 @@ class ExactlyOnce(_Delivery):
         self._plain: Any = None  # for records outside any partition's transaction (provenance)
         self._lock = asyncio.Lock()
         self._creating: dict[Any, asyncio.Future] = {}
+        # Retriable transaction failures in a row, and when the partition's next attempt may start.
+        self._failures: dict[Any, int] = {}
+        self._retry_at: dict[Any, float] = {}
 
     async def start(self) -> None:
         self._plain = self._factory(None)
@@ -281,34 +371,43 @@ class ExactlyOnce(_Delivery):
     async def flush(self, partitions: Sequence[Any] | None = None) -> None:
         async with self._lock:
             # Each partition has its own producer: their transactions commit side by side.
+            # Named partitions (a revocation, the shutdown) are tried now; the periodic flush backs off.
             await asyncio.gather(
-                *(self._commit_partition(partition, point)
+                *(self._commit_partition(partition, point, now=partitions is not None)
                   for partition, point in self.tracker.committable(partitions).items())
             )
 
-    async def _commit_partition(self, partition: Any, point: int) -> None:
+    async def _commit_partition(self, partition: Any, point: int, *, now: bool = False) -> None:
         from aiokafka.errors import KafkaError, ProducerFenced
 
+        if not now and time.monotonic() < self._retry_at.get(partition, 0.0):
+            return  # backing off after a failed transaction
         pending = self._pending.get(partition, {})
         ready = sorted(offset for offset in pending if offset < point)
         started = time.perf_counter()
+        refused: list[tuple[int, int, BaseException]] = []  # (offset, index, error) of records refused as too large
         try:
             producer = await self._producer(partition)
             await producer.begin_transaction()
             try:
-                sends: list[asyncio.Future] = []
+                sends = []
                 try:
                     for offset in ready:
-                        for record in pending[offset]:
-                            sends.append(
-                                await producer.send(record.topic, value=record.value, key=record.key, headers=HEADERS)
-                            )
+                        for index, record in enumerate(pending[offset]):
+                            sends.append((offset, index, await self._send(producer, record, offset, index, refused)))
                 finally:
-                    for sent in sends:  # when one fails (fenced: all of them do) the rest are read here
-                        sent.add_done_callback(_retrieved)
-                failed = [r for r in await asyncio.gather(*sends, return_exceptions=True) if isinstance(r, BaseException)]
-                if failed:
-                    raise failed[0]
+                    for *_, sent in sends:  # when one fails (fenced: all of them do) the rest are read here
+                        if sent is not None:
+                            sent.add_done_callback(_retrieved)
+                results = await asyncio.gather(*(send for *_, send in sends if send is not None),
+                                               return_exceptions=True)
+                for (offset, index, _), result in zip((s for s in sends if s[2] is not None), results, strict=True):
+                    if isinstance(result, BaseException):
+                        if classify(result, transactional=True) != "record":
+                            raise result
+                        refused.append((offset, index, result))
+                if refused:
+                    raise refused[0][2]
                 await producer.send_offsets_to_transaction({partition: point}, self.group_id)
                 await producer.commit_transaction()
             except BaseException:
@@ -327,18 +426,55 @@ class ExactlyOnce(_Delivery):
             await self._discard(partition)
             self.tracker.forget([partition])
             self._pending.pop(partition, None)
+            self._failures.pop(partition, None)
+            self._retry_at.pop(partition, None)
             return
         except KafkaError as exc:
-            # A broker restart or timeout: start over with a fresh producer next time; nothing was committed.
-            log.warning("transaction failed; will retry", partition=str(partition), error=f"{type(exc).__name__}: {exc}")
-            await self._discard(partition)
+            await self._discard(partition)  # a fresh producer next time; nothing was committed
+            if refused:
+                # Record-fatal: those records are replaced by smaller ones, and the transaction is tried again
+                # at the next flush, without backoff (what it holds changed).
+                for offset, index, error in refused:
+                    pending[offset][index] = replaced(pending[offset][index], error)
+                return
+            if classify(exc, transactional=True) == "worker":
+                topics = sorted({record.topic for offset in ready for record in pending[offset]})
+                raise fatal(None, exc, f"the transaction of partition {partition} (topics {topics})") from exc
+            self._back_off(partition, exc, next((r.topic for o in ready for r in pending[o]), partition.topic))
             return
+        self._failures.pop(partition, None)
+        self._retry_at.pop(partition, None)
         for offset in ready:
             pending.pop(offset, None)
         self.tracker.committed({partition: point})
         self._counted_commit()
         log.debug("committed", partition=str(partition), offset=point, answers=len(ready),
                   ms=round((time.perf_counter() - started) * 1e3, 1))
+
+    @staticmethod
+    async def _send(producer: Any, record: Outgoing, offset: int, index: int,
+                    refused: list[tuple[int, int, BaseException]]) -> Any:
+        """Enqueue one record; a record the producer refuses itself (over max_request_size) is noted in
+        ``refused`` (None returned) instead of ending the loop, so every refused record is replaced at once."""
+        from aiokafka.errors import KafkaError
+
+        try:
+            return await producer.send(record.topic, value=record.value, key=record.key, headers=HEADERS)
+        except KafkaError as exc:
+            if classify(exc, transactional=True) != "record":
+                raise
+            refused.append((offset, index, exc))
+            return None
+
+    def _back_off(self, partition: Any, exc: BaseException, topic: str) -> None:
+        """A retriable failure: the partition's next transaction waits, twice as long each time (bounded)."""
+        failures = self._failures[partition] = self._failures.get(partition, 0) + 1
+        delay = min(MAX_TXN_BACKOFF_S, PUBLISH_BACKOFF_S[0] * 2 ** (failures - 1))
+        self._retry_at[partition] = time.monotonic() + delay
+        if self.metrics is not None:
+            self.metrics.count_publish_retry(topic)
+        log.warning("transaction failed; will retry", partition=str(partition), attempt=failures,
+                    retry_in_s=round(delay, 1), error=f"{type(exc).__name__}: {exc}")
 
     async def _discard(self, partition: Any) -> None:
         self._creating.pop(partition, None)
@@ -373,14 +509,19 @@ async def _quietly_stop(producer: Any) -> None:
 
 
 async def send_with_retries(
-    producer: Any, record: Outgoing, metrics: Any = None, enqueue: asyncio.Lock | None = None
-) -> None:
-    """Publish and wait for the acknowledgement, retrying with backoff through broker outages. With
-    ``enqueue``, records enter the producer's buffer one caller at a time (acknowledgements are awaited
-    side by side)."""
+    producer: Any, record: Outgoing, metrics: Any = None, enqueue: asyncio.Lock | None = None,
+    renew: Callable[[Any, bool], Awaitable[Any]] | None = None,
+) -> Outgoing:
+    """Publish and wait for the acknowledgement, retrying retriable errors with backoff through broker
+    outages (``PUBLISH_BACKOFF_S``, then ``WorkerFatal``). A record refused as too large is replaced by its
+    ``replacement``; worker-fatal errors raise ``WorkerFatal`` at once. With ``enqueue``, records enter the
+    producer's buffer one caller at a time (acknowledgements are awaited side by side). With ``renew``, a
+    producer an error left unusable is replaced (``renew(producer, broken)`` returns the one to use). Returns the
+    record that was published."""
     from aiokafka.errors import KafkaError
 
-    for attempt, pause in enumerate((*PUBLISH_BACKOFF_S, None)):
+    retries = 0
+    while True:
         try:
             if enqueue is None:
                 await producer.send_and_wait(record.topic, value=record.value, key=record.key, headers=HEADERS)
@@ -389,11 +530,22 @@ async def send_with_retries(
                     acknowledged = await producer.send(record.topic, value=record.value, key=record.key,
                                                        headers=HEADERS)
                 await acknowledged
-            return
+            return record
         except KafkaError as exc:
-            if pause is None:
-                raise
-            log.warning("publish failed; retrying", topic=record.topic, attempt=attempt + 1, error=str(exc))
+            kind = classify(exc, transactional=False)
+            if renew is not None:
+                producer = await renew(producer, breaks_the_producer(exc))
+            if kind == "record":
+                record = replaced(record, exc)
+                continue
+            if kind == "worker":
+                raise fatal(record, exc) from exc
+            if retries == len(PUBLISH_BACKOFF_S):
+                raise fatal(record, exc, f"publishing (retried {retries} times over "
+                                         f"{sum(PUBLISH_BACKOFF_S):.0f} s)") from exc
+            pause = PUBLISH_BACKOFF_S[retries]
+            retries += 1
+            log.warning("publish failed; retrying", topic=record.topic, attempt=retries, error=str(exc))
             if metrics is not None:
                 metrics.count_publish_retry(record.topic)
             await asyncio.sleep(pause)

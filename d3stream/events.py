@@ -33,6 +33,7 @@ ERROR_CODES = (
     "media_too_large",  # over the strict size limits (refused from HEAD, never downloaded)
     "media_unreadable",  # fetched, but not a valid image or video
     "media_unavailable",  # the object store did not answer in time, after retries
+    "answer_too_large",  # the answer does not fit the answer topic's message limit, even compressed
     "internal_error",  # a fault of this worker; the message says what
 )
 
@@ -144,12 +145,21 @@ class Answer(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class DeadLetter(msgspec.Struct, kw_only=True):
-    """A record that could not be read as a request, kept with the reason."""
+    """A record that could not be read as a request, kept with the reason.
+
+    The raw bytes travel base64-encoded up to the worker's ``dead_letter_max_bytes`` (a dead letter must fit
+    its topic's message limit too); beyond that only their beginning, with the size and SHA-256 of the whole
+    so the record can still be identified."""
 
     reason: str
     source: Source
     key: str | None = None
     value: str = msgspec.field(default="", name="value_base64")
+    value_bytes: Annotated[int, msgspec.Meta(description="size of the whole record value")] = 0
+    value_sha256: Annotated[str, msgspec.Meta(description="SHA-256 of the whole record value (hex)")] = ""
+    value_truncated: Annotated[
+        bool, msgspec.Meta(description="value_base64 holds only the first dead_letter_max_bytes bytes")
+    ] = False
 
 
 class EventError(ValueError):

@@ -232,7 +232,8 @@ class Metrics:
         )
         self.publish_retries = Counter(
             f"{PREFIX}_publish_retries",
-            "Sends to Kafka that failed and were retried (broker outage, leader election).",
+            "Sends to Kafka that failed and were retried with backoff (broker outage, leader election); with "
+            "exactly_once, a partition's transaction retried, under the topic it publishes to.",
             ["topic"],
             registry=r,
         )

@@ -209,6 +209,7 @@ class FileSink:
     """
 
     mode = "file"
+    writes_to_kafka = False  # no topic limits to read: answers go to the file
 
     def __init__(self, *, consumer: Any, tracker: OffsetTracker, path: Path, **_: Any):
         self.consumer = consumer

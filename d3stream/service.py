@@ -26,6 +26,13 @@ transactional producer is initialised first (which waits until the previous owne
 is complete) and only then is the committed offset read and sought to. aiokafka reads committed offsets
 on assignment without ``require_stable`` (KIP-447), so without this a new owner could start from the
 offset before the previous owner's last commit and answer those requests a second time.
+
+Unwritable records: the answer, dead-letter and provenance topics' message limits are read from the broker
+at start (``limits.py``); an answer that does not fit its topic even compressed is published as an
+``answer_too_large`` error answer under the same id, and a dead letter carries the raw bytes only up to
+``dead_letter_max_bytes``, so no record can halt its partition by being refused forever. An error that no
+retry can cure (``WorkerFatal``: no permission, a missing topic) stops the worker without committing past
+the record; ``run`` raises it and ``d3stream serve`` exits with status 3.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
 from aiokafka import ConsumerRebalanceListener
 
@@ -70,6 +78,7 @@ from .events import (
     encode,
 )
 from .jobthread import JobThread
+from .limits import Limits, WorkerFatal, producer_compression, read_topic_limits
 from .metrics import Metrics
 from .runtime.media import MediaBudgetExceeded, reason
 from .storage import FetchedMedia, MediaError, MediaFetcher
@@ -86,6 +95,9 @@ current_record: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.Con
 
 # Partitions resume once in-flight work falls below this share of both limits.
 RESUME_AT = 0.8
+# A dead letter keeps this much of a record's key and of the reason (a decoder's message can quote input).
+MAX_KEY_BYTES = 1024
+MAX_REASON_CHARS = 2000
 
 
 def default_token_budget(device: str) -> int:
@@ -159,6 +171,10 @@ class Service:
         )
         self.worker = Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__)
         self.tracker = OffsetTracker()
+        # The limits of the topics answers and dead letters go to (read from the broker at start).
+        self.limits = Limits(max_request_size=settings.max_request_size,
+                             compression=producer_compression(settings.compression))
+        self.fatal: WorkerFatal | None = None  # why the worker stopped by itself, if it did
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._inflight_requests = 0
@@ -280,6 +296,8 @@ class Service:
                 acks="all",
                 enable_idempotence=True,
                 linger_ms=2,
+                max_request_size=settings.max_request_size,
+                compression_type=self.limits.compression,
                 **options,
                 **security,
             )
@@ -293,6 +311,7 @@ class Service:
         )
         await self._connecting(self.delivery.start())
         try:
+            await self._read_limits(security)
             if getattr(self.model, "video_unavailable", True) is None:
                 self.decoder.warm()  # the first video should not wait for its decoding process to start
             await self._publish_provenance()
@@ -308,8 +327,11 @@ class Service:
                     budget=self.scheduler.max_batch_tokens,
                 )
                 await self._consume()
-                await self._drain(settings.shutdown_timeout_s)
-                await self.delivery.flush()
+                if self.fatal is None:  # after a worker-fatal error nothing more can be published
+                    await self._drain(settings.shutdown_timeout_s)
+                    await self._guarded(self.delivery.flush(self.tracker.partitions()))
+                if self.fatal is not None:  # requests still in flight stay uncommitted: served again later
+                    await self._cancel_tasks()
             finally:
                 self.ready = False
                 await self._stop_settling(list(self._settling))
@@ -324,6 +346,43 @@ class Service:
             self.decoder.close()
             self.fetcher.close()
             log.info("stopped", **self.counts)
+        if self.fatal is not None:
+            raise self.fatal
+
+    async def _cancel_tasks(self) -> None:
+        tasks = [task for task in self._tasks if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    def _fail(self, exc: WorkerFatal) -> None:
+        """A worker-fatal publish or commit error: stop; ``run`` raises it once everything is closed."""
+        if self.fatal is None:
+            log.error("stopping: publishing cannot go on", error=str(exc))
+            self.fatal = exc
+        self._stop.set()
+
+    async def _guarded(self, step: Any) -> None:
+        """Run a flush; a worker-fatal error stops the worker instead of ending the calling task."""
+        try:
+            await step
+        except WorkerFatal as exc:
+            self._fail(exc)
+
+    async def _read_limits(self, security: dict[str, Any]) -> None:
+        """The message limits of the topics this worker publishes to, from the broker (WorkerFatal for a
+        topic that does not exist while create_topics is off)."""
+        settings = self.settings
+        if not getattr(self.delivery, "writes_to_kafka", True):
+            return
+        self.limits.topics = await self._connecting(read_topic_limits(
+            {"bootstrap_servers": settings.bootstrap_servers, **security},
+            [settings.answer_topic, settings.dead_letter_topic, settings.provenance_topic],
+            create_topics=settings.create_topics,
+        ))
+        log.info("topic limits", max_message_bytes=self.limits.topics, compression=self.limits.compression,
+                 max_request_size=self.limits.max_request_size)
 
     async def _connecting(self, step: Any) -> Any:
         """Run a start-up step that connects to Kafka; a refusal becomes an error that names the knobs."""
@@ -433,7 +492,7 @@ class Service:
             await flushing
 
     async def _flush_and_report(self) -> None:
-        await self.delivery.flush()
+        await self._guarded(self.delivery.flush())
         await self._report_lag()
 
     async def _report_lag(self) -> None:
@@ -567,12 +626,18 @@ class Service:
             self.media_budget.release(work.media_bytes)
         work.timings.total = _ms(time.perf_counter() - work.received)
         answer.answer_id = answer_identity(answer, self.provenance_sha256)
-        records = [*work.extra, Outgoing(self.settings.answer_topic, answer.id.encode(), encode(answer))]
+        answer, outgoing = self._fitted(record, work, answer)
+        records = [*work.extra, outgoing]
         try:
             publishing = time.perf_counter()
             await self.delivery.deliver(partition, record.offset, records, epoch)
             self.metrics.observe_stage("publish", time.perf_counter() - publishing)
             self.metrics.observe_stage("end_to_end", time.perf_counter() - work.received)
+        except WorkerFatal as exc:
+            log.error("answer could not be published; the offset stays uncommitted", offset=record.offset,
+                      partition=record.partition, error=str(exc))
+            self._fail(exc)
+            return
         except Exception:
             log.exception("answer could not be published; the offset stays uncommitted", offset=record.offset)
             self._stop.set()
@@ -849,15 +914,60 @@ class Service:
         )
 
     def _dead_letter(self, record: Any, work: _Work, reason: str) -> Outgoing:
+        """The dead letter of a record: the reason, and its raw bytes up to ``dead_letter_max_bytes`` (with
+        the size and SHA-256 of all of them). Should even that be refused as too large, its replacement
+        keeps the size and hash only."""
+        raw = record.value or b""
+        kept = raw[: max(0, self.settings.dead_letter_max_bytes)]
+        key = (record.key or b"")[:MAX_KEY_BYTES] or None
         letter = DeadLetter(
-            reason=reason,
+            reason=reason[:MAX_REASON_CHARS],
             source=work.source,
-            key=record.key.decode("utf-8", "replace") if record.key else None,
-            value=base64.b64encode(record.value or b"").decode(),
+            key=key.decode("utf-8", "replace") if key else None,
+            value=base64.b64encode(kept).decode(),
+            value_bytes=len(raw),
+            value_sha256=hashlib.sha256(raw).hexdigest(),
+            value_truncated=len(kept) < len(raw),
         )
         self.counts["dead_letters"] += 1
         self.metrics.count_dead_letter()
-        return Outgoing(self.settings.dead_letter_topic, record.key, encode(letter))
+        topic = self.settings.dead_letter_topic
+        bare = msgspec.structs.replace(letter, value="", value_truncated=bool(raw))
+        value = encode(letter)
+        if not self.limits.fit(topic, key, value).fits:
+            value = encode(bare)
+        return Outgoing(topic, key, value, replacement=lambda cause: Outgoing(topic, key, encode(bare)))
+
+    def _fitted(self, record: Any, work: _Work, answer: Answer) -> tuple[Answer, Outgoing]:
+        """The answer and its record if it fits the answer topic; else an ``answer_too_large`` error answer
+        under the same id (a refusal by the broker later on replaces it the same way)."""
+        topic = self.settings.answer_topic
+        value = encode(answer)
+        fit = self.limits.fit(topic, answer.id.encode(), value)
+        if fit.fits:
+            def instead(cause: str) -> Outgoing:
+                self.metrics.count_answer("answer_too_large")
+                smaller = self._too_large(record, work, answer, f"the broker refused it for topic {topic!r}: {cause}")
+                return Outgoing(topic, smaller.id.encode(), encode(smaller))
+
+            return answer, Outgoing(topic, answer.id.encode(), value, replacement=instead)
+        smaller = self._too_large(record, work, answer, fit.reason)
+        return smaller, Outgoing(topic, smaller.id.encode(), encode(smaller))
+
+    def _too_large(self, record: Any, work: _Work, answer: Answer, reason: str) -> Answer:
+        """An ``answer_too_large`` error answer for ``answer``: no answers and no echoed metadata; the
+        provenance loses its media list and the id its text if even that does not fit."""
+        message = (
+            f"the answer to this request is too large to publish: {reason}. Ask fewer questions or fewer options "
+            "per request, or raise the answer topic's max.message.bytes (and max_request_size)"
+        )
+        smaller = self._error(record, work, "answer_too_large", message, request_id=answer.id)
+        smaller.answer_id = answer.answer_id
+        for shrink in (_without_media, _without_id):
+            if self.limits.fit(self.settings.answer_topic, smaller.id.encode(), encode(smaller)).fits:
+                break
+            smaller = shrink(smaller, record)
+        return smaller
 
 
 def answer_identity(answer: Answer, provenance_sha256: str) -> str:
@@ -888,7 +998,8 @@ class _Rebalance(ConsumerRebalanceListener):
         await service._stop_settling(revoked)
         await service._drain(settings.rebalance_drain_s, revoked)
         abandoned = service.tracker.in_flight(revoked)
-        committed = await _within(service.delivery.flush(revoked), deadline, "final commit of revoked partitions")
+        committed = await _within(service._guarded(service.delivery.flush(revoked)), deadline,
+                                  "final commit of revoked partitions")
         await _within(service.delivery.revoked(revoked), deadline, "closing revoked partitions' producers")
         service.tracker.forget(revoked)  # from here on, late answers of these partitions are not committed
         service.metrics.forget_partitions([(p.topic, p.partition) for p in revoked])
@@ -926,6 +1037,21 @@ async def _within(step: Any, deadline: float, what: str) -> bool:
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     log.warning(f"{what} did not finish within the rebalance timeout; left to the new owner")
     return False
+
+
+def _without_media(answer: Answer, record: Any) -> Answer:
+    media = answer.provenance.media
+    note = f"the provenance lists {len(media)} media objects; left out to fit the message limit"
+    return msgspec.structs.replace(
+        answer,
+        provenance=msgspec.structs.replace(answer.provenance, media=[]),
+        error=ErrorInfo(code=answer.error.code, message=f"{answer.error.message} ({note})"),
+    )
+
+
+def _without_id(answer: Answer, record: Any) -> Answer:
+    """A request id too long to publish: the answer is named by where the request was read."""
+    return msgspec.structs.replace(answer, id=f"{record.topic}/{record.partition}/{record.offset}")
 
 
 def _media_record(item: FetchedMedia) -> MediaRecord:
