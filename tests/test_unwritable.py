@@ -39,6 +39,9 @@ from tests.stream_helpers import Q_NOUL, Reader, committed, read_all, record, ru
 
 pytestmark = pytest.mark.timeout(300)
 
+# These requests are larger than max_request_bytes allows by default (a request that large is refused
+# unread, tests/test_limits.py); the workers here raise it so that the answer and dead-letter limits are met.
+RAISED_REQUEST_BYTES = 2_000_000
 # The largest value the tests' producer sends (its max_request_size is 1,048,576, with the record's framing).
 MAX_REQUEST_VALUE = 1_048_400
 
@@ -86,7 +89,7 @@ async def set_topic_limit(bootstrap: str, topic: str, max_message_bytes: int) ->
 @pytest.mark.parametrize("mode", ["exactly_once", "at_least_once"])
 def test_over_limit_answers_and_dead_letters_are_replaced_and_the_partition_flows(stack, qwen35_text_model, mode):
     one_partition(stack)
-    settings = stack.settings(delivery=mode, compression="none")
+    settings = stack.settings(delivery=mode, compression="none", max_request_bytes=RAISED_REQUEST_BYTES)
     raw = junk()
     first = [record(echoing("huge", MAX_REQUEST_VALUE)), (b"junk", raw), record(small("after-1"))]
     second = [record(echoing("medium", 200_000)), record(small("after-2"))]
@@ -124,7 +127,7 @@ def test_over_limit_answers_and_dead_letters_are_replaced_and_the_partition_flow
 
 def test_compressed_answers_over_the_limit_uncompressed_are_answered(stack, qwen35_text_model):
     one_partition(stack)
-    settings = stack.settings()  # compression: zstd by default
+    settings = stack.settings(max_request_bytes=RAISED_REQUEST_BYTES)  # compression: zstd by default
     records = [record(echoing("huge", MAX_REQUEST_VALUE)), record(small("after"))]
     _, reader = run(serve(stack, settings, qwen35_text_model, records, ["huge", "after"], timeout=120))
     answers = reader.by_id()
@@ -140,7 +143,8 @@ def serve_env(stack, checkpoint, **overrides: Any) -> dict[str, str]:
         "answer_topic": stack.answers, "dead_letter_topic": stack.dead_letters,
         "provenance_topic": stack.provenance, "group_id": stack.group,
         "group_instance_id": f"{stack.group}-0", "session_timeout_ms": 6000, "model": str(checkpoint),
-        "commit_interval_ms": 100, "linger_ms": 10, "metrics_port": "", "log_format": "json",
+        "commit_interval_ms": 100, "linger_ms": 10, "max_request_bytes": RAISED_REQUEST_BYTES,
+        "metrics_port": "", "log_format": "json",
         "s3_endpoint_url": stack.store.endpoint_url, "media_allowlist": [stack.bucket],
     }
     settings.update(overrides)
