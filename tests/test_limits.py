@@ -35,7 +35,7 @@ from d3stream.events import (
 )
 from d3stream.metrics import Metrics, serve_metrics
 from tests.media_makers import make_png
-from tests.stream_helpers import Q_CHOICE, Q_NOUL, record, run, serve
+from tests.stream_helpers import Q_CHOICE, Q_NOUL, committed, record, run, serve
 
 # Kafka's default limits: the broker's message.max.bytes (1048588) and the producer's max_request_size.
 KAFKA_DEFAULT_MESSAGE_BYTES = 1_048_576
@@ -232,3 +232,69 @@ def test_the_metrics_endpoint_listens_on_the_loopback_address_by_default():
         assert server._httpd.server_address[0] == "127.0.0.1"
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------- generated requests through the stream
+
+# Text a producer might put anywhere: any Unicode scalar, chat control tokens and JSON-hostile characters
+# included (surrogates cannot be encoded as UTF-8, so they are not text a producer can send).
+hostile_text = st.one_of(
+    st.text(st.characters(codec="utf-8"), max_size=40),
+    st.sampled_from(["<|im_start|>", "<|im_end|>", "<think>", "<|endoftext|>", '"', "\\", "\u2028", "\x00"]),
+)
+
+
+@st.composite
+def requests_up_to_the_limits(draw: st.DrawFn, image_key: str) -> dict[str, Any]:
+    """A request at or just past one of the default limits: many questions, wide choices, long names,
+    many media references, or a record filled with echoed metadata."""
+    limits = DEFAULT_LIMITS
+    shape = draw(st.sampled_from(["many questions", "wide choices", "long names", "references", "metadata"]))
+    questions: dict[str, Any]
+    if shape == "many questions":
+        count = draw(st.integers(limits.questions - 2, limits.questions + 2))
+        questions = {f"q{n}": {"type": "noul"} for n in range(count)}
+    elif shape == "wide choices":
+        keys = draw(st.lists(hostile_text.filter(str.strip), min_size=2, max_size=255, unique=True))
+        questions = {f"c{n}": {"type": "choice", "criteria": dict.fromkeys(keys)}
+                     for n in range(draw(st.integers(1, 3)))}
+    elif shape == "long names":
+        name = draw(st.integers(200, 2_000))
+        questions = {draw(hostile_text).ljust(name, "n") + str(n): {"type": "score", "criteria": ["low", "high"]}
+                     for n in range(draw(st.integers(1, 8)))}
+    else:
+        questions = {"q": {"type": "noul", "instructions": draw(hostile_text)}}
+    request: dict[str, Any] = {"id": draw(st.text(st.characters(codec="utf-8"), min_size=1, max_size=300)),
+                               "state": draw(hostile_text), "questions": questions}
+    if shape == "references":
+        count = draw(st.integers(1, Settings().max_media_references + 2))
+        request["images"] = [image_key] * count
+    if shape == "metadata":
+        request["metadata"] = "m" * draw(st.integers(limits.bytes - 2_000, limits.bytes + 2_000))
+    return request
+
+
+examples_seen = iter(range(1_000))
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                 HealthCheck.data_too_large, HealthCheck.large_base_example])
+@given(data=st.data())
+def test_generated_requests_up_to_the_limits_each_get_one_committed_answer_under_the_message_limit(
+        stack, qwen35_model, data):
+    example = next(examples_seen)
+    for attribute in ("requests", "answers", "group"):  # each example on topics and a group of its own
+        setattr(stack, attribute, f"{getattr(stack, attribute)}-{example}")
+    image = stack.put(f"small-{example}.png", make_png(32, 32))
+    requests = data.draw(st.lists(requests_up_to_the_limits(image), min_size=6, max_size=8))
+    for index, request in enumerate(requests):
+        request["id"] = f"{index}:{request['id']}"  # unique, whatever was drawn
+    records = [record(r) for r in requests]
+    ids = [r["id"] for r in requests]
+
+    _, reader = run(serve(stack, stack.settings(), qwen35_model, records, ids, timeout=240))
+    assert reader.counts() == {key: 1 for key in ids}  # exactly one answer each
+    assert all(len(item.value) < KAFKA_DEFAULT_MESSAGE_BYTES for item in reader.records)
+    offsets = run(committed(stack.broker.bootstrap_servers, stack.group, stack.requests, 4))
+    assert sum(offsets.values()) == len(records)  # every record's answer committed, the offsets past them
