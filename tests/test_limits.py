@@ -277,7 +277,7 @@ def requests_up_to_the_limits(draw: st.DrawFn, image_key: str) -> dict[str, Any]
 examples_seen = iter(range(1_000))
 
 
-@settings(max_examples=3, deadline=None, derandomize=True, database=None,
+@settings(max_examples=2, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large, HealthCheck.large_base_example])
 @given(data=st.data())
