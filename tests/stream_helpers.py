@@ -121,6 +121,24 @@ def close_to(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
                 assert actual["choice"] == expected["choice"], label
 
 
+class GatedModel:
+    """The real model, whose forward passes wait while the gate is closed (a worker stuck in a long pass)."""
+
+    def __init__(self, model: Any):
+        import threading
+
+        self._model = model
+        self.gate = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def forward(self, rows):
+        if not self.gate.wait(120):
+            raise RuntimeError("the test never opened the gate")
+        return self._model.forward(rows)
+
+
 def record(request: dict[str, Any]) -> tuple[bytes, bytes]:
     return request["id"].encode(), json.dumps(request).encode()
 

@@ -39,6 +39,7 @@ from tests.stream_helpers import (
     Q_CHOICE,
     Q_NOUL,
     Q_SCORE,
+    GatedModel,
     Reader,
     assigned_and_ready,
     committed,
@@ -483,23 +484,6 @@ def test_a_worker_joining_and_leaving_mid_stream_answers_each_request_once(stack
     assert second.counts["answered"] > 0 and first.counts["answered"] > 0
 
 
-
-class GatedModel:
-    """The real model, whose forward passes wait while the gate is closed (a worker stuck in a long pass)."""
-
-    def __init__(self, model: Any):
-        import threading
-
-        self._model = model
-        self.gate = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def forward(self, rows):
-        if not self.gate.wait(120):
-            raise RuntimeError("the test never opened the gate")
-        return self._model.forward(rows)
 
 
 async def produce_to_partitions(bootstrap: str, topic: str, items: list[tuple[int, dict[str, Any]]]) -> None:

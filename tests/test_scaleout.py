@@ -24,7 +24,7 @@ import pytest
 from d3stream.config import Settings, check_settings, load_settings
 from d3stream.scaleout import churn, worker_settings
 from d3stream.service import Service
-from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, run, stop
+from tests.stream_helpers import Q_NOUL, GatedModel, Reader, assigned_and_ready, record, run, stop
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -112,23 +112,6 @@ def test_settings_that_would_make_a_rebalance_storm_are_refused(tmp_path):
     # longer follows the session timeout.
     assert load_settings({"session_timeout_ms": "6000"}, environ={}).rebalance_timeout_ms == 30_000
 
-
-class GatedModel:
-    """The real model, whose forward passes wait until the gate opens (a stuck pass)."""
-
-    def __init__(self, model: Any):
-        import threading
-
-        self._model = model
-        self.gate = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def forward(self, rows):
-        if not self.gate.wait(120):
-            raise RuntimeError("the test never opened the gate")
-        return self._model.forward(rows)
 
 
 def _gauge(service: Service, name: str, partition: int) -> float:
