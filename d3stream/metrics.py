@@ -85,17 +85,17 @@ class Metrics:
         # ---- Kafka consumption
         self.consumer_lag = Gauge(
             f"{PREFIX}_consumer_lag",
-            "Records in a partition this worker owns that it has not read yet (last stable offset minus "
-            "its read position). Growing on every partition: workers are too slow, add replicas; "
-            "growing on one: a hot or stuck partition. Broker-side group lag is what KEDA scales on.",
+            "Records in a partition this worker owns after its committed offset (last stable offset minus "
+            "committed offset): records read but not yet answered and committed count too, so it stays above 0 "
+            "while work waits. The lag the group shows on the broker (what KEDA scales on). Growing on every "
+            "partition: workers are too slow, add replicas; growing on one: a hot or stuck partition.",
             ["topic", "partition"],
             registry=r,
         )
-        self.committed_lag = Gauge(
-            f"{PREFIX}_consumer_committed_lag",
-            "Records in a partition this worker owns after its committed offset (last stable offset minus "
-            "committed offset): includes records read but not yet answered and committed, so it stays above 0 "
-            "while work waits, unlike d3stream_consumer_lag. The lag the group shows on the broker.",
+        self.read_lag = Gauge(
+            f"{PREFIX}_consumer_read_lag",
+            "Records in a partition this worker owns that it has not read yet (last stable offset minus its "
+            "read position): 0 once records are fetched, answered or not (compare d3stream_consumer_lag).",
             ["topic", "partition"],
             registry=r,
         )
@@ -329,9 +329,9 @@ class Metrics:
 
     # -------------------------------------------------------------------------------- consumer
 
-    def set_lag(self, topic: str, partition: int, lag: int) -> None:
+    def set_read_lag(self, topic: str, partition: int, lag: int) -> None:
         """Records of ``topic``/``partition`` after this worker's read position."""
-        self.consumer_lag.labels(topic=topic, partition=str(partition)).set(max(0, lag))
+        self.read_lag.labels(topic=topic, partition=str(partition)).set(max(0, lag))
 
     def set_partition_progress(
         self, topic: str, partition: int, *, committed_lag: int, oldest_unanswered_s: float, stalled_s: float
@@ -339,14 +339,14 @@ class Metrics:
         """Where a partition's committed work stands: lag behind the committed offset, the age of its oldest
         unanswered request, and how long its committed offset has not moved although it has work."""
         labels = {"topic": topic, "partition": str(partition)}
-        self.committed_lag.labels(**labels).set(max(0, committed_lag))
+        self.consumer_lag.labels(**labels).set(max(0, committed_lag))
         self.oldest_unanswered.labels(**labels).set(max(0.0, oldest_unanswered_s))
         self.commit_stalled.labels(**labels).set(max(0.0, stalled_s))
 
     def forget_partitions(self, partitions: Iterable[tuple[str, int]]) -> None:
         """Drop the per-partition series of partitions this worker no longer owns (call on revocation)."""
         for topic, partition in partitions:
-            for gauge in (self.consumer_lag, self.committed_lag, self.oldest_unanswered, self.commit_stalled):
+            for gauge in (self.consumer_lag, self.read_lag, self.oldest_unanswered, self.commit_stalled):
                 try:
                     gauge.remove(topic, str(partition))
                 except KeyError:

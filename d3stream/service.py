@@ -512,7 +512,7 @@ class Service:
                 position = await self.consumer.position(partition)
             except Exception:  # noqa: BLE001 - a partition moving away mid-call; next round reports it
                 continue
-            self.metrics.set_lag(partition.topic, partition.partition, max(0, end - position))
+            self.metrics.set_read_lag(partition.topic, partition.partition, max(0, end - position))
             base = self.tracker.commit_base(partition)
             self.metrics.set_partition_progress(
                 partition.topic,

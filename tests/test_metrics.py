@@ -81,8 +81,8 @@ def test_counters_move(served) -> None:
         assert _value(before, "d3stream_stage_seconds_count", stage=stage) == 0
     assert _value(before, "d3stream_build_info", version=d3stream.__version__) == 1
 
-    metrics.set_lag("d3.requests", 3, 42)
-    metrics.set_lag("d3.requests", 4, -1)  # a racy negative reads as zero
+    metrics.set_read_lag("d3.requests", 3, 42)
+    metrics.set_read_lag("d3.requests", 4, -1)  # a racy negative reads as zero
     metrics.set_in_flight(requests=7, questions=19, tokens=5000)
     metrics.set_paused(True)
     metrics.observe_pass(rows=8, real_tokens=900, padded_tokens=1024, seconds=0.25)
@@ -107,8 +107,8 @@ def test_counters_move(served) -> None:
     metrics.set_model("d3-tiny", "9f2c" * 16, "cuda:0")
 
     after = scrape(server.url)
-    assert _value(after, "d3stream_consumer_lag", topic="d3.requests", partition="3") == 42
-    assert _value(after, "d3stream_consumer_lag", topic="d3.requests", partition="4") == 0
+    assert _value(after, "d3stream_consumer_read_lag", topic="d3.requests", partition="3") == 42
+    assert _value(after, "d3stream_consumer_read_lag", topic="d3.requests", partition="4") == 0
     assert _value(after, "d3stream_requests_in_flight") == 7
     assert _value(after, "d3stream_questions_in_flight") == 19
     assert _value(after, "d3stream_tokens_in_flight") == 5000
@@ -141,8 +141,8 @@ def test_counters_move(served) -> None:
 
     metrics.forget_partitions([("d3.requests", 3), ("d3.requests", 99)])  # 99 was never seen: no error
     gone = scrape(server.url)
-    assert ("d3stream_consumer_lag", (("partition", "3"), ("topic", "d3.requests"))) not in gone
-    assert _value(gone, "d3stream_consumer_lag", topic="d3.requests", partition="4") == 0
+    assert ("d3stream_consumer_read_lag", (("partition", "3"), ("topic", "d3.requests"))) not in gone
+    assert _value(gone, "d3stream_consumer_read_lag", topic="d3.requests", partition="4") == 0
 
 
 def test_metrics_are_documented_and_prefixed(served) -> None:

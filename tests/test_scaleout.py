@@ -140,7 +140,7 @@ def test_a_stuck_request_is_visible_and_makes_the_worker_unready(stack, qwen35_m
                 partition = next(iter(service.tracker.partitions())).partition
                 await reader.wait(lambda: not service.metrics.is_ready(), 30, task, what="/readyz failing")
                 seen = {name: _gauge(service, name, partition) for name in (
-                    "d3stream_consumer_lag", "d3stream_consumer_committed_lag", "d3stream_oldest_unanswered_seconds",
+                    "d3stream_consumer_read_lag", "d3stream_consumer_lag", "d3stream_oldest_unanswered_seconds",
                     "d3stream_commit_stalled_seconds")}
                 gated.gate.set()
                 await reader.wait_ids({"stuck-1"}, 30, task)
@@ -152,8 +152,8 @@ def test_a_stuck_request_is_visible_and_makes_the_worker_unready(stack, qwen35_m
             return seen, after
 
     seen, after = run(scenario())
-    assert seen["d3stream_consumer_lag"] == 0, "read lag: the record was read"
-    assert seen["d3stream_consumer_committed_lag"] >= 1, "committed lag must show the waiting record"
+    assert seen["d3stream_consumer_read_lag"] == 0, "read lag: the record was read"
+    assert seen["d3stream_consumer_lag"] >= 1, "consumer lag must show the waiting record"
     assert seen["d3stream_oldest_unanswered_seconds"] >= 1.5
     assert seen["d3stream_commit_stalled_seconds"] >= 1.5
     assert after == 0, "answered and committed: no stall any more"
