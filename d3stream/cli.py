@@ -25,6 +25,8 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_length=args.max_length,
         progress=sys.stderr.isatty() or args.progress,
+        train=args.train,
+        train_steps=args.train_steps,
     )
     print(out)
     return 0
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     make = commands.add_parser(
         "make-checkpoint",
-        help="write a complete random-weight D3 checkpoint (offline; for tests, demos and benchmarks)",
+        help="write a complete random-weight D3 checkpoint, or with --train demo a small trained one (offline)",
     )
     make.add_argument("out", help="directory to write (created; existing files are replaced)")
     make.add_argument("--backbone", choices=("qwen3_5", "qwen3_vl"), default="qwen3_5")
@@ -85,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0, help="weights are a deterministic function of the seed")
     make.add_argument("--max-length", type=int, default=None, help="input limit written to decision_config.json")
     make.add_argument("--progress", action="store_true", help="show a progress bar even when not on a terminal")
+    make.add_argument("--train", choices=("demo",), default=None,
+                      help="then fit it on the synthetic support-ticket task (about a minute on a CPU; tiny qwen3_5)")
+    make.add_argument("--train-steps", type=int, default=None, help="training steps of --train (default 1000)")
     make.set_defaults(run=_make_checkpoint)
 
     decide = commands.add_parser("decide", help="answer one request with a checkpoint and print the response")
