@@ -175,6 +175,31 @@ def heldout(tickets: int = 60, pictures: int = 20) -> list[Example]:
     return draw(HELDOUT_SEED, tickets, pictures, prefix="heldout")
 
 
+def showcase() -> list[Example]:
+    """Hand-written tickets and two pictures whose answers a reader can judge at a glance (the demo's)."""
+    texts = [
+        ("My card was charged twice for the Pro plan. Please give me my money back. This is urgent!",
+         {"team": "billing", "refund": True, "urgency": 2}),
+        ("The desktop app crashes every time I open it. No rush on this.",
+         {"team": "tech", "refund": False, "urgency": 0}),
+        ("Can I get a quote for the Team plan? Could you look at it this week?",
+         {"team": "sales", "refund": False, "urgency": 1}),
+        ("I cannot log in since the last update of the mobile app. I want a refund. We need this solved today.",
+         {"team": "tech", "refund": True, "urgency": 2}),
+    ]
+    examples = [
+        Example({"id": f"ticket-{number}", "state": {"ticket": 4311 + number, "text": text},
+                 "questions": TICKET_QUESTIONS}, labels)
+        for number, (text, labels) in enumerate(texts, 1)
+    ]
+    rng = random.Random(4312)
+    for name, red in (("red", True), ("no-red", False)):
+        url = "data:image/png;base64," + base64.b64encode(picture_png(rng, red)).decode()
+        examples.append(Example({"id": f"picture-{name}", "state": "A picture attached to a support ticket.",
+                                 "questions": PICTURE_QUESTIONS, "images": [url]}, {"red_square": red}))
+    return examples
+
+
 def label_records(examples: Iterable[Example]) -> list[dict[str, Any]]:
     """``{"id", "question", "answer"}`` records for ``d3stream compare --labels``."""
     return [{"id": e.id, "question": key, "answer": value} for e in examples for key, value in e.labels.items()]

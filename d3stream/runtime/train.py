@@ -30,7 +30,7 @@ from .. import tasks
 from .package import read_manifest, write_manifest
 
 DEFAULT_STEPS = 1000
-TRAIN_TICKETS = 400
+TRAIN_TICKETS = 800
 TRAIN_PICTURES = 160
 BATCH_ROWS = 32
 LEARNING_RATE = 3e-3
