@@ -521,11 +521,14 @@ def build_checkpoint(
     progress: bool = False,
     train: str | None = None,
     train_steps: int | None = None,
+    train_options: dict[str, Any] | None = None,
 ) -> Path:
     """Write a complete random-weight D3 checkpoint into ``out`` (absent or empty) and return its path.
 
     See the module docstring for the files. ``noncausal_full_attention`` needs the ``qwen3_5`` backbone.
-    ``train="demo"`` fits it on the demo task for ``train_steps`` steps (default ``train.DEFAULT_STEPS``).
+    ``train="demo"`` fits it on the demo task for ``train_steps`` steps (default ``train.DEFAULT_STEPS``);
+    ``train_options`` are further keyword arguments of ``train.train_demo`` (``tickets``, ``pictures``: a
+    smaller training set, as the tests use).
     The directory is assembled next to ``out`` and moved into place at the end, so ``out`` is either
     complete or untouched.
     """
@@ -602,7 +605,7 @@ def build_checkpoint(
                     staging,
                     steps=DEFAULT_STEPS if train_steps is None else train_steps,
                     seed=seed,
-                    pictures=None if vision else 0,
+                    **{"pictures": None if vision else 0, **(train_options or {})},
                 )
                 _advance(bar, f"trained on {train}")
         _publishable(staging)
