@@ -32,6 +32,26 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_task(args: argparse.Namespace) -> int:
+    from . import tasks
+
+    seed = tasks.HELDOUT_SEED if args.seed is None else args.seed
+    examples = tasks.draw(seed, args.tickets, args.pictures, prefix="heldout" if args.seed is None else None)
+    requests, labels = tasks.write_task(args.out, examples)
+    print(requests)
+    print(labels)
+    if args.answer_with:
+        from .runtime import D3
+
+        for path in args.answer_with:
+            model = D3.from_pretrained(path, device=args.device)
+            out = Path(args.out) / f"answers-{model.model_name}.jsonl"
+            records = tasks.answer_records(model, examples).values()
+            out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+            print(out)
+    return 0
+
+
 def _read_request(source: str) -> dict[str, Any]:
     text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
     request = json.loads(text)
@@ -91,6 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="then fit it on the synthetic support-ticket task (about a minute on a CPU; tiny qwen3_5)")
     make.add_argument("--train-steps", type=int, default=None, help="training steps of --train (default 1000)")
     make.set_defaults(run=_make_checkpoint)
+
+    task = commands.add_parser(
+        "demo-task",
+        help="write the held-out set of the demo task (requests.jsonl, labels.jsonl) and, with --answer-with, "
+        "each checkpoint's answers to it, for `d3stream compare --labels`",
+    )
+    task.add_argument("out", help="directory to write")
+    task.add_argument("--seed", type=int, default=None,
+                      help="draw another set (default: the held-out seed, never trained on)")
+    task.add_argument("--tickets", type=int, default=60)
+    task.add_argument("--pictures", type=int, default=20)
+    task.add_argument("--answer-with", action="append", metavar="CHECKPOINT",
+                      help="answer the set with this checkpoint in process (repeatable): answers-<model name>.jsonl")
+    task.add_argument("--device", default=None, help="torch device (default: cuda:0 when present, else cpu)")
+    task.set_defaults(run=_demo_task)
 
     decide = commands.add_parser("decide", help="answer one request with a checkpoint and print the response")
     decide.add_argument("--model", required=True, help="checkpoint directory")

@@ -10,6 +10,7 @@ deterministic for a seed (the same files, byte for byte). Agreement with the ref
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -116,3 +117,23 @@ def test_training_refuses_what_it_cannot_fit(tmp_path):
         build_checkpoint(tmp_path / "big", size="0.8b", train="demo")
     with pytest.raises(ValueError, match="train must be one of"):
         build_checkpoint(tmp_path / "other", train="imagenet")
+
+
+def test_demo_task_files_feed_compare_labels(demo_trained_checkpoint, demo_random_checkpoint, tmp_path, capsys):
+    """``d3stream demo-task`` writes the held-out requests, labels and each checkpoint's answers; ``d3stream
+    compare --labels`` over them names the trained checkpoint the more accurate."""
+    from d3stream.cli import main
+
+    out = tmp_path / "heldout"
+    args = ["demo-task", str(out), "--tickets", "6", "--pictures", "2"]
+    assert main([*args, "--answer-with", str(demo_trained_checkpoint), "--answer-with", str(demo_random_checkpoint)]) == 0
+    requests = compare.read_jsonl(out / "requests.jsonl")
+    assert [r["id"] for r in requests] == [e.id for e in tasks.draw(tasks.HELDOUT_SEED, 6, 2, prefix="heldout")]
+    assert len(compare.read_jsonl(out / "labels.jsonl")) == 6 * 3 + 2
+    capsys.readouterr()
+    trained, random_ = out / "answers-d3-demo-qwen3_5-tiny-seed0.jsonl", out / "answers-d3-random-qwen3_5-tiny-seed0.jsonl"
+    assert main(["compare", str(random_), str(trained), "--labels", str(out / "labels.jsonl"), "--json",
+                 "--out", str(tmp_path / "report")]) == 0
+    headline = json.loads(capsys.readouterr().out)
+    assert headline["labelled"] == 20
+    assert headline["accuracy_b"] > headline["accuracy_a"]
