@@ -62,8 +62,9 @@ def sample_mp4(frames: int = 20, width: int = 96, height: int = 64, fps: float =
         return Path(path).read_bytes()
 
 
-def random_checkpoint(progress: bool = False) -> Path:
-    """The tiny random-weight Qwen3.5 checkpoint with vision, built once per machine and reused."""
+def demo_checkpoint(progress: bool = False) -> Path:
+    """The tiny random-weight Qwen3.5 checkpoint with vision, built once per machine and reused (the
+    baseline of the demo's re-evaluation; chaos, scale-out and bench runs use it too)."""
     from .runtime.checkpoint import build_checkpoint
 
     path = cache_root() / "checkpoints" / "demo-qwen3_5-tiny-seed0"
@@ -72,7 +73,7 @@ def random_checkpoint(progress: bool = False) -> Path:
     return path
 
 
-def demo_checkpoint(progress: bool = False) -> Path:
+def trained_checkpoint(progress: bool = False) -> Path:
     """The same checkpoint trained on the demo task (about a minute on the first run), cached likewise."""
     from .runtime.checkpoint import build_checkpoint
     from .runtime.train import DEFAULT_STEPS, TRAIN_BUILD
@@ -167,8 +168,8 @@ async def run_demo(*, progress: bool = True, timeout_s: float = 300.0) -> dict[s
     with local_stack(progress=progress) as (broker, store):
         status.set_description("demo: checkpoints (the first run trains one: about a minute)")
         status.update()
-        baseline_path = random_checkpoint(progress=False)
-        model = D3.from_pretrained(demo_checkpoint(progress=False))
+        baseline_path = demo_checkpoint(progress=False)
+        model = D3.from_pretrained(trained_checkpoint(progress=False))
         status.set_description("demo: media")
         status.update()
         store.create_bucket(DEMO_BUCKET)
