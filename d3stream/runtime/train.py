@@ -172,15 +172,15 @@ def train_demo(
             if on_step is not None:
                 on_step(step, float(loss.detach()))
 
-        prefix = f"language_model.layers.{last}."
         weights = load_file(str(root / "model.safetensors"))
-        for name, tensor in layer.state_dict().items():
-            weights[prefix + name] = tensor.detach().to(torch.bfloat16).contiguous()
-        for name, tensor in norm.state_dict().items():
-            weights[f"language_model.norm.{name}"] = tensor.detach().to(torch.bfloat16).contiguous()
-        missing = [name for name in weights if name.startswith(prefix)]
-        if not missing:
-            raise RuntimeError(f"model.safetensors has no {prefix}* tensors to replace")
+        trained = {f"language_model.layers.{last}.{name}": tensor for name, tensor in layer.state_dict().items()}
+        trained |= {f"language_model.norm.{name}": tensor for name, tensor in norm.state_dict().items()}
+        # A tensor the file does not hold would be ignored at load time (with only a warning): refuse instead.
+        unknown = sorted(set(trained) - set(weights))
+        if unknown:
+            raise RuntimeError(f"model.safetensors has no tensors named {', '.join(unknown)} to replace")
+        for name, tensor in trained.items():
+            weights[name] = tensor.detach().to(weights[name].dtype).contiguous()
         (root / "model.safetensors").unlink()
         save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
         save_file({"weight": readout.detach().float().contiguous()}, str(root / "readout.safetensors"))
