@@ -151,84 +151,110 @@ def reevaluation(
     }
 
 
-async def run_demo(*, progress: bool = True, timeout_s: float = 300.0) -> dict[str, Any]:
-    """Run the embedded deployment once; returns the summary (and the answers under ``answers``)."""
+async def run_demo(
+    *,
+    progress: bool = True,
+    timeout_s: float = 300.0,
+    trained: Path | None = None,
+    baseline: Path | None = None,
+    stack: tuple[Any, Any] | None = None,
+) -> dict[str, Any]:
+    """Run the embedded deployment once; returns the summary (and the answers under ``answers``).
+
+    ``trained`` and ``baseline`` default to the cached demo checkpoints (built on first use); ``stack``, a
+    running ``(KafkaBroker, ObjectStore)``, to a fresh ``infra.local_stack`` for the run.
+    """
+    from contextlib import nullcontext
+
+    from tqdm import tqdm
+
+    from .infra import local_stack
+
+    started = time.perf_counter()
+    status = tqdm(total=6, desc="demo: starting", disable=not progress, file=sys.stderr, leave=False)
+    with local_stack(progress=progress) if stack is None else nullcontext(stack) as (broker, store):
+        status.set_description("demo: checkpoints (the first run trains one: about a minute)")
+        status.update()
+        baseline_path = baseline or demo_checkpoint(progress=False)
+        trained_path = trained or trained_checkpoint(progress=False)
+        summary = await _serve_and_reevaluate(broker, store, trained_path, baseline_path, status, progress, timeout_s)
+        status.close()
+    return {**summary, "seconds": round(time.perf_counter() - started, 2)}
+
+
+async def _serve_and_reevaluate(
+    broker: Any, store: Any, trained: Path, baseline_path: Path, status: Any, progress: bool, timeout_s: float
+) -> dict[str, Any]:
+    """Publish the sample requests, serve them with ``trained``, replay them with ``baseline_path`` and
+    compare both with the labels."""
     from tqdm import tqdm
 
     from .clients import consume_answers, produce
     from .compare import read_jsonl, records_to_answers
     from .config import Settings
-    from .infra import local_stack
     from .replay import ReplayRange, run_replay
     from .runtime import D3
     from .service import Service
 
-    started = time.perf_counter()
-    status = tqdm(total=6, desc="demo: starting", disable=not progress, file=sys.stderr, leave=False)
-    with local_stack(progress=progress) as (broker, store):
-        status.set_description("demo: checkpoints (the first run trains one: about a minute)")
-        status.update()
-        baseline_path = demo_checkpoint(progress=False)
-        model = D3.from_pretrained(trained_checkpoint(progress=False))
-        status.set_description("demo: media")
-        status.update()
-        store.create_bucket(DEMO_BUCKET)
-        client = store.client()
+    model = D3.from_pretrained(trained)
+    status.set_description("demo: media")
+    status.update()
+    store.create_bucket(DEMO_BUCKET)
+    client = store.client()
 
-        def upload(key: str, body: bytes) -> str:
-            client.put_object(Bucket=DEMO_BUCKET, Key=key, Body=body)
-            return f"s3://{DEMO_BUCKET}/{key}"
+    def upload(key: str, body: bytes) -> str:
+        client.put_object(Bucket=DEMO_BUCKET, Key=key, Body=body)
+        return f"s3://{DEMO_BUCKET}/{key}"
 
-        examples = labelled_examples()
-        records = sample_requests(examples, upload, upload("samples/aisle.png", sample_png()),
-                                  upload("samples/dock.mp4", sample_mp4()))
-        settings = Settings(
-            bootstrap_servers=broker.bootstrap_servers,
-            request_topics=["demo.requests"],
-            answer_topic="demo.answers",
-            dead_letter_topic="demo.dead-letters",
-            provenance_topic="demo.provenance",
-            group_id="d3stream-demo",
-            s3_endpoint_url=store.endpoint_url,
-            s3_region=store.region,
-            media_allowlist=[DEMO_BUCKET],
-            linger_ms=20,
+    examples = labelled_examples()
+    records = sample_requests(examples, upload, upload("samples/aisle.png", sample_png()),
+                              upload("samples/dock.mp4", sample_mp4()))
+    settings = Settings(
+        bootstrap_servers=broker.bootstrap_servers,
+        request_topics=["demo.requests"],
+        answer_topic="demo.answers",
+        dead_letter_topic="demo.dead-letters",
+        provenance_topic="demo.provenance",
+        group_id="d3stream-demo",
+        s3_endpoint_url=store.endpoint_url,
+        s3_region=store.region,
+        media_allowlist=[DEMO_BUCKET],
+        linger_ms=20,
+    )
+    status.set_description("demo: publishing")
+    status.update()
+    for topic in ("demo.requests", "demo.answers"):
+        broker.create_topic(topic, exist_ok=True)
+    await produce(broker.bootstrap_servers, "demo.requests", records)
+    # The service reads credentials from the standard AWS chain, as it would in production.
+    os.environ["AWS_ACCESS_KEY_ID"] = store.access_key
+    os.environ["AWS_SECRET_ACCESS_KEY"] = store.secret_key
+    service = Service(settings, model)
+    status.set_description("demo: serving")
+    status.update()
+    serving = asyncio.create_task(service.run())
+    bar = tqdm(total=len(records), desc="answers", unit="req", disable=not progress, file=sys.stderr)
+    try:
+        answers = await consume_answers(
+            broker.bootstrap_servers,
+            "demo.answers",
+            expected=len(records),
+            timeout_s=timeout_s,
+            on_record=lambda _: bar.update(),
         )
-        status.set_description("demo: publishing")
-        status.update()
-        for topic in ("demo.requests", "demo.answers"):
-            broker.create_topic(topic, exist_ok=True)
-        await produce(broker.bootstrap_servers, "demo.requests", records)
-        # The service reads credentials from the standard AWS chain, as it would in production.
-        os.environ["AWS_ACCESS_KEY_ID"] = store.access_key
-        os.environ["AWS_SECRET_ACCESS_KEY"] = store.secret_key
-        service = Service(settings, model)
-        status.set_description("demo: serving")
-        status.update()
-        serving = asyncio.create_task(service.run())
-        bar = tqdm(total=len(records), desc="answers", unit="req", disable=not progress, file=sys.stderr)
-        try:
-            answers = await consume_answers(
-                broker.bootstrap_servers,
-                "demo.answers",
-                expected=len(records),
-                timeout_s=timeout_s,
-                on_record=lambda _: bar.update(),
-            )
-        finally:
-            bar.close()
-            service.stop()
-            await serving
-        status.set_description("demo: replaying through the random checkpoint")
-        status.update()
-        baseline = D3.from_pretrained(baseline_path)
-        with tempfile.TemporaryDirectory() as folder:
-            replay_file = Path(folder) / "replayed.jsonl"
-            await run_replay(settings, baseline, ReplayRange(topic="demo.requests"), replay_id="random",
-                             out_file=replay_file)
-            replayed = records_to_answers(read_jsonl(replay_file)) if replay_file.exists() else {}
-        status.update()
-        status.close()
+    finally:
+        bar.close()
+        service.stop()
+        await serving
+    status.set_description("demo: replaying through the random checkpoint")
+    status.update()
+    baseline = D3.from_pretrained(baseline_path)
+    with tempfile.TemporaryDirectory() as folder:
+        replay_file = Path(folder) / "replayed.jsonl"
+        await run_replay(settings, baseline, ReplayRange(topic="demo.requests"), replay_id="random",
+                         out_file=replay_file)
+        replayed = records_to_answers(read_jsonl(replay_file)) if replay_file.exists() else {}
+    status.update()
     published = {key.decode() for key, _ in records}
     answered = {answer["id"] for answer in answers}
     errors = sum(1 for answer in answers if answer.get("error"))
@@ -240,7 +266,6 @@ async def run_demo(*, progress: bool = True, timeout_s: float = 300.0) -> dict[s
         "dead_letters": service.counts["dead_letters"],
         "replayed": len(published & set(replayed)),
         "reevaluation": reevaluation(live, replayed, examples, (model.model_name, baseline.model_name)),
-        "seconds": round(time.perf_counter() - started, 2),
         "answers": answers,
         "labelled_ids": [example.id for example in examples],
     }

@@ -106,7 +106,7 @@ def test_training_is_deterministic_for_a_seed(demo_random_checkpoint, tmp_path):
     digests = []
     for name in ("one", "two"):
         root = shutil.copytree(demo_random_checkpoint, tmp_path / name)
-        train_demo(root, steps=15, seed=3, tickets=24, pictures=8)
+        train_demo(root, steps=10, seed=3, tickets=12, pictures=4)
         digests.append({f: sha256_file(root / f) for f in ("model.safetensors", "readout.safetensors")})
     assert digests[0] == digests[1]
     assert digests[0]["readout.safetensors"] != sha256_file(demo_random_checkpoint / "readout.safetensors")
