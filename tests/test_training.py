@@ -117,6 +117,9 @@ def test_training_refuses_what_it_cannot_fit(tmp_path):
         build_checkpoint(tmp_path / "big", size="0.8b", train="demo")
     with pytest.raises(ValueError, match="train must be one of"):
         build_checkpoint(tmp_path / "other", train="imagenet")
+    with pytest.raises(ValueError, match="--train-steps"):
+        build_checkpoint(tmp_path / "negative", train="demo", train_steps=-1)
+    assert not any(tmp_path.iterdir())  # refused before anything was built
 
 
 def test_demo_task_files_feed_compare_labels(demo_trained_checkpoint, demo_random_checkpoint, tmp_path, capsys):

@@ -547,6 +547,8 @@ def build_checkpoint(
             raise ValueError(f"train must be one of {TRAIN_TASKS}, got {train!r}")
         if backbone != "qwen3_5" or size != "tiny":
             raise ValueError(f"--train {train} fits tiny qwen3_5 checkpoints only (--size tiny --backbone qwen3_5)")
+        if train_steps is not None and (isinstance(train_steps, bool) or int(train_steps) < 0):
+            raise ValueError(f"train_steps (--train-steps) must be 0 or more, got {train_steps!r}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory")
