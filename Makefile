@@ -1,5 +1,5 @@
 # Two entry points, each installing what it needs first (see README "Quick start").
-#   make demo   run the embedded default: local Kafka + S3, tiny checkpoint, sample requests
+#   make demo   run the embedded default: local Kafka + S3, tiny trained checkpoint, sample requests, re-evaluation
 #   make test   run the test suite (starts its own Kafka and S3 servers)
 
 PYTHON ?= python3

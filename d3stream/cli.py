@@ -25,8 +25,30 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_length=args.max_length,
         progress=sys.stderr.isatty() or args.progress,
+        train=args.train,
+        train_steps=args.train_steps,
     )
     print(out)
+    return 0
+
+
+def _demo_task(args: argparse.Namespace) -> int:
+    from . import tasks
+
+    seed = tasks.HELDOUT_SEED if args.seed is None else args.seed
+    examples = tasks.draw(seed, args.tickets, args.pictures, prefix="heldout" if args.seed is None else None)
+    requests, labels = tasks.write_task(args.out, examples)
+    print(requests)
+    print(labels)
+    if args.answer_with:
+        from .runtime import D3
+
+        for path in args.answer_with:
+            model = D3.from_pretrained(path, device=args.device)
+            out = Path(args.out) / f"answers-{model.model_name}.jsonl"
+            records = tasks.answer_records(model, examples).values()
+            out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+            print(out)
     return 0
 
 
@@ -73,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     make = commands.add_parser(
         "make-checkpoint",
-        help="write a complete random-weight D3 checkpoint (offline; for tests, demos and benchmarks)",
+        help="write a complete random-weight D3 checkpoint, or with --train demo a small trained one (offline)",
     )
     make.add_argument("out", help="directory to write (created; existing files are replaced)")
     make.add_argument("--backbone", choices=("qwen3_5", "qwen3_vl"), default="qwen3_5")
@@ -85,7 +107,25 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0, help="weights are a deterministic function of the seed")
     make.add_argument("--max-length", type=int, default=None, help="input limit written to decision_config.json")
     make.add_argument("--progress", action="store_true", help="show a progress bar even when not on a terminal")
+    make.add_argument("--train", choices=("demo",), default=None,
+                      help="then fit it on the synthetic support-ticket task (about a minute on a CPU; tiny qwen3_5)")
+    make.add_argument("--train-steps", type=int, default=None, help="training steps of --train (default 1000)")
     make.set_defaults(run=_make_checkpoint)
+
+    task = commands.add_parser(
+        "demo-task",
+        help="write the held-out set of the demo task (requests.jsonl, labels.jsonl) and, with --answer-with, "
+        "each checkpoint's answers to it, for `d3stream compare --labels`",
+    )
+    task.add_argument("out", help="directory to write")
+    task.add_argument("--seed", type=int, default=None,
+                      help="draw another set (default: the held-out seed, never trained on)")
+    task.add_argument("--tickets", type=int, default=60)
+    task.add_argument("--pictures", type=int, default=20)
+    task.add_argument("--answer-with", action="append", metavar="CHECKPOINT",
+                      help="answer the set with this checkpoint in process (repeatable): answers-<model name>.jsonl")
+    task.add_argument("--device", default=None, help="torch device (default: cuda:0 when present, else cpu)")
+    task.set_defaults(run=_demo_task)
 
     decide = commands.add_parser("decide", help="answer one request with a checkpoint and print the response")
     decide.add_argument("--model", required=True, help="checkpoint directory")

@@ -104,6 +104,28 @@ def _consume(args: argparse.Namespace) -> int:
     return 0
 
 
+def _brief(value: dict) -> str:
+    """One answer slot as a short text: the choice with its probability, p(true), the score, or the error."""
+    if "error" in value:
+        return value["error"]
+    if value.get("type") == "choice":
+        return f"{value['choice']} ({value['probabilities'][value['choice']]:.2f})"
+    if value.get("type") == "noul":
+        return f"p(true) {value['noul']:.2f}"
+    return f"{value.get('score', 0):.2f} of {len(value.get('probabilities') or {}) - 1}"
+
+
+def _print_reevaluation(figures: dict) -> None:
+    trained, baseline = figures["checkpoints"]
+    print(f"\nre-evaluation: the {figures['labelled']} labelled questions replayed through a second checkpoint"
+          f" and compared with their labels (as `d3stream compare --labels` does)")
+    print(f"{'checkpoint':<36}{'accuracy':>10}{'Brier':>8}{'ECE':>8}")
+    for index, name in enumerate((trained, baseline)):
+        print(f"{name:<36}{figures['accuracy'][index]:>10.3f}{figures['brier'][index]:>8.3f}"
+              f"{figures['ece'][index]:>8.3f}")
+    print(f"better: {figures['better']} (the two agree on {figures['agreement']:.0%} of the decisions)")
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
     from .logs import configure_logging
@@ -111,18 +133,30 @@ def _demo(args: argparse.Namespace) -> int:
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
     summary = asyncio.run(run_demo(progress=not args.json and sys.stderr.isatty(), timeout_s=args.timeout))
     answers = summary.pop("answers")
+    labelled = set(summary.pop("labelled_ids"))
     if args.json:
         print(json.dumps(summary))
     else:
-        for answer in sorted(answers, key=lambda a: a["id"]):
-            brief = answer.get("error") or {
-                key: (value.get("choice") or value.get("noul") or value.get("score") or value.get("error"))
-                for key, value in (answer.get("answers") or {}).items()
-            }
-            print(f"{answer['id']:<20} {json.dumps(brief, ensure_ascii=False)}")
+        from .tasks import showcase
+
+        texts = {e.id: e.request["state"]["text"] for e in showcase() if isinstance(e.request["state"], dict)}
+        shown = [a for a in answers if not a["id"].startswith("heldout-")]
+        for answer in sorted(shown, key=lambda a: a["id"]):
+            if answer["id"] in texts:
+                print(f"{answer['id']:<20} \"{texts[answer['id']]}\"")
+            error = answer.get("error")
+            brief = error["code"] if error else "  ".join(
+                f"{key}: {_brief(value)}" for key, value in (answer.get("answers") or {}).items()
+            )
+            print(f"{answer['id']:<20} {brief}")
+        held = len([a for a in answers if a["id"].startswith("heldout-")])
+        print(f"(and {held} requests drawn from the held-out set; {len(labelled)} labelled requests in all)")
+        _print_reevaluation(summary["reevaluation"])
         print(f"\npublished {summary['published']}, answered {summary['answered']}, error answers "
-              f"{summary['errors']}, dead letters {summary['dead_letters']}, {summary['seconds']} s")
-    return 0 if summary["answered"] == summary["published"] else 1
+              f"{summary['errors']}, dead letters {summary['dead_letters']}, replayed {summary['replayed']}, "
+              f"{summary['seconds']} s")
+    every = summary["answered"] == summary["published"] == summary["replayed"]
+    return 0 if every else 1
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -185,7 +219,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     consume.add_argument("--idle", type=float, default=None, help="stop after this many seconds without a record")
     consume.set_defaults(run=_consume)
 
-    demo = commands.add_parser("demo", help="run everything locally: broker, object store, tiny model, sample requests")
+    demo = commands.add_parser("demo", help="run everything locally: broker, object store, a tiny trained model, sample requests, "
+                                "and a labelled re-evaluation against a random checkpoint")
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for all answers")
     demo.set_defaults(run=_demo)

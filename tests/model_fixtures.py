@@ -11,8 +11,13 @@ Checkpoints
     ``qwen35_text_checkpoint``       qwen3_5, causal, no vision tower (text only)
     ``qwen35_noncausal_checkpoint``  qwen3_5, ``noncausal_full_attention``, vision
     ``qwen3vl_checkpoint``           qwen3_vl, causal, vision (images only)
+    ``demo_trained_checkpoint``      qwen3_5, causal, vision, trained on the demo task (``--train demo``,
+                                     ``DEMO_TEST_STEPS`` steps; not sharpened: training makes its answers
+                                     depend on the input)
+    ``demo_random_checkpoint``       what it was trained from: the builder's random weights, not sharpened
 
-Models: ``qwen35_model``, ``qwen35_text_model``, ``qwen35_noncausal_model``, ``qwen3vl_model``.
+Models: ``qwen35_model``, ``qwen35_text_model``, ``qwen35_noncausal_model``, ``qwen3vl_model``,
+``demo_trained_model``, ``demo_random_model``.
 
 Sharpened weights. The builder draws every weight with transformers' default initialisation (standard
 deviation 0.02). In a 64-wide model that makes the last position's hidden state almost a function of the
@@ -60,6 +65,11 @@ _SCALED = (
     "up_proj.weight",
     "down_proj.weight",
 )
+# Training of the trained test checkpoint: fewer steps on fewer tickets and pictures than the 1000 steps on
+# 800 tickets and 160 pictures of ``make-checkpoint --train demo`` (about 20 s instead of 60), still far
+# ahead of the random checkpoint on the held-out set (accuracy 0.905 against 0.41; the full training: 0.985).
+DEMO_TEST_STEPS = 300
+DEMO_TEST_TASK = {"tickets": 250, "pictures": 100}
 # Files a checkpoint copy links instead of copying (large, and no test edits them in place).
 LINKED = ("model.safetensors", "tokenizer.json")
 
@@ -191,6 +201,32 @@ def qwen35_noncausal_checkpoint(checkpoint_root) -> Path:
 @pytest.fixture(scope="session")
 def qwen3vl_checkpoint(checkpoint_root) -> Path:
     return build(checkpoint_root / "qwen3vl", backbone="qwen3_vl", vision=True)
+
+
+@pytest.fixture(scope="session")
+def demo_trained_checkpoint(checkpoint_root) -> Path:
+    return build(
+        checkpoint_root / "demo-trained",
+        sharpen=False,
+        train="demo",
+        train_steps=DEMO_TEST_STEPS,
+        train_options=DEMO_TEST_TASK,
+    )
+
+
+@pytest.fixture(scope="session")
+def demo_random_checkpoint(checkpoint_root) -> Path:
+    return build(checkpoint_root / "demo-random", sharpen=False)
+
+
+@pytest.fixture(scope="session")
+def demo_trained_model(demo_trained_checkpoint):
+    return load_model(demo_trained_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def demo_random_model(demo_random_checkpoint):
+    return load_model(demo_random_checkpoint)
 
 
 @pytest.fixture(scope="session")

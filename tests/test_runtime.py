@@ -27,6 +27,7 @@ import pytest
 
 from d3stream.runtime import D3
 from d3stream.runtime.package import write_manifest
+from d3stream.tasks import showcase
 from tests.media_makers import frames_array, noise_image
 from tests.model_fixtures import copy_checkpoint, device_for_tests, float32, load_model
 
@@ -637,6 +638,11 @@ def reference_qwen3vl(reference, qwen3vl_checkpoint):
     return reference.D3.from_pretrained(str(qwen3vl_checkpoint), device=device_for_tests())
 
 
+@pytest.fixture(scope="module")
+def reference_demo(reference, demo_trained_checkpoint):
+    return reference.D3.from_pretrained(str(demo_trained_checkpoint), device=device_for_tests())
+
+
 REFERENCE_CASES = {
     "text": {"state": STATE, "questions": {**QUESTIONS, "described": NOUL_DESCRIBED, **INVALID}},
     "image": {"state": STATE, "questions": {**QUESTIONS, "bad": INVALID["one_level"]}, "images": [IMAGE_A]},
@@ -668,6 +674,17 @@ def test_matches_reference_noncausal(qwen35_noncausal_model, reference_noncausal
 @pytest.mark.parametrize("case", ["text", "image", "images"])
 def test_matches_reference_qwen3vl(qwen3vl_model, reference_qwen3vl, case):
     _compare(qwen3vl_model, reference_qwen3vl, REFERENCE_CASES[case])
+
+
+@pytest.mark.parametrize("case", ["text", "image", "video"])
+def test_matches_reference_trained_demo(demo_trained_model, reference_demo, case):
+    """The trained demo checkpoint is an ordinary checkpoint: the reference runtime answers as this one does,
+    on its own task's tickets and pictures as on the shared cases."""
+    _compare(demo_trained_model, reference_demo, REFERENCE_CASES[case])
+    if case != "video":
+        example = next(e for e in showcase() if ("images" in e.request) == (case == "image"))
+        request = {key: example.request[key] for key in ("state", "questions", "images") if key in example.request}
+        _compare(demo_trained_model, reference_demo, request)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,11 @@ runtime loads like a trained checkpoint, without any network access:
   i.e. one token per 32 x 32 pixels, and the Qwen3-VL video processor).
 * ``MODEL_MANIFEST.json`` (:mod:`d3stream.runtime.package`) over all of it.
 
+``train="demo"`` (tiny ``qwen3_5`` only) then fits the last decoder layer, the final norm and the readout
+on the synthetic support-ticket and picture task of :mod:`d3stream.tasks` (:mod:`.train`, about a minute
+on one CPU thread) before the manifest is written, so the answers follow the requests; the manifest's
+``identity.trained`` says what was trained and how.
+
 The same arguments give byte-identical files. The converted tokenizer is cached under
 ``$D3STREAM_CACHE/tokenizer/<version>`` (default ``~/.cache/d3stream``), so only the first build of a
 machine pays the few seconds of the BPE conversion.
@@ -48,6 +53,7 @@ from .package import write_manifest
 BACKBONES = ("qwen3_5", "qwen3_vl")
 SIZES = ("tiny", "0.8b")
 ATTENTION_MODES = ("causal", "noncausal_full_attention")
+TRAIN_TASKS = ("demo",)
 FORMAT_VERSION = 1
 # Code logits of the random readout spread about this much (standard deviation) on a final-norm state.
 READOUT_SCALE = 1.0
@@ -415,9 +421,12 @@ def build_processor(tokenizer):
 # ---------------------------------------------------------------------------------------------
 
 
-def default_model_name(backbone: str, size: str, vision: bool, attention_mode: str, seed: int) -> str:
+def default_model_name(
+    backbone: str, size: str, vision: bool, attention_mode: str, seed: int, train: str | None = None
+) -> str:
     mode = "" if attention_mode == "causal" else "-noncausal"
-    return f"d3-random-{backbone}-{size}{'' if vision else '-novision'}{mode}-seed{seed}"
+    kind = "random" if train is None else train
+    return f"d3-{kind}-{backbone}-{size}{'' if vision else '-novision'}{mode}-seed{seed}"
 
 
 @contextmanager
@@ -510,10 +519,16 @@ def build_checkpoint(
     max_length: int | None = None,
     model_name: str | None = None,
     progress: bool = False,
+    train: str | None = None,
+    train_steps: int | None = None,
+    train_options: dict[str, Any] | None = None,
 ) -> Path:
     """Write a complete random-weight D3 checkpoint into ``out`` (absent or empty) and return its path.
 
     See the module docstring for the files. ``noncausal_full_attention`` needs the ``qwen3_5`` backbone.
+    ``train="demo"`` fits it on the demo task for ``train_steps`` steps (default ``train.DEFAULT_STEPS``);
+    ``train_options`` are further keyword arguments of ``train.train_demo`` (``tickets``, ``pictures``: a
+    smaller training set, as the tests use).
     The directory is assembled next to ``out`` and moved into place at the end, so ``out`` is either
     complete or untouched.
     """
@@ -527,14 +542,21 @@ def build_checkpoint(
         raise ValueError(f"{attention_mode} needs a qwen3_5 backbone, not {backbone}")
     if max_length is not None and (isinstance(max_length, bool) or int(max_length) < 1):
         raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
+    if train is not None:
+        if train not in TRAIN_TASKS:
+            raise ValueError(f"train must be one of {TRAIN_TASKS}, got {train!r}")
+        if backbone != "qwen3_5" or size != "tiny":
+            raise ValueError(f"--train {train} fits tiny qwen3_5 checkpoints only (--size tiny --backbone qwen3_5)")
+        if train_steps is not None and (isinstance(train_steps, bool) or int(train_steps) < 0):
+            raise ValueError(f"train_steps (--train-steps) must be 0 or more, got {train_steps!r}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory")
-    name = model_name or default_model_name(backbone, size, vision, attention_mode, seed)
+    name = model_name or default_model_name(backbone, size, vision, attention_mode, seed, train)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        steps = 6 if vision else 5
+        steps = (6 if vision else 5) + (train is not None)
         with _steps(progress, steps, f"d3 checkpoint {name}") as bar:
             tokenizer = load_tokenizer()
             codes, token_ids = d3_format.answer_codes(tokenizer)
@@ -578,6 +600,16 @@ def build_checkpoint(
                 identity={"seed": seed, "backbone": backbone, "size": size},
             )
             _advance(bar, "manifest")
+            if train is not None:
+                from .train import DEFAULT_STEPS, train_demo
+
+                train_demo(
+                    staging,
+                    steps=DEFAULT_STEPS if train_steps is None else train_steps,
+                    seed=seed,
+                    **{"pictures": None if vision else 0, **(train_options or {})},
+                )
+                _advance(bar, f"trained on {train}")
         _publishable(staging)
         if out.exists():
             out.rmdir()

@@ -1,0 +1,37 @@
+"""``d3stream demo`` end to end on the session's broker and object store, with the test checkpoints.
+
+What a new user sees: every published request answered (the malformed record too, as an error and a dead
+letter), every one replayed through the second checkpoint, and the labelled re-evaluation naming the
+trained checkpoint as the better one by a wide accuracy margin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from d3stream.demo import HELDOUT_PICTURES, HELDOUT_TICKETS, run_demo
+from d3stream.tasks import showcase
+
+# The showcase, the held-out draw, then video, mixed, invalid-question and malformed records.
+PUBLISHED = len(showcase()) + HELDOUT_TICKETS + HELDOUT_PICTURES + 4
+
+
+def test_demo_answers_every_request_and_the_trained_checkpoint_wins(
+    kafka_broker, object_store, demo_trained_checkpoint, demo_random_checkpoint, monkeypatch
+):
+    # The demo puts the store's keys into the AWS environment, as a deployment would: undone afterwards.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", object_store.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", object_store.secret_key)
+    summary = asyncio.run(run_demo(progress=False, timeout_s=180, trained=demo_trained_checkpoint,
+                                   baseline=demo_random_checkpoint, stack=(kafka_broker, object_store)))
+    assert summary["published"] == summary["answered"] == summary["replayed"] == PUBLISHED
+    assert summary["errors"] == 1 and summary["dead_letters"] == 1  # the malformed record
+    by_id = {answer["id"]: answer for answer in summary["answers"]}
+    assert by_id["demo-bad-question"]["answers"]["bad"]["error"] == "invalid_question"
+    assert "error" not in by_id["picture-red"]  # fetched from the object store
+    figures = summary["reevaluation"]
+    assert figures["checkpoints"] == ["d3-demo-qwen3_5-tiny-seed0", "d3-random-qwen3_5-tiny-seed0"]
+    assert figures["labelled"] == 3 * (len(showcase()) - 2 + HELDOUT_TICKETS) + 2 + HELDOUT_PICTURES
+    assert figures["better"] == "d3-demo-qwen3_5-tiny-seed0"
+    assert figures["accuracy"][0] >= figures["accuracy"][1] + 0.3
+    assert figures["brier"][0] < figures["brier"][1]
