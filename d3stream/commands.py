@@ -56,7 +56,11 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(main())
     except WorkerFatal as exc:  # e.g. no permission on the answer topic: a restart would not help by itself
-        print(f"d3stream serve: stopped: {exc}", file=sys.stderr)
+        import structlog
+
+        # A log line like every other (JSON with --log-format json), not a bare print.
+        structlog.get_logger("d3stream.serve").error("d3stream serve stopped", error=str(exc),
+                                                     exit_status=WORKER_FATAL_EXIT)
         return WORKER_FATAL_EXIT
     finally:
         if server is not None:

@@ -93,6 +93,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Observability
     metrics_port: int | None = 9464
     metrics_host: str = "127.0.0.1"
+    forward_headers: list[str] = msgspec.field(default_factory=list)
+    forward_headers_max_bytes: int = 4_096
+    otlp_endpoint: str | None = None
     # Lifecycle and logs
     shutdown_timeout_s: float = 120.0
     rebalance_drain_s: float = 5.0
@@ -179,6 +182,12 @@ HELP: dict[str, str] = {
     "metrics_port": "port of the Prometheus /metrics, /healthz and /readyz endpoints (unset: no endpoint)",
     "metrics_host": "address the metrics endpoint listens on (0.0.0.0: every interface, e.g. in a pod that "
     "Prometheus scrapes)",
+    "forward_headers": "request record headers the answer record carries back (comma-separated names); "
+    "traceparent and tracestate always travel",
+    "forward_headers_max_bytes": "most bytes (names and values) of request headers one answer carries; a header "
+    "beyond it is left out (trace headers come first)",
+    "otlp_endpoint": "OTLP/HTTP collector address for a span per request and its stages, e.g. "
+    "http://otel-collector:4318 (unset: no tracing; needs the otel extra)",
     "shutdown_timeout_s": "on SIGTERM, how long in-flight work may take to finish before exit",
     "rebalance_drain_s": "on rebalance, how long revoked partitions' work may take to finish (exactly_once: "
     "what is unfinished then is abandoned and answered by the new owner)",
@@ -306,6 +315,11 @@ def check_settings(settings: Settings) -> Settings:
         )
     if settings.stall_unready_s < 0:
         raise ValueError(f"stall_unready_s must be 0 (off) or more, got {settings.stall_unready_s}")
+    reserved = sorted({"content-type", "d3stream-schema"} & set(settings.forward_headers))
+    if reserved:
+        raise ValueError(f"forward_headers may not name {', '.join(reserved)}: the answer sets it itself")
+    if settings.forward_headers_max_bytes < 0:
+        raise ValueError(f"forward_headers_max_bytes must be 0 (none) or more, got {settings.forward_headers_max_bytes}")
     return settings
 
 

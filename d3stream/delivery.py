@@ -205,6 +205,8 @@ class Outgoing:
     topic: str
     key: bytes | None
     value: bytes
+    # content-type and d3stream-schema, and the request headers an answer carries back (tracing.py).
+    headers: list[tuple[str, bytes]] = field(default_factory=lambda: HEADERS, repr=False)
     # What to publish instead when this record is refused as too large (the refusal's text as argument);
     # None: nothing smaller exists, and a refusal is worker-fatal.
     replacement: Callable[[str], Outgoing] | None = field(default=None, repr=False, compare=False)
@@ -459,7 +461,7 @@ class ExactlyOnce(_Delivery):
         from aiokafka.errors import KafkaError
 
         try:
-            return await producer.send(record.topic, value=record.value, key=record.key, headers=HEADERS)
+            return await producer.send(record.topic, value=record.value, key=record.key, headers=record.headers)
         except KafkaError as exc:
             if classify(exc, transactional=True) != "record":
                 raise
@@ -524,11 +526,11 @@ async def send_with_retries(
     while True:
         try:
             if enqueue is None:
-                await producer.send_and_wait(record.topic, value=record.value, key=record.key, headers=HEADERS)
+                await producer.send_and_wait(record.topic, value=record.value, key=record.key, headers=record.headers)
             else:
                 async with enqueue:
                     acknowledged = await producer.send(record.topic, value=record.value, key=record.key,
-                                                       headers=HEADERS)
+                                                       headers=record.headers)
                 await acknowledged
             return record
         except KafkaError as exc:

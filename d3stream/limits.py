@@ -64,18 +64,19 @@ class Limits:
     def topic_limit(self, topic: str) -> int:
         return self.topics.get(topic, BROKER_DEFAULT_MAX_MESSAGE_BYTES)
 
-    def fit(self, topic: str, key: bytes | None, value: bytes) -> Fit:
+    def fit(self, topic: str, key: bytes | None, value: bytes,
+            headers: Sequence[tuple[str, bytes]] = HEADERS) -> Fit:
         from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
         limit = self.topic_limit(topic)
-        uncompressed = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, HEADERS)
+        uncompressed = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, headers)
         if uncompressed > self.max_request_size:
             return Fit(False, uncompressed, uncompressed, limit,
                        f"{uncompressed} bytes uncompressed, over the producer's max_request_size "
                        f"({self.max_request_size})")
         if uncompressed + BATCH_OVERHEAD <= limit:  # fits even uncompressed: no need to compress twice
             return Fit(True, uncompressed, uncompressed, limit)
-        on_wire = self.compressed_size(key, value) + BATCH_OVERHEAD
+        on_wire = self.compressed_size(key, value, headers) + BATCH_OVERHEAD
         if on_wire > limit:
             codec = self.compression or "no compression"
             return Fit(False, uncompressed, on_wire, limit,
@@ -83,9 +84,9 @@ class Limits:
                        f"{topic!r}'s max.message.bytes ({limit})")
         return Fit(True, uncompressed, on_wire, limit)
 
-    def compressed_size(self, key: bytes | None, value: bytes) -> int:
+    def compressed_size(self, key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes]] = HEADERS) -> int:
         """The record's key, value and headers compressed with the producer's codec."""
-        payload = (key or b"") + value + b"".join(name.encode() + data for name, data in HEADERS)
+        payload = (key or b"") + value + b"".join(name.encode() + data for name, data in headers)
         return len(compress(self.compression, payload))
 
 

@@ -61,6 +61,7 @@ from .config import Settings, check_settings, heartbeat_interval_ms, kafka_secur
 from .decoding import ByteBudget, MediaDecoder
 from .delivery import AtLeastOnce, ExactlyOnce, OffsetTracker, Outgoing
 from .events import (
+    HEADERS,
     Answer,
     BatchRecord,
     DeadLetter,
@@ -82,6 +83,7 @@ from .limits import Limits, WorkerFatal, producer_compression, read_topic_limits
 from .metrics import Metrics
 from .runtime.media import MediaBudgetExceeded, reason
 from .storage import FetchedMedia, MediaError, MediaFetcher
+from .tracing import Tracing, forwarded_headers, header_names
 
 __all__ = ["OffsetTracker", "Service", "default_token_budget"]
 
@@ -126,6 +128,13 @@ class _Work:
     questions: int = 0
     request: Request | None = None  # once decoded: even a worker fault is answered under its id
     extra: list[Outgoing] = field(default_factory=list)  # e.g. a dead letter, published with the answer
+    headers: list[tuple[str, bytes]] = field(default_factory=lambda: HEADERS)  # of the answer and dead letter
+    # When each stage started (perf_counter; 0: not reached): with the timings, what spans are built from.
+    fetch_at: float = 0.0
+    decode_at: float = 0.0
+    prepare_at: float = 0.0
+    submitted_at: float = 0.0
+    publish_at: float = 0.0
 
 
 class Service:
@@ -138,8 +147,14 @@ class Service:
         *,
         fetcher: MediaFetcher | None = None,
         metrics: Metrics | None = None,
+        tracing: Tracing | None = None,
     ):
         self.settings = check_settings(settings)
+        # Spans of served requests (otlp_endpoint, or a caller's own, e.g. a test's in-memory exporter).
+        self._owns_tracing = tracing is None
+        self.tracing = tracing if tracing is not None else Tracing.from_settings(settings)
+        # Request headers the answers carry: the trace headers, then forward_headers.
+        self._forwarded_names = header_names(settings.forward_headers)
         self.model = model
         self.metrics = metrics or Metrics()
         if settings.torch_threads:
@@ -345,6 +360,10 @@ class Service:
             self._prepare_thread.shutdown()
             self.decoder.close()
             self.fetcher.close()
+            if self.tracing is not None and self._owns_tracing:
+                self.tracing.shutdown()  # exports what is left
+            elif self.tracing is not None:
+                self.tracing.flush()
             log.info("stopped", **self.counts)
         if self.fatal is not None:
             raise self.fatal
@@ -616,6 +635,9 @@ class Service:
             ),
             received=time.perf_counter(),
         )
+        forwarded = forwarded_headers(record.headers, self._forwarded_names, self.settings.forward_headers_max_bytes)
+        if forwarded:
+            work.headers = [*HEADERS, *forwarded]
         try:
             answer = await self._answer(record, work)
         except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
@@ -629,10 +651,13 @@ class Service:
         answer, outgoing = self._fitted(record, work, answer)
         records = [*work.extra, outgoing]
         try:
-            publishing = time.perf_counter()
+            work.publish_at = time.perf_counter()
             await self.delivery.deliver(partition, record.offset, records, epoch)
-            self.metrics.observe_stage("publish", time.perf_counter() - publishing)
-            self.metrics.observe_stage("end_to_end", time.perf_counter() - work.received)
+            published = time.perf_counter()
+            self.metrics.observe_stage("publish", published - work.publish_at)
+            self.metrics.observe_stage("end_to_end", published - work.received)
+            if self.tracing is not None:
+                self.tracing.request_served(record, work, answer, published)
         except WorkerFatal as exc:
             log.error("answer could not be published; the offset stays uncommitted", offset=record.offset,
                       partition=record.partition, error=str(exc))
@@ -680,7 +705,7 @@ class Service:
             return media
         decoded_images, decoded_videos = media
         try:
-            started = time.perf_counter()
+            started = work.prepare_at = time.perf_counter()
             prepared = await self._prepare_thread.run(
                 lambda: self.model.prepare(
                     request.state,
@@ -735,7 +760,7 @@ class Service:
                 return self._error(record, work, "media_unreadable", f"{kind} inputs are not available: {unavailable}",
                                    request=request)
         try:
-            started = time.perf_counter()
+            started = work.fetch_at = time.perf_counter()
             images, videos = await asyncio.gather(
                 self.fetcher.fetch_all(request.images, "image"), self.fetcher.fetch_all(request.videos, "video")
             )
@@ -751,7 +776,7 @@ class Service:
             work.media_bytes = await self.media_budget.acquire(estimate)
 
         try:
-            started = time.perf_counter()
+            started = work.decode_at = time.perf_counter()
             decoded = await self.decoder.decode([i.data for i in images], [v.data for v in videos], reserve)
             work.timings.decode = _ms(time.perf_counter() - started)
             self.metrics.observe_stage("decode", time.perf_counter() - started)
@@ -773,7 +798,7 @@ class Service:
         """Submit a request's rows to the shared scheduler; a row whose pass failed alone fails its question."""
         if not prepared.rows:
             return {}
-        submitted = time.perf_counter()
+        submitted = work.submitted_at = time.perf_counter()
         outcomes = await self.scheduler.submit_each(prepared.rows)
         probabilities: dict[Any, list[float]] = {}
         passes: dict[int, PassRecord] = {}
@@ -867,7 +892,7 @@ class Service:
 
     async def _run_shared(self, plan: Any, prepared: Any, work: _Work) -> dict[Any, list[float]]:
         """A multi-question request on its shared prefix; if that fails, its rows run as full prompts."""
-        submitted = time.perf_counter()
+        submitted = work.submitted_at = time.perf_counter()
         try:
             [((probabilities, passes), _)] = await self.prefix_scheduler.submit([plan])
         except Exception as exc:  # noqa: BLE001 - the full-prompt path splits and reports row failures
@@ -934,25 +959,28 @@ class Service:
         topic = self.settings.dead_letter_topic
         bare = msgspec.structs.replace(letter, value="", value_truncated=bool(raw))
         value = encode(letter)
-        if not self.limits.fit(topic, key, value).fits:
+        headers = work.headers
+        if not self.limits.fit(topic, key, value, headers).fits:
             value = encode(bare)
-        return Outgoing(topic, key, value, replacement=lambda cause: Outgoing(topic, key, encode(bare)))
+        return Outgoing(topic, key, value, headers=headers,
+                        replacement=lambda cause: Outgoing(topic, key, encode(bare), headers=headers))
 
     def _fitted(self, record: Any, work: _Work, answer: Answer) -> tuple[Answer, Outgoing]:
         """The answer and its record if it fits the answer topic; else an ``answer_too_large`` error answer
         under the same id (a refusal by the broker later on replaces it the same way)."""
         topic = self.settings.answer_topic
+        headers = work.headers
         value = encode(answer)
-        fit = self.limits.fit(topic, answer.id.encode(), value)
+        fit = self.limits.fit(topic, answer.id.encode(), value, headers)
         if fit.fits:
             def instead(cause: str) -> Outgoing:
                 self.metrics.count_answer("answer_too_large")
                 smaller = self._too_large(record, work, answer, f"the broker refused it for topic {topic!r}: {cause}")
-                return Outgoing(topic, smaller.id.encode(), encode(smaller))
+                return Outgoing(topic, smaller.id.encode(), encode(smaller), headers=headers)
 
-            return answer, Outgoing(topic, answer.id.encode(), value, replacement=instead)
+            return answer, Outgoing(topic, answer.id.encode(), value, headers=headers, replacement=instead)
         smaller = self._too_large(record, work, answer, fit.reason)
-        return smaller, Outgoing(topic, smaller.id.encode(), encode(smaller))
+        return smaller, Outgoing(topic, smaller.id.encode(), encode(smaller), headers=headers)
 
     def _too_large(self, record: Any, work: _Work, answer: Answer, reason: str) -> Answer:
         """An ``answer_too_large`` error answer for ``answer``: no answers and no echoed metadata; the
@@ -964,7 +992,7 @@ class Service:
         smaller = self._error(record, work, "answer_too_large", message, request_id=answer.id)
         smaller.answer_id = answer.answer_id
         for shrink in (_without_media, _without_id):
-            if self.limits.fit(self.settings.answer_topic, smaller.id.encode(), encode(smaller)).fits:
+            if self.limits.fit(self.settings.answer_topic, smaller.id.encode(), encode(smaller), work.headers).fits:
                 break
             smaller = shrink(smaller, record)
         return smaller

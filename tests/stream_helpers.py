@@ -271,11 +271,13 @@ def assigned_and_ready(service: Service) -> bool:
 
 async def serve(stack: Stack, settings: Settings, model: Any, records: list[tuple[bytes | None, bytes]],
                 ids: Iterable[str], *, timeout: float = 90,
-                during: Callable[[Service, Reader, asyncio.Task], Any] | None = None) -> tuple[Service, Reader]:
+                during: Callable[[Service, Reader, asyncio.Task], Any] | None = None,
+                **service_options: Any) -> tuple[Service, Reader]:
     """Run one service, publish ``records`` once it is assigned and ready (so the test knows what the service
-    saw first), wait until every id of ``ids`` is answered, stop it, read to the end."""
+    saw first), wait until every id of ``ids`` is answered, stop it, read to the end. ``service_options`` go to
+    ``Service`` (e.g. ``tracing``)."""
     bootstrap = stack.broker.bootstrap_servers
-    service = Service(settings, model)
+    service = Service(settings, model, **service_options)
     async with Reader(bootstrap, stack.answers) as reader:
         task = asyncio.create_task(service.run())
         try:

@@ -375,7 +375,7 @@ def record_path(qwen35_text_model):
     def serve_one(key: bytes | None, value: bytes | None):
         offset = next(offsets)
         item = SimpleNamespace(topic="requests", partition=0, offset=offset, timestamp=1_700_000_000_000,
-                               key=key, value=value)
+                               key=key, value=value, headers=())
         future = asyncio.run_coroutine_threadsafe(service._serve("requests-0", item), loop)
         future.result(timeout=60)
         return [d for d in service.delivery.delivered if d[1] == offset]
@@ -572,10 +572,6 @@ def test_allowlist_urls_and_paths_are_refused_before_any_request_to_s3(stack, pr
 
 
 def test_no_secret_reaches_the_logs_or_the_topics(stack, proxy, qwen35_model, capfd):
-    import logging
-
-    import structlog
-
     from d3stream.logs import configure_logging
 
     secret_key = stack.store.secret_key  # in the environment (AWS_SECRET_ACCESS_KEY), as the stack fixture sets it
@@ -595,16 +591,13 @@ def test_no_secret_reaches_the_logs_or_the_topics(stack, proxy, qwen35_model, ca
     settings_ = stack.settings(s3_endpoint_url=proxy.endpoint_url, sasl_password=sasl_password, s3_max_attempts=1,
                                media_allowlist=[f"{stack.bucket}/ok/", f"{stack.bucket}-x/ok/"],
                                log_level="debug", log_format="json")
-    saved = structlog.get_config()
-    aiokafka_level = logging.getLogger("aiokafka").level
     capfd.readouterr()
+    restore = configure_logging(settings_.log_format, settings_.log_level)
     try:
-        configure_logging(settings_.log_format, settings_.log_level)
         _, reader = run(serve(stack, settings_, qwen35_model, records, [r["id"] for r in requests] + ["sec-junk"]))
         out, err = capfd.readouterr()
     finally:
-        structlog.configure(**saved)
-        logging.getLogger("aiokafka").setLevel(aiokafka_level)
+        restore()
     logs = out + err
     events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     assert any(e.get("event") == "serving" for e in events), err[-2000:]
