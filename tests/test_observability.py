@@ -3,7 +3,8 @@
 Against the session's real broker and object store, with the tiny real model: request headers travel to
 the answer records (both delivery modes, and a replay), each request becomes one OpenTelemetry span with a
 child per stage (recorded with the SDK's own in-memory exporter), and a real ``d3stream serve`` process with
-``--log-format json`` writes nothing but JSON lines, aiokafka's own warnings included.
+``--log-format json`` writes nothing but JSON lines, aiokafka's own warnings included, and with
+``--otlp-endpoint`` posts its spans to an OTLP/HTTP receiver.
 """
 
 from __future__ import annotations
@@ -184,9 +185,52 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def test_serve_with_json_logs_writes_only_json_lines_library_warnings_included(stack, qwen35_checkpoint, tmp_path):
+class Collector:
+    """An OTLP/HTTP trace receiver on a free local port: the request ids of the spans posted to it."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        received = self.spans = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the http.server interface
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                export = ExportTraceServiceRequest.FromString(body)
+                for resource in export.resource_spans:
+                    for scope in resource.scope_spans:
+                        received.extend(scope.spans)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def request_ids(self) -> set[str]:
+        return {attribute.value.string_value for span in self.spans for attribute in span.attributes
+                if attribute.key == "d3stream.request.id"}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_serve_with_json_logs_and_otlp_writes_only_json_lines_and_exports_a_span_per_request(
+    stack, qwen35_checkpoint, tmp_path
+):
     # Three bootstrap addresses nobody listens on beside the real one: aiokafka reports each refused
     # connection, which was silenced before and must now show at info, as JSON.
+    collector = Collector()
     dead = ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
     requests = [{"id": f"log-{n}", "state": f"log line {n}", "questions": {"noul": Q_NOUL}} for n in range(3)]
     requests.append({"id": "log-invalid", "state": "no questions", "questions": {}})
@@ -207,6 +251,7 @@ def test_serve_with_json_logs_writes_only_json_lines_library_warnings_included(s
         "--metrics-port", str(free_port()),
         "--log-format", "json",
         "--log-level", "info",
+        "--otlp-endpoint", collector.endpoint,
     ]
     stdout, stderr = tmp_path / "serve.out", tmp_path / "serve.err"
 
@@ -230,8 +275,13 @@ def test_serve_with_json_logs_writes_only_json_lines_library_warnings_included(s
             if process.poll() is None:
                 process.kill()
 
-    returncode = run(scenario())
+    try:
+        returncode = run(scenario())
+    finally:
+        collector.close()
     assert returncode == 0, stderr.read_text()[-3000:]
+    # The spans reached the collector (exported at the latest when the worker stopped).
+    assert collector.request_ids() == {r["id"] for r in requests}
     lines = [line for path in (stdout, stderr) for line in path.read_text().splitlines() if line.strip()]
     events = []
     for line in lines:
