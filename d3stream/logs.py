@@ -57,9 +57,10 @@ def configure_logging(log_format: str = "auto", level: str = "info") -> Callable
         logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=False,
     )
-    # The console renderer draws exceptions itself; JSON gets the traceback as a string field.
+    # The console renderer draws exceptions itself (a plain traceback: a rich one would print local variables,
+    # credentials among them); JSON gets the traceback as a string field.
     rendering: list[Any] = (
-        [structlog.dev.ConsoleRenderer()] if console
+        [structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)] if console
         else [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     )
     formatter = structlog.stdlib.ProcessorFormatter(
