@@ -67,6 +67,13 @@ def test_header_and_tracing_settings_are_checked():
     with pytest.raises(ValueError, match="forward_headers_max_bytes"):
         check_settings(Settings(forward_headers_max_bytes=-1))
     assert Tracing.from_settings(Settings()) is None  # off by default: the service builds no spans at all
+    # ... and never imports OpenTelemetry (checked in a fresh interpreter: this session may have imported it).
+    probe = ("import sys, d3stream.service, d3stream.replay; from d3stream.config import Settings; "
+             "from d3stream.tracing import Tracing; assert Tracing.from_settings(Settings()) is None; "
+             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
     assert traces_url("http://collector:4318") == "http://collector:4318/v1/traces"
     assert traces_url("http://collector:4318/custom/traces") == "http://collector:4318/custom/traces"
 
