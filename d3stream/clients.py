@@ -50,6 +50,15 @@ def encode_line(line: str) -> tuple[bytes | None, bytes]:
     return (str(key).encode() if key is not None else None), line.encode("utf-8")
 
 
+async def _start(client: Any) -> None:
+    """Start an aiokafka client; one that cannot connect is closed before the error goes on."""
+    try:
+        await client.start()
+    except BaseException:
+        await client.stop()
+        raise
+
+
 async def produce(
     bootstrap_servers: str,
     topic: str,
@@ -61,10 +70,12 @@ async def produce(
     """Publish (key, value) records and wait until the broker has acknowledged all of them."""
     from aiokafka import AIOKafkaProducer
 
+    # ``security``: the connection's other keyword arguments (connection.client_options), which may also
+    # carry kafka_options tuning values
     producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap_servers, acks="all", enable_idempotence=True, **(security or {})
+        **{"bootstrap_servers": bootstrap_servers, "acks": "all", "enable_idempotence": True, **(security or {})}
     )
-    await producer.start()
+    await _start(producer)
     count = 0
     try:
         pending = []
@@ -97,16 +108,15 @@ async def consume_answers(
     ``stop()`` says so, ``idle_s`` passes without a new record, or ``timeout_s`` passes."""
     from aiokafka import AIOKafkaConsumer
 
-    consumer = AIOKafkaConsumer(
-        topic,
-        bootstrap_servers=bootstrap_servers,
-        group_id=None,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        isolation_level="read_committed",
+    consumer = AIOKafkaConsumer(topic, **{
+        "bootstrap_servers": bootstrap_servers,
+        "group_id": None,
+        "auto_offset_reset": "earliest",
+        "enable_auto_commit": False,
+        "isolation_level": "read_committed",
         **(security or {}),
-    )
-    await consumer.start()
+    })
+    await _start(consumer)
     answers: list[dict[str, Any]] = []
     seen: set[str] = set()
     deadline = time.monotonic() + timeout_s

@@ -8,6 +8,7 @@ import json
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 # The exit status of `d3stream serve` after a worker-fatal error (2 is a configuration error).
 WORKER_FATAL_EXIT = 3
@@ -68,11 +69,42 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _connection(command: str, args: argparse.Namespace) -> Any:
+    """The Kafka connection settings of a client command (flags, environment, settings file); None after
+    printing why they are unusable."""
+    from .config import load_settings
+    from .connection import check_connection
+
+    try:
+        settings = load_settings(args)
+        check_connection(settings)
+        return settings
+    except ValueError as exc:
+        print(f"d3stream {command}: {exc}", file=sys.stderr)
+        return None
+
+
+def _run_kafka(command: str, settings: Any, step: Any) -> int:
+    """Run a client command's coroutine; a connection refusal prints the setting to change, exit status 2."""
+    from .connection import connecting
+
+    try:
+        asyncio.run(connecting(settings, step))
+    except (ConnectionError, ValueError) as exc:
+        print(f"d3stream {command}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _produce(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .clients import encode_line, produce, rewrite_media
+    from .connection import client_options
 
+    settings = _connection("produce", args)
+    if settings is None:
+        return 2
     source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115
     with source:
         lines = [line for line in (raw.rstrip("\n") for raw in source) if line.strip()]
@@ -91,21 +123,32 @@ def _produce(args: argparse.Namespace) -> int:
         records.append((key, value))
     bar = tqdm(total=len(records), desc=f"produce {args.topic}", unit="req", file=sys.stderr,
                disable=not sys.stderr.isatty())
-    count = asyncio.run(produce(args.bootstrap_servers, args.topic, records, on_sent=bar.update))
+    options = client_options(settings, "producer", client_id=settings.client_id)
+    servers = options.pop("bootstrap_servers")
+    status = _run_kafka("produce", settings, produce(servers, args.topic, records, security=options,
+                                                     on_sent=bar.update))
     bar.close()
-    print(f"published {count} records to {args.topic}", file=sys.stderr)
-    return 0
+    if status == 0:
+        print(f"published {len(records)} records to {args.topic}", file=sys.stderr)
+    return status
 
 
 def _consume(args: argparse.Namespace) -> int:
     from .clients import consume_answers
+    from .connection import client_options
+
+    settings = _connection("consume", args)
+    if settings is None:
+        return 2
+    options = client_options(settings, "consumer", client_id=settings.client_id)
+    servers = options.pop("bootstrap_servers")
 
     def show(answer: dict) -> None:
         print(json.dumps(answer, ensure_ascii=False), flush=True)
 
-    asyncio.run(consume_answers(args.bootstrap_servers, args.topic, expected=args.max, timeout_s=args.timeout,
-                                idle_s=args.idle, on_record=show))
-    return 0
+    return _run_kafka("consume", settings, consume_answers(servers, args.topic, expected=args.max,
+                                                           timeout_s=args.timeout, idle_s=args.idle,
+                                                           security=options, on_record=show))
 
 
 def _brief(value: dict) -> str:
@@ -198,29 +241,28 @@ def _env_default(name: str, fallback: str | None) -> str | None:
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add the service commands to the CLI's sub-command table."""
-    from .config import add_arguments
+    from .config import CONNECTION_FIELDS, add_arguments
 
     serve = commands.add_parser("serve", help="run the service: answer requests from Kafka",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(serve)
     serve.set_defaults(run=_serve)
 
-    servers = _env_default("D3STREAM_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
     produce = commands.add_parser("produce", help="publish request events from a JSON-lines file")
     produce.add_argument("topic")
     produce.add_argument("file", help="JSON lines, one request per line (- for stdin)")
-    produce.add_argument("--bootstrap-servers", default=servers)
     produce.add_argument("--upload-media", metavar="BUCKET",
                          help="upload local media files named by requests and rewrite them to s3:// references")
     produce.add_argument("--s3-endpoint-url", default=_env_default("D3STREAM_S3_ENDPOINT_URL", None))
+    add_arguments(produce, only=CONNECTION_FIELDS)
     produce.set_defaults(run=_produce)
 
     consume = commands.add_parser("consume", help="print answer events as JSON lines")
     consume.add_argument("topic")
-    consume.add_argument("--bootstrap-servers", default=servers)
     consume.add_argument("--max", type=int, default=None, help="stop after this many distinct request ids")
     consume.add_argument("--timeout", type=float, default=3600.0, help="stop after this many seconds")
     consume.add_argument("--idle", type=float, default=None, help="stop after this many seconds without a record")
+    add_arguments(consume, only=CONNECTION_FIELDS)
     consume.set_defaults(run=_consume)
 
     demo = commands.add_parser("demo", help="run everything locally: broker, object store, a tiny trained model, sample requests, "

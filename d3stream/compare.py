@@ -153,6 +153,7 @@ async def read_topic(
     *,
     timeout_s: float = 60.0,
     security: Mapping[str, Any] | None = None,
+    settings: Any = None,
 ) -> list[Any]:
     """The decoded values (None for a value that is not JSON) of a topic range, committed records only.
 
@@ -163,20 +164,25 @@ async def read_topic(
     from aiokafka import AIOKafkaConsumer, TopicPartition
     from aiokafka.errors import KafkaError
 
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap_servers,
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        isolation_level="read_committed",
+    consumer = AIOKafkaConsumer(**{
+        "bootstrap_servers": bootstrap_servers,
+        "group_id": None,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "isolation_level": "read_committed",
         **dict(security or {}),
-    )
+    })
     deadline = time.monotonic() + timeout_s
     try:
         await asyncio.wait_for(consumer.start(), timeout_s)
     except (KafkaError, TimeoutError, OSError) as exc:
         await consumer.stop()
-        raise SourceError(f"{source}: cannot reach the Kafka cluster at {bootstrap_servers}: {exc!r}") from exc
+        hint = ""
+        if settings is not None:  # the connection settings: find which of them to change
+            from .connection import explain_failure
+
+            hint = f" ({await explain_failure(settings, exc)})"
+        raise SourceError(f"{source}: cannot reach the Kafka cluster at {bootstrap_servers}{hint}: {exc!r}") from exc
     values: list[Any] = []
     try:
         if source.topic not in await consumer.topics():
@@ -229,6 +235,7 @@ def load_answers(
     bootstrap_servers: str | None = None,
     timeout_s: float = 60.0,
     security: Mapping[str, Any] | None = None,
+    settings: Any = None,
 ) -> AnswerSet:
     """Answer records by request id from a JSON-lines file or a ``kafka:TOPIC[@START-END]`` range.
 
@@ -237,8 +244,13 @@ def load_answers(
     """
     parsed = parse_source(source)
     if isinstance(parsed, TopicRange):
+        if settings is not None:  # a config.Settings: the whole connection (security, kafka_options)
+            from .connection import client_options
+
+            security = client_options(settings, "consumer", client_id=settings.client_id)
+            bootstrap_servers = security.pop("bootstrap_servers")
         servers = bootstrap_servers or default_bootstrap_servers()
-        records = asyncio.run(read_topic(servers, parsed, timeout_s=timeout_s, security=security))
+        records = asyncio.run(read_topic(servers, parsed, timeout_s=timeout_s, security=security, settings=settings))
         return records_to_answers(records, str(parsed))
     return records_to_answers(read_jsonl(parsed), str(source))
 
@@ -1005,9 +1017,12 @@ def render_text(report: Report) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .config import load_settings
+
     try:
-        side_a = load_answers(args.a, bootstrap_servers=args.bootstrap_servers, timeout_s=args.timeout)
-        side_b = load_answers(args.b, bootstrap_servers=args.bootstrap_servers, timeout_s=args.timeout)
+        settings = load_settings(args)
+        side_a = load_answers(args.a, settings=settings, timeout_s=args.timeout)
+        side_b = load_answers(args.b, settings=settings, timeout_s=args.timeout)
         labels = load_labels(args.labels) if args.labels else None
     except (OSError, ValueError, SourceError) as exc:
         print(f"d3stream compare: {exc}", file=sys.stderr)
@@ -1043,8 +1058,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help='JSON lines {"id": request id, "question": question id, "answer": expected}')
     parser.add_argument("--out", default=DEFAULT_OUT, help="report folder (report.md and PNG plots)")
     parser.add_argument("--json", action="store_true", help="print the headline figures as one JSON object")
-    parser.add_argument("--bootstrap-servers", default=default_bootstrap_servers(),
-                        help="Kafka bootstrap servers for kafka: sources")
     parser.add_argument("--top", type=int, default=DEFAULT_TOP, help="requests listed as largest disagreements")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to read one Kafka topic range")
+    from .config import CONNECTION_FIELDS, add_arguments
+
+    add_arguments(parser, only=CONNECTION_FIELDS)  # for kafka: sources
     parser.set_defaults(run=_run)

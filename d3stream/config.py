@@ -41,10 +41,16 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     create_topics: bool = True
     topic_partitions: int = 4
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
     sasl_username: str | None = None
     sasl_password: str | None = None
+    sasl_oauth_token_provider: str | None = None
     ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_key_password: str | None = None
+    ssl_check_hostname: bool = True
+    kafka_options: list[str] = msgspec.field(default_factory=list)
     commit_interval_ms: int = 500
     delivery: Literal["exactly_once", "at_least_once"] = "exactly_once"
     transactional_id_prefix: str = "d3stream"
@@ -120,10 +126,20 @@ HELP: dict[str, str] = {
     "create_topics": "create missing answer, dead-letter and provenance topics at start",
     "topic_partitions": "partitions for topics this worker creates",
     "security_protocol": "Kafka security protocol",
-    "sasl_mechanism": "SASL mechanism (with SASL_PLAINTEXT or SASL_SSL)",
-    "sasl_username": "SASL user name",
+    "sasl_mechanism": "SASL mechanism (with SASL_PLAINTEXT or SASL_SSL); OAUTHBEARER takes its token from "
+    "sasl_oauth_token_provider",
+    "sasl_username": "SASL user name (PLAIN, SCRAM)",
     "sasl_password": "SASL password (prefer the environment variable to a flag)",
-    "ssl_cafile": "CA bundle that signs the brokers' certificates",
+    "sasl_oauth_token_provider": "token source of sasl_mechanism OAUTHBEARER: aws-msk-iam (AWS MSK IAM, needs "
+    "the msk-iam extra and AWS_REGION), or module:callable returning an access token",
+    "ssl_cafile": "CA bundle (PEM) that signs the brokers' certificates (default: the system's CAs)",
+    "ssl_certfile": "client certificate (PEM, chain allowed) for mutual TLS, e.g. a Strimzi KafkaUser's user.crt",
+    "ssl_keyfile": "private key (PEM) of ssl_certfile (default: inside ssl_certfile)",
+    "ssl_key_password": "password of an encrypted ssl_keyfile (prefer the environment variable to a flag)",
+    "ssl_check_hostname": "check that the broker's certificate names the host connected to",
+    "kafka_options": "other aiokafka client options as key=value (flag repeatable, also as -X; or "
+    "comma-separated), e.g. request_timeout_ms=30000; each goes to the clients that take it, unknown keys are "
+    "refused",
     "commit_interval_ms": "how often finished offsets are committed (exactly_once: answers become visible then)",
     "delivery": "exactly_once: answers and offsets commit in one Kafka transaction; at_least_once: faster, "
     "duplicates possible after a crash",
@@ -216,11 +232,34 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting; unset flags stay None so the environment and file can fill them."""
+# The settings of a connection to Kafka: every command that talks to Kafka takes these (and only serve and
+# replay take the rest). d3stream/connection.py turns them into aiokafka keyword arguments.
+CONNECTION_FIELDS = (
+    "bootstrap_servers",
+    "client_id",
+    "security_protocol",
+    "sasl_mechanism",
+    "sasl_username",
+    "sasl_password",
+    "sasl_oauth_token_provider",
+    "ssl_cafile",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_key_password",
+    "ssl_check_hostname",
+    "kafka_options",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """One flag per setting (or per setting in ``only``); unset flags stay None so the environment and file
+    can fill them. A list setting's flag may be repeated, each value comma-separated or not."""
     parser.add_argument("--config", default=None, help=f"TOML settings file (or ${CONFIG_ENV})")
-    group = parser.add_argument_group("settings (flag > environment > TOML file > default)")
+    title = "Kafka connection settings" if only == CONNECTION_FIELDS else "settings"
+    group = parser.add_argument_group(f"{title} (flag > environment > TOML file > default)")
     for name, field in FIELDS.items():
+        if only is not None and name not in only:
+            continue
         default = field.default if field.default is not msgspec.NODEFAULT else field.default_factory()
         text = f"{HELP.get(name, '')} [env {env_name(name)}; default {default!r}]"
         if _is_bool(field.type):
@@ -231,7 +270,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             literal = next((a for a in (field.type, *args) if get_origin(a) is Literal), None)
             if literal is not None:
                 choices = list(get_args(literal))
-            group.add_argument(flag_name(name), dest=name, default=None, choices=choices, help=text)
+            action = "append" if _is_list(field.type) else "store"
+            # -X key=value, as kcat spells its client options
+            names = (flag_name(name), "-X") if name == "kafka_options" else (flag_name(name),)
+            group.add_argument(*names, dest=name, default=None, choices=choices, action=action, help=text)
 
 
 def _optional(annotation: Any) -> bool:
@@ -282,6 +324,8 @@ def load_settings(
             merged[name] = _coerce_text(name, environ[env_name(name)])
     for name in FIELDS:
         value = given.get(name)
+        if isinstance(value, list) and _is_list(FIELDS[name].type):  # a repeated flag: each may hold a, b
+            value = [part for item in value for part in (_coerce_text(name, item) if isinstance(item, str) else [item])]
         if value is not None:
             merged[name] = _coerce_text(name, value) if isinstance(value, str) else value
     try:
@@ -320,6 +364,9 @@ def check_settings(settings: Settings) -> Settings:
         raise ValueError(f"forward_headers may not name {', '.join(reserved)}: the answer sets it itself")
     if settings.forward_headers_max_bytes < 0:
         raise ValueError(f"forward_headers_max_bytes must be 0 (none) or more, got {settings.forward_headers_max_bytes}")
+    from .connection import check_connection
+
+    check_connection(settings)
     return settings
 
 
@@ -330,18 +377,7 @@ def heartbeat_interval_ms(settings: Settings) -> int:
 
 
 def kafka_security(settings: Settings) -> dict[str, Any]:
-    """The aiokafka keyword arguments of the security settings."""
-    options: dict[str, Any] = {"security_protocol": settings.security_protocol}
-    if settings.security_protocol.startswith("SASL"):
-        if not settings.sasl_mechanism:
-            raise ValueError("security_protocol SASL_* needs sasl_mechanism (PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512)")
-        options.update(
-            sasl_mechanism=settings.sasl_mechanism,
-            sasl_plain_username=settings.sasl_username,
-            sasl_plain_password=settings.sasl_password,
-        )
-    if settings.security_protocol.endswith("SSL"):
-        import ssl
+    """The aiokafka keyword arguments of the security settings (see d3stream/connection.py)."""
+    from .connection import security_options
 
-        options["ssl_context"] = ssl.create_default_context(cafile=settings.ssl_cafile)
-    return options
+    return security_options(settings)

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -519,9 +519,12 @@ class KafkaBroker(_LocalServer):
         startup_timeout: float = 90.0,
         stop_grace: float = 30.0,
         client_options: Mapping[str, Any] | None = None,
+        format_arguments: Sequence[str] = (),
     ) -> None:
         """``client_options`` are extra aiokafka kwargs (``security_protocol``, ``sasl_*``) that the
-        readiness probe and :meth:`create_topic` need when ``extra_properties`` turn on SASL."""
+        readiness probe and :meth:`create_topic` need when ``extra_properties`` turn on SASL.
+        ``format_arguments`` are added to ``kafka-storage format`` on the first start, e.g.
+        ``--add-scram=SCRAM-SHA-512=[name=alice,password=secret]`` (KRaft's way to create SCRAM users)."""
         self.workdir, self._owns_workdir = _workdir(workdir, "d3stream-kafka-")
         self.partitions = partitions
         self.extra_properties = dict(extra_properties or {})
@@ -531,6 +534,7 @@ class KafkaBroker(_LocalServer):
         self.startup_timeout = startup_timeout
         self.stop_grace = stop_grace
         self.client_options: dict[str, Any] = dict(client_options or {})
+        self.format_arguments = list(format_arguments)
         self.bootstrap_servers = f"127.0.0.1:{self.port}"
         self.log_path = self.workdir / "kafka.log"
         self.data_dir = self.workdir / "data"
@@ -587,6 +591,7 @@ class KafkaBroker(_LocalServer):
             "format",
             f"--cluster-id={cluster_id}",
             f"--config={props_path}",
+            *self.format_arguments,
         ]
         proc = subprocess.run(cmd, cwd=self.workdir, capture_output=True, text=True, timeout=120)
         with open(self.log_path, "a") as f:

@@ -32,7 +32,8 @@ from typing import Any
 import structlog
 
 from .batching import PassRecord
-from .config import Settings, kafka_security
+from .config import Settings
+from .connection import client_options, connecting
 from .delivery import OffsetTracker, Outgoing
 from .service import Service, current_record
 
@@ -402,10 +403,9 @@ async def plan_total(settings: Settings, plan: ReplayRange) -> int:
     """How many records the range holds (for the progress bar)."""
     from aiokafka import AIOKafkaConsumer
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=None,
-                                **kafka_security(settings))
-    await consumer.start()
+    consumer = AIOKafkaConsumer(**client_options(settings, "consumer", client_id=settings.client_id, group_id=None))
     try:
+        await connecting(settings, consumer.start())
         return sum(end - start for start, end in (await resolve_bounds(consumer, plan)).values())
     finally:
         await consumer.stop()
@@ -513,12 +513,18 @@ def _replay_command(args: Any) -> int:
         summary = asyncio.run(run_replay(settings, model, plan, replay_id=args.replay_id, out_file=out,
                                          deterministic=args.deterministic, rows_per_pass=args.rows_per_pass,
                                          progress=not args.json and sys.stderr.isatty()))
-    except ValueError as exc:
+    except (ValueError, ConnectionError) as exc:
         print(f"d3stream replay: {exc}", file=sys.stderr)
         return 2
     if args.compare_with:
-        summary["drift"] = replay_drift(args.compare_with, str(out) if out else f"kafka:{settings.answer_topic}",
-                                        settings.bootstrap_servers)
+        from .compare import SourceError
+
+        try:
+            summary["drift"] = replay_drift(args.compare_with,
+                                            str(out) if out else f"kafka:{settings.answer_topic}", settings)
+        except (OSError, ValueError, SourceError) as exc:
+            print(f"d3stream replay: --compare-with: {exc}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(summary))
     else:
@@ -527,13 +533,14 @@ def _replay_command(args: Any) -> int:
     return 0
 
 
-def replay_drift(recorded: str, replayed: str, bootstrap_servers: str) -> dict[str, Any]:
-    """How far the replayed answers are from the recorded ones (joined by request and question id)."""
+def replay_drift(recorded: str, replayed: str, settings: Settings) -> dict[str, Any]:
+    """How far the replayed answers are from the recorded ones (joined by request and question id); a
+    ``kafka:`` source is read through the same connection settings as the replay."""
     from . import compare
 
     report = compare.compare(
-        compare.load_answers(recorded, bootstrap_servers=bootstrap_servers),
-        compare.load_answers(replayed, bootstrap_servers=bootstrap_servers),
+        compare.load_answers(recorded, settings=settings),
+        compare.load_answers(replayed, settings=settings),
     )
     headline = report.headline()
     return {key: headline.get(key) for key in ("joined", "only_a", "only_b", "agreement", "mean_abs_dp", "max_abs_dp")}

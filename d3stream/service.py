@@ -57,7 +57,8 @@ from aiokafka import ConsumerRebalanceListener
 
 from . import __version__
 from .batching import BatchScheduler, PassRecord
-from .config import Settings, check_settings, heartbeat_interval_ms, kafka_security
+from .config import Settings, check_settings, heartbeat_interval_ms
+from .connection import client_options, connecting
 from .decoding import ByteBudget, MediaDecoder
 from .delivery import AtLeastOnce, ExactlyOnce, OffsetTracker, Outgoing
 from .events import (
@@ -280,11 +281,11 @@ class Service:
         from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
         settings = self.settings
-        security = kafka_security(settings)
         if settings.create_topics:
-            await self._connecting(self._ensure_topics(security))
-        self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=settings.bootstrap_servers,
+            await self._connecting(self._ensure_topics())
+        self.consumer = AIOKafkaConsumer(**client_options(
+            settings,
+            "consumer",
             client_id=settings.client_id,
             group_id=settings.group_id,
             group_instance_id=settings.group_instance_id,
@@ -296,8 +297,7 @@ class Service:
             enable_auto_commit=False,
             auto_offset_reset=settings.auto_offset_reset,
             isolation_level="read_committed",
-            **security,
-        )
+        ))
 
         def producer_for(partition: Any) -> Any:
             options: dict[str, Any] = {}
@@ -305,8 +305,9 @@ class Service:
                 options["transactional_id"] = (
                     f"{settings.transactional_id_prefix}-{settings.group_id}-{partition.topic}-{partition.partition}"
                 )
-            return AIOKafkaProducer(
-                bootstrap_servers=settings.bootstrap_servers,
+            return AIOKafkaProducer(**client_options(
+                settings,
+                "producer",
                 client_id=settings.client_id,
                 acks="all",
                 enable_idempotence=True,
@@ -314,8 +315,7 @@ class Service:
                 max_request_size=settings.max_request_size,
                 compression_type=self.limits.compression,
                 **options,
-                **security,
-            )
+            ))
 
         self.delivery = self._delivery_class()(
             producer_factory=producer_for,
@@ -326,7 +326,7 @@ class Service:
         )
         await self._connecting(self.delivery.start())
         try:
-            await self._read_limits(security)
+            await self._read_limits()
             if getattr(self.model, "video_unavailable", True) is None:
                 self.decoder.warm()  # the first video should not wait for its decoding process to start
             await self._publish_provenance()
@@ -389,14 +389,14 @@ class Service:
         except WorkerFatal as exc:
             self._fail(exc)
 
-    async def _read_limits(self, security: dict[str, Any]) -> None:
+    async def _read_limits(self) -> None:
         """The message limits of the topics this worker publishes to, from the broker (WorkerFatal for a
         topic that does not exist while create_topics is off)."""
         settings = self.settings
         if not getattr(self.delivery, "writes_to_kafka", True):
             return
         self.limits.topics = await self._connecting(read_topic_limits(
-            {"bootstrap_servers": settings.bootstrap_servers, **security},
+            client_options(settings, "admin", client_id=settings.client_id),
             [settings.answer_topic, settings.dead_letter_topic, settings.provenance_topic],
             create_topics=settings.create_topics,
         ))
@@ -405,22 +405,7 @@ class Service:
 
     async def _connecting(self, step: Any) -> Any:
         """Run a start-up step that connects to Kafka; a refusal becomes an error that names the knobs."""
-        from aiokafka.errors import KafkaConnectionError, KafkaError
-
-        settings = self.settings
-        try:
-            return await step
-        except (KafkaConnectionError, KafkaError) as exc:
-            hint = (
-                f"SASL authentication ({settings.sasl_mechanism}) may have been refused: check sasl_username and "
-                "sasl_password (a wrong password closes the connection during the handshake)"
-                if settings.security_protocol.startswith("SASL")
-                else "check bootstrap_servers and security_protocol"
-            )
-            raise ConnectionError(
-                f"cannot connect to Kafka at {settings.bootstrap_servers} "
-                f"(security_protocol={settings.security_protocol}): {hint}. Cause: {type(exc).__name__}: {exc}"
-            ) from exc
+        return await connecting(self.settings, step)
 
     # Hooks a replay (replay.py) overrides; the live service reads the topics from the committed offsets on.
 
@@ -448,12 +433,12 @@ class Service:
     def _delivery_class(self) -> type:
         return ExactlyOnce if self.settings.delivery == "exactly_once" else AtLeastOnce
 
-    async def _ensure_topics(self, security: dict[str, Any]) -> None:
+    async def _ensure_topics(self) -> None:
         from aiokafka.admin import AIOKafkaAdminClient, NewTopic
         from aiokafka.errors import TopicAlreadyExistsError
 
         settings = self.settings
-        admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers, **security)
+        admin = AIOKafkaAdminClient(**client_options(settings, "admin", client_id=settings.client_id))
         await admin.start()
         try:
             existing = set(await admin.list_topics())

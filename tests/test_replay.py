@@ -210,7 +210,7 @@ def test_replaying_the_live_model_reproduces_its_answers_and_reports_the_drift(
     out = tmp_path / "replayed.jsonl"
     asyncio.run(run_replay(settings, qwen35_text_model, ReplayRange(topic=request_topic), replay_id="drift",
                            out_file=out, deterministic=True, rows_per_pass=3))
-    drift = replay_drift(f"kafka:{live_answers}", str(out), kafka_broker.bootstrap_servers)
+    drift = replay_drift(f"kafka:{live_answers}", str(out), Settings(bootstrap_servers=kafka_broker.bootstrap_servers))
     assert drift["joined"] == 24 * 3 and drift["only_a"] == 0 and drift["only_b"] == 0
     assert drift["max_abs_dp"] <= 1e-2  # bf16 tolerance: other pass compositions, same answers
     recorded = {a["id"]: a["answers"] for a in asyncio.run(count_topic(kafka_broker.bootstrap_servers, live_answers))}
