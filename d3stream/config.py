@@ -207,13 +207,24 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+def _default_text(default: Any) -> str:
+    """A setting's default as it is written in a flag or the environment (nothing when it has none: unset)."""
+    if default is None:
+        return ""
+    if isinstance(default, bool):
+        return "; default: " + ("true" if default else "false")
+    if isinstance(default, list):
+        return "; default: " + (",".join(default) if default else "empty")
+    return f"; default: {default}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; unset flags stay None so the environment and file can fill them."""
     parser.add_argument("--config", default=None, help=f"TOML settings file (or ${CONFIG_ENV})")
     group = parser.add_argument_group("settings (flag > environment > TOML file > default)")
     for name, field in FIELDS.items():
         default = field.default if field.default is not msgspec.NODEFAULT else field.default_factory()
-        text = f"{HELP.get(name, '')} [env {env_name(name)}; default {default!r}]"
+        text = f"{HELP.get(name, '')} (env {env_name(name)}{_default_text(default)})".replace("%", "%%")
         if _is_bool(field.type):
             group.add_argument(flag_name(name), dest=name, default=None, action=argparse.BooleanOptionalAction, help=text)
         else:
