@@ -236,7 +236,8 @@ def test_replay_needs_a_target_and_refuses_the_live_answer_topic_unless_told(
     kafka_broker.create_topic(live, partitions=2)
     common = ["--from-topic", request_topic, "--model", str(qwen35_text_checkpoint), "--verify", "none",
               "--bootstrap-servers", kafka_broker.bootstrap_servers, "--group-id", topic_names("g"),
-              "--answer-topic", live, "--metrics-port", "", "--commit-interval-ms", "100", "--json"]
+              "--answer-topic", live, "--dead-letter-topic", f"{live}-dlq", "--provenance-topic", f"{live}-prov",
+              "--metrics-port", "", "--commit-interval-ms", "100", "--json"]
 
     with pytest.raises(SystemExit) as no_target:  # no default target: neither the live topic nor any other
         _replay_cli([*common, "--replay-id", "none"])
