@@ -484,11 +484,20 @@ def register(commands: Any) -> None:
     replay.set_defaults(run=_replay_command)
 
 
-def live_topic_refusal(to_topic: str | None, answer_topic: str, *, allowed: bool) -> str | None:
+def live_topic_refusal(
+    to_topic: str | None, answer_topic: str, *, allowed: bool, request_topics: Sequence[str] = ()
+) -> str | None:
     """Why a replay may not write to ``to_topic`` (None: it may).
 
     The live answer topic (``answer_topic``) is what downstream consumers read as the live model's answers;
-    replayed answers there (another checkpoint, old requests) would be taken for live ones."""
+    replayed answers there (another checkpoint, old requests) would be taken for live ones. A request topic
+    (the replayed one, or ``request_topics``) is never a target: workers would read the answers as requests."""
+    if to_topic is not None and to_topic in request_topics:
+        return (
+            f"--to-topic {to_topic!r} is a request topic (--from-topic or the request_topics setting): workers "
+            "would read the replayed answers as requests. Name an answer topic of its own, or write to a file "
+            "with --out"
+        )
     if to_topic is None or to_topic != answer_topic or allowed:
         return None
     return (
@@ -511,7 +520,8 @@ def _replay_command(args: Any) -> int:
         print(f"d3stream replay: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, "warning" if settings.log_level == "info" else settings.log_level)
-    refusal = live_topic_refusal(args.to_topic, settings.answer_topic, allowed=args.allow_live_answer_topic)
+    refusal = live_topic_refusal(args.to_topic, settings.answer_topic, allowed=args.allow_live_answer_topic,
+                                 request_topics=[args.from_topic, *settings.request_topics])
     if refusal:
         print(f"d3stream replay: {refusal}", file=sys.stderr)
         return 2

@@ -248,6 +248,9 @@ def test_replay_needs_a_target_and_refuses_the_live_answer_topic_unless_told(
     refusal = capsys.readouterr().err
     assert "live answer topic" in refusal and "--allow-live-answer-topic" in refusal
     assert asyncio.run(count_topic(kafka_broker.bootstrap_servers, live, settle_s=2)) == []
+    # Never into a request topic, whatever the flags: workers would read the answers as requests.
+    assert _replay_cli([*common, "--replay-id", "loop", "--to-topic", request_topic, "--allow-live-answer-topic"]) == 2
+    assert "request topic" in capsys.readouterr().err
 
     assert _replay_cli([*common, "--replay-id", "told", "--to-topic", live, "--allow-live-answer-topic"]) == 0
     answers = asyncio.run(count_topic(kafka_broker.bootstrap_servers, live))
