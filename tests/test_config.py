@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -271,3 +272,24 @@ def test_settings_help_shows_each_setting_default_as_it_is_written(monkeypatch):
         assert f"(env {env_name(name)}" in text, name
         if field.default is None:
             assert f"(env {env_name(name)})" in text, name
+
+
+SETTINGS_DOC = Path(__file__).resolve().parents[1] / "docs" / "SETTINGS.md"
+
+
+def _settings_table() -> dict[str, list[str]]:
+    """Rows of docs/SETTINGS.md's table by setting: [name, flag, environment, default] (backquoted)."""
+    rows = {}
+    for line in SETTINGS_DOC.read_text(encoding="utf-8").splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:5]]  # meanings may hold a '|'; these four never do
+        if len(cells) == 4 and cells[1].startswith("`--"):
+            rows[cells[0].strip("`")] = cells
+    return rows
+
+
+def test_the_settings_table_lists_every_setting_as_the_service_reads_it():
+    rows = _settings_table()
+    assert sorted(rows) == sorted(FIELDS), "docs/SETTINGS.md: a setting is missing or not a setting"
+    for name, field in FIELDS.items():
+        default = field.default if field.default is not msgspec.NODEFAULT else field.default_factory()
+        assert rows[name][1:] == [f"`{flag_name(name)}`", f"`{env_name(name)}`", f"`{default!r}`"], name
