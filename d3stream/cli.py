@@ -86,11 +86,48 @@ def _decide(args: argparse.Namespace) -> int:
     return 0
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` of every command: each option's default after its help, where it has one.
+
+    argparse's ArgumentDefaultsHelpFormatter appends "(default: None)" to options whose default is "not
+    given" (the settings, whose unset flags fall back to the environment, the file, then the setting's own
+    default, which their help states) and repeats defaults the help already names. This one shows a
+    default only when there is one to show and the help does not say it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not _has_default(action) or "default" in text.lower():
+            return action.help
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def _has_default(action: argparse.Action) -> bool:
+    """An option with a default worth showing: not "not given" (None), an off switch or a suppressed one."""
+    unshown = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+    return bool(action.option_strings) and not unshown
+
+
+def _describe_commands(commands: argparse._SubParsersAction) -> None:
+    """Every command's ``--help`` with the shared formatter, and its one-line summary as its description."""
+    summaries = {choice.dest: choice.help for choice in commands._choices_actions}  # noqa: SLF001
+    for name, command in commands.choices.items():
+        command.formatter_class = HelpFormatter
+        if command.description is None:
+            command.description = summaries.get(name)
+        for action in command._actions:  # noqa: SLF001
+            if action.help is None and _has_default(action):  # argparse prints no help line at all for None
+                action.help = "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="d3stream",
         description="Typed D3 decisions at streaming scale: Kafka requests in, answers with provenance out.",
+        formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     make = commands.add_parser(
@@ -140,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import commands as service_commands
 
     service_commands.register(commands)
+    _describe_commands(commands)
     return parser
 
 

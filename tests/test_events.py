@@ -209,13 +209,31 @@ def test_empty_questions_pass_the_schema():
 
 
 @pytest.mark.parametrize("depth", [MAX_NESTING + 1, 200, 5_000, 200_000])
-def test_deep_nesting_is_refused(depth):
-    value = b'{"id": "deep", "questions": {}, "metadata": ' + b"[" * depth + b"]" * depth + b"}"
-    error = _refused(value, b"k")
-    assert error.code in DECODE_CODES
-    if depth <= 1000:
-        assert error.code == "invalid_request" and error.request_id == "deep"
-        assert str(MAX_NESTING) in str(error)
+@pytest.mark.parametrize("opener", ["[", '{"a": '])
+def test_deep_nesting_is_an_invalid_request_naming_the_limit(depth, opener):
+    # Deeper than msgspec's own limit (~1,000 levels) too: valid JSON, so not "not UTF-8 JSON" and no dead letter.
+    closer = "]" if opener == "[" else "}"
+    value = ('{"id": "deep", "questions": {}, "metadata": ' + opener * depth + "1" + closer * depth + "}").encode()
+    with pytest.raises(EventError) as caught:
+        decode_request(value, b"k", limits=events.RequestLimits(bytes=None))
+    assert caught.value.code == "invalid_request" and caught.value.request_id == "deep"
+    assert f"nested deeper than {MAX_NESTING}" in str(caught.value)
+
+
+def test_deep_nesting_without_a_leading_id_is_answered_under_the_key():
+    value = b'{"questions": {}, "metadata": ' + b"[" * 5_000 + b"]" * 5_000 + b', "id": "late"}'
+    error = _refused(value, b"the-key")
+    assert (error.code, error.request_id) == ("invalid_request", "the-key")
+    assert f"nested deeper than {MAX_NESTING}" in str(error)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"[" * 5_000 + b"]" * 5_000, b'{"id": "x", "state": ' + b"[" * 5_000 + b"\xff" + b"]" * 5_000 + b"}"],
+    ids=["a deep array", "deep and not UTF-8"],
+)
+def test_deep_records_that_are_no_request_stay_undecodable(value):
+    assert _refused(value, b"k").code == "undecodable_event"
 
 
 def test_nesting_at_the_limit_is_accepted():

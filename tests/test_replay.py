@@ -216,3 +216,43 @@ def test_replaying_the_live_model_reproduces_its_answers_and_reports_the_drift(
     recorded = {a["id"]: a["answers"] for a in asyncio.run(count_topic(kafka_broker.bootstrap_servers, live_answers))}
     replayed = {a["id"]: a["answers"] for a in read_jsonl(out)}
     assert max(max_abs_dp(recorded[key], replayed[key]) for key in recorded) == pytest.approx(drift["max_abs_dp"])
+
+
+def _replay_cli(argv: list[str]) -> int:
+    from d3stream.cli import main
+
+    return main(["replay", *argv])
+
+
+def test_replay_needs_a_target_and_refuses_the_live_answer_topic_unless_told(
+    kafka_broker, request_topic, topic_names, qwen35_text_checkpoint, capsys, monkeypatch
+):
+    import d3stream.logs
+
+    # Logging set up in process would write to capsys's stream, closed after this test.
+    monkeypatch.setattr(d3stream.logs, "configure_logging", lambda *args, **kwargs: None)
+    asyncio.run(produce(kafka_broker.bootstrap_servers, request_topic, records(6)))
+    live = topic_names("live-answers")
+    kafka_broker.create_topic(live, partitions=2)
+    common = ["--from-topic", request_topic, "--model", str(qwen35_text_checkpoint), "--verify", "none",
+              "--bootstrap-servers", kafka_broker.bootstrap_servers, "--group-id", topic_names("g"),
+              "--answer-topic", live, "--dead-letter-topic", f"{live}-dlq", "--provenance-topic", f"{live}-prov",
+              "--metrics-port", "", "--commit-interval-ms", "100", "--json"]
+
+    with pytest.raises(SystemExit) as no_target:  # no default target: neither the live topic nor any other
+        _replay_cli([*common, "--replay-id", "none"])
+    assert no_target.value.code == 2
+    assert "--to-topic" in capsys.readouterr().err
+
+    assert _replay_cli([*common, "--replay-id", "refused", "--to-topic", live]) == 2
+    refusal = capsys.readouterr().err
+    assert "live answer topic" in refusal and "--allow-live-answer-topic" in refusal
+    assert asyncio.run(count_topic(kafka_broker.bootstrap_servers, live, settle_s=2)) == []
+    # Never into a request topic, whatever the flags: workers would read the answers as requests.
+    assert _replay_cli([*common, "--replay-id", "loop", "--to-topic", request_topic, "--allow-live-answer-topic"]) == 2
+    assert "request topic" in capsys.readouterr().err
+
+    assert _replay_cli([*common, "--replay-id", "told", "--to-topic", live, "--allow-live-answer-topic"]) == 0
+    answers = asyncio.run(count_topic(kafka_broker.bootstrap_servers, live))
+    assert sorted(a["id"] for a in answers) == [f"r{n:04d}" for n in range(6)]
+    assert {a["provenance"]["replay_id"] for a in answers} == {"told"}
