@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -61,6 +62,22 @@ class Stack:
         )
         values.update(overrides)
         return Settings(**values)
+
+    def serve_command(self, checkpoint: Any, *options: str, bootstrap_servers: str | None = None) -> list[str]:
+        """A ``d3stream serve`` command line on this stack's topics, group and bucket, plus ``options``."""
+        return [
+            sys.executable, "-m", "d3stream", "serve",
+            "--model", str(checkpoint),
+            "--bootstrap-servers", bootstrap_servers or self.broker.bootstrap_servers,
+            "--request-topics", self.requests,
+            "--answer-topic", self.answers,
+            "--dead-letter-topic", self.dead_letters,
+            "--provenance-topic", self.provenance,
+            "--group-id", self.group,
+            "--s3-endpoint-url", self.store.endpoint_url,
+            "--media-allowlist", self.bucket,
+            *options,
+        ]
 
     def put(self, key: str, data: bytes) -> str:
         self.store.client().put_object(Bucket=self.bucket, Key=key, Body=data)

@@ -243,23 +243,15 @@ def test_serve_with_json_logs_and_otlp_writes_only_json_lines_and_exports_a_span
     requests.append({"id": "log-invalid", "state": "no questions", "questions": {}})
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("D3STREAM_CONFIG", None)
-    command = [
-        sys.executable, "-m", "d3stream", "serve",
-        "--model", str(qwen35_checkpoint),
-        "--bootstrap-servers", f"{dead},{stack.broker.bootstrap_servers}",
-        "--request-topics", stack.requests,
-        "--answer-topic", stack.answers,
-        "--dead-letter-topic", stack.dead_letters,
-        "--provenance-topic", stack.provenance,
-        "--group-id", stack.group,
-        "--s3-endpoint-url", stack.store.endpoint_url,
-        "--media-allowlist", stack.bucket,
+    command = stack.serve_command(
+        qwen35_checkpoint,
         "--commit-interval-ms", "100",
         "--metrics-port", str(free_port()),
         "--log-format", "json",
         "--log-level", "info",
         "--otlp-endpoint", collector.endpoint,
-    ]
+        bootstrap_servers=f"{dead},{stack.broker.bootstrap_servers}",
+    )
     stdout, stderr = tmp_path / "serve.out", tmp_path / "serve.err"
 
     async def scenario() -> int:

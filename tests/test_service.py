@@ -16,7 +16,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -693,23 +692,14 @@ def test_serve_command_sigterm_mid_stream_and_restart(stack, qwen35_checkpoint, 
     ids = {r["id"] for r in requests}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("D3STREAM_CONFIG", None)
-    command = [
-        sys.executable, "-m", "d3stream", "serve",
-        "--model", str(qwen35_checkpoint),
-        "--bootstrap-servers", stack.broker.bootstrap_servers,
-        "--request-topics", stack.requests,
-        "--answer-topic", stack.answers,
-        "--dead-letter-topic", stack.dead_letters,
-        "--provenance-topic", stack.provenance,
-        "--group-id", stack.group,
-        "--s3-endpoint-url", stack.store.endpoint_url,
-        "--media-allowlist", stack.bucket,
+    command = stack.serve_command(
+        qwen35_checkpoint,
         "--linger-ms", "5",
         "--max-batch-rows", "1",
         "--max-inflight-requests", "4",
         "--commit-interval-ms", "200",
         "--log-format", "json",
-    ]
+    )
     if "metrics_port" in FIELDS:  # never the fixed default port: other workers may be serving on this machine
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
