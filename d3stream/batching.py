@@ -150,8 +150,17 @@ class BatchScheduler(Generic[T]):
                 raise outcome
         return outcomes  # type: ignore[return-value]
 
-    async def submit_each(self, rows: Sequence[T]) -> list[tuple[Any, PassRecord] | BaseException]:
-        """Like ``submit``, but a row that fails alone gets its exception in its slot instead of raising."""
+    def expect(self, position: Any) -> None:
+        """Passes here are cut by arrival and length, not by where requests were read: nothing to keep."""
+
+    def finished(self, position: Any) -> None:
+        """See ``expect``."""
+
+    async def submit_each(
+        self, rows: Sequence[T], positions: Sequence[Any] = ()
+    ) -> list[tuple[Any, PassRecord] | BaseException]:
+        """Like ``submit``, but a row that fails alone gets its exception in its slot instead of raising
+        (``positions``, where each row's request was read, matter to source-ordered schedulers only)."""
         if self._closing:
             raise RuntimeError("the batch scheduler is closed")
         self.start()

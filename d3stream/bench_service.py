@@ -53,6 +53,21 @@ class NullModel:
 
     model_name = "null-model"
     device = "cpu"
+    attention_mode = "noncausal"  # no shared-prefix reuse: there is nothing to reuse
+    image_unavailable = video_unavailable = "the null model takes no media"
+    media_cache = None
+
+    def limit_prompt_tokens(self, limit: int | None) -> None:
+        return None
+
+    def limit_request_tokens(self, limit: int | None) -> None:
+        return None
+
+    def request_may_exceed_tokens(self, record_bytes: int, questions: int) -> bool:
+        return False
+
+    def check_request_tokens(self, state: Any, questions: Any, *, permutation_average: bool | None = None) -> None:
+        return None
 
     def provenance(self) -> dict[str, Any]:
         return {"kind": "null", "runtime": "d3stream-bench-null", "policy": "uniform probabilities, no model"}

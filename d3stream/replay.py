@@ -9,6 +9,9 @@ answer is never taken for a live one.
   record progress. A killed replay started again with the same id continues where it stopped; into a
   topic with ``exactly_once`` delivery nothing is answered twice.
 * **Parallel**: several replay workers with the same id split the partitions through that group.
+A replay is the serving machinery with another read policy (``RangeRead``: a fixed range, finished at its
+end) and, into a file, another sink; nothing of ``serve`` is overridden.
+
 * **Deterministic** (``--deterministic``): passes are cut from each partition's rows in source order,
   ``rows_per_pass`` at a time, never from timing, so a replay of the same model over the same requests
   reproduces itself bit for bit (with either worker count, since passes never span partitions).
@@ -20,22 +23,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from .batching import PassRecord
 from .config import Settings
 from .connection import client_options, connecting
-from .delivery import OffsetTracker, Outgoing
-from .service import Service, current_record
+from .metrics import Metrics
+from .passes import Outcome
+from .runtime.model import Row
+from .seams import DecisionModel, Position
+from .service import Service
 
 log = structlog.get_logger(__name__)
 
@@ -105,62 +113,78 @@ async def resolve_bounds(consumer: Any, plan: ReplayRange) -> dict[Any, tuple[in
 @dataclass
 class _Slot:
     offset: int
-    rows: list[Any] | None = None  # None while the request is not prepared yet
-    futures: list[asyncio.Future] = field(default_factory=list)
+    rows: list[Row] | None = None  # None while the request is not prepared yet
+    futures: list[asyncio.Future[Any]] = field(default_factory=list)
+
+
+PartitionKey = tuple[str, int]
 
 
 class OrderedPasses:
-    """A scheduler whose passes depend only on the source order: per partition, rows in offset order,
+    """A row scheduler whose passes depend only on the source order: per partition, rows in offset order,
     ``rows_per_pass`` at a time (the last pass of a partition takes what is left)."""
 
-    def __init__(self, run: Any, rows_per_pass: int, executor: Any = None, on_pass: Any = None):
-        from concurrent.futures import ThreadPoolExecutor
-
+    def __init__(self, run: Callable[[list[Row]], list[list[float]]], rows_per_pass: int,
+                 executor: Executor | None = None, on_pass: Callable[[PassRecord], None] | None = None):
         self._run = run
         self.rows_per_pass = rows_per_pass
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
         self._on_pass = on_pass
-        self._queues: dict[Any, deque[_Slot]] = {}
-        self._ready: dict[Any, list[tuple[Any, asyncio.Future]]] = {}
-        self._closed: set[Any] = set()
+        self._queues: dict[PartitionKey, deque[_Slot]] = {}
+        self._ready: dict[PartitionKey, list[tuple[tuple[Row, int], asyncio.Future[Any]]]] = {}
+        self._closed: set[PartitionKey] = set()
         self._lock = asyncio.Lock()
-        self._running: set[asyncio.Task] = set()
-        self.max_batch_tokens = None  # passes are cut by row count, not by a token budget
-        self.passes: list[list[tuple[Any, int]]] = []  # (partition, offset) of each row, per pass
+        self._running: set[asyncio.Task[None]] = set()
+        self.passes: list[list[tuple[PartitionKey, int]]] = []  # (partition, offset) of each row, per pass
 
-    def register(self, partition: Any, offset: int) -> None:
-        self._queues.setdefault(partition, deque()).append(_Slot(offset))
+    @property
+    def passes_run(self) -> int:
+        return len(self.passes)
 
-    def resolve(self, partition: Any, offset: int) -> None:
-        """The request of ``offset`` is finished; if it never submitted rows it holds nothing back."""
-        for slot in self._queues.get(partition, ()):
+    def expect(self, position: Position) -> None:
+        topic, partition, offset = position
+        self._queues.setdefault((topic, partition), deque()).append(_Slot(offset))
+
+    def finished(self, position: Position) -> None:
+        """The request of ``position`` is answered; if it never submitted rows it holds nothing back."""
+        topic, partition, offset = position
+        for slot in self._queues.get((topic, partition), ()):
             if slot.offset == offset and slot.rows is None:
                 slot.rows = []
-        self._advance(partition)
+        self._advance((topic, partition))
 
-    def close_partition(self, partition: Any) -> None:
+    def close_partition(self, partition: TopicPartition) -> None:
         """The partition's range is fully fetched: its last, partial pass may run."""
-        self._closed.add(partition)
-        self._advance(partition)
+        key = (partition.topic, partition.partition)
+        self._closed.add(key)
+        self._advance(key)
 
-    async def submit_each(self, rows: Sequence[Any]) -> list[Any]:
-        located = current_record.get()
-        if located is None:
-            raise RuntimeError("ordered passes need the (partition, offset) of the request")
-        partition, offset = located
+    async def submit_each(self, rows: Sequence[Row], positions: Sequence[Position] = ()) -> list[Outcome]:
+        if len(positions) != len(rows):
+            raise ValueError("ordered passes need the position each row's request was read at")
         loop = asyncio.get_running_loop()
-        slot = next(s for s in self._queues[partition] if s.offset == offset)
-        slot.rows = list(rows)
-        slot.futures = [loop.create_future() for _ in rows]
-        self._advance(partition)
-        return list(await asyncio.gather(*slot.futures, return_exceptions=True))
+        futures: list[asyncio.Future[Any]] = []
+        by_request: dict[Position, list[Row]] = {}
+        for row, position in zip(rows, positions, strict=True):
+            by_request.setdefault(position, []).append(row)
+        slots: dict[Position, _Slot] = {}
+        for (topic, partition, offset), request_rows in by_request.items():
+            slot = next(s for s in self._queues[(topic, partition)] if s.offset == offset)
+            slot.futures = [loop.create_future() for _ in request_rows]
+            slot.rows = request_rows
+            slots[(topic, partition, offset)] = slot
+        taken = {position: iter(slot.futures) for position, slot in slots.items()}
+        futures = [next(taken[position]) for position in positions]
+        for topic, partition, _ in slots:
+            self._advance((topic, partition))
+        return list(await asyncio.gather(*futures, return_exceptions=True))
 
-    def _advance(self, partition: Any) -> None:
+    def _advance(self, partition: PartitionKey) -> None:
         queue = self._queues.get(partition, deque())
         ready = self._ready.setdefault(partition, [])
         while queue and queue[0].rows is not None:
             slot = queue.popleft()
-            ready += [((row, slot.offset), future) for row, future in zip(slot.rows, slot.futures, strict=True)]
+            ready += [((row, slot.offset), future) for row, future in zip(slot.rows or [], slot.futures, strict=True)]
         while len(ready) >= self.rows_per_pass:
             self._launch(partition, ready[: self.rows_per_pass])
             del ready[: self.rows_per_pass]
@@ -168,13 +192,13 @@ class OrderedPasses:
             self._launch(partition, list(ready))
             ready.clear()
 
-    def _launch(self, partition: Any, group: list[tuple[tuple[Any, int], asyncio.Future]]) -> None:
+    def _launch(self, partition: PartitionKey, group: list[tuple[tuple[Row, int], asyncio.Future[Any]]]) -> None:
         self.passes.append([(partition, offset) for (_, offset), _ in group])
         task = asyncio.get_running_loop().create_task(self._run_pass(group))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run_pass(self, group: list[tuple[tuple[Any, int], asyncio.Future]]) -> None:
+    async def _run_pass(self, group: list[tuple[tuple[Row, int], asyncio.Future[Any]]]) -> None:
         rows = [row for (row, _), _ in group]
         loop = asyncio.get_running_loop()
         async with self._lock:  # one pass at a time on the model thread
@@ -199,67 +223,7 @@ class OrderedPasses:
             await asyncio.gather(*self._running, return_exceptions=True)
 
 
-# ---------------------------------------------------------------------------------------- file output
-
-
-class FileSink:
-    """Answers appended to a JSON-lines file; offsets committed (at least once) after each fsync.
-
-    On resume, records whose answers the file already holds are skipped, so the file gets each
-    request once even though the group's commit may lag the file by a flush interval.
-    """
-
-    mode = "file"
-    writes_to_kafka = False  # no topic limits to read: answers go to the file
-
-    def __init__(self, *, consumer: Any, tracker: OffsetTracker, path: Path, **_: Any):
-        self.consumer = consumer
-        self.tracker = tracker
-        self.path = path
-        self._handle: Any = None
-        self.commits = 0
-        self.aborts = 0
-
-    async def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle = open(self.path, "ab")  # noqa: SIM115 - held for the replay's lifetime
-
-    async def stop(self) -> None:
-        if self._handle is not None:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
-            self._handle.close()
-
-    async def publish(self, record: Outgoing) -> None:
-        return None  # the provenance record lives on the provenance topic of live workers
-
-    async def deliver(self, partition: Any, offset: int, records: list[Outgoing], epoch: int | None = None) -> None:
-        for record in records:
-            if record.topic == "__answers__":
-                self._handle.write(record.value + b"\n")
-        self.tracker.done(partition, offset, epoch)
-
-    async def flush(self, partitions: Sequence[Any] | None = None) -> None:
-        from aiokafka.errors import KafkaError
-
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
-        offsets = self.tracker.committable(partitions)
-        if not offsets:
-            return
-        try:
-            await self.consumer.commit(offsets)
-        except KafkaError as exc:
-            log.warning("replay progress commit failed", error=str(exc))
-            return
-        self.tracker.committed(offsets)
-        self.commits += 1
-
-    async def assigned(self, partitions: Sequence[Any]) -> None:
-        return None
-
-    async def revoked(self, partitions: Sequence[Any]) -> None:
-        return None
+# ------------------------------------------------------------------------------------- the read policy
 
 
 def written_sources(path: Path) -> set[tuple[str, int, int]]:
@@ -277,112 +241,67 @@ def written_sources(path: Path) -> set[tuple[str, int, int]]:
     return sources
 
 
-# -------------------------------------------------------------------------------------------- the job
+class RangeRead:
+    """A replay's read policy: a fixed range of one topic (from the replay group's commits on), finished once
+    every partition's position reached the range's end and nothing is in flight.
 
+    On resume into a file, records whose answers the file already holds are skipped, so the file gets each
+    request once even though the group's commit may lag the file by a flush interval."""
 
-class ReplayService(Service):
-    """The serving machinery pointed at a fixed range, ending when the range is answered."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        model: Any,
-        *,
-        plan: ReplayRange,
-        replay_id: str,
-        out_file: Path | None = None,
-        deterministic: bool = False,
-        rows_per_pass: int = 8,
-        progress: Any = None,
-        **kwargs: Any,
-    ):
-        settings = _replay_settings(settings, plan, replay_id, out_file, deterministic)
-        super().__init__(settings, model, **kwargs)
+    def __init__(self, plan: ReplayRange, *, out_file: Path | None = None,
+                 on_partition_read: Callable[[TopicPartition], None] | None = None):
         self.plan = plan
-        self.replay_id = replay_id
-        self.out_file = out_file
-        self.progress = progress
-        self.bounds: dict[Any, tuple[int, int]] = {}
-        self._positions_done: set[Any] = set()
+        self.bounds: dict[TopicPartition, tuple[int, int]] = {}
         self._skip = written_sources(out_file) if out_file else set()
-        self.replayed = 0
-        self.ordered: OrderedPasses | None = None
-        if deterministic:
-            self.ordered = OrderedPasses(model.forward, rows_per_pass, on_pass=self.metrics.observe_pass_record)
-            self.scheduler = self.ordered  # type: ignore[assignment]
+        self._positions_done: set[TopicPartition] = set()
+        self._on_partition_read = on_partition_read
 
-    def _delivery_class(self) -> type:
-        if self.out_file is None:
-            return super()._delivery_class()
-        path = self.out_file
-
-        def sink(**kwargs: Any) -> FileSink:
-            return FileSink(path=path, **kwargs)
-
-        return sink  # type: ignore[return-value]
-
-    async def _subscribe(self) -> None:
-        self.bounds = await resolve_bounds(self.consumer, self.plan)
+    async def subscribe(self, consumer: AIOKafkaConsumer, listener: ConsumerRebalanceListener) -> bool:
+        self.bounds = await resolve_bounds(consumer, self.plan)
         if self.plan.partitions is None:
-            await super()._subscribe()
-            return
+            consumer.subscribe([self.plan.topic], listener=listener)
+            return False
         partitions = list(self.bounds)
-        self.consumer.assign(partitions)
-        await self._on_assigned(partitions)
-        self.joined = True
+        consumer.assign(partitions)
+        await self.assigned(consumer, partitions, [])
+        return True
 
-    async def _on_assigned(self, partitions: list[Any]) -> None:
+    async def assigned(self, consumer: AIOKafkaConsumer, partitions: Sequence[TopicPartition],
+                       settling: Sequence[TopicPartition]) -> None:
         for partition in partitions:
-            # A settling partition (exactly_once) is positioned once settled, through _start_position; a
+            # A settling partition (exactly_once) is positioned once settled, through start_position; a
             # committed offset read here could predate the previous owner's last transaction.
-            if partition not in self._settling:
-                committed = await self.consumer.committed(partition)
-                self.consumer.seek(partition, self._start_position(partition, committed))
+            if partition not in settling:
+                committed = await consumer.committed(partition)
+                consumer.seek(partition, self.start_position(partition, committed))
             self._positions_done.discard(partition)
 
-    def _start_position(self, partition: Any, committed: int | None) -> int | None:
+    def start_position(self, partition: TopicPartition, committed: int | None) -> int:
         start, _ = self.bounds.get(partition, (0, 0))
         return max(start, committed or 0)
 
-    def _accept(self, partition: Any, record: Any) -> bool:
-        start, end = self.bounds.get(partition, (0, 0))
-        if not start <= record.offset < end:
-            return False
-        if (record.topic, record.partition, record.offset) in self._skip:
-            return False
-        if self.ordered is not None:
-            self.ordered.register(partition, record.offset)
-        return True
+    def accept(self, record: ConsumerRecord) -> bool:
+        start, end = self.bounds.get(TopicPartition(record.topic, record.partition), (0, 0))
+        return start <= record.offset < end and (record.topic, record.partition, record.offset) not in self._skip
 
-    def _request_finished(self, partition: Any, offset: int) -> None:
-        self.replayed += 1
-        if self.progress is not None:
-            self.progress.update()
-        if self.ordered is not None:
-            self.ordered.resolve(partition, offset)
-
-    async def _finished(self) -> bool:
-        assignment = self.consumer.assignment()
+    async def finished(self, consumer: AIOKafkaConsumer, in_flight: int) -> bool:
+        assignment = consumer.assignment()
         if not assignment:
             return False
         for partition in assignment:
             if partition in self._positions_done:
                 continue
             _, end = self.bounds.get(partition, (0, 0))
-            if await self.consumer.position(partition) >= end:
+            if await consumer.position(partition) >= end:
                 self._positions_done.add(partition)
-                self.consumer.pause(partition)
-                if self.ordered is not None:
-                    self.ordered.close_partition(partition)
-        if not all(p in self._positions_done for p in assignment):
-            return False
-        return self.tracker.in_flight() == 0
+                consumer.pause(partition)
+                if self._on_partition_read is not None:
+                    self._on_partition_read(partition)
+        return all(p in self._positions_done for p in assignment) and in_flight == 0
 
 
-
-def _replay_settings(
-    settings: Settings, plan: ReplayRange, replay_id: str, out_file: Path | None, deterministic: bool = False
-) -> Settings:
+def _replay_settings(settings: Settings, plan: ReplayRange, replay_id: str, out_file: Path | None,
+                     deterministic: bool = False) -> Settings:
     import msgspec
 
     changes: dict[str, Any] = {
@@ -394,15 +313,12 @@ def _replay_settings(
     if deterministic:  # passes cut in source order only: no second scheduler for shared prefixes
         changes["prefix_reuse"] = "off"
     if out_file is not None:
-        changes["answer_topic"] = "__answers__"  # the file sink writes these records
-        changes["create_topics"] = False
+        changes["create_topics"] = False  # answers go to the file: no topic of the replay's own to create
     return msgspec.structs.replace(settings, **changes)
 
 
 async def plan_total(settings: Settings, plan: ReplayRange) -> int:
     """How many records the range holds (for the progress bar)."""
-    from aiokafka import AIOKafkaConsumer
-
     consumer = AIOKafkaConsumer(**client_options(settings, "consumer", client_id=settings.client_id, group_id=None))
     try:
         await connecting(settings, consumer.start())
@@ -413,7 +329,7 @@ async def plan_total(settings: Settings, plan: ReplayRange) -> int:
 
 async def run_replay(
     settings: Settings,
-    model: Any,
+    model: DecisionModel,
     plan: ReplayRange,
     *,
     replay_id: str,
@@ -422,27 +338,47 @@ async def run_replay(
     rows_per_pass: int = 8,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Run (or resume) one replay worker to the end of its range; returns its summary."""
+    """Run (or resume) one replay worker to the end of its range; returns its summary.
+
+    The replay is a ``Service`` with a ``RangeRead`` policy (and ``OrderedPasses`` when deterministic), writing
+    to its target topic or, with ``out_file``, to a JSON-lines file."""
     from tqdm import tqdm
 
     started = time.perf_counter()
     total = await plan_total(settings, plan)
+    settings = _replay_settings(settings, plan, replay_id, out_file, deterministic)
+    metrics = Metrics()
+    ordered = (OrderedPasses(model.forward, rows_per_pass, on_pass=metrics.observe_pass_record)
+               if deterministic else None)
+    read = RangeRead(plan, out_file=out_file, on_partition_read=ordered.close_partition if ordered else None)
+    service = Service(settings, model, metrics=metrics, read=read, scheduler=ordered, answer_file=out_file,
+                      replay_id=replay_id)
     bar = tqdm(total=total, desc=f"replay {replay_id}", unit="req", disable=not progress, dynamic_ncols=True)
-    service = ReplayService(settings, model, plan=plan, replay_id=replay_id, out_file=out_file,
-                            deterministic=deterministic, rows_per_pass=rows_per_pass, progress=bar)
+
+    def replayed() -> int:
+        return service.counts["answered"] + service.counts["errors"]
+
+    async def show_progress() -> None:
+        while True:
+            bar.update(replayed() - bar.n)
+            await asyncio.sleep(0.2)
+
+    showing = asyncio.create_task(show_progress())
     try:
         await service.run()
     finally:
+        showing.cancel()
+        bar.update(replayed() - bar.n)
         bar.close()
     return {
         "replay_id": replay_id,
         "topic": plan.topic,
         "range_records": total,
-        "replayed": service.replayed,
+        "replayed": replayed(),
         "answered": service.counts["answered"],
         "errors": service.counts["errors"],
         "dead_letters": service.counts["dead_letters"],
-        "passes": len(service.ordered.passes) if service.ordered else service.scheduler.passes_run,
+        "passes": service.scheduler.passes_run,
         "seconds": round(time.perf_counter() - started, 2),
     }
 

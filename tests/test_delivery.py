@@ -6,7 +6,7 @@
   (``d3stream.chaos.count_topic``). exactly_once: every request exactly one committed answer.
   at_least_once: every request at least one, and the duplicates carry the same key and ``answer_id``.
 * The broker restarts under an in-process service: nothing lost, nothing doubled.
-* A zombie: two ``ExactlyOnce`` deliveries whose producers share a partition's transactional id. Once the
+* A zombie: two ``CommitInTransaction`` policies whose producers share a partition's transactional id. Once the
   newer one initialised, the older one's commit is fenced and its buffered answers never become visible.
 * A second worker joins and leaves during a stream: each request exactly one committed answer. (This
   once failed now and then: a new owner read the committed offset before the previous owner's last
@@ -32,7 +32,9 @@ import pytest
 
 from d3stream.chaos import WorkerProcess, build_stream, count_topic, worker_env
 from d3stream.clients import produce
-from d3stream.delivery import ExactlyOnce, OffsetTracker, Outgoing
+from d3stream.commits import Answered, CommitInTransaction
+from d3stream.offsets import OffsetTracker
+from d3stream.publishing import Outgoing
 from d3stream.service import Service
 from tests.media_makers import make_png
 from tests.stream_helpers import (
@@ -308,7 +310,7 @@ def test_a_fenced_zombie_commits_nothing_and_the_new_owner_does(stack):
     tp = TopicPartition(stack.requests, 0)
     group = stack.group
 
-    def factory(partition):  # as Service.run builds them
+    def factory(partition):  # as sinks.KafkaTopics.new_producer builds them
         options: dict[str, Any] = {}
         if partition is not None:
             options["transactional_id"] = f"d3stream-{group}-{partition.topic}-{partition.partition}"
@@ -320,8 +322,8 @@ def test_a_fenced_zombie_commits_nothing_and_the_new_owner_does(stack):
                 for n in range(5)]
 
     async def scenario():
-        old = ExactlyOnce(producer_factory=factory, consumer=None, tracker=OffsetTracker(), group_id=group)
-        new = ExactlyOnce(producer_factory=factory, consumer=None, tracker=OffsetTracker(), group_id=group)
+        old = CommitInTransaction(producer_factory=factory, consumer=None, tracker=OffsetTracker(), group_id=group)
+        new = CommitInTransaction(producer_factory=factory, consumer=None, tracker=OffsetTracker(), group_id=group)
         await old.start()
         await new.start()
         try:
@@ -329,7 +331,7 @@ def test_a_fenced_zombie_commits_nothing_and_the_new_owner_does(stack):
             await old.assigned([tp])
             for offset, records in enumerate(answers("old")):
                 old.tracker.add(tp, offset)
-                await old.deliver(tp, offset, records)
+                await old.deliver([Answered(tp, offset, records)])
             # ... then freezes; the partition moves, and the new owner's producer initialises.
             await new.assigned([tp])
             for offset in range(5):
@@ -341,7 +343,7 @@ def test_a_fenced_zombie_commits_nothing_and_the_new_owner_does(stack):
                 await old.flush()  # and tries again at its next commit interval
             # The new owner answers the same requests and commits.
             for offset, records in enumerate(answers("new")):
-                await new.deliver(tp, offset, records)
+                await new.deliver([Answered(tp, offset, records)])
             await new.flush()
         finally:
             await old.stop()
@@ -382,7 +384,7 @@ def test_a_flush_during_partition_assignment_does_not_fence_the_worker_itself(st
     partitions = [TopicPartition(stack.requests, p) for p in range(4)]
     created: collections.Counter = collections.Counter()
 
-    def factory(partition):  # as Service.run builds them
+    def factory(partition):  # as sinks.KafkaTopics.new_producer builds them
         options: dict[str, Any] = {}
         if partition is not None:
             options["transactional_id"] = f"d3stream-{group}-{partition.topic}-{partition.partition}"
@@ -395,13 +397,13 @@ def test_a_flush_during_partition_assignment_does_not_fence_the_worker_itself(st
         return [Outgoing(stack.answers, rid.encode(), json.dumps({"id": rid}).encode())]
 
     async def scenario():
-        delivery = ExactlyOnce(producer_factory=factory, consumer=None, tracker=OffsetTracker(), group_id=group)
+        delivery = CommitInTransaction(producer_factory=factory, consumer=None, tracker=OffsetTracker(), group_id=group)
         await delivery.start()
         try:
             # Records of every partition were fetched and answered while the assignment callback still runs.
             for tp in partitions:
                 delivery.tracker.add(tp, 0)
-                await delivery.deliver(tp, 0, answer(tp.partition, 0))
+                await delivery.deliver([Answered(tp, 0, answer(tp.partition, 0))])
             assigning = asyncio.create_task(delivery.assigned(partitions))
             await asyncio.sleep(0)
             await delivery.flush()  # the commit interval elapsed meanwhile
@@ -409,7 +411,7 @@ def test_a_flush_during_partition_assignment_does_not_fence_the_worker_itself(st
             # The stream goes on: one more record on every partition, answered and committed.
             for tp in partitions:
                 delivery.tracker.add(tp, 1)
-                await delivery.deliver(tp, 1, answer(tp.partition, 1))
+                await delivery.deliver([Answered(tp, 1, answer(tp.partition, 1))])
             await delivery.flush()
             await delivery.flush()
             owned = [tp.partition for tp in partitions if delivery.tracker.owns(tp)]
@@ -455,7 +457,7 @@ def test_a_worker_joining_and_leaving_mid_stream_answers_each_request_once(stack
                 await reader.wait(lambda: len(reader.counts()) >= 8, 60, task, what="the first answers")
                 marks["joined_at"] = len(reader.counts())
                 joining = asyncio.create_task(second.run())
-                await reader.wait(lambda: assigned_and_ready(second) and not second._settling, 60, task, joining,
+                await reader.wait(lambda: assigned_and_ready(second) and not second.loop.settling, 60, task, joining,
                                   what="the second worker's assignment")
                 await produce(bootstrap, stack.requests, [record(r) for r in waves[1]])
                 await reader.wait(lambda: second.counts["answered"] >= 6, 60, task, joining,
@@ -522,7 +524,7 @@ def test_work_that_outlives_the_rebalance_drain_is_not_committed_twice(stack, qw
             try:
                 # The first worker takes one request of every partition and gets stuck in its forward pass.
                 await produce_to_partitions(bootstrap, stack.requests, stuck)
-                await reader.wait(lambda: first._inflight_requests >= 4, 60, task, what="4 requests in flight")
+                await reader.wait(lambda: first.in_flight.requests >= 4, 60, task, what="4 requests in flight")
                 # A second worker joins: half the partitions move to it, it answers their requests and commits.
                 joining = asyncio.create_task(second.run())
                 await reader.wait(lambda: second.counts["answered"] >= 2 and len(reader.counts()) >= 2, 60,

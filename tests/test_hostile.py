@@ -4,7 +4,7 @@
   arrays, NaN/Infinity, wrong types, unknown fields, 300 options, duplicate keys, 10 MB states. Every input
   ends as a ``Request`` or an ``EventError`` with an error code (``decode_request``); as a prepared request
   or a ``ValueError`` (``decode_request`` + ``model.prepare``); and, through the service's own per-record
-  path (``Service._serve`` with a recording delivery), as exactly one answer event with an error code or
+  path (``RequestPipeline.serve``, no broker), as exactly one answer event with an error code or
   answers -- never another exception.
 * Hostile media through the real service (Kafka, S3 behind the fault proxy, strict loading): decompression
   bombs, truncated and corrupt files, a JPEG named ``.png``, videos with zero frames or absurd frame rates,
@@ -350,17 +350,10 @@ class UniformModel:
         return [[1.0 / row.options] * row.options for row in rows]
 
 
-class RecordingDelivery:
-    def __init__(self):
-        self.delivered: list[tuple[Any, int, list[Any]]] = []
-
-    async def deliver(self, partition: Any, offset: int, records: list[Any], *_: Any, **__: Any) -> None:
-        self.delivered.append((partition, offset, records))
-
-
 @pytest.fixture(scope="module")
 def record_path(qwen35_text_model):
-    """A ``Service`` (never connected to Kafka) whose ``_serve`` runs on a loop in a helper thread."""
+    """The request pipeline of a ``Service`` (never connected to Kafka), run on a loop in a helper thread: each
+    record's published records, as the pipeline hands them to delivery."""
     # Service sets max_prompt_tokens and max_request_tokens on the shared model
     original_limit, original_request_limit = qwen35_text_model.max_length, qwen35_text_model.max_request_tokens
     loop = asyncio.new_event_loop()
@@ -369,20 +362,24 @@ def record_path(qwen35_text_model):
     settings_ = Settings(metrics_port=None, media_allowlist=[], answer_topic="answers",
                          dead_letter_topic="dead-letters", s3_max_attempts=1)
     service = Service(settings_, UniformModel(qwen35_text_model))
-    service.delivery = RecordingDelivery()
     offsets = iter(range(10**9))
 
     def serve_one(key: bytes | None, value: bytes | None):
         offset = next(offsets)
         item = SimpleNamespace(topic="requests", partition=0, offset=offset, timestamp=1_700_000_000_000,
                                key=key, value=value, headers=())
-        future = asyncio.run_coroutine_threadsafe(service._serve("requests-0", item), loop)
+        delivered: list[tuple[Any, int, list[Any]]] = []
+
+        async def on_served(served):
+            delivered.extend(("requests-0", s.work.source.offset, s.records) for s in served)
+
+        future = asyncio.run_coroutine_threadsafe(service.pipeline.serve([item], on_served), loop)
         future.result(timeout=60)
-        return [d for d in service.delivery.delivered if d[1] == offset]
+        return delivered
 
     yield serve_one
-    asyncio.run_coroutine_threadsafe(service.scheduler.close(), loop).result(timeout=30)
-    service._prepare_thread.shutdown()
+    asyncio.run_coroutine_threadsafe(service.passes.close(), loop).result(timeout=30)
+    service.pipeline.close()
     service.fetcher.close()
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)

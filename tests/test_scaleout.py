@@ -132,11 +132,11 @@ def test_a_stuck_request_is_visible_and_makes_the_worker_unready(stack, qwen35_m
         async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
             task = asyncio.create_task(service.run())
             try:
-                await reader.wait(lambda: assigned_and_ready(service) and not service._settling, 60, task,
+                await reader.wait(lambda: assigned_and_ready(service) and not service.loop.settling, 60, task,
                                   what="the assignment")
                 assert service.metrics.is_ready()
                 await produce(stack.broker.bootstrap_servers, stack.requests, [record(request)])
-                await reader.wait(lambda: service._inflight_requests == 1, 30, task, what="the request read")
+                await reader.wait(lambda: service.in_flight.requests == 1, 30, task, what="the request read")
                 partition = next(iter(service.tracker.partitions())).partition
                 await reader.wait(lambda: not service.metrics.is_ready(), 30, task, what="/readyz failing")
                 seen = {name: _gauge(service, name, partition) for name in (
@@ -183,10 +183,10 @@ def test_a_drain_longer_than_the_session_timeout_costs_one_rebalance_not_a_storm
             task = asyncio.create_task(first.run())
             joining = None
             try:
-                await reader.wait(lambda: assigned_and_ready(first) and not first._settling, 60, task,
+                await reader.wait(lambda: assigned_and_ready(first) and not first.loop.settling, 60, task,
                                   what="the first worker's assignment")
                 await produce(bootstrap, stack.requests, [record(r) for r in stuck])
-                await reader.wait(lambda: first._inflight_requests == len(stuck), 30, task, what="requests stuck")
+                await reader.wait(lambda: first.in_flight.requests == len(stuck), 30, task, what="requests stuck")
                 generation = _sample(first, "d3stream_group_generation")
                 joining = asyncio.create_task(second.run())
                 # The second worker answers what moved to it while the first still holds its stuck passes.
@@ -220,11 +220,11 @@ def test_a_drain_longer_than_the_session_timeout_costs_one_rebalance_not_a_storm
 
 
 def test_the_tracker_times_a_stall_from_the_arrival_of_work_to_the_next_commit(monkeypatch):
-    from d3stream import delivery
+    from d3stream import offsets
 
     clock = [1000.0]
-    monkeypatch.setattr(delivery.time, "monotonic", lambda: clock[0])
-    tracker = delivery.OffsetTracker()
+    monkeypatch.setattr(offsets.time, "monotonic", lambda: clock[0])
+    tracker = offsets.OffsetTracker()
     assert tracker.stall("p") == (0.0, 0.0) and tracker.commit_base("p") is None
     tracker.add("p", 10)
     clock[0] += 2

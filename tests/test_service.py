@@ -303,7 +303,7 @@ def test_a_failing_shared_prefix_call_falls_back_to_full_prompts(stack, qwen35_m
         def broken(rows, states):
             raise RuntimeError("CUDA out of memory (simulated) in a suffix pass")
 
-        service.prefix_runner._suffix_pass = broken  # every shared-prefix call fails
+        service.passes.prefix_runner._suffix_pass = broken  # every shared-prefix call fails
         async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
             task = asyncio.create_task(service.run())
             try:
@@ -327,7 +327,7 @@ def test_prefix_reuse_on_is_refused_for_a_noncausal_checkpoint(stack, qwen35_non
     with pytest.raises(ValueError, match="prefix_reuse"):
         Service(stack.settings(prefix_reuse="on"), qwen35_noncausal_model)
     service = Service(stack.settings(), qwen35_noncausal_model)  # auto: full prompts, nothing to refuse
-    assert service.prefix_runner is None and "shared_prefix_reuse" not in service.provenance
+    assert service.passes.prefix_runner is None and "shared_prefix_reuse" not in service.provenance
 
 
 # ------------------------------------------------------------------------------------- error codes
@@ -615,7 +615,7 @@ def test_backpressure_bounds_inflight_requests(stack, qwen35_model):
 
         async def sample():
             while True:
-                samples.append((service._inflight_requests, service.tracker.in_flight(), service._paused))
+                samples.append((service.in_flight.requests, service.tracker.in_flight(), service.loop.paused))
                 await asyncio.sleep(0.002)
 
         async with Reader(bootstrap, stack.answers) as reader:

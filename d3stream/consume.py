@@ -1,0 +1,394 @@
+"""The consume loop: read records from Kafka under a read policy, hand them on a fetch at a time, commit.
+
+``ConsumeLoop.run`` subscribes (or assigns) through its ``ReadPolicy`` -- the live stream from the committed
+offsets on (``LiveRead``), or a replay's fixed range (replay.py) -- and then, until it is stopped or the
+policy says the work is finished:
+
+* **fetches** records (``getmany``, at most as many as there is room for) and hands each fetch to the
+  handler as one task (the request pipeline answers it and delivers through the commit policy);
+* applies **backpressure**: at ``max_inflight_requests`` requests, ``max_inflight_tokens`` prompt tokens or
+  a full media budget every assigned partition is paused, and resumed once the work drains below 80 % of
+  all three, so memory stays bounded however fast producers publish;
+* **commits** every ``commit_interval_ms`` (beside the loop: a transaction's round trips must not stall
+  fetching) and reports lag and stalls;
+* on **shutdown** (``stop()``: SIGTERM/SIGINT) stops fetching, finishes what is in flight for up to
+  ``shutdown_timeout_s``, commits and returns; after a worker-fatal error it commits nothing more.
+
+Rebalance (``_Rebalance``): before partitions are taken away, their in-flight work gets ``rebalance_drain_s`` to
+finish and their finished offsets are committed, all within ``rebalance_timeout_ms`` (a member still revoking
+when the group's rebalance times out is dropped and starts another rebalance). Work that finishes later is
+abandoned (``exactly_once``: never committed, the new owner answers it; ``at_least_once``: published, not
+committed). Newly assigned partitions stay paused until they are *settled*: when the commit policy
+``settles_assignments`` (``exactly_once``), the partition's transactional producer is initialised first (which
+waits until the previous owner's last transaction is complete) and only then is the committed offset read and
+sought to. aiokafka reads committed offsets on assignment without ``require_stable`` (KIP-447), so without
+this a new owner could start from the offset before the previous owner's last commit and answer those
+requests a second time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from .commits import CommitPolicy
+from .config import Settings
+from .decoding import ByteBudget
+from .limits import WorkerFatal
+from .metrics import Metrics
+from .offsets import OffsetTracker
+from .seams import InFlight
+
+log = structlog.get_logger(__name__)
+
+# Partitions resume once in-flight work falls below this share of every limit.
+RESUME_AT = 0.8
+
+
+@dataclass
+class Fetched:
+    """A record handed on by the consume loop, with the partition and assignment it was read in."""
+
+    partition: TopicPartition
+    record: ConsumerRecord
+    epoch: int
+
+
+Handler = Callable[[list[Fetched]], Awaitable[None]]
+
+
+class ReadPolicy(Protocol):
+    """What to read and when the work is finished."""
+
+    async def subscribe(self, consumer: AIOKafkaConsumer, listener: ConsumerRebalanceListener) -> bool:
+        """Subscribe (True: partitions were assigned by hand, the consumer holds them already)."""
+        ...
+
+    async def assigned(self, consumer: AIOKafkaConsumer, partitions: Sequence[TopicPartition],
+                       settling: Sequence[TopicPartition]) -> None:
+        """Partitions were assigned (``settling`` ones are positioned once settled, by ``start_position``)."""
+        ...
+
+    def start_position(self, partition: TopicPartition, committed: int | None) -> int | None:
+        """Where a settled partition is read from; None: leave it where aiokafka put it."""
+        ...
+
+    def accept(self, record: ConsumerRecord) -> bool:
+        """Whether a fetched record is served."""
+        ...
+
+    async def finished(self, consumer: AIOKafkaConsumer, in_flight: int) -> bool:
+        """Whether the work is complete without a stop request."""
+        ...
+
+
+class LiveRead:
+    """The live stream: the request topics, from the group's committed offsets on, until stopped."""
+
+    def __init__(self, topics: Sequence[str]):
+        self.topics = list(topics)
+
+    async def subscribe(self, consumer: AIOKafkaConsumer, listener: ConsumerRebalanceListener) -> bool:
+        consumer.subscribe(self.topics, listener=listener)
+        return False
+
+    async def assigned(self, consumer: AIOKafkaConsumer, partitions: Sequence[TopicPartition],
+                       settling: Sequence[TopicPartition]) -> None:
+        return None
+
+    def start_position(self, partition: TopicPartition, committed: int | None) -> int | None:
+        return committed
+
+    def accept(self, record: ConsumerRecord) -> bool:
+        return True
+
+    async def finished(self, consumer: AIOKafkaConsumer, in_flight: int) -> bool:
+        return False
+
+
+class ConsumeLoop:
+    """One consumer group member's loop (see the module's docstring)."""
+
+    def __init__(self, settings: Settings, consumer: AIOKafkaConsumer, *, commits: CommitPolicy,
+                 tracker: OffsetTracker, read: ReadPolicy, handler: Handler, in_flight: InFlight,
+                 media_budget: ByteBudget, metrics: Metrics):
+        self.settings = settings
+        self.consumer = consumer
+        self.commits = commits
+        self.tracker = tracker
+        self.read = read
+        self.handler = handler
+        self.in_flight = in_flight
+        self.media_budget = media_budget
+        self.metrics = metrics
+        self.stopping = asyncio.Event()
+        self.fatal: WorkerFatal | None = None  # why the worker stopped by itself, if it did
+        self.joined = False  # the consumer has an assignment
+        self.paused = False
+        self.stalled: list[str] = []  # partitions whose commit point has not moved for stall_unready_s
+        self.tasks: set[asyncio.Task[None]] = set()
+        # Assigned partitions not yet positioned at their stable committed offset (kept paused meanwhile),
+        # and the first offset of any record that arrived for one anyway (read again once settled).
+        self.settling: dict[TopicPartition, asyncio.Task[None]] = {}
+        self._skipped_while_settling: dict[TopicPartition, int] = {}
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def fail(self, exc: WorkerFatal) -> None:
+        """A worker-fatal publish or commit error: stop; ``run`` raises it once everything is closed."""
+        if self.fatal is None:
+            log.error("stopping: publishing cannot go on", error=str(exc))
+            self.fatal = exc
+        self.stopping.set()
+
+    async def guarded(self, step: Awaitable[None]) -> None:
+        """Run a flush; a worker-fatal error stops the worker instead of ending the calling task."""
+        try:
+            await step
+        except WorkerFatal as exc:
+            self.fail(exc)
+
+    # ----------------------------------------------------------------------------------- the loop
+
+    async def run(self) -> None:
+        """Subscribe, consume until stopped or finished, then drain and commit (nothing after a fatal error)."""
+        if await self.read.subscribe(self.consumer, _Rebalance(self)):
+            self.joined = True
+        try:
+            await self._consume()
+            if self.fatal is None:  # after a worker-fatal error nothing more can be published
+                await self.drain(self.settings.shutdown_timeout_s)
+                await self.guarded(self.commits.flush(self.tracker.partitions()))
+            if self.fatal is not None:  # requests still in flight stay uncommitted: served again later
+                await self._cancel_tasks()
+        finally:
+            await self.stop_settling(list(self.settling))
+
+    async def _consume(self) -> None:
+        settings = self.settings
+        next_commit = time.monotonic() + settings.commit_interval_ms / 1000
+        flushing: asyncio.Task[None] | None = None
+        while not self.stopping.is_set():
+            room = max(1, settings.max_inflight_requests - self.in_flight.requests)
+            batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
+            fetched = self._take(batches)
+            if fetched:
+                self.in_flight.requests += len(fetched)
+                task = asyncio.create_task(self.handler(fetched))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+            self._apply_backpressure()
+            self.metrics.set_in_flight(self.in_flight.requests, self.in_flight.questions, self.in_flight.tokens)
+            self.metrics.set_paused(self.paused)
+            if time.monotonic() >= next_commit and (flushing is None or flushing.done()):
+                flushing = asyncio.create_task(self._flush_and_report())
+                next_commit = time.monotonic() + settings.commit_interval_ms / 1000
+            if await self.read.finished(self.consumer, self.tracker.in_flight()):
+                break
+        if flushing is not None:
+            await flushing
+
+    def _take(self, batches: dict[TopicPartition, list[ConsumerRecord]]) -> list[Fetched]:
+        """The fetched records to serve, each tracked under its partition's assignment."""
+        fetched: list[Fetched] = []
+        for partition, records in batches.items():
+            if partition in self.settling:  # not positioned yet: read again once it is
+                if records:
+                    skipped = self._skipped_while_settling
+                    skipped[partition] = min(skipped.get(partition, records[0].offset), records[0].offset)
+                continue
+            for record in records:
+                if self.read.accept(record):
+                    fetched.append(Fetched(partition, record, self.tracker.add(partition, record.offset)))
+        return fetched
+
+    async def _cancel_tasks(self) -> None:
+        tasks = [task for task in self.tasks if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    async def drain(self, timeout: float, partitions: Sequence[TopicPartition] | None = None) -> None:
+        """Wait until the in-flight work (of ``partitions``, or all) is answered, or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while self.tracker.in_flight(partitions) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if partitions is None and self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=max(0.0, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------------------------- backpressure
+
+    def _apply_backpressure(self) -> None:
+        settings, work = self.settings, self.in_flight
+        full = (
+            work.requests >= settings.max_inflight_requests
+            or work.tokens >= settings.max_inflight_tokens
+            or self.media_budget.full
+        )
+        drained = (
+            work.requests < RESUME_AT * settings.max_inflight_requests
+            and work.tokens < RESUME_AT * settings.max_inflight_tokens
+            and self.media_budget.used < RESUME_AT * self.media_budget.capacity
+        )
+        assignment = self.consumer.assignment()
+        if full and not self.paused and assignment:
+            self.consumer.pause(*assignment)
+            self.paused = True
+            log.debug("paused", requests=work.requests, tokens=work.tokens)
+        elif self.paused and drained:
+            self.consumer.resume(*(p for p in assignment if p not in self.settling))
+            self.paused = False
+            log.debug("resumed", requests=work.requests, tokens=work.tokens)
+
+    # ------------------------------------------------------------------------- commits and lag
+
+    async def _flush_and_report(self) -> None:
+        await self.guarded(self.commits.flush())
+        await self._report_lag()
+
+    async def _report_lag(self) -> None:
+        """Per partition: read lag (behind the position), committed lag (behind the commit point), the oldest
+        unanswered request, and how long the commit point has stood still with work waiting; a stall longer
+        than ``stall_unready_s`` makes the worker unready."""
+        now = time.monotonic()
+        limit = self.settings.stall_unready_s
+        stalled = []
+        for partition in self.consumer.assignment():
+            oldest, stalled_s = self.tracker.stall(partition, now)
+            if limit and stalled_s >= limit:
+                stalled.append(f"{partition.topic}-{partition.partition}")
+            end = self.consumer.last_stable_offset(partition) or self.consumer.highwater(partition)
+            if end is None:
+                continue
+            try:
+                position = await self.consumer.position(partition)
+            except Exception:  # noqa: BLE001 - a partition moving away mid-call; next round reports it
+                continue
+            self.metrics.set_read_lag(partition.topic, partition.partition, max(0, end - position))
+            base = self.tracker.commit_base(partition)
+            self.metrics.set_partition_progress(
+                partition.topic,
+                partition.partition,
+                committed_lag=end - (position if base is None else base),
+                oldest_unanswered_s=oldest,
+                stalled_s=stalled_s,
+            )
+        if stalled and stalled != self.stalled:
+            log.warning("no progress: committed offsets stand still with work waiting; not ready",
+                        partitions=stalled, stall_unready_s=limit)
+        self.stalled = stalled
+
+    # ---------------------------------------------------------------------------------- settling
+
+    def begin_settling(self, partitions: list[TopicPartition]) -> None:
+        """Hold newly assigned partitions paused until the commit policy is ready for them and they are read
+        from their stable committed offset (runs outside the rebalance callback, which must not block)."""
+        if not partitions:
+            return
+        self.consumer.pause(*partitions)
+        task = asyncio.create_task(self._settle(partitions))
+        for partition in partitions:
+            self.settling[partition] = task
+
+    async def _settle(self, partitions: list[TopicPartition]) -> None:
+        try:
+            await self.commits.assigned(partitions)
+            for partition in partitions:
+                if partition not in self.consumer.assignment():
+                    continue
+                skipped = self._skipped_while_settling.pop(partition, None)
+                try:
+                    position = self.read.start_position(partition, await self.consumer.committed(partition))
+                except Exception as exc:  # noqa: BLE001 - then from where aiokafka positioned it, or what was skipped
+                    log.warning("committed offset not re-read", partition=str(partition), error=str(exc))
+                    position = None
+                if position is None:
+                    position = skipped
+                if position is not None:
+                    self.consumer.seek(partition, position)
+        finally:
+            assignment = self.consumer.assignment()
+            settled = [p for p in partitions if self.settling.get(p) is asyncio.current_task()]
+            for partition in settled:
+                self.settling.pop(partition, None)
+            if not self.paused:
+                self.consumer.resume(*(p for p in settled if p in assignment))
+            log.debug("partitions settled", partitions=[f"{p.topic}-{p.partition}" for p in settled])
+
+    async def stop_settling(self, partitions: list[TopicPartition]) -> None:
+        tasks = {self.settling.pop(p) for p in partitions if p in self.settling}
+        for partition in partitions:
+            self._skipped_while_settling.pop(partition, None)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """Finish and commit revoked partitions' work before they move to another worker."""
+
+    def __init__(self, loop: ConsumeLoop):
+        self.loop = loop
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        """Drain, commit and let go, all within the rebalance timeout: the member rejoins only when this
+        returns, and one that rejoins too late is dropped and starts another rebalance."""
+        revoked = list(revoked)
+        if not revoked:
+            return
+        loop = self.loop
+        settings = loop.settings
+        started = time.monotonic()
+        # What is left of the rebalance timeout after the drain; a second of it stays for the rejoin itself.
+        deadline = started + settings.rebalance_timeout_ms / 1000 - 1.0
+        await loop.stop_settling(revoked)
+        await loop.drain(settings.rebalance_drain_s, revoked)
+        abandoned = loop.tracker.in_flight(revoked)
+        committed = await _within(loop.guarded(loop.commits.flush(revoked)), deadline,
+                                  "final commit of revoked partitions")
+        await _within(loop.commits.revoked(revoked), deadline, "closing revoked partitions' producers")
+        loop.tracker.forget(revoked)  # from here on, late answers of these partitions are not committed
+        loop.metrics.forget_partitions([(p.topic, p.partition) for p in revoked])
+        loop.metrics.count_revoked(len(revoked), abandoned)
+        loop.paused = False  # a new assignment starts unpaused
+        log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked],
+                 abandoned=abandoned, committed=committed, seconds=round(time.monotonic() - started, 3))
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        assigned = list(assigned)
+        loop = self.loop
+        if loop.commits.settles_assignments:
+            loop.begin_settling(assigned)  # commits.assigned runs there, outside this callback
+        else:
+            await loop.commits.assigned(assigned)
+        await loop.read.assigned(loop.consumer, assigned, list(loop.settling))
+        loop.joined = True
+        generation = getattr(getattr(loop.consumer, "_coordinator", None), "generation", None)
+        loop.metrics.count_rebalance(generation, len(assigned), len(loop.consumer.assignment()))
+        log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned],
+                 generation=generation)
+
+
+async def _within(step: Awaitable[Any], deadline: float, what: str) -> bool:
+    """Run a revocation step until ``deadline`` (monotonic); past it, leave it behind and say so. A step cut
+    short loses nothing: an unfinished transaction is aborted (or completed) by the new owner's producer, and
+    an uncommitted offset is answered by the new owner."""
+    task = asyncio.ensure_future(step)
+    done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
+    if task in done:
+        task.result()
+        return True
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    log.warning(f"{what} did not finish within the rebalance timeout; left to the new owner")
+    return False

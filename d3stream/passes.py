@@ -1,0 +1,256 @@
+"""Forward passes for prepared requests: the row scheduler, shared-prefix reuse, and what each request rode in.
+
+Rows (question prompts) of many requests are packed into passes by a ``RowScheduler``: the token-budget
+``batching.BatchScheduler`` when serving, or a replay's ``OrderedPasses`` whose passes depend only on the
+source order (replay.py). A request with two or more rows on a causal checkpoint is first *planned*
+(``runtime.prefix.PrefixRunner.plan``: where its shared prefix ends) and then goes, whole, to a second
+scheduler whose calls run ``PrefixRunner.run_requests``: prefix passes fill each request's cache, suffix
+passes answer rows of many requests from their caches. Both schedulers share one model thread, so passes
+never run side by side on the device. If a shared-prefix call fails, the request's rows run as full prompts.
+
+A pass that fails is split and retried by the scheduler; a row failing alone fails only its question
+(``invalid_model_output``). Each request gets the record of the passes that carried it (its provenance's
+``batch``) and its queueing and forward time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from .answers import RequestWork, ms
+from .batching import BatchScheduler, PassRecord
+from .config import Settings
+from .events import BatchRecord
+from .metrics import Metrics
+from .runtime.model import Prepared, Row
+from .seams import DecisionModel, Position
+
+log = structlog.get_logger(__name__)
+
+Outcome = tuple[Any, PassRecord] | BaseException
+
+
+def default_token_budget(device: str) -> int:
+    """Padded tokens per pass: a GPU keeps gaining up to ~16k, a CPU saturates at 1-4k."""
+    return 16_384 if str(device).startswith("cuda") else 4_096
+
+
+class RowScheduler(Protocol):
+    """Packs rows of many requests into passes of the model; one outcome per row."""
+
+    passes_run: int
+
+    def expect(self, position: Position) -> None:
+        """A request was read at ``position`` (a source-ordered scheduler keeps its place)."""
+        ...
+
+    def finished(self, position: Position) -> None:
+        """The request read at ``position`` is answered; if it submitted no rows it holds nothing back."""
+        ...
+
+    async def submit_each(self, rows: Sequence[Row], positions: Sequence[Position] = ()) -> list[Outcome]:
+        """Each row's (probabilities, pass record), or the exception of a row that failed alone."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(eq=False)
+class PassItem:
+    """One prepared request on its way through the passes."""
+
+    work: RequestWork
+    prepared: Prepared
+    position: Position
+    plan: Any = None  # its shared-prefix plan, if it has one
+    probabilities: dict[Row, list[float]] = field(default_factory=dict)
+
+
+class Passes:
+    """The model side of a worker: one model thread, the row scheduler and the shared-prefix scheduler."""
+
+    def __init__(self, settings: Settings, model: DecisionModel, metrics: Metrics,
+                 scheduler: RowScheduler | None = None):
+        self.metrics = metrics
+        self.budget = settings.max_batch_tokens or default_token_budget(str(model.device))
+        # One model thread for both schedulers: passes never run side by side on the device.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
+        self.rows: RowScheduler = scheduler or BatchScheduler(
+            model.forward,
+            length=lambda row: row.length,
+            max_batch_rows=settings.max_batch_rows,
+            max_batch_tokens=self.budget,
+            linger_ms=settings.linger_ms,
+            executor=self.executor,
+            on_pass=metrics.observe_pass_record,
+        )
+        self.prefix_runner: Any = self._prefix_runner(settings, model) if scheduler is None else None
+        self.prefix_scheduler: BatchScheduler | None = None
+        self._call_passes: list[Any] = []  # the runner's passes during the current call (model thread only)
+        if self.prefix_runner is not None:
+            self.prefix_scheduler = BatchScheduler(
+                self._run_shared_prefix,
+                length=lambda plan: plan.length + sum(plan.suffix_length(row) for row in plan.rows),
+                max_batch_rows=settings.max_batch_rows,
+                # A call packs its own passes under the budget; a few passes' worth per call keeps the
+                # full-prompt scheduler's turn on the model thread near.
+                max_batch_tokens=4 * self.budget,
+                linger_ms=settings.linger_ms,
+                executor=self.executor,
+            )
+
+    def provenance(self) -> dict[str, Any]:
+        """What answers depend on besides the model: the prefix reuse policy, when it is on."""
+        return self.prefix_runner.provenance() if self.prefix_runner is not None else {}
+
+    async def close(self) -> None:
+        await self.rows.close()
+        if self.prefix_scheduler is not None:
+            await self.prefix_scheduler.close()
+        self.executor.shutdown(wait=True)
+
+    # ---------------------------------------------------------------------------------- planning
+
+    def plan(self, prepared: Prepared) -> Any:
+        """The shared-prefix plan of a prepared request, or None (runs on the prepare thread)."""
+        runner = self.prefix_runner
+        if runner is None or len(prepared.rows) < runner.min_rows:
+            return None
+        plan = runner.plan(prepared)
+        if plan is not None:
+            self.metrics.count_prefix_request("shared")
+        return plan
+
+    # ------------------------------------------------------------------------------------ running
+
+    async def run(self, items: Sequence[PassItem]) -> None:
+        """Answer every row of ``items``: full prompts together in one submission, shared prefixes each."""
+        import asyncio
+
+        plain = [item for item in items if item.plan is None]
+        shared = [item for item in items if item.plan is not None]
+        await asyncio.gather(self._run_rows(plain), *(self._run_shared(item) for item in shared))
+
+    async def _run_rows(self, items: Sequence[PassItem]) -> None:
+        rows: list[Row] = []
+        positions: list[Position] = []
+        for item in items:
+            rows += item.prepared.rows
+            positions += [item.position] * len(item.prepared.rows)
+        if not rows:
+            return
+        submitted = time.perf_counter()
+        for item in items:
+            item.work.submitted_at = submitted
+        outcomes = iter(await self.rows.submit_each(rows, positions))
+        for item in items:
+            self._take_outcomes(item, [next(outcomes) for _ in item.prepared.rows], submitted)
+
+    def _take_outcomes(self, item: PassItem, outcomes: list[Outcome], submitted: float) -> None:
+        """A request's probabilities from its rows' outcomes; a row whose pass failed alone fails its question."""
+        prepared = item.prepared
+        passes: dict[int, PassRecord] = {}
+        for row, outcome in zip(prepared.rows, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                question = prepared.questions[row.key]
+                prepared.errors[row.key] = {
+                    "type": question.kind,
+                    "error": "invalid_model_output",
+                    "message": f"the forward pass failed for this question: {type(outcome).__name__}: {outcome}",
+                }
+                continue
+            result, record = outcome
+            item.probabilities[row] = result
+            passes[id(record)] = record
+        prepared.rows = [row for row in prepared.rows if row.key not in prepared.errors]
+        self._account(item.work, submitted, list(passes.values()))
+
+    async def _run_shared(self, item: PassItem) -> None:
+        """A multi-question request on its shared prefix; if that fails, its rows run as full prompts."""
+        assert self.prefix_scheduler is not None
+        plan = item.plan
+        submitted = item.work.submitted_at = time.perf_counter()
+        try:
+            [((probabilities, passes), _)] = await self.prefix_scheduler.submit([plan])
+        except Exception as exc:  # noqa: BLE001 - the full-prompt path splits and reports row failures
+            log.warning("shared-prefix run failed; running full prompts", error=f"{type(exc).__name__}: {exc}")
+            await self._run_rows([item])
+            return
+        # Shared only if each row's answer came from a suffix pass (a failed check re-answers from full prompts).
+        answered_by = {row: info.kind for info in passes if info.kind in ("suffix", "full") for row in info.done}
+        reused = bool(answered_by) and all(kind == "suffix" for kind in answered_by.values())
+        self._account(item.work, submitted, passes, shared_prefix=reused,
+                      saved_tokens=(len(plan.rows) - 1) * plan.length if reused else 0)
+        item.probabilities = probabilities
+
+    def _account(self, work: RequestWork, submitted: float, passes: Sequence[Any], **batch: Any) -> None:
+        """The request's forward and queueing time and its batch record, from the passes that carried it
+        (``PassRecord`` or the prefix runner's ``PassInfo``: both have rows, tokens and seconds)."""
+        forward = sum(record.seconds for record in passes)
+        queued = max(0.0, time.perf_counter() - submitted - forward)
+        work.timings.forward = ms(forward)
+        work.timings.queued = ms(queued)
+        self.metrics.observe_stage("forward", forward)
+        self.metrics.observe_stage("queued", queued)
+        work.batch = BatchRecord(
+            passes=len(passes),
+            rows=sum(record.rows for record in passes),
+            real_tokens=sum(record.real_tokens for record in passes),
+            padded_tokens=sum(record.padded_tokens for record in passes),
+            **batch,
+        )
+
+    # ------------------------------------------------------------------------- shared-prefix reuse
+
+    @staticmethod
+    def _reuse_wanted(settings: Settings, model: DecisionModel) -> bool:
+        if settings.prefix_reuse == "off":
+            return False
+        if model.attention_mode == "causal":
+            return True
+        if settings.prefix_reuse == "on":
+            raise ValueError(
+                f"prefix_reuse=on needs a causal checkpoint; {model.model_name} uses attention_mode="
+                f"{model.attention_mode!r}, where the prefix reads the question. Set prefix_reuse to auto or off."
+            )
+        return False
+
+    def _prefix_runner(self, settings: Settings, model: DecisionModel) -> Any:
+        if not self._reuse_wanted(settings, model):
+            return None
+        from .runtime.prefix import PrefixRunner
+
+        def checked(check: Any) -> None:
+            self.metrics.observe_prefix_check(check.passed, self.prefix_runner.max_abs_dp)
+
+        return PrefixRunner(
+            model,
+            max_batch_tokens=self.budget,
+            max_batch_rows=settings.max_batch_rows,
+            verify_every=settings.prefix_verify_every,
+            tolerance=settings.prefix_tolerance,
+            on_pass=self._runner_pass,
+            on_check=checked,
+            on_fallback=lambda reason, prepared: self.metrics.count_prefix_request(reason),
+        )
+
+    def _runner_pass(self, info: Any) -> None:
+        self._call_passes.append(info)
+        self.metrics.observe_pass_record(info)
+
+    def _run_shared_prefix(self, plans: list[Any]) -> list[tuple[dict[Row, list[float]], list[Any]]]:
+        """One call of the prefix runner on the model thread: each request's probabilities, and the passes
+        that answered its rows (for its provenance)."""
+        self._call_passes = []
+        results = self.prefix_runner.run_requests(plans)
+        passes = self._call_passes
+        return [
+            (result, [info for info in passes if plan in info.prefixes or any(row in result for row in info.done)])
+            for plan, result in zip(plans, results, strict=True)
+        ]

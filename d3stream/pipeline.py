@@ -1,0 +1,286 @@
+"""The request pipeline: the records of one fetch in, one answer event per record out. No Kafka in it.
+
+``RequestPipeline.serve`` takes any list of records (``seams.InputRecord``: topic, partition, offset, key,
+value, headers) and walks them through the stages:
+
+1. **event**: bytes -> ``Request`` (``events.decode_request``), or an error answer (``undecodable_event``,
+   also dead-lettered; ``invalid_request``; ``model_not_served``);
+2. **media** (requests that name images or videos): fetched from the object store (``storage.py``) and
+   decoded strictly off the prepare thread (``decoding.py``), under the media budgets;
+3. **prepare**: validated, rendered and tokenized by the model, and planned for shared-prefix reuse, on the
+   prepare thread; every text-only request of the fetch in one trip there;
+4. **passes**: rows of many requests packed into forward passes (``passes.py``);
+5. **answer**: probabilities -> answer objects -> the answer event with its provenance, sized to fit its
+   topic (``answers.py``).
+
+The fetch is processed as a batch where that saves work (its text-only requests share one prepare trip and
+one submission to the scheduler), while failures stay per request: whatever goes wrong with one record ends
+as that record's error answer, never as its neighbours'. Answers are handed to ``on_served`` as they are
+ready (all text-only answers of the fetch together, a media request's on its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from .answers import AnswerBuilder, RequestWork, answer_identity, media_record, ms
+from .config import Settings
+from .decoding import ByteBudget, MediaDecoder
+from .events import HEADERS, Answer, EventError, Request, RequestLimits, Source, decode_request
+from .jobthread import JobThread
+from .metrics import Metrics
+from .passes import Passes, PassItem
+from .publishing import Outgoing
+from .runtime.media import MediaBudgetExceeded, reason
+from .runtime.model import Prepared
+from .seams import DecisionModel, InFlight, InputRecord, position_of
+from .storage import MediaError, MediaFetcher
+from .tracing import forwarded_headers, header_names
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(eq=False)
+class Served:
+    """A record's answer event and everything published for it (dead letters first, the answer last)."""
+
+    work: RequestWork
+    answer: Answer
+    records: list[Outgoing]
+
+
+OnServed = Callable[[list[Served]], Awaitable[None]]
+# A request's decoded media (images, videos), or None for a text-only request.
+Media = tuple[list[Any], list[Any]] | None
+
+
+class RequestPipeline:
+    """Records -> answer events, for one model (see the module's docstring)."""
+
+    def __init__(self, settings: Settings, model: DecisionModel, *, passes: Passes, answers: AnswerBuilder,
+                 fetcher: MediaFetcher, decoder: MediaDecoder, media_budget: ByteBudget, metrics: Metrics,
+                 in_flight: InFlight, provenance_sha256: str):
+        self.settings = settings
+        self.model = model
+        self.passes = passes
+        self.answers = answers
+        self.fetcher = fetcher
+        self.decoder = decoder
+        self.media_budget = media_budget
+        self.metrics = metrics
+        self.in_flight = in_flight
+        self.provenance_sha256 = provenance_sha256
+        self.request_limits = RequestLimits.from_settings(settings)
+        # Request headers the answers carry: the trace headers, then forward_headers.
+        self._forwarded_names = header_names(settings.forward_headers)
+        # Prompt preparation and prefix planning: one thread, woken once for many requests.
+        self.prepare_thread = JobThread("d3stream-prepare")
+
+    def close(self) -> None:
+        self.prepare_thread.shutdown()
+
+    async def serve(self, records: Sequence[InputRecord], on_served: OnServed) -> None:
+        """Answer every record; ``on_served`` receives each answer once (it must not raise)."""
+        works = [self._begin(record) for record in records]
+        for work in works:
+            self.passes.rows.expect(position_of(work.record))
+        refused: list[Served] = []
+        text: list[tuple[RequestWork, Request]] = []
+        with_media: list[tuple[RequestWork, Request]] = []
+        for work in works:
+            outcome = self._admit(work)
+            if isinstance(outcome, Answer):
+                refused.append(self._served(work, outcome))
+            elif outcome.images or outcome.videos:
+                with_media.append((work, outcome))
+            else:
+                text.append((work, outcome))
+        steps: list[Awaitable[None]] = []
+        if refused:
+            steps.append(on_served(refused))
+        if text:
+            steps.append(self._isolated([work for work, _ in text], self._answer_all(text, on_served), on_served))
+        for work, request in with_media:
+            steps.append(self._isolated([work], self._serve_with_media(work, request, on_served), on_served))
+        await asyncio.gather(*steps)
+
+    async def _isolated(self, works: list[RequestWork], step: Awaitable[None], on_served: OnServed) -> None:
+        """Run ``step``; a fault of this worker still gets each of its requests not yet answered an answer."""
+        try:
+            await step
+        except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
+            log.exception("request failed", offsets=[work.source.offset for work in works][:20])
+            left = [work for work in works if not work.finished]
+            await on_served([self._served(work, self.answers.error(work, "internal_error", reason(exc),
+                                                                    request=work.request)) for work in left])
+
+    # ------------------------------------------------------------------------------------ stages
+
+    def _begin(self, record: InputRecord) -> RequestWork:
+        work = RequestWork(
+            record=record,
+            source=Source(topic=record.topic, partition=record.partition, offset=record.offset,
+                          timestamp=record.timestamp),
+            received=time.perf_counter(),
+        )
+        forwarded = forwarded_headers(record.headers, self._forwarded_names, self.settings.forward_headers_max_bytes)
+        if forwarded:
+            work.headers = [*HEADERS, *forwarded]
+        return work
+
+    def _admit(self, work: RequestWork) -> Request | Answer:
+        """The decoded request, or the error answer that ends it here."""
+        record = work.record
+        try:
+            request = decode_request(record.value, record.key, self.request_limits)
+        except EventError as exc:
+            if exc.code == "undecodable_event":
+                work.extra.append(self.answers.dead_letter(work, str(exc)))
+            return self.answers.error(work, exc.code, str(exc), request_id=exc.request_id)
+        work.request = request
+        if request.model is not None and request.model != self.model.model_name:
+            return self.answers.error(work, "model_not_served",
+                                      f"this worker serves {self.model.model_name!r}, not {request.model!r}",
+                                      request=request)
+        work.questions = len(request.questions)
+        self.in_flight.questions += work.questions
+        return request
+
+    async def _serve_with_media(self, work: RequestWork, request: Request, on_served: OnServed) -> None:
+        """A request naming images or videos: refused early if certainly too long, its media fetched and
+        decoded, then prepared and answered like the text-only ones."""
+        refusal = await self._over_token_limit(work, request)
+        if refusal is None:
+            media = await self._media(work, request)
+            if isinstance(media, Answer):
+                refusal = media
+        if refusal is not None:
+            await on_served([self._served(work, refusal)])
+            return
+        await self._answer_all([(work, request)], on_served, [media])
+
+    async def _over_token_limit(self, work: RequestWork, request: Request) -> Answer | None:
+        """Refuse a request certainly over max_request_tokens before fetching its media."""
+        if not self.model.request_may_exceed_tokens(len(work.record.value or b""), len(request.questions)):
+            return None
+        try:
+            await self.prepare_thread.run(lambda: self.model.check_request_tokens(
+                request.state, request.questions, permutation_average=request.permutation_average))
+        except ValueError as exc:
+            return self.answers.error(work, "invalid_request", str(exc), request=request)
+        return None
+
+    async def _answer_all(self, items: list[tuple[RequestWork, Request]], on_served: OnServed,
+                          media: Sequence[Media] | None = None) -> None:
+        """Prepare every request in one trip to the prepare thread, run their rows together, answer them."""
+        decoded = media or [None] * len(items)
+        started = time.perf_counter()
+        outcomes = await self.prepare_thread.run(
+            lambda: [self._prepare(request, found) for (_, request), found in zip(items, decoded, strict=True)])
+        seconds = time.perf_counter() - started
+        refused: list[Served] = []
+        passing: list[tuple[PassItem, Request]] = []
+        for (work, request), outcome in zip(items, outcomes, strict=True):
+            work.prepare_at, work.timings.prepare = started, ms(seconds)
+            self.metrics.observe_stage("prepare", seconds)
+            if isinstance(outcome, BaseException):
+                code = "invalid_request" if isinstance(outcome, ValueError) else "internal_error"
+                refused.append(self._served(work, self.answers.error(work, code, reason(outcome), request=request)))
+                continue
+            prepared, plan = outcome
+            work.tokens = prepared.input_tokens
+            self.in_flight.tokens += work.tokens
+            passing.append((PassItem(work, prepared, position_of(work.record), plan), request))
+        if refused:
+            await on_served(refused)
+        if passing:
+            await self.passes.run([item for item, _ in passing])
+            await on_served([self._answered(item, request) for item, request in passing])
+
+    def _prepare(self, request: Request, media: Media) -> tuple[Prepared, Any] | BaseException:
+        """On the prepare thread: the prepared request and its shared-prefix plan, or what went wrong."""
+        images, videos = media if media is not None else ([], [])
+        try:
+            prepared = self.model.prepare(request.state, request.questions, decoded_images=images,
+                                          decoded_videos=videos, permutation_average=request.permutation_average)
+            return prepared, self.passes.plan(prepared)
+        except Exception as exc:  # noqa: BLE001 - handed back as this request's own error
+            return exc
+
+    def _answered(self, item: PassItem, request: Request) -> Served:
+        work = item.work
+        try:
+            response = item.prepared.answers(item.probabilities)
+            answer = self.answers.answered(work, request, response)
+        except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
+            log.exception("answer not built", offset=work.source.offset)
+            answer = self.answers.error(work, "internal_error", reason(exc), request=request)
+        return self._served(work, answer)
+
+    def _served(self, work: RequestWork, answer: Answer) -> Served:
+        """The request's final answer event (with its id and size settled) and the records to publish."""
+        work.finished = True
+        self.in_flight.tokens -= work.tokens
+        self.media_budget.release(work.media_bytes)
+        self.passes.rows.finished(position_of(work.record))
+        work.timings.total = ms(time.perf_counter() - work.received)
+        answer.answer_id = answer_identity(answer, self.provenance_sha256)
+        answer, outgoing = self.answers.fitted(work, answer)
+        return Served(work, answer, [*work.extra, outgoing])
+
+    # ------------------------------------------------------------------------------------- media
+
+    async def _media(self, work: RequestWork, request: Request) -> tuple[list[Any], list[Any]] | Answer:
+        """Fetch and decode a request's media, or the error answer that ends it. The reference count is
+        checked before any fetch, pixel and frame totals (from headers) before any decode; identical
+        references are fetched and decoded once."""
+        settings = self.settings
+        references = len(request.images) + len(request.videos)
+        if references > settings.max_media_references:
+            return self.answers.error(
+                work, "invalid_request",
+                f"the request names {references:,} images and videos; at most {settings.max_media_references:,} "
+                "are accepted (setting: max_media_references)",
+                request=request,
+            )
+        for kind, listed, unavailable in (("image", request.images, self.model.image_unavailable),
+                                          ("video", request.videos, self.model.video_unavailable)):
+            if listed and unavailable is not None:
+                return self.answers.error(work, "media_unreadable", f"{kind} inputs are not available: {unavailable}",
+                                          request=request)
+        try:
+            started = work.fetch_at = time.perf_counter()
+            images, videos = await asyncio.gather(
+                self.fetcher.fetch_all(request.images, "image"), self.fetcher.fetch_all(request.videos, "video")
+            )
+            work.timings.fetch = ms(time.perf_counter() - started)
+            self.metrics.observe_stage("fetch", time.perf_counter() - started)
+            work.media = [media_record(item) for item in (*images, *videos)]
+            fetched = {id(item): len(item.data) for item in (*images, *videos)}  # a repeated reference once
+            self.metrics.add_media_bytes(sum(fetched.values()))
+        except MediaError as exc:
+            return self.answers.error(work, exc.code, exc.message, request=request)
+
+        async def reserve(estimate: int) -> None:
+            work.media_bytes = await self.media_budget.acquire(estimate)
+
+        try:
+            started = work.decode_at = time.perf_counter()
+            decoded = await self.decoder.decode([i.data for i in images], [v.data for v in videos], reserve)
+            work.timings.decode = ms(time.perf_counter() - started)
+            self.metrics.observe_stage("decode", time.perf_counter() - started)
+        except MediaBudgetExceeded as exc:
+            return self.answers.error(work, "invalid_request", str(exc), request=request)
+        except ValueError as exc:
+            return self.answers.error(work, "media_unreadable", str(exc), request=request)
+        held = decoded.nbytes
+        if held < work.media_bytes:  # keep what the media really take, give the rest of the estimate back
+            self.media_budget.release(work.media_bytes - held)
+            work.media_bytes = held
+        return decoded.images, decoded.videos

@@ -1,0 +1,113 @@
+"""The typed seams between d3stream's parts: what each part needs of the others, and nothing more.
+
+A worker is four parts joined at these seams (docs/ARCHITECTURE.md draws them):
+
+* the **request pipeline** (``pipeline.py``) turns records into answers; it sees the model only as a
+  ``DecisionModel`` and the records only as ``InputRecord`` (no Kafka in it);
+* the **consume loop** (``consume.py``) reads records from Kafka under a ``ReadPolicy`` (the live stream,
+  or a replay's range) and hands them to the pipeline a fetch at a time;
+* a **sink** (``sinks.py``) is where answers go: Kafka topics, or a JSON-lines file;
+* a **commit policy** (``commits.py``) decides when a consumed offset is committed: in one transaction with
+  its answers, or once its answers are durably written. A delivery mode is a registered (sink, commit
+  policy) pair (``commits.DELIVERY_MODES``).
+
+Each seam is a ``typing.Protocol``: a part is whatever has these members, so a test's stand-in model or a
+new sink needs no base class, and the type checker (mypy, ``make lint``) checks every use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from .runtime.model import Prepared, Row
+
+# ------------------------------------------------------------------------------------------- records
+
+
+class InputRecord(Protocol):
+    """One request as read from a topic: an aiokafka ``ConsumerRecord`` is one, so is any object with
+    these attributes (the pipeline's tests build them without a broker)."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def timestamp(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Sequence[tuple[str, bytes]] | None: ...
+
+
+# Where a request was read: (topic, partition, offset). Schedulers that order passes by the source
+# (deterministic replays) are handed it with each request's rows.
+Position = tuple[str, int, int]
+
+
+def position_of(record: InputRecord) -> Position:
+    return (record.topic, record.partition, record.offset)
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+class DecisionModel(Protocol):
+    """What the service needs of a model (``runtime.model.D3`` is one; so is the benchmark's null model)."""
+
+    model_name: str
+    device: Any
+    # "causal" lets a request's questions share one prefix pass (runtime/prefix.py); anything else does not.
+    attention_mode: str
+    # Why image or video inputs cannot be answered (None: they can).
+    image_unavailable: str | None
+    video_unavailable: str | None
+
+    def provenance(self) -> dict[str, Any]: ...
+
+    def limit_prompt_tokens(self, limit: int | None) -> None: ...
+
+    def limit_request_tokens(self, limit: int | None) -> None: ...
+
+    def request_may_exceed_tokens(self, record_bytes: int, questions: int) -> bool:
+        """A cheap bound: whether a request this large could be over the request token limit."""
+        ...
+
+    def check_request_tokens(self, state: Any, questions: Mapping[str, Any], *, permutation_average: bool | None = None) -> None:
+        """Raise ``ValueError`` if the request's prompts are certainly over the request token limit."""
+        ...
+
+    def prepare(
+        self,
+        state: Any,
+        questions: Mapping[str, Any],
+        *,
+        decoded_images: list[Any] | None = None,
+        decoded_videos: list[Any] | None = None,
+        permutation_average: bool | None = None,
+    ) -> Prepared: ...
+
+    def forward(self, rows: Sequence[Row]) -> list[list[float]]: ...
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+RecordKind = Literal["answer", "dead_letter", "provenance"]
+
+
+# ------------------------------------------------------------------------------------------- in flight
+
+
+@dataclass
+class InFlight:
+    """Work read and not yet answered: what backpressure bounds (``max_inflight_requests`` / ``_tokens``)."""
+
+    requests: int = 0
+    questions: int = 0
+    tokens: int = 0
