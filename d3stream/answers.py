@@ -206,6 +206,7 @@ def answer_identity(answer: Answer, provenance_sha256: str) -> str:
 
 def _without_media(answer: Answer, source: Source) -> Answer:
     media = answer.provenance.media
+    assert answer.error is not None  # only error answers are shrunk
     note = f"the provenance lists {len(media)} media objects; left out to fit the message limit"
     return msgspec.structs.replace(
         answer,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -61,7 +61,7 @@ class Fetched:
     epoch: int
 
 
-Handler = Callable[[list[Fetched]], Awaitable[None]]
+Handler = Callable[[list[Fetched]], Coroutine[Any, Any, None]]
 
 
 class ReadPolicy(Protocol):

@@ -66,10 +66,14 @@ TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
 class _PassLike(Protocol):
-    rows: int
-    real_tokens: int
-    padded_tokens: int
-    seconds: float
+    @property
+    def rows(self) -> int: ...
+    @property
+    def real_tokens(self) -> int: ...
+    @property
+    def padded_tokens(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
 
 
 class Metrics:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
 
@@ -30,6 +30,9 @@ from .events import BatchRecord
 from .metrics import Metrics
 from .runtime.model import Prepared, Row
 from .seams import DecisionModel, Position
+
+if TYPE_CHECKING:
+    from .runtime.model import D3
 
 log = structlog.get_logger(__name__)
 
@@ -44,7 +47,10 @@ def default_token_budget(device: str) -> int:
 class RowScheduler(Protocol):
     """Packs rows of many requests into passes of the model; one outcome per row."""
 
-    passes_run: int
+    @property
+    def passes_run(self) -> int:
+        """Passes run so far."""
+        ...
 
     def expect(self, position: Position) -> None:
         """A request was read at ``position`` (a source-ordered scheduler keeps its place)."""
@@ -229,8 +235,9 @@ class Passes:
         def checked(check: Any) -> None:
             self.metrics.observe_prefix_check(check.passed, self.prefix_runner.max_abs_dp)
 
+        # The runner reaches into the backbone: a causal model here is a D3 (or a test's wrapper of one).
         return PrefixRunner(
-            model,
+            cast("D3", model),
             max_batch_tokens=self.budget,
             max_batch_rows=settings.max_batch_rows,
             verify_every=settings.prefix_verify_every,

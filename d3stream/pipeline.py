@@ -155,13 +155,9 @@ class RequestPipeline:
     async def _serve_with_media(self, work: RequestWork, request: Request, on_served: OnServed) -> None:
         """A request naming images or videos: refused early if certainly too long, its media fetched and
         decoded, then prepared and answered like the text-only ones."""
-        refusal = await self._over_token_limit(work, request)
-        if refusal is None:
-            media = await self._media(work, request)
-            if isinstance(media, Answer):
-                refusal = media
-        if refusal is not None:
-            await on_served([self._served(work, refusal)])
+        media = await self._over_token_limit(work, request) or await self._media(work, request)
+        if isinstance(media, Answer):
+            await on_served([self._served(work, media)])
             return
         await self._answer_all([(work, request)], on_served, [media])
 

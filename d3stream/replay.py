@@ -461,7 +461,8 @@ def _replay_command(args: Any) -> int:
     if refusal:
         print(f"d3stream replay: {refusal}", file=sys.stderr)
         return 2
-    if not settings.model:
+    checkpoint = settings.model
+    if not checkpoint:
         print("d3stream replay: no checkpoint: set --model or D3STREAM_MODEL", file=sys.stderr)
         return 2
     if args.to_topic:
@@ -476,7 +477,7 @@ def _replay_command(args: Any) -> int:
         start_time=parse_time(args.start_time),
         end_time=parse_time(args.end_time),
     )
-    model = D3.from_pretrained(settings.model, device=settings.device, verify=settings.verify,
+    model = D3.from_pretrained(checkpoint, device=settings.device, verify=settings.verify,
                                model_name=settings.model_name, permutation_average=settings.permutation_average)
     out = Path(args.out) if args.out else None
     try:
