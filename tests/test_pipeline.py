@@ -1,0 +1,185 @@
+"""The request pipeline on its own: records in, one answer event per record out, no broker and no JVM.
+
+The error table (every request-level error code a producer's input can cause without an object store),
+failure isolation inside one fetch, and what serving a fetch as a batch buys: the fetch's text requests share
+one trip to the prepare thread and ride the same passes. The end-to-end tests (tests/test_service.py and
+others) run the same codes through the real broker and object store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+
+from d3stream.config import Settings
+from d3stream.events import ERROR_CODES, decode_answer
+from d3stream.pipeline import Served
+from d3stream.service import Service
+from tests.media_makers import make_png, make_png_header_only
+from tests.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, close_to
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def records(*values: tuple[bytes | None, bytes | None]) -> list[SimpleNamespace]:
+    return [SimpleNamespace(topic="requests", partition=0, offset=offset, timestamp=1_700_000_000_000, key=key,
+                            value=value, headers=()) for offset, (key, value) in enumerate(values)]
+
+
+def request(rid: str, **fields: Any) -> tuple[bytes, bytes]:
+    body = {"id": rid, "state": {"ticket": rid}, "questions": {"q": Q_NOUL}, **fields}
+    return rid.encode(), json.dumps(body).encode()
+
+
+def data_url(kind: str, payload: bytes) -> str:
+    return f"data:{kind};base64,{base64.b64encode(payload).decode()}"
+
+
+class Recorder:
+    """What the pipeline hands to delivery, call by call."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[Served]] = []
+
+    async def __call__(self, served: list[Served]) -> None:
+        self.calls.append(served)
+
+    @property
+    def answers(self) -> dict[str, Any]:
+        return {s.answer.id: decode_answer(s.records[-1].value) for call in self.calls for s in call}
+
+
+def serve(service: Service, batch: list[SimpleNamespace]) -> Recorder:
+    recorder = Recorder()
+
+    async def go() -> None:
+        try:
+            await service.pipeline.serve(batch, recorder)
+        finally:
+            await service.passes.close()
+
+    asyncio.run(go())
+    service.pipeline.close()
+    service.fetcher.close()
+    return recorder
+
+
+@pytest.fixture
+def pipeline_service(qwen35_model):
+    """A ``Service`` that is never started: its pipeline, on the shared vision checkpoint."""
+    limits = qwen35_model.max_length, qwen35_model.max_request_tokens
+    settings = Settings(metrics_port=None, media_allowlist=["s3://allowed/"], answer_topic="answers",
+                        dead_letter_topic="dead-letters", s3_max_attempts=1, linger_ms=20, max_request_tokens=5000)
+    yield lambda **changes: Service(msgspec.structs.replace(settings, **changes), qwen35_model)
+    qwen35_model.max_length, qwen35_model.max_request_tokens = limits
+
+
+def test_the_error_table_without_a_broker(pipeline_service):
+    """Each code a record can earn before any object store is asked, in one fetch, each under its own id."""
+    service = pipeline_service()
+    bomb = data_url("image/png", make_png_header_only(6000, 6000))
+    batch = records(
+        (b"e-undecodable", b"{not json"),
+        (b"e-tombstone", None),
+        (b"e-schema", json.dumps({"id": "e-schema", "questions": ["q"]}).encode()),
+        request("e-model", model="another-model"),
+        request("e-http", images=["https://example.com/a.png"]),
+        request("e-bucket", images=["s3://elsewhere/a.png"]),
+        request("e-too-many", images=[data_url("image/png", make_png(8, 8))] * 40),
+        request("e-unreadable", images=[data_url("image/png", make_png(64, 64)[:120])]),
+        request("e-bomb", images=[bomb]),
+        request("e-long", state="word " * 6000),
+        request("ok-text"),
+        request("ok-image", images=[data_url("image/png", make_png(48, 48, seed=3))]),
+    )
+    recorder = serve(service, batch)
+    codes = {rid: (answer.error.code if answer.error else None) for rid, answer in recorder.answers.items()}
+    assert codes == {
+        "e-undecodable": "undecodable_event",
+        "e-tombstone": "undecodable_event",
+        "e-schema": "invalid_request",
+        "e-model": "model_not_served",
+        "e-http": "media_not_allowed",
+        "e-bucket": "media_not_allowed",
+        "e-too-many": "invalid_request",
+        "e-unreadable": "media_unreadable",
+        "e-bomb": "media_unreadable",
+        "e-long": "invalid_request",
+        "ok-text": None,
+        "ok-image": None,
+    }
+    assert set(codes.values()) - {None} <= set(ERROR_CODES)
+    # Every record was answered exactly once; only the two undecodable ones were also dead-lettered.
+    served = [s for call in recorder.calls for s in call]
+    assert sorted(s.work.source.offset for s in served) == list(range(len(batch)))
+    dead = {s.answer.id for s in served if any(r.kind == "dead_letter" for r in s.records)}
+    assert dead == {"e-undecodable", "e-tombstone"}
+    assert "max_media_references" in recorder.answers["e-too-many"].error.message
+    assert "max_request_tokens" in recorder.answers["e-long"].error.message
+
+
+def test_an_answer_too_large_for_its_topic_is_replaced_under_the_same_id(pipeline_service):
+    service = pipeline_service()
+    service.limits.topics = {"answers": 2_000}  # as read from a broker whose answer topic takes 2 kB
+    options = {f"option {n}": f"the option numbered {n}, described at some length" for n in range(120)}
+    recorder = serve(service, records(request("big", questions={"q": {"type": "choice", "criteria": options}}),
+                                      request("small")))
+    big, small = recorder.answers["big"], recorder.answers["small"]
+    assert big.error.code == "answer_too_large" and "max.message.bytes" in big.error.message
+    assert small.error is None and small.answers["q"]["type"] == "noul"
+
+
+def test_a_fault_of_one_request_is_its_own_error_not_its_neighbours(pipeline_service, qwen35_model):
+    """A model whose prepare raises (not a ValueError: a fault, not bad input) for one request only."""
+    service = pipeline_service()
+    original = qwen35_model.prepare
+
+    def prepare(state: Any, questions: Any, **kwargs: Any) -> Any:
+        if state == {"ticket": "faulty"}:
+            raise RuntimeError("simulated fault in the tokenizer")
+        return original(state, questions, **kwargs)
+
+    service.model = service.pipeline.model = SimpleNamespace(**{
+        name: getattr(qwen35_model, name) for name in (
+            "model_name", "device", "attention_mode", "image_unavailable", "video_unavailable",
+            "request_may_exceed_tokens", "check_request_tokens", "forward", "provenance")
+    }, prepare=prepare)
+    recorder = serve(service, records(request("before"), request("faulty"), request("after")))
+    answers = recorder.answers
+    assert answers["faulty"].error.code == "internal_error"
+    assert "simulated fault" in answers["faulty"].error.message
+    assert answers["before"].error is None and answers["after"].error is None
+
+
+def test_a_fetch_is_prepared_in_one_trip_and_its_questions_share_passes(pipeline_service, qwen35_model):
+    """Twelve text requests of one fetch: answered as the model alone answers each, from far fewer passes
+    than requests (their rows were submitted together)."""
+    service = pipeline_service(prefix_reuse="off", max_batch_rows=64)
+    wanted = {}
+    batch_values = []
+    for n in range(12):
+        questions = {"a": Q_NOUL, "b": Q_CHOICE, "c": Q_SCORE}
+        state = {"ticket": n, "text": "the parcel arrived " + ("late " * (n % 4))}
+        batch_values.append((f"r{n}".encode(), json.dumps({"id": f"r{n}", "state": state,
+                                                          "questions": questions}).encode()))
+        wanted[f"r{n}"] = qwen35_model.system_one(state=state, questions=questions)["answers"]
+    trips = []
+    original_run = service.pipeline.prepare_thread.run
+
+    def counted(job: Any) -> Any:
+        trips.append(job)
+        return original_run(job)
+
+    service.pipeline.prepare_thread.run = counted
+    recorder = serve(service, records(*batch_values))
+    assert len(trips) == 1, f"{len(trips)} trips to the prepare thread for one fetch of text requests"
+    for rid, answer in recorder.answers.items():
+        close_to(answer.answers, wanted[rid], rid)
+    assert service.passes.rows.passes_run <= 3, service.passes.rows.passes_run
+    assert max(answer.provenance.batch.rows for answer in recorder.answers.values()) > 3
