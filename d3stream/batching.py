@@ -156,24 +156,29 @@ class BatchScheduler(Generic[T]):
     def finished(self, position: Any) -> None:
         """See ``expect``."""
 
-    async def submit_each(
-        self, rows: Sequence[T], positions: Sequence[Any] = ()
-    ) -> list[tuple[Any, PassRecord] | BaseException]:
-        """Like ``submit``, but a row that fails alone gets its exception in its slot instead of raising
-        (``positions``, where each row's request was read, matter to source-ordered schedulers only)."""
+    async def submit_each(self, rows: Sequence[T]) -> list[tuple[Any, PassRecord] | BaseException]:
+        """Like ``submit``, but a row that fails alone gets its exception in its slot instead of raising."""
+        return list(await self.enqueue(rows))
+
+    def enqueue(self, rows: Sequence[T], position: Any = None) -> asyncio.Future[list[Any]]:
+        """Queue one request's rows; the future gets every row's outcome (as ``submit_each`` returns them)
+        once the last of them is run. No task per request: callers gather the futures of many requests
+        (``position``, where the request was read, matters to source-ordered schedulers only)."""
         if self._closing:
             raise RuntimeError("the batch scheduler is closed")
         self.start()
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         if not rows:
-            return []
-        submission = _Submission(asyncio.get_running_loop().create_future(), [_UNSET] * len(rows), len(rows))
+            future.set_result([])
+            return future
+        submission = _Submission(future, [_UNSET] * len(rows), len(rows))
         now = time.perf_counter()
         for index, row in enumerate(rows):
             length = self._length(row)
             self._waiting.append(_Waiting(row, submission, index, now, length))
             self._waiting_tokens += length
         self._arrived.set()
-        return list(await submission.future)
+        return future
 
     def _full(self) -> bool:
         return len(self._waiting) >= self.max_batch_rows or self._waiting_tokens >= self.max_batch_tokens

@@ -15,8 +15,9 @@ A pass that fails is split and retried by the scheduler; a row failing alone fai
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -60,8 +61,9 @@ class RowScheduler(Protocol):
         """The request read at ``position`` is answered; if it submitted no rows it holds nothing back."""
         ...
 
-    async def submit_each(self, rows: Sequence[Row], positions: Sequence[Position] = ()) -> list[Outcome]:
-        """Each row's (probabilities, pass record), or the exception of a row that failed alone."""
+    def enqueue(self, rows: Sequence[Row], position: Position) -> asyncio.Future[list[Outcome]]:
+        """Queue one request's rows; the future gets each row's (probabilities, pass record), or the
+        exception of a row that failed alone, once the last of them has run."""
         ...
 
     async def close(self) -> None: ...
@@ -135,28 +137,37 @@ class Passes:
 
     # ------------------------------------------------------------------------------------ running
 
-    async def run(self, items: Sequence[PassItem]) -> None:
-        """Answer every row of ``items``: full prompts together in one submission, shared prefixes each."""
-        import asyncio
-
-        plain = [item for item in items if item.plan is None]
-        shared = [item for item in items if item.plan is not None]
-        await asyncio.gather(self._run_rows(plain), *(self._run_shared(item) for item in shared))
-
-    async def _run_rows(self, items: Sequence[PassItem]) -> None:
-        rows: list[Row] = []
-        positions: list[Position] = []
-        for item in items:
-            rows += item.prepared.rows
-            positions += [item.position] * len(item.prepared.rows)
-        if not rows:
-            return
+    async def run(self, items: Sequence[PassItem]) -> AsyncIterator[list[PassItem]]:
+        """Answer every row of ``items``, yielding the requests whose rows are all answered, a pass at a time
+        (a request does not wait for the last pass of its fetch). Full-prompt rows are queued without a task
+        per request; a request with a shared-prefix plan runs on that scheduler."""
         submitted = time.perf_counter()
+        waiting: dict[asyncio.Future[Any], PassItem] = {}
         for item in items:
             item.work.submitted_at = submitted
-        outcomes = iter(await self.rows.submit_each(rows, positions))
-        for item in items:
-            self._take_outcomes(item, [next(outcomes) for _ in item.prepared.rows], submitted)
+            if item.plan is None:
+                waiting[self.rows.enqueue(item.prepared.rows, item.position)] = item
+            else:
+                waiting[asyncio.ensure_future(self._run_shared(item))] = item
+        finished: asyncio.Queue[asyncio.Future[Any]] = asyncio.Queue()
+        for future in waiting:
+            future.add_done_callback(finished.put_nowait)
+        while waiting:
+            done = [await finished.get()]
+            while not finished.empty():
+                done.append(finished.get_nowait())
+            chunk = [waiting.pop(future) for future in done]
+            for future, item in zip(done, chunk, strict=True):
+                if item.plan is None:
+                    self._take_outcomes(item, future.result(), submitted)
+                else:
+                    future.result()
+            yield chunk
+
+    async def _run_rows(self, item: PassItem) -> None:
+        """One request's rows as full prompts (the fallback of a failed shared-prefix call)."""
+        submitted = time.perf_counter()
+        self._take_outcomes(item, await self.rows.enqueue(item.prepared.rows, item.position), submitted)
 
     def _take_outcomes(self, item: PassItem, outcomes: list[Outcome], submitted: float) -> None:
         """A request's probabilities from its rows' outcomes; a row whose pass failed alone fails its question."""
@@ -186,7 +197,7 @@ class Passes:
             [((probabilities, passes), _)] = await self.prefix_scheduler.submit([plan])
         except Exception as exc:  # noqa: BLE001 - the full-prompt path splits and reports row failures
             log.warning("shared-prefix run failed; running full prompts", error=f"{type(exc).__name__}: {exc}")
-            await self._run_rows([item])
+            await self._run_rows(item)
             return
         # Shared only if each row's answer came from a suffix pass (a failed check re-answers from full prompts).
         answered_by = {row: info.kind for info in passes if info.kind in ("suffix", "full") for row in info.done}

@@ -195,9 +195,9 @@ class RequestPipeline:
             passing.append((PassItem(work, prepared, position_of(work.record), plan), request))
         if refused:
             await on_served(refused)
-        if passing:
-            await self.passes.run([item for item, _ in passing])
-            await on_served([self._answered(item, request) for item, request in passing])
+        requests = {id(item): request for item, request in passing}
+        async for done in self.passes.run([item for item, _ in passing]):
+            await on_served([self._answered(item, requests[id(item)]) for item in done])
 
     def _prepare(self, request: Request, media: Media) -> tuple[Prepared, Any] | BaseException:
         """On the prepare thread: the prepared request and its shared-prefix plan, or what went wrong."""

@@ -159,25 +159,16 @@ class OrderedPasses:
         self._closed.add(key)
         self._advance(key)
 
-    async def submit_each(self, rows: Sequence[Row], positions: Sequence[Position] = ()) -> list[Outcome]:
-        if len(positions) != len(rows):
-            raise ValueError("ordered passes need the position each row's request was read at")
+    def enqueue(self, rows: Sequence[Row], position: Position) -> asyncio.Future[list[Outcome]]:
+        """Fill the request's place in its partition's order; its passes run once every earlier request of the
+        partition is placed (or answered without rows)."""
+        topic, partition, offset = position
+        slot = next(s for s in self._queues[(topic, partition)] if s.offset == offset)
         loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[Any]] = []
-        by_request: dict[Position, list[Row]] = {}
-        for row, position in zip(rows, positions, strict=True):
-            by_request.setdefault(position, []).append(row)
-        slots: dict[Position, _Slot] = {}
-        for (topic, partition, offset), request_rows in by_request.items():
-            slot = next(s for s in self._queues[(topic, partition)] if s.offset == offset)
-            slot.futures = [loop.create_future() for _ in request_rows]
-            slot.rows = request_rows
-            slots[(topic, partition, offset)] = slot
-        taken = {position: iter(slot.futures) for position, slot in slots.items()}
-        futures = [next(taken[position]) for position in positions]
-        for topic, partition, _ in slots:
-            self._advance((topic, partition))
-        return list(await asyncio.gather(*futures, return_exceptions=True))
+        slot.futures = [loop.create_future() for _ in rows]
+        slot.rows = list(rows)
+        self._advance((topic, partition))
+        return asyncio.gather(*slot.futures, return_exceptions=True)
 
     def _advance(self, partition: PartitionKey) -> None:
         queue = self._queues.get(partition, deque())
