@@ -1,6 +1,6 @@
 # Two entry points, each installing what it needs first (see README "Quick start").
 #   make demo   run the embedded default: local Kafka + S3, tiny trained checkpoint, sample requests, re-evaluation
-#   make test   run the test suite (starts its own Kafka and S3 servers)
+#   make test   lint (ruff, mypy), then the test suite (starts its own Kafka and S3 servers)
 
 PYTHON ?= python3
 VENV := .venv
@@ -21,11 +21,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/d3stream demo
 
-test: $(STAMP)
+test: lint
 	D3STREAM_REQUIRE_INFRA=1 $(VENV)/bin/python -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check d3stream tests
+	$(VENV)/bin/mypy d3stream
 
 schemas: $(STAMP)
 	$(VENV)/bin/python -m d3stream.events

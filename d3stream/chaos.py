@@ -28,7 +28,10 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import DeliveryMode
 
 CHAOS_BUCKET = "d3stream-chaos"
 
@@ -48,7 +51,7 @@ def valid_request(number: int, rng: random.Random, image_uri: str | None) -> dic
     return request
 
 
-def fuzzed_event(number: int, rng: random.Random) -> tuple[bytes | None, bytes]:
+def fuzzed_event(number: int, rng: random.Random) -> tuple[bytes, bytes]:
     """(key, value) of one hostile or malformed record; its key is always its id, so it can be counted."""
     key = f"fuzz-{number:06d}"
     kind = number % 10
@@ -78,7 +81,7 @@ def fuzzed_event(number: int, rng: random.Random) -> tuple[bytes | None, bytes]:
     return key.encode(), value
 
 
-def build_stream(requests: int, fuzzed: int, seed: int, image_uri: str | None) -> list[tuple[bytes | None, bytes]]:
+def build_stream(requests: int, fuzzed: int, seed: int, image_uri: str | None) -> list[tuple[bytes, bytes]]:
     rng = random.Random(seed)
     records = [
         (f"req-{n:06d}".encode(), json.dumps(valid_request(n, rng, image_uri)).encode()) for n in range(requests)
@@ -196,7 +199,7 @@ async def run_chaos(
     requests: int = 10_000,
     fuzzed: int = 10_000,
     kills: int = 20,
-    mode: str = "exactly_once",
+    mode: DeliveryMode = "exactly_once",
     seed: int = 0,
     broker_restart: bool = True,
     store_outage: bool = True,
@@ -221,7 +224,7 @@ async def run_chaos(
         store.create_bucket(CHAOS_BUCKET)
         store.client().put_object(Bucket=CHAOS_BUCKET, Key="img.png", Body=sample_png())
         image_uri = f"s3://{CHAOS_BUCKET}/img.png"
-        topics = {"request_topics": ["chaos.requests"], "answer_topic": "chaos.answers",
+        topics: dict[str, Any] = {"request_topics": ["chaos.requests"], "answer_topic": "chaos.answers",
                   "dead_letter_topic": "chaos.dead-letters", "provenance_topic": "chaos.provenance"}
         for topic in ("chaos.requests", "chaos.answers", "chaos.dead-letters"):
             broker.create_topic(topic, exist_ok=True)
@@ -319,7 +322,7 @@ def iter_table(report: dict[str, Any]) -> Iterator[str]:
 # -------------------------------------------------------------------------------- what a mode costs
 
 
-async def measure_mode(broker: Any, model: Any, mode: str, *, requests: int, rate: float | None) -> dict[str, Any]:
+async def measure_mode(broker: Any, model: Any, mode: DeliveryMode, *, requests: int, rate: float | None) -> dict[str, Any]:
     """Serve one stream in ``mode``; latency is request timestamp -> answer readable by read_committed."""
     from .clients import consume_answers, produce
     from .config import Settings
@@ -391,7 +394,8 @@ async def delivery_costs(requests: int = 1000, rate: float = 100.0, progress: bo
     rows = []
     with local_stack(progress=progress) as (broker, _store):
         model = D3.from_pretrained(demo_checkpoint())
-        for mode in ("at_least_once", "exactly_once"):
+        modes: tuple[DeliveryMode, ...] = ("at_least_once", "exactly_once")
+        for mode in modes:
             rows.append(await measure_mode(broker, model, mode, requests=requests, rate=None))
             rows.append(await measure_mode(broker, model, mode, requests=min(requests, int(rate * 10)), rate=rate))
     return rows

@@ -75,7 +75,7 @@ def _decide(args: argparse.Namespace) -> int:
     try:
         response = model.system_one(
             state=request.get("state"),
-            questions=request.get("questions"),
+            questions=request.get("questions") or {},  # none at all: the runtime's "nonempty mapping" error
             images=images or None,
             videos=videos or None,
         )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .events import HEADERS
+from .runtime.kinds import MEDIA_KINDS
 
 
 def upload_media(client: Any, bucket: str, path: Path) -> str:
@@ -28,7 +29,8 @@ def upload_media(client: Any, bucket: str, path: Path) -> str:
 
 def rewrite_media(request: dict[str, Any], client: Any, bucket: str, base: Path) -> dict[str, Any]:
     """The request with every local media path uploaded and replaced by its ``s3://`` reference."""
-    for field in ("images", "videos"):
+    for kind in MEDIA_KINDS:
+        field = kind.request_attribute
         values = request.get(field)
         if not isinstance(values, list):
             continue

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-QUESTION_TYPES = ("choice", "noul", "score")
+from .runtime.kinds import QUESTION_TYPE_NAMES, finite_number, question_type
+
 ECE_BINS = 10
 DEFAULT_TOP = 10
 DEFAULT_OUT = "compare-report"
@@ -299,91 +300,21 @@ class Slot:
         return self.probabilities.get(self.decision, 0.0)
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _probabilities(raw: Any) -> dict[str, float] | None:
-    if not isinstance(raw, dict) or not raw:
-        return None
-    out = {}
-    for key, value in raw.items():
-        number = _number(value)
-        if number is None:
-            return None
-        out[str(key)] = number
-    return out
-
-
-def _argmax(probabilities: Mapping[str, float], keys: Sequence[str]) -> str:
-    return max(keys, key=lambda k: probabilities[k])  # first of equal maxima
-
-
-def _level(key: str) -> int | None:
-    try:
-        return int(key)
-    except ValueError:
-        return None
-
-
 def parse_slot(raw: Any) -> Slot | None:
     """A question's answer object as a :class:`Slot`; None for an error slot or an unreadable one."""
-    if not isinstance(raw, dict) or "error" in raw or raw.get("type") not in QUESTION_TYPES:
+    if not isinstance(raw, dict) or "error" in raw:
         return None
-    kind = raw["type"]
-    probabilities = _probabilities(raw.get("probabilities"))
-    confidence = _number(raw.get("confidence"))
-    if kind == "noul":
-        p = _number(raw.get("noul"))
-        if probabilities is None or not {"false", "true"} <= probabilities.keys():
-            if p is None:
-                return None
-            probabilities = {"false": 1.0 - p, "true": p}
-        if p is None:
-            p = probabilities["true"]
-        return Slot("noul", probabilities, "true" if p >= 0.5 else "false", confidence)
-    if probabilities is None:
+    kind = question_type(raw.get("type"))
+    read = kind.read(raw) if kind is not None else None
+    if kind is None or read is None:
         return None
-    if kind == "choice":
-        choice = raw.get("choice")
-        decision = choice if isinstance(choice, str) and choice in probabilities else _argmax(
-            probabilities, list(probabilities)
-        )
-        return Slot("choice", probabilities, decision, confidence)
-    levels = {key: _level(key) for key in probabilities}
-    if any(level is None for level in levels.values()):
-        return None
-    ordered = sorted(probabilities, key=lambda k: levels[k])
-    score = _number(raw.get("score"))
-    if score is None:
-        score = sum(levels[k] * probabilities[k] for k in ordered)  # type: ignore[operator]
-    return Slot("score", probabilities, _argmax(probabilities, ordered), confidence, score)
+    return Slot(kind.name, read.probabilities, read.decision, finite_number(raw.get("confidence")), read.score)
 
 
 def _label_key(slot: Slot, expected: Any) -> str | None:
     """The option key a label names, in the slot's own terms; None when it cannot name one."""
-    if slot.type == "noul":
-        if isinstance(expected, bool):
-            key = "true" if expected else "false"
-        elif isinstance(expected, str) and expected.lower() in ("true", "false"):
-            key = expected.lower()
-        else:
-            return None
-    elif slot.type == "score":
-        if isinstance(expected, bool):
-            return None
-        if isinstance(expected, int):
-            key = str(expected)
-        elif isinstance(expected, str) and _level(expected) is not None:
-            key = str(_level(expected))
-        else:
-            return None
-    else:
-        if not isinstance(expected, str):
-            return None
-        key = expected
+    kind = question_type(slot.type)
+    key = kind.label_key(expected) if kind is not None else None
     return key if key in slot.probabilities else None
 
 
@@ -620,6 +551,8 @@ def calibration(confidences: Sequence[float], correct: Sequence[bool], bins: int
     total = len(confidences)
     ece = 0.0
     for b, indices in enumerate(members):
+        mean_confidence: float | None
+        accuracy: float | None
         if indices:
             mean_confidence = math.fsum(confidences[i] for i in indices) / len(indices)
             accuracy = sum(1 for i in indices if correct[i]) / len(indices)
@@ -659,14 +592,14 @@ def _label_report(joined: Sequence[JoinedQuestion], labels: Labels) -> LabelRepo
             invalid += 1
             continue
         pairs[question.type].append((question, option_a))
-    everything = [pair for kind in QUESTION_TYPES for pair in pairs.get(kind, [])]
+    everything = [pair for kind in QUESTION_TYPE_NAMES for pair in pairs.get(kind, [])]
     return LabelReport(
         n=len(everything),
         a=label_stats([(q.a, key) for q, key in everything]),
         b=label_stats([(q.b, key) for q, key in everything]),
         by_type={
             kind: (label_stats([(q.a, k) for q, k in pairs[kind]]), label_stats([(q.b, k) for q, k in pairs[kind]]))
-            for kind in QUESTION_TYPES if pairs.get(kind)
+            for kind in QUESTION_TYPE_NAMES if pairs.get(kind)
         },
         unmatched=unmatched,
         invalid=invalid,
@@ -739,7 +672,7 @@ def compare(
         skipped_questions=skipped,
         unreadable_questions=unreadable,
         overall=group_stats(joined),
-        by_type={kind: group_stats(by_type_lists[kind]) for kind in QUESTION_TYPES if kind in by_type_lists},
+        by_type={kind: group_stats(by_type_lists[kind]) for kind in QUESTION_TYPE_NAMES if kind in by_type_lists},
         by_question={qid: group_stats(qs) for qid, qs in sorted(by_question_lists.items())},
         top=tuple(disagreements[:top]),
         labels=None if labels is None else _label_report(joined, labels),
@@ -873,7 +806,9 @@ def render_markdown(report: Report, plots: Sequence[str] = ()) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-_COLORS = {"choice": "#4C72B0", "noul": "#DD8452", "score": "#55A868", "A": "#4C72B0", "B": "#C44E52"}
+# One colour per question type in registry order (a new type fails here until it has one), one per side.
+_TYPE_COLORS = dict(zip(QUESTION_TYPE_NAMES, ("#4C72B0", "#DD8452", "#55A868"), strict=True))
+_SIDE_COLORS = {"A": "#4C72B0", "B": "#C44E52"}
 
 
 def _figure(width: float, height: float) -> Any:
@@ -889,13 +824,13 @@ def plot_abs_dp_histogram(report: Report, path: Path) -> Path:
     """Histogram of ``|Δp|`` per option, stacked by question type, with the mean and max marked."""
     figure = _figure(8, 4.8)
     axes = figure.add_subplot()
-    groups = {kind: [d for q in report.joined if q.type == kind for d in q.deltas.values()] for kind in QUESTION_TYPES}
+    groups = {kind: [d for q in report.joined if q.type == kind for d in q.deltas.values()] for kind in QUESTION_TYPE_NAMES}
     groups = {kind: values for kind, values in groups.items() if values}
     overall = report.overall
     if groups:
         top = max(overall.max_abs_dp or 0.0, 0.01) * 1.02
         edges = [top * i / 30 for i in range(31)]
-        axes.hist(list(groups.values()), bins=edges, stacked=True, color=[_COLORS[k] for k in groups],
+        axes.hist(list(groups.values()), bins=edges, stacked=True, color=[_TYPE_COLORS[k] for k in groups],
                   label=[f"{k} ({len(v)} options)" for k, v in groups.items()], edgecolor="white", linewidth=0.5)
         axes.axvline(overall.mean_abs_dp or 0.0, color="black", linestyle="--", linewidth=1,
                      label=f"mean {overall.mean_abs_dp:.4f}")
@@ -921,7 +856,7 @@ def plot_agreement_by_question(report: Report, path: Path, limit: int = 30) -> P
     axes = figure.add_subplot()
     names = [f"{qid} ({stats.types})" for qid, stats in items]
     values = [100 * (stats.agreement or 0.0) for _, stats in items]
-    colors = [_COLORS.get(stats.types, "#8172B3") for _, stats in items]
+    colors = [_TYPE_COLORS.get(stats.types, "#8172B3") for _, stats in items]
     bars = axes.barh(names, values, color=colors)
     for bar, (_, stats) in zip(bars, items, strict=True):
         axes.text(min(bar.get_width(), 100) + 1, bar.get_y() + bar.get_height() / 2,
@@ -951,10 +886,10 @@ def plot_reliability(report: Report, path: Path) -> Path:
     ):
         filled = [b for b in stats.bins if b.count]
         top.plot([b.mean_confidence for b in filled], [b.accuracy for b in filled], marker="o",
-                 color=_COLORS[side], label=f"{side}: {source} (ECE {_fmt(stats.ece, 3)}, accuracy "
+                 color=_SIDE_COLORS[side], label=f"{side}: {source} (ECE {_fmt(stats.ece, 3)}, accuracy "
                  f"{_pct(stats.accuracy)})")
         bottom.bar([(b.lower + b.upper) / 2 + offset for b in stats.bins], [b.count for b in stats.bins],
-                   width=width * 0.4, color=_COLORS[side], label=side)
+                   width=width * 0.4, color=_SIDE_COLORS[side], label=side)
     top.set_xlim(0, 1)
     top.set_ylim(0, 1.02)
     top.set_ylabel("accuracy in the bin")

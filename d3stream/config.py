@@ -24,6 +24,9 @@ import msgspec
 ENV_PREFIX = "D3STREAM_"
 CONFIG_ENV = "D3STREAM_CONFIG"
 
+# The delivery setting's values; also what chaos and the benchmarks pass as a mode.
+DeliveryMode = Literal["exactly_once", "at_least_once"]
+
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Kafka
@@ -52,7 +55,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ssl_check_hostname: bool = True
     kafka_options: list[str] = msgspec.field(default_factory=list)
     commit_interval_ms: int = 500
-    delivery: Literal["exactly_once", "at_least_once"] = "exactly_once"
+    delivery: DeliveryMode = "exactly_once"
     transactional_id_prefix: str = "d3stream"
     compression: Literal["zstd", "lz4", "gzip", "none"] = "zstd"
     max_request_size: int = 4_194_304

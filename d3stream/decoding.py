@@ -123,9 +123,10 @@ class _Slot:
         self.process: subprocess.Popen | None = None
         self.connection: Connection | None = None
 
-    def ensure_started(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            return
+    def ensure_started(self) -> Connection:
+        """The connection to this slot's process, started first when there is none (or it ended)."""
+        if self.process is not None and self.process.poll() is None and self.connection is not None:
+            return self.connection
         self.kill()
         parent, child = socket.socketpair()
         try:
@@ -138,6 +139,7 @@ class _Slot:
         finally:
             child.close()
         self.connection = Connection(parent.detach())
+        return self.connection
 
     def kill(self) -> None:
         if self.process is not None:
@@ -178,12 +180,12 @@ class ProcessDecoder:
         try:
             if self._closed.is_set():
                 raise DecodeCrashed("the worker is shutting down")
-            slot.ensure_started()
+            connection = slot.ensure_started()
             try:
-                slot.connection.send((function, args))
-                finished = slot.connection.poll(self.timeout_s)
+                connection.send((function, args))
+                finished = connection.poll(self.timeout_s)
                 if finished:
-                    kind, value = slot.connection.recv()
+                    kind, value = connection.recv()
             except (EOFError, OSError) as exc:
                 slot.kill()
                 raise DecodeCrashed(f"the decoding process ended during the decode ({type(exc).__name__})") from exc

@@ -53,7 +53,7 @@ def sample_mp4(frames: int = 20, width: int = 96, height: int = 64, fps: float =
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as folder:
         path = str(Path(folder) / "clip.mp4")
-        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+        writer = cv2.VideoWriter(path, cv2.VideoWriter.fourcc(*"mp4v"), fps, (width, height))
         for number in range(frames):
             frame = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
             frame[:, : (number * width) // frames] = 255  # a bar that grows: the clip changes over time
@@ -91,7 +91,7 @@ def labelled_examples() -> list[tasks.Example]:
 
 def sample_requests(
     examples: list[tasks.Example], upload: Any, image_uri: str, video_uri: str
-) -> list[tuple[bytes | None, bytes]]:
+) -> list[tuple[bytes, bytes]]:
     """(key, value) records: the labelled tickets and pictures (each picture uploaded with ``upload(key,
     png) -> s3 uri``), then a video, mixed media, an invalid question and one malformed record."""
     import base64

@@ -20,6 +20,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from .runtime.kinds import MEDIA_KINDS, QUESTION_TYPE_NAMES, question_type, spoken_list
+
 SCHEMA_VERSION = "1"
 CONTENT_TYPE = "application/json"
 HEADERS = [("content-type", CONTENT_TYPE.encode()), ("d3stream-schema", SCHEMA_VERSION.encode())]
@@ -42,7 +44,8 @@ MediaReference = Annotated[
     str,
     msgspec.Meta(
         min_length=1,
-        description="s3://bucket/key (optionally ?versionId=...) or an inline data:image/... or data:video/... URL",
+        description="s3://bucket/key (optionally ?versionId=...) or an inline "
+        + spoken_list([f"data:{kind.name}/..." for kind in MEDIA_KINDS]) + " URL",
     ),
 ]
 
@@ -53,7 +56,8 @@ class Request(msgspec.Struct, kw_only=True):
     id: Annotated[str, msgspec.Meta(min_length=1, max_length=512, description="request id; also the Kafka key")]
     state: Any = msgspec.field(default=None)
     questions: Annotated[
-        dict[str, Any], msgspec.Meta(description="question id -> System One question (choice, noul or score)")
+        dict[str, Any],
+        msgspec.Meta(description=f"question id -> System One question ({spoken_list(QUESTION_TYPE_NAMES)})"),
     ]
     images: list[MediaReference] = msgspec.field(default_factory=list)
     videos: list[MediaReference] = msgspec.field(default_factory=list)
@@ -224,8 +228,9 @@ def _option_count(question: Any) -> int:
     """The answer options a question asks for, as far as its shape says (validation comes later)."""
     if not isinstance(question, dict):
         return 0
-    if question.get("type") == "noul":
-        return 2
+    kind = question_type(question.get("type"))
+    if kind is not None and kind.fixed_options is not None:
+        return kind.fixed_options
     criteria = question.get("criteria")
     return len(criteria) if isinstance(criteria, (dict, list)) else 0
 

@@ -409,9 +409,10 @@ class Metrics:
 
     def count_answer(self, code: str | None) -> None:
         """One answer event published: ``None`` (or "ok") when answered, else the request's error code."""
-        series = self._answer_series.get(code or "ok")
+        label = code or "ok"
+        series = self._answer_series.get(label)
         if series is None:  # a code outside the documented table still counts
-            series = self._answer_series[code] = self.answers.labels(code=code)
+            series = self._answer_series[label] = self.answers.labels(code=label)
         series.inc()
 
     def count_dead_letter(self) -> None:

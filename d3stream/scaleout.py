@@ -66,7 +66,7 @@ class Member:
                 for sample in family.samples if sample.name in WATCHED and not sample.labels}
 
     def joined(self, sample: dict[str, float] | None) -> bool:
-        return bool(sample) and sample.get("d3stream_rebalances_total", 0) > 0
+        return sample is not None and sample.get("d3stream_rebalances_total", 0) > 0
 
 
 @dataclass
@@ -86,8 +86,9 @@ class Group:
         """Every worker up and joined, all partitions owned, every worker on the same generation."""
         if not all(m.joined(s) for m, s in zip(self.members, snapshot, strict=True)):
             return False
-        owned = sum(s["d3stream_partitions_owned"] for s in snapshot)  # type: ignore[index]
-        generations = {s["d3stream_group_generation"] for s in snapshot}  # type: ignore[index]
+        samples = [s for s in snapshot if s is not None]  # all of them: every worker joined
+        owned = sum(s["d3stream_partitions_owned"] for s in samples)
+        generations = {s["d3stream_group_generation"] for s in samples}
         return owned == self.partitions and len(generations) == 1
 
     async def settle(self, timeout_s: float, steady_s: float = 2.0) -> float:

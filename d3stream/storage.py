@@ -27,11 +27,10 @@ from urllib.parse import parse_qs, urlsplit
 import structlog
 
 from .runtime import media as media_io
+from .runtime.kinds import media_kind
 
 log = structlog.get_logger(__name__)
 
-LIMITS = {"image": media_io.MAX_IMAGE_BYTES, "video": media_io.MAX_VIDEO_BYTES}
-DATA_URL_TYPES = {"image": media_io.DATA_URL_IMAGE_TYPES, "video": media_io.VIDEO_FORMATS}
 # S3 bucket names (and the dotted names older buckets have): lower case, digits, dots, hyphens.
 BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
 
@@ -123,11 +122,12 @@ class Allowlist:
 
 def inline_media(reference: str, kind: str) -> FetchedMedia:
     """The bytes of an inline ``data:`` URL, with the strict type and size checks of its kind."""
+    media = media_kind(kind)
     try:
-        subtype, text = media_io.split_data_url(reference, kind)
-        if subtype.split(";", 1)[0] not in DATA_URL_TYPES[kind]:
-            raise ValueError(f"{kind} data URLs take the types {', '.join(DATA_URL_TYPES[kind])}, got {subtype!r}")
-        data = media_io.decode_base64(text, LIMITS[kind])
+        subtype, text = media_io.split_data_url(reference, media.name)
+        if subtype.split(";", 1)[0] not in media.data_url_types:
+            raise ValueError(f"{kind} data URLs take the types {', '.join(media.data_url_types)}, got {subtype!r}")
+        data = media_io.decode_base64(text, media.max_bytes)
     except ValueError as exc:
         code = "media_too_large" if "limit" in str(exc) else "media_unreadable"
         raise MediaError(code, str(exc)) from exc
@@ -211,8 +211,9 @@ class MediaFetcher:
         return fetched
 
     async def fetch_all(self, references: list[str], kind: str) -> list[FetchedMedia]:
-        """The bytes of each reference, in order; a reference named twice is fetched once (the same
-        ``FetchedMedia`` stands at both places)."""
+        """The bytes of each reference of one media kind (``kinds.MEDIA_KINDS``' name: ``"image"``,
+        ``"video"``), in order; a reference named twice is fetched once (the same ``FetchedMedia`` stands
+        at both places)."""
         distinct = list(dict.fromkeys(references))
         fetched = dict(zip(distinct, await asyncio.gather(*(self.fetch(r, kind) for r in distinct)), strict=True))
         return [fetched[reference] for reference in references]
@@ -220,7 +221,7 @@ class MediaFetcher:
     def _read(self, location: S3Location, kind: str) -> FetchedMedia:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        limit = LIMITS[kind]
+        limit = media_kind(kind).max_bytes
         versioned = {"VersionId": location.version_id} if location.version_id else {}
         started = time.perf_counter()
         for attempt in (1, 2):  # a second look when the object changed between HEAD and GET

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .kinds import IMAGE, MEDIA_KINDS, VIDEO, MediaKind, media_kind
+
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 
 
@@ -85,6 +87,10 @@ def video_digest(video: Any) -> str:
     digest.update(("video|" + json.dumps(meta, sort_keys=True, default=repr) + "|").encode())
     digest.update(frames.tobytes())
     return digest.hexdigest()
+
+
+# How each media kind's decoded content is hashed for its cache key.
+_CONTENT_DIGESTS: dict[str, Callable[[Any], str]] = {IMAGE.name: image_digest, VIDEO.name: video_digest}
 
 
 class MediaFeatureCache:
@@ -170,12 +176,11 @@ class MediaFeatureCache:
 
     def keys(self, model: Any, media: Any, kind: str) -> list[str]:
         """The cache key of each image (``kind="image"``) or video of a request's media."""
-        grid_name = "image_grid_thw" if kind == "image" else "video_grid_thw"
-        processor = model.processor.image_processor if kind == "image" else model.processor.video_processor
-        settings = settings_digest(processor)
-        items = media.images if kind == "image" else media.videos
-        content = image_digest if kind == "image" else video_digest
-        grids = media.inputs[grid_name].tolist()
+        found = media_kind(kind)
+        settings = settings_digest(getattr(model.processor, found.processor_attribute))
+        items = getattr(media, found.request_attribute)
+        content = _CONTENT_DIGESTS[found.name]
+        grids = media.inputs[found.grid_input].tolist()
         namespace = self.model_namespace(model)
         return [
             hashlib.sha256(f"{namespace}|{kind}|{settings}|{grid}|{content(item)}".encode()).hexdigest()
@@ -185,11 +190,9 @@ class MediaFeatureCache:
     def request_features(self, model: Any, media: Any) -> dict[str, Any]:
         """What ``D3._features`` returns for ``media``, encoding only the images and videos not cached."""
         features: dict[str, Any] = {}
-        for kind, pixels_name, grid_name in (
-            ("image", "pixel_values", "image_grid_thw"),
-            ("video", "pixel_values_videos", "video_grid_thw"),
-        ):
-            if pixels_name not in media.inputs:
+        for media_type in MEDIA_KINDS:
+            kind = media_type.name
+            if media_type.pixels_input not in media.inputs:
                 continue
             keys = self.keys(model, media, kind)
             found: dict[str, Entry] = {}
@@ -203,26 +206,29 @@ class MediaFeatureCache:
                 else:
                     found[key] = entry
             if missing:
-                found.update(self._encode(model, media, kind, pixels_name, grid_name, missing, keys))
+                found.update(self._encode(model, media, media_type, missing, keys))
             entries = [found[key] for key in keys]
             features[kind] = [entry.pooled for entry in entries]
-            if entries and entries[0].deepstack is not None:
-                layers = len(entries[0].deepstack)
-                features[f"{kind}_deepstack"] = [[entry.deepstack[layer] for entry in entries] for layer in range(layers)]
+            # Every entry of a kind comes from the same model (the namespace is in its key): all have deepstack
+            # features (Qwen3-VL) or none has.
+            deepstacks = [entry.deepstack for entry in entries if entry.deepstack is not None]
+            if deepstacks:
+                layers = len(deepstacks[0])
+                features[f"{kind}_deepstack"] = [[stack[layer] for stack in deepstacks] for layer in range(layers)]
         return features
 
     def _encode(
-        self, model: Any, media: Any, kind: str, pixels_name: str, grid_name: str, numbers: list[int], keys: list[str]
+        self, model: Any, media: Any, kind: MediaKind, numbers: list[int], keys: list[str]
     ) -> dict[str, Entry]:
         torch = model.torch
-        grid = media.inputs[grid_name]
-        pixels = media.inputs[pixels_name]
+        grid = media.inputs[kind.grid_input]
+        pixels = media.inputs[kind.pixels_input]
         patches = grid.prod(-1).tolist()
         starts = [0]
         for count in patches:
             starts.append(starts[-1] + int(count))
         chosen = torch.cat([pixels[starts[n] : starts[n + 1]] for n in numbers])
-        encode = model.backbone.get_image_features if kind == "image" else model.backbone.get_video_features
+        encode = getattr(model.backbone, kind.features_method)
         output = encode(chosen.to(model.device), grid[numbers].to(model.device), return_dict=True)
         pooled = list(output.pooler_output)
         deep = getattr(output, "deepstack_features", None)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import tasks
+from .kinds import question_type
 from .package import read_manifest, write_manifest
 
 DEFAULT_STEPS = 1000
@@ -47,8 +48,12 @@ class _Batch:
 
 
 def _option_index(question: Any, label: Any) -> int:
-    """The code index of a label: the choice key, true/false, or the score level."""
-    key = ("true" if label else "false") if question.kind == "noul" else str(label)
+    """The code index of a label (the choice key, true/false, the score level), read as ``compare --labels``
+    reads labels."""
+    kind = question_type(question.kind)
+    key = kind.label_key(label) if kind is not None else None
+    if key is None:
+        raise ValueError(f"the label {label!r} names no option of a {question.kind} question")
     return question.keys.index(key)
 
 

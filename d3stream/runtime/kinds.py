@@ -1,0 +1,344 @@
+"""The question types and media kinds, each defined once: what a request may ask and what it may show.
+
+Every part of d3stream that treats the three question types (``choice``, ``noul``, ``score``) or the two
+media kinds (``image``, ``video``) differently reads its difference from here, instead of keeping its own
+list or if-chain of the kinds:
+
+* a :class:`QuestionType` says how a question of the type is validated and rendered for the prompt
+  contract (``build``), how its answer object is made from the option probabilities (``answer``), how
+  ``d3stream compare`` reads that answer object back (``read``) and a label (``label_key``), how many
+  options it has whatever its criteria say (``fixed_options``, for the request limits) and whether its
+  options may be shown in reverse order (``permutable``, for permutation averaging);
+* a :class:`MediaKind` says which request field lists its references, which model attribute says why
+  the checkpoint cannot take it, its strict limits for bytes from outside, and the names the processor
+  and the backbone use for it.
+
+``QUESTION_TYPES`` and ``MEDIA_KINDS`` are ordered: reports, schemas and the service follow that order.
+
+The prompt contract itself (``format.py``) is the one place that names the rendered types ``choice`` and
+``noul`` on its own: a byte copy of it travels inside every checkpoint and must run with the standard
+library alone, so it cannot read this registry (a ``score`` question is rendered as a ``choice`` over its
+level texts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import format as d3_format
+from . import media as media_io
+
+# -- the question record and the helpers its types share ---------------------------------------------
+
+
+@dataclass
+class Question:
+    """One validated question: what the prompt renders and how its answer is reported."""
+
+    kind: str  # the QuestionType's name
+    rendered: dict[str, Any]  # the choice or noul question handed to the prompt contract
+    keys: list[str]  # option keys in code order
+    descriptions: list[Any]  # what each option means (score: the level values, for the legend)
+
+    @property
+    def option_count(self) -> int:
+        return len(self.keys)
+
+
+def require_json(value: Any, what: str = "value") -> None:
+    """Refuse values strict JSON cannot carry (NaN, infinities, non-JSON types, runaway nesting)."""
+    try:
+        json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"the {what} is not representable as JSON: {exc}") from exc
+
+
+def canonical_text(value: Any) -> str:
+    """Stable text for a score level: strings verbatim, anything else as compact key-sorted JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+
+def confidence(probabilities: Sequence[float]) -> float:
+    """One minus the normalized Shannon entropy of a distribution, clipped to [0, 1]."""
+    count = len(probabilities)
+    if count < 2:
+        return 1.0
+    entropy = -sum(p * math.log(p) for p in probabilities if p > 0)
+    return max(0.0, min(1.0, 1.0 - entropy / math.log(count)))
+
+
+@dataclass(frozen=True)
+class ReadAnswer:
+    """An answer object as ``d3stream compare`` reads it: every option's probability, the decision (an
+    option key) and, for ``score``, the expected level."""
+
+    probabilities: dict[str, float]
+    decision: str
+    score: float | None = None
+
+
+def finite_number(value: Any) -> float | None:
+    """A JSON number that is finite (booleans are not numbers here); None otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def probability_map(raw: Any) -> dict[str, float] | None:
+    """A non-empty object of finite numbers by option key; None when ``raw`` is anything else."""
+    if not isinstance(raw, dict) or not raw:
+        return None
+    out = {}
+    for key, value in raw.items():
+        number = finite_number(value)
+        if number is None:
+            return None
+        out[str(key)] = number
+    return out
+
+
+def _argmax(probabilities: Mapping[str, float], keys: Sequence[str]) -> str:
+    return max(keys, key=lambda k: probabilities[k])  # first of equal maxima
+
+
+def _level(key: str) -> int | None:
+    try:
+        return int(key)
+    except ValueError:
+        return None
+
+
+# -- the question types ----------------------------------------------------------------------------
+
+# A builder gets the question object, its (JSON-checked) instructions and the checkpoint's prompt contract.
+Builder = Callable[[Mapping[str, Any], Any, Any], Question]
+# An answerer gets the validated question, its option probabilities (code order) and the prompt contract.
+Answerer = Callable[[Question, Sequence[float], Any], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class QuestionType:
+    """One public question type and everything that differs between types."""
+
+    name: str
+    build: Builder  # validate the question's criteria and render it for the prompt contract
+    answer: Answerer  # the public answer object; ValueError when the probabilities cannot be one
+    read: Callable[[Mapping[str, Any]], ReadAnswer | None]  # an answer object back (compare)
+    label_key: Callable[[Any], str | None]  # the option key a label names (compare --labels, training)
+    fixed_options: int | None = None  # options whatever the criteria say (None: one per criterion)
+    permutable: bool = False  # options may be shown in reverse order (permutation averaging)
+
+
+def _build_choice(question: Mapping[str, Any], instructions: Any, contract: Any) -> Question:
+    criteria = question.get("criteria")
+    limit = contract.MAX_OPTIONS
+    if not isinstance(criteria, Mapping) or not 1 <= len(criteria) <= limit:
+        raise ValueError(f"choice criteria must map 1 to {limit} option keys to descriptions")
+    if any(not isinstance(key, str) or not key for key in criteria):
+        raise ValueError("choice option keys must be nonempty strings")
+    require_json(dict(criteria), "criteria")
+    rendered = {"type": "choice", "instructions": instructions, "criteria": dict(criteria)}
+    keys = list(criteria)
+    return Question("choice", rendered, keys, [criteria[key] for key in keys])
+
+
+def _answer_choice(question: Question, probabilities: Sequence[float], contract: Any) -> dict[str, Any]:
+    answer: dict[str, Any] = contract.to_answer(question.rendered, probabilities)
+    answer["confidence"] = confidence(list(answer["probabilities"].values()))
+    return answer
+
+
+def _read_choice(raw: Mapping[str, Any]) -> ReadAnswer | None:
+    probabilities = probability_map(raw.get("probabilities"))
+    if probabilities is None:
+        return None
+    choice = raw.get("choice")
+    decision = choice if isinstance(choice, str) and choice in probabilities else _argmax(
+        probabilities, list(probabilities)
+    )
+    return ReadAnswer(probabilities, decision)
+
+
+def _choice_label(expected: Any) -> str | None:
+    return expected if isinstance(expected, str) else None
+
+
+def _build_noul(question: Mapping[str, Any], instructions: Any, contract: Any) -> Question:
+    criteria = question.get("criteria")
+    rendered: dict[str, Any] = {"type": "noul", "instructions": instructions}
+    if criteria is not None:
+        if not isinstance(criteria, Mapping) or set(criteria) - {"false", "true"}:
+            raise ValueError('noul criteria may only describe "false" and "true"')
+        require_json(dict(criteria), "criteria")
+        rendered["criteria"] = dict(criteria)
+    keys, texts = contract.options(rendered)
+    return Question("noul", rendered, list(keys), list(texts))
+
+
+def _answer_noul(question: Question, probabilities: Sequence[float], contract: Any) -> dict[str, Any]:
+    answer: dict[str, Any] = contract.to_answer(question.rendered, probabilities)
+    return answer
+
+
+def _read_noul(raw: Mapping[str, Any]) -> ReadAnswer | None:
+    probabilities = probability_map(raw.get("probabilities"))
+    p = finite_number(raw.get("noul"))
+    if probabilities is None or not {"false", "true"} <= probabilities.keys():
+        if p is None:
+            return None
+        probabilities = {"false": 1.0 - p, "true": p}
+    if p is None:
+        p = probabilities["true"]
+    return ReadAnswer(probabilities, "true" if p >= 0.5 else "false")
+
+
+def _noul_label(expected: Any) -> str | None:
+    if isinstance(expected, bool):
+        return "true" if expected else "false"
+    if isinstance(expected, str) and expected.lower() in ("true", "false"):
+        return expected.lower()
+    return None
+
+
+SCORE_LEVELS = (2, 10)
+
+
+def _build_score(question: Mapping[str, Any], instructions: Any, contract: Any) -> Question:
+    criteria = question.get("criteria")
+    low, high = SCORE_LEVELS
+    if not isinstance(criteria, list | tuple) or not low <= len(criteria) <= high:
+        raise ValueError(f"score criteria must be an ordered list of {low} to {high} levels")
+    require_json(list(criteria), "criteria")
+    texts = [contract.describe(level) for level in criteria]
+    if any(not text for text in texts) or len(set(texts)) != len(texts):
+        raise ValueError("score levels must be distinct and nonempty")
+    # Each level is an option shown by its text alone; code order is level order.
+    rendered = {"type": "choice", "instructions": instructions, "criteria": dict.fromkeys(texts)}
+    return Question("score", rendered, [str(level) for level in range(len(texts))], list(criteria))
+
+
+def _answer_score(question: Question, probabilities: Sequence[float], contract: Any) -> dict[str, Any]:
+    shares: list[float] = contract.normalized(probabilities, len(question.keys))
+    return {
+        "type": "score",
+        "score": sum(level * p for level, p in enumerate(shares)),
+        "probabilities": dict(zip(question.keys, shares, strict=True)),
+        "confidence": confidence(shares),
+        "legend": {key: canonical_text(text) for key, text in zip(question.keys, question.descriptions, strict=True)},
+    }
+
+
+def _read_score(raw: Mapping[str, Any]) -> ReadAnswer | None:
+    probabilities = probability_map(raw.get("probabilities"))
+    if probabilities is None:
+        return None
+    levels: dict[str, int] = {}
+    for key in probabilities:
+        level = _level(key)
+        if level is None:
+            return None
+        levels[key] = level
+    ordered = sorted(probabilities, key=levels.__getitem__)
+    score = finite_number(raw.get("score"))
+    if score is None:
+        score = sum(levels[k] * probabilities[k] for k in ordered)
+    return ReadAnswer(probabilities, _argmax(probabilities, ordered), score)
+
+
+def _score_label(expected: Any) -> str | None:
+    if isinstance(expected, bool):
+        return None
+    if isinstance(expected, int):
+        return str(expected)
+    if isinstance(expected, str) and (level := _level(expected)) is not None:
+        return str(level)
+    return None
+
+
+CHOICE = QuestionType("choice", _build_choice, _answer_choice, _read_choice, _choice_label, permutable=True)
+NOUL = QuestionType("noul", _build_noul, _answer_noul, _read_noul, _noul_label, fixed_options=len(d3_format.NOUL_DEFAULTS))
+SCORE = QuestionType("score", _build_score, _answer_score, _read_score, _score_label)
+
+QUESTION_TYPES: tuple[QuestionType, ...] = (CHOICE, NOUL, SCORE)
+QUESTION_TYPE_NAMES: tuple[str, ...] = tuple(kind.name for kind in QUESTION_TYPES)
+_QUESTION_TYPES_BY_NAME = {kind.name: kind for kind in QUESTION_TYPES}
+
+
+def question_type(name: Any) -> QuestionType | None:
+    """The question type of that name; None for any other value (a request's ``type`` may be anything)."""
+    return _QUESTION_TYPES_BY_NAME.get(name) if isinstance(name, str) else None
+
+
+def spoken_list(names: Sequence[str]) -> str:
+    """``choice, noul or score``: names as an error message or a description lists them."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+# -- the media kinds -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MediaKind:
+    """One kind of media a request may show every question, and the names each layer gives it."""
+
+    name: str  # "image": the data: URL media type, the error messages, the feature and cache keys
+    request_attribute: str  # the request field listing its references (also ``RequestMedia``'s field)
+    unavailable_attribute: str  # the model attribute saying why the checkpoint cannot take it (None: it can)
+    max_bytes: int  # strict limit of one object from outside (refused from HEAD, never downloaded)
+    data_url_types: tuple[str, ...]  # subtypes an inline data:<name>/<subtype> URL may have
+    processor_attribute: str  # the processor's part for it (settings are part of the feature cache key)
+    pixels_input: str  # the processor output holding its patches
+    grid_input: str  # the processor output holding its (t, h, w) patch grids
+    features_method: str  # the backbone method encoding it
+
+    def references(self, request: Any) -> list[Any]:
+        """The references of this kind a request (a struct or a dict) names."""
+        if isinstance(request, Mapping):
+            return list(request.get(self.request_attribute) or [])
+        return list(getattr(request, self.request_attribute))
+
+    def unavailable(self, model: Any) -> str | None:
+        """Why the model cannot take this kind (None when it can, or when the model does not say)."""
+        reason: str | None = getattr(model, self.unavailable_attribute, None)
+        return reason
+
+
+IMAGE = MediaKind(
+    name="image",
+    request_attribute="images",
+    unavailable_attribute="image_unavailable",
+    max_bytes=media_io.MAX_IMAGE_BYTES,
+    data_url_types=media_io.DATA_URL_IMAGE_TYPES,
+    processor_attribute="image_processor",
+    pixels_input="pixel_values",
+    grid_input="image_grid_thw",
+    features_method="get_image_features",
+)
+VIDEO = MediaKind(
+    name="video",
+    request_attribute="videos",
+    unavailable_attribute="video_unavailable",
+    max_bytes=media_io.MAX_VIDEO_BYTES,
+    data_url_types=media_io.VIDEO_FORMATS,
+    processor_attribute="video_processor",
+    pixels_input="pixel_values_videos",
+    grid_input="video_grid_thw",
+    features_method="get_video_features",
+)
+
+MEDIA_KINDS: tuple[MediaKind, ...] = (IMAGE, VIDEO)
+_MEDIA_KINDS_BY_NAME = {kind.name: kind for kind in MEDIA_KINDS}
+
+
+def media_kind(name: str) -> MediaKind:
+    """The media kind of that name; ValueError naming the kinds for any other."""
+    found = _MEDIA_KINDS_BY_NAME.get(name)
+    if found is None:
+        raise ValueError(f"unknown media kind {name!r} ({spoken_list([kind.name for kind in MEDIA_KINDS])})")
+    return found
