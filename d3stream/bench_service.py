@@ -34,7 +34,7 @@ from typing import Any
 
 import structlog
 
-from .config import Settings
+from .config import DeliveryMode, Settings
 from .runtime.model import Prepared, Row
 from .runtime.questions import normalize_question, question_error, require_json
 
@@ -104,12 +104,13 @@ def small_requests(count: int, seed: int = 0) -> list[tuple[bytes, bytes]]:
     records = []
     for n in range(count):
         chosen = rng.sample(range(len(QUESTIONS)), rng.randint(1, 3))
+        rid = f"bench-{seed}-{n:07d}"
         request = {
-            "id": f"bench-{seed}-{n:07d}",
+            "id": rid,
             "state": f"Ticket {n}: customer reports item {rng.randint(1, 10**6)} arrived {rng.choice(['late', 'damaged', 'early'])}.",
             "questions": {f"q{i}": QUESTIONS[i] for i in chosen},
         }
-        records.append((request["id"].encode(), json.dumps(request).encode()))
+        records.append((rid.encode(), json.dumps(request).encode()))
     return records
 
 
@@ -187,6 +188,7 @@ async def _service_run(settings: Settings, model: Any, count: int) -> tuple[floa
             await asyncio.sleep(0.002)
         started = time.perf_counter()
         await _until_finished(service, task, count, 0.002)
+        assert service.delivery is not None  # the service is running
         await service.delivery.flush()
         while service.tracker.committable():  # a flush already under way may still be finishing
             await asyncio.sleep(0.002)
@@ -216,7 +218,7 @@ def kafka_overhead(count: int = 20_000, *, broker: Any = None, prefix: str = "be
         broker.create_topic(topic, 4, exist_ok=True)
     asyncio.run(produce(bootstrap, topics["requests"], small_requests(count)))
     report: dict[str, Any] = {"requests": count, "partitions": 4, "topics": topics}
-    runs = (
+    runs: tuple[tuple[str, str, bool, DeliveryMode], ...] = (
         ("raw_at_least_once", "raw", False, "at_least_once"),
         ("d3stream_at_least_once", "service", False, "at_least_once"),
         ("raw_transactional", "raw", True, "exactly_once"),

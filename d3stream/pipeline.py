@@ -37,6 +37,7 @@ from .jobthread import JobThread
 from .metrics import Metrics
 from .passes import Passes, PassItem
 from .publishing import Outgoing
+from .runtime.kinds import IMAGE, MEDIA_KINDS, VIDEO
 from .runtime.media import MediaBudgetExceeded, reason
 from .runtime.model import Prepared
 from .seams import DecisionModel, InFlight, InputRecord, position_of
@@ -245,16 +246,15 @@ class RequestPipeline:
                 "are accepted (setting: max_media_references)",
                 request=request,
             )
-        for kind, listed, unavailable in (("image", request.images, self.model.image_unavailable),
-                                          ("video", request.videos, self.model.video_unavailable)):
-            if listed and unavailable is not None:
-                return self.answers.error(work, "media_unreadable", f"{kind} inputs are not available: {unavailable}",
-                                          request=request)
+        for kind in MEDIA_KINDS:
+            unavailable = kind.unavailable(self.model)
+            if kind.references(request) and unavailable is not None:
+                return self.answers.error(work, "media_unreadable",
+                                          f"{kind.name} inputs are not available: {unavailable}", request=request)
         try:
             started = work.fetch_at = time.perf_counter()
             images, videos = await asyncio.gather(
-                self.fetcher.fetch_all(request.images, "image"), self.fetcher.fetch_all(request.videos, "video")
-            )
+                *(self.fetcher.fetch_all(kind.references(request), kind.name) for kind in (IMAGE, VIDEO)))
             work.timings.fetch = ms(time.perf_counter() - started)
             self.metrics.observe_stage("fetch", time.perf_counter() - started)
             work.media = [media_record(item) for item in (*images, *videos)]
