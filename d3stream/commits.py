@@ -209,7 +209,9 @@ class CommitInTransaction(_Counted):
                   for partition, point in self.tracker.committable(partitions).items())
             )
 
-    async def _commit_partition(self, partition: Any, point: int, *, now: bool = False) -> None:
+    async def _commit_partition(self, partition: TopicPartition, point: int, *, now: bool = False) -> None:
+        """One transaction: the partition's answers below ``point`` and its offset, or what its failure means
+        (fenced: the partition moved; refused records: replaced, tried again; retriable: back off; else fatal)."""
         from aiokafka.errors import KafkaError, ProducerFenced
 
         if not now and time.monotonic() < self._retry_at.get(partition, 0.0):
@@ -219,39 +221,7 @@ class CommitInTransaction(_Counted):
         started = time.perf_counter()
         refused: list[tuple[int, int, BaseException]] = []  # (offset, index, error) of records refused as too large
         try:
-            producer = await self._producer(partition)
-            await producer.begin_transaction()
-            try:
-                sends = []
-                try:
-                    for offset in ready:
-                        for index, record in enumerate(pending[offset]):
-                            sends.append((offset, index, await self._send(producer, record, offset, index, refused)))
-                finally:
-                    for *_, sent in sends:  # when one fails (fenced: all of them do) the rest are read here
-                        if sent is not None:
-                            sent.add_done_callback(retrieved)
-                results = await asyncio.gather(*(send for *_, send in sends if send is not None),
-                                               return_exceptions=True)
-                for (offset, index, _), result in zip((s for s in sends if s[2] is not None), results, strict=True):
-                    if isinstance(result, BaseException):
-                        if classify(result, transactional=True) != "record":
-                            raise result
-                        refused.append((offset, index, result))
-                if refused:
-                    raise refused[0][2]
-                await producer.send_offsets_to_transaction({partition: point}, self.group_id)
-                await producer.commit_transaction()
-            except BaseException:
-                self.aborts += 1
-                if self.metrics is not None:
-                    self.metrics.count_transaction_abort()
-                if producer._txn_manager.is_in_transaction():  # noqa: SLF001 - aiokafka has no public check
-                    try:
-                        await producer.abort_transaction()
-                    except Exception:  # noqa: BLE001 - the producer is replaced below anyway
-                        pass
-                raise
+            await self._transaction(partition, point, [(offset, pending[offset]) for offset in ready], refused)
         except ProducerFenced:
             # Expected for a previous owner after a rebalance: its uncommitted answers are the new owner's to give.
             log.info("fenced: another worker owns this partition now", partition=str(partition))
@@ -282,6 +252,43 @@ class CommitInTransaction(_Counted):
         self._counted_commit()
         log.debug("committed", partition=str(partition), offset=point, answers=len(ready),
                   ms=round((time.perf_counter() - started) * 1e3, 1))
+
+    async def _transaction(self, partition: TopicPartition, point: int, ready: list[tuple[int, list[Outgoing]]],
+                           refused: list[tuple[int, int, BaseException]]) -> None:
+        """Publish ``ready``'s records and commit ``point`` in one transaction; aborted on any failure, with the
+        records refused as too large noted in ``refused`` (and the first of them raised)."""
+        producer = await self._producer(partition)
+        await producer.begin_transaction()
+        try:
+            sends = []
+            try:
+                for offset, records in ready:
+                    for index, record in enumerate(records):
+                        sends.append((offset, index, await self._send(producer, record, offset, index, refused)))
+            finally:
+                for *_, sent in sends:  # when one fails (fenced: all of them do) the rest are read here
+                    if sent is not None:
+                        sent.add_done_callback(retrieved)
+            results = await asyncio.gather(*(send for *_, send in sends if send is not None), return_exceptions=True)
+            for (offset, index, _), result in zip((s for s in sends if s[2] is not None), results, strict=True):
+                if isinstance(result, BaseException):
+                    if classify(result, transactional=True) != "record":
+                        raise result
+                    refused.append((offset, index, result))
+            if refused:
+                raise refused[0][2]
+            await producer.send_offsets_to_transaction({partition: point}, self.group_id)
+            await producer.commit_transaction()
+        except BaseException:
+            self.aborts += 1
+            if self.metrics is not None:
+                self.metrics.count_transaction_abort()
+            if producer._txn_manager.is_in_transaction():  # noqa: SLF001 - aiokafka has no public check
+                try:
+                    await producer.abort_transaction()
+                except Exception:  # noqa: BLE001 - the producer is replaced below anyway
+                    pass
+            raise
 
     @staticmethod
     async def _send(producer: Any, record: Outgoing, offset: int, index: int,

@@ -246,6 +246,12 @@ class MediaDecoder:
         self._images = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-decode-images")
         self.processes = ProcessDecoder(processes, timeout_s)
 
+    @classmethod
+    def from_settings(cls, settings: Any) -> MediaDecoder:
+        """A decoder with a worker's deadline, processes and per-request pixel and frame budgets."""
+        return cls(timeout_s=settings.media_decode_timeout_s, processes=settings.media_decode_processes,
+                   max_pixels=settings.max_media_pixels, max_video_frames=settings.max_video_frames)
+
     def budget(self) -> media_io.MediaBudget:
         return media_io.MediaBudget(pixels=self.max_pixels, frames=self.max_video_frames)
 

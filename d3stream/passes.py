@@ -185,7 +185,8 @@ class Passes:
             result, record = outcome
             item.probabilities[row] = result
             passes[id(record)] = record
-        prepared.rows = [row for row in prepared.rows if row.key not in prepared.errors]
+        if prepared.errors:
+            prepared.rows = [row for row in prepared.rows if row.key not in prepared.errors]
         self._account(item.work, submitted, list(passes.values()))
 
     async def _run_shared(self, item: PassItem) -> None:
@@ -209,19 +210,25 @@ class Passes:
     def _account(self, work: RequestWork, submitted: float, passes: Sequence[Any], **batch: Any) -> None:
         """The request's forward and queueing time and its batch record, from the passes that carried it
         (``PassRecord`` or the prefix runner's ``PassInfo``: both have rows, tokens and seconds)."""
-        forward = sum(record.seconds for record in passes)
+        if len(passes) == 1 and not batch:  # the common case, without the sums
+            [only] = passes
+            forward = only.seconds
+            work.batch = BatchRecord(passes=1, rows=only.rows, real_tokens=only.real_tokens,
+                                     padded_tokens=only.padded_tokens)
+        else:
+            forward = sum(record.seconds for record in passes)
+            work.batch = BatchRecord(
+                passes=len(passes),
+                rows=sum(record.rows for record in passes),
+                real_tokens=sum(record.real_tokens for record in passes),
+                padded_tokens=sum(record.padded_tokens for record in passes),
+                **batch,
+            )
         queued = max(0.0, time.perf_counter() - submitted - forward)
         work.timings.forward = ms(forward)
         work.timings.queued = ms(queued)
         self.metrics.observe_stage("forward", forward)
         self.metrics.observe_stage("queued", queued)
-        work.batch = BatchRecord(
-            passes=len(passes),
-            rows=sum(record.rows for record in passes),
-            real_tokens=sum(record.real_tokens for record in passes),
-            padded_tokens=sum(record.padded_tokens for record in passes),
-            **batch,
-        )
 
     # ------------------------------------------------------------------------- shared-prefix reuse
 

@@ -86,15 +86,7 @@ class Service:
         self.read = read or LiveRead(settings.request_topics)
         self.mode = DELIVERY_MODES["jsonl_file" if answer_file is not None else settings.delivery]
         self.answer_file = answer_file
-        self.fetcher = fetcher or MediaFetcher(
-            allowlist=settings.media_allowlist,
-            endpoint_url=settings.s3_endpoint_url,
-            region=settings.s3_region,
-            max_concurrency=settings.s3_max_concurrency,
-            connect_timeout=settings.s3_connect_timeout,
-            read_timeout=settings.s3_read_timeout,
-            max_attempts=settings.s3_max_attempts,
-        )
+        self.fetcher = fetcher or MediaFetcher.from_settings(settings)
         self.passes = Passes(settings, model, self.metrics, scheduler)
         self.provenance = {**model.provenance(), **self.passes.provenance()}  # answers depend on reuse too
         self.provenance_sha256 = provenance_digest(self.provenance)
@@ -110,12 +102,7 @@ class Service:
         )
         # Media decoding: images on a thread of their own, videos in killable processes, under a deadline;
         # decoded media wait for their share of max_inflight_media_bytes.
-        self.decoder = MediaDecoder(
-            timeout_s=settings.media_decode_timeout_s,
-            processes=settings.media_decode_processes,
-            max_pixels=settings.max_media_pixels,
-            max_video_frames=settings.max_video_frames,
-        )
+        self.decoder = MediaDecoder.from_settings(settings)
         self.media_budget = ByteBudget(settings.max_inflight_media_bytes)
         self.in_flight = InFlight()
         self.pipeline = RequestPipeline(
@@ -124,6 +111,7 @@ class Service:
             provenance_sha256=self.provenance_sha256,
         )
         self.tracker = OffsetTracker()
+        # Made when it runs: the Kafka consumer, where answers go and how offsets commit, the loop over them.
         self.sink: Sink | None = None
         self.delivery: CommitPolicy | None = None
         self.consumer: AIOKafkaConsumer | None = None
@@ -301,11 +289,10 @@ class Service:
 
     async def _serve_fetch(self, fetched: list[Fetched]) -> None:
         """The consume loop's handler: the pipeline answers the fetch, and each answer is delivered."""
-        where = {(item.record.topic, item.record.partition, item.record.offset): item for item in fetched}
+        where = {id(item.record): item for item in fetched}
 
         async def deliver(served: list[Served]) -> None:
-            await self._deliver([(where[(s.work.source.topic, s.work.source.partition, s.work.source.offset)], s)
-                                 for s in served])
+            await self._deliver([(where[id(s.work.record)], s) for s in served])
 
         await self.pipeline.serve([item.record for item in fetched], deliver)
 

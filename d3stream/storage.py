@@ -161,6 +161,19 @@ class MediaFetcher:
         }
         self.bytes_fetched = 0
 
+    @classmethod
+    def from_settings(cls, settings: Any) -> MediaFetcher:
+        """A fetcher with a worker's allowlist, endpoint, concurrency, timeouts and attempts."""
+        return cls(
+            allowlist=settings.media_allowlist,
+            endpoint_url=settings.s3_endpoint_url,
+            region=settings.s3_region,
+            max_concurrency=settings.s3_max_concurrency,
+            connect_timeout=settings.s3_connect_timeout,
+            read_timeout=settings.s3_read_timeout,
+            max_attempts=settings.s3_max_attempts,
+        )
+
     @property
     def client(self) -> Any:
         if self._client is None:
