@@ -24,7 +24,8 @@ import msgspec
 ENV_PREFIX = "D3STREAM_"
 CONFIG_ENV = "D3STREAM_CONFIG"
 
-# The delivery setting's values; also what chaos and the benchmarks pass as a mode.
+# The delivery setting's values (each a registered sink and commit policy: commits.DELIVERY_MODES, which a
+# test keeps in step with this list); also what chaos and the benchmarks pass as a mode.
 DeliveryMode = Literal["exactly_once", "at_least_once"]
 
 

@@ -183,3 +183,15 @@ def test_a_fetch_is_prepared_in_one_trip_and_its_questions_share_passes(pipeline
         close_to(answer.answers, wanted[rid], rid)
     assert service.passes.rows.passes_run <= 3, service.passes.rows.passes_run
     assert max(answer.provenance.batch.rows for answer in recorder.answers.values()) > 3
+
+
+def test_every_delivery_setting_value_is_a_registered_mode():
+    """The ``delivery`` setting's values and the registry of (sink, commit policy) pairs stay in step."""
+    from typing import get_args
+
+    from d3stream.commits import DELIVERY_MODES
+    from d3stream.config import DeliveryMode
+
+    kafka_modes = {name for name, mode in DELIVERY_MODES.items() if mode.kafka_sink}
+    assert set(get_args(DeliveryMode)) == kafka_modes
+    assert DELIVERY_MODES["exactly_once"].transactional and not DELIVERY_MODES["at_least_once"].transactional
