@@ -51,10 +51,23 @@ class Question:
 
 def require_json(value: Any, what: str = "value") -> None:
     """Refuse values strict JSON cannot carry (NaN, infinities, non-JSON types, runaway nesting)."""
+    if _plainly_json(value):
+        return  # the common shapes (text, a flat mapping or list of texts) need no trial encoding
     try:
         json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(f"the {what} is not representable as JSON: {exc}") from exc
+
+
+def _plainly_json(value: Any) -> bool:
+    """Whether ``value`` is a string, or a mapping or list of strings under string keys: JSON as it stands."""
+    if isinstance(value, str):
+        return True
+    if isinstance(value, dict):
+        return all(type(key) is str and type(item) is str for key, item in value.items())
+    if isinstance(value, list):
+        return all(type(item) is str for item in value)
+    return False
 
 
 def canonical_text(value: Any) -> str:
