@@ -54,6 +54,25 @@ def cached_copies(cache: Path) -> list[Path]:
     return [path.parent for path in cache.rglob(MANIFEST) if not path.parent.name.startswith(".")]
 
 
+@pytest.fixture(autouse=True)
+def _logging_restored(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Commands run in process set up logging on this test's captured stderr: put the previous set-up back
+    afterwards, or later log calls of the session would write to a closed stream."""
+    import d3stream.logs
+
+    restores = []
+    real = d3stream.logs.configure_logging
+
+    def configure(*args: Any, **kwargs: Any) -> Any:
+        restores.append(real(*args, **kwargs))
+        return restores[-1]
+
+    monkeypatch.setattr(d3stream.logs, "configure_logging", configure)
+    yield
+    for restore in reversed(restores):
+        restore()
+
+
 @pytest.fixture
 def store_client(object_store: Any) -> Any:
     return object_store.client()
@@ -175,6 +194,32 @@ def test_serve_refuses_a_tampered_checkpoint_before_kafka(
     assert status == 2
     error = capsys.readouterr().err
     assert "tokenizer_config.json: SHA-256 differs" in error and "refused" in error
+
+
+@pytest.mark.parametrize("command", [
+    ["serve"],
+    ["replay", "--from-topic", "d3.requests", "--replay-id", "r1", "--out", "replayed.jsonl"],
+    ["decide", "--request", "request.json"],
+    ["demo-task", "heldout", "--tickets", "1", "--pictures", "0", "--answer-with"],
+])
+def test_every_command_taking_a_model_checks_the_model_allowlist(
+    command: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("D3STREAM_CONFIG", raising=False)
+    monkeypatch.setenv("D3STREAM_MODEL_ALLOWLIST", "allowed/models")
+    monkeypatch.setenv("D3STREAM_S3_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens: no call may be made
+    (tmp_path / "request.json").write_text(json.dumps(REQUEST), encoding="utf-8")
+    model = "s3://elsewhere/models/tiny/"
+    argv = [*command, model] if command[-1] == "--answer-with" else [*command, "--model", model]
+    if command[0] in ("serve", "replay"):
+        argv += ["--metrics-port", "", "--bootstrap-servers", "127.0.0.1:9"]
+    try:
+        status: Any = main(argv)
+        message = capsys.readouterr().err
+    except SystemExit as exc:  # decide and demo-task exit with the reason
+        status, message = 2, str(exc)
+    assert status == 2 and "model_allowlist" in message and "s3://elsewhere/models/tiny/" in message
 
 
 @pytest.mark.parametrize("uri", ["s3://other-bucket/models/tiny/", "s3://allowed/models-evil/tiny/",
