@@ -43,13 +43,31 @@ def _demo_task(args: argparse.Namespace) -> int:
     if args.answer_with:
         from .runtime import D3
 
-        for path in args.answer_with:
-            model = D3.from_pretrained(path, device=args.device)
+        for spec in args.answer_with:
+            resolved = _local_checkpoint(spec)
+            model = D3.from_pretrained(resolved.path, device=args.device, model_name=resolved.name)
             out = Path(args.out) / f"answers-{model.model_name}.jsonl"
             records = tasks.answer_records(model, examples).values()
             out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
             print(out)
     return 0
+
+
+def _local_checkpoint(spec: str) -> Any:
+    """A ``--model`` / ``--answer-with`` value as a local directory (``checkpoints.ResolvedModel``); an
+    ``s3://`` one is fetched with the object-storage settings of the environment or settings file
+    (``D3STREAM_MODEL_ALLOWLIST``, ``D3STREAM_S3_ENDPOINT_URL``, ...). Exits with the reason otherwise."""
+    from .checkpoints import CheckpointError, parse_model_spec, resolve_model
+    from .config import load_settings
+    from .logs import configure_logging
+
+    try:
+        settings = load_settings({}) if parse_model_spec(spec).in_object_store else None
+        if settings is not None:  # the download's log lines go to stderr; stdout holds the command's output
+            configure_logging(settings.log_format, settings.log_level)
+        return resolve_model(spec, settings)
+    except (CheckpointError, ValueError) as exc:
+        raise SystemExit(f"d3stream: {exc}") from exc
 
 
 def _read_request(source: str) -> dict[str, Any]:
@@ -64,10 +82,12 @@ def _decide(args: argparse.Namespace) -> int:
     from .runtime import D3
 
     request = _read_request(args.request)
+    resolved = _local_checkpoint(args.model)
     model = D3.from_pretrained(
-        args.model,
+        resolved.path,
         device=args.device,
         verify=args.verify,
+        model_name=resolved.name,
         permutation_average=args.permutation_average or bool(request.get("permutation_average")),
     )
     images = list(request.get("images") or []) + list(args.image or [])
@@ -160,12 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     task.add_argument("--tickets", type=int, default=60)
     task.add_argument("--pictures", type=int, default=20)
     task.add_argument("--answer-with", action="append", metavar="CHECKPOINT",
-                      help="answer the set with this checkpoint in process (repeatable): answers-<model name>.jsonl")
+                      help="answer the set with this checkpoint (a directory or s3://bucket/prefix/) in process "
+                      "(repeatable): answers-<model name>.jsonl")
     task.add_argument("--device", default=None, help="torch device (default: cuda:0 when present, else cpu)")
     task.set_defaults(run=_demo_task)
 
     decide = commands.add_parser("decide", help="answer one request with a checkpoint and print the response")
-    decide.add_argument("--model", required=True, help="checkpoint directory")
+    decide.add_argument("--model", required=True,
+                        help="checkpoint directory or s3://bucket/prefix/ (settings of the environment: "
+                        "D3STREAM_MODEL_ALLOWLIST, D3STREAM_S3_ENDPOINT_URL, D3STREAM_MODEL_CACHE_DIR)")
     decide.add_argument("--request", required=True, help="request JSON file ({state, questions, ...}) or - for stdin")
     decide.add_argument("--image", action="append", help="image file seen by every question (repeatable)")
     decide.add_argument("--video", action="append", help="video file seen by every question (repeatable)")

@@ -30,18 +30,28 @@ def _serve(args: argparse.Namespace) -> int:
         print("d3stream serve: no checkpoint: set --model, D3STREAM_MODEL or model = ... in the settings file",
               file=sys.stderr)
         return 2
+    from .checkpoints import CheckpointError, model_name_for, resolve_model
     from .metrics import Metrics, serve_metrics
     from .runtime import D3
     from .service import Service
 
-    # The endpoint comes up before the model loads, so a liveness probe sees a live process meanwhile.
+    # The endpoint comes up before the model is downloaded and loaded, so a liveness probe sees a live
+    # process meanwhile.
     metrics = Metrics()
     server = serve_metrics(metrics, settings)
+    try:
+        resolved = resolve_model(settings.model, settings)
+        model_name = model_name_for(resolved, settings.model_name)
+    except CheckpointError as exc:
+        print(f"d3stream serve: {exc}", file=sys.stderr)
+        if server is not None:
+            server.stop()
+        return 2
     model = D3.from_pretrained(
-        settings.model,
+        resolved.path,
         device=settings.device,
         verify=settings.verify,
-        model_name=settings.model_name,
+        model_name=model_name,
         permutation_average=settings.permutation_average,
     )
     if settings.warmup:

@@ -96,6 +96,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     media_allowlist: list[str] = msgspec.field(default_factory=list)
+    model_allowlist: list[str] = msgspec.field(default_factory=list)
+    model_cache_dir: str | None = None
     s3_max_concurrency: int = 8
     s3_connect_timeout: float = 5.0
     s3_read_timeout: float = 20.0
@@ -154,7 +156,8 @@ HELP: dict[str, str] = {
     "over it, or over the answer topic's max.message.bytes once compressed, becomes answer_too_large",
     "dead_letter_max_bytes": "raw bytes of a record a dead letter carries (base64); beyond, only the first this "
     "many, with the size and SHA-256 of the whole",
-    "model": "checkpoint directory (required for serve)",
+    "model": "checkpoint: a directory or s3://bucket/prefix/ (downloaded once to model_cache_dir), optionally "
+    "as NAME=... (the name answers carry); required for serve",
     "model_name": "name answers carry (default: the checkpoint's manifest name)",
     "device": "torch device (default: cuda:0 when present, else cpu)",
     "verify": "checkpoint manifest verification at load",
@@ -195,6 +198,10 @@ HELP: dict[str, str] = {
     "s3_endpoint_url": "S3-compatible endpoint (default: AWS)",
     "s3_region": "S3 region",
     "media_allowlist": "buckets or bucket/prefix pairs requests may name (comma-separated); empty allows none",
+    "model_allowlist": "buckets or bucket/prefix pairs an s3:// model may come from (comma-separated); empty "
+    "allows none. Separate from media_allowlist: producers name media, operators name models",
+    "model_cache_dir": "where s3:// checkpoints are downloaded and verified, one folder per manifest "
+    "(default: $D3STREAM_CACHE/models, else ~/.cache/d3stream/models)",
     "s3_max_concurrency": "objects fetched at once",
     "s3_connect_timeout": "seconds to connect to the object store",
     "s3_read_timeout": "seconds to wait for object store data",

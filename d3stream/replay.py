@@ -468,8 +468,16 @@ def _replay_command(args: Any) -> int:
         start_time=parse_time(args.start_time),
         end_time=parse_time(args.end_time),
     )
-    model = D3.from_pretrained(checkpoint, device=settings.device, verify=settings.verify,
-                               model_name=settings.model_name, permutation_average=settings.permutation_average)
+    from .checkpoints import CheckpointError, model_name_for, resolve_model
+
+    try:
+        resolved = resolve_model(checkpoint, settings)
+        model_name = model_name_for(resolved, settings.model_name)
+    except CheckpointError as exc:
+        print(f"d3stream replay: {exc}", file=sys.stderr)
+        return 2
+    model = D3.from_pretrained(resolved.path, device=settings.device, verify=settings.verify,
+                               model_name=model_name, permutation_average=settings.permutation_average)
     out = Path(args.out) if args.out else None
     try:
         summary = asyncio.run(run_replay(settings, model, plan, replay_id=args.replay_id, out_file=out,

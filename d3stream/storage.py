@@ -120,6 +120,34 @@ class Allowlist:
         return False
 
 
+def s3_client(
+    *,
+    endpoint_url: str | None,
+    region_name: str | None,
+    connect_timeout: float,
+    read_timeout: float,
+    max_attempts: int,
+) -> Any:
+    """A boto3 S3 client with the worker's endpoint, region, timeouts and retries; credentials from the
+    standard AWS chain. Media and checkpoints (``d3stream.checkpoints``) are read through the same kind."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name=region_name,
+        config=Config(
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            # total_max_attempts counts the first try too (botocore's max_attempts counts retries)
+            retries={"total_max_attempts": max_attempts, "mode": "standard"},
+            s3={"addressing_style": "path"},
+            signature_version="s3v4",
+        ),
+    )
+
+
 def inline_media(reference: str, kind: str) -> FetchedMedia:
     """The bytes of an inline ``data:`` URL, with the strict type and size checks of its kind."""
     media = media_kind(kind)
@@ -152,7 +180,7 @@ class MediaFetcher:
         self.allowlist = Allowlist(list(allowlist))
         self._executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="d3stream-s3")
         self._client = client
-        self._client_options = {
+        self._client_options: dict[str, Any] = {
             "endpoint_url": endpoint_url,
             "region_name": region,
             "connect_timeout": connect_timeout,
@@ -177,23 +205,7 @@ class MediaFetcher:
     @property
     def client(self) -> Any:
         if self._client is None:
-            import boto3
-            from botocore.config import Config
-
-            options = self._client_options
-            self._client = boto3.session.Session().client(
-                "s3",
-                endpoint_url=options["endpoint_url"],
-                region_name=options["region_name"],
-                config=Config(
-                    connect_timeout=options["connect_timeout"],
-                    read_timeout=options["read_timeout"],
-                    # total_max_attempts counts the first try too (botocore's max_attempts counts retries)
-                    retries={"total_max_attempts": options["max_attempts"], "mode": "standard"},
-                    s3={"addressing_style": "path"},
-                    signature_version="s3v4",
-                ),
-            )
+            self._client = s3_client(**self._client_options)
         return self._client
 
     def close(self) -> None:

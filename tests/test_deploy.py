@@ -38,6 +38,7 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv_utils
 
+from d3stream.checkpoints import checkpoint_location
 from d3stream.commands import register
 from d3stream.config import CONFIG_ENV, FIELDS, Settings, env_name, load_settings
 from d3stream.metrics import Metrics, MetricsServer
@@ -53,9 +54,12 @@ COMPONENTS = {
     "prometheus-rules": {"PrometheusRule"},
     "grafana-dashboard": {"ConfigMap"},
     "keda-autoscaling": {"ScaledObject"},
+    "model-volume": {"PersistentVolumeClaim"},
 }
+# Where the container images expect a checkpoint volume: the model-volume component mounts it there.
+IMAGE_MODEL_PATH = "/models/d3"
 OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "TriggerAuthentication"}
-BUILT_IN_KINDS = {"Deployment", "PodDisruptionBudget", "ConfigMap", "Service", "PersistentVolumeClaim", "ServiceAccount"}
+BUILT_IN_KINDS = {"Deployment", "PodDisruptionBudget", "ConfigMap", "Service", "ServiceAccount"}
 RULES_FILE = DEPLOY / "prometheus" / "d3stream-rules.yaml"
 DASHBOARD = K8S / "components" / "grafana-dashboard" / "d3stream-dashboard.json"
 # What the alerts must cover (issue: consumer lag growing, commit failures, transaction aborts, prefix checks
@@ -513,7 +517,7 @@ def test_environment_variables_are_settings(rendered: list[dict]) -> None:
     unknown = sorted(k for k in environ if k.startswith("D3STREAM_") and k not in SETTING_ENV)
     assert not unknown, f"not settings of d3stream (d3stream.config.Settings): {unknown}"
     settings = _settings(rendered)  # every value parses, with the service's own loader
-    assert settings.model == "/models/d3"
+    assert settings.model is not None and (settings.model.startswith("s3://") or settings.model == IMAGE_MODEL_PATH)
     assert settings.metrics_port is not None, "the probes need the metrics endpoint"
 
 
@@ -670,12 +674,22 @@ def test_gpu_model_volume_and_security(rendered: list[dict]) -> None:
     container = _container(rendered)
     assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == "1"
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-    model_mount = mounts[settings.model]
-    assert model_mount.get("readOnly") is True
-    volume = next(v for v in pod["volumes"] if v["name"] == model_mount["name"])
-    assert volume["persistentVolumeClaim"]["readOnly"] is True
-    claim = _named(rendered, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
-    assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+    if settings.model and settings.model.startswith("s3://"):
+        # Downloaded at start: the location passes the service's own allowlist check, and the cache is a
+        # writable volume (the root filesystem is read-only).
+        checkpoint_location(settings.model, settings.model_allowlist)
+        cache = Path(settings.model_cache_dir or "/nonexistent")
+        mount = next((m for m in mounts.values() if cache.is_relative_to(m["mountPath"])), None)
+        assert mount is not None and not mount.get("readOnly"), "model_cache_dir must be on a writable volume"
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert "emptyDir" in volume
+    else:
+        model_mount = mounts[settings.model]
+        assert model_mount.get("readOnly") is True
+        volume = next(v for v in pod["volumes"] if v["name"] == model_mount["name"])
+        assert volume["persistentVolumeClaim"]["readOnly"] is True
+        claim = _named(rendered, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+        assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
@@ -778,7 +792,7 @@ def test_image_runs_the_service_as_configured(name: str) -> None:
     unknown = sorted(k for k in environ if k.startswith("D3STREAM_") and k not in SETTING_ENV)
     assert not unknown, f"{name}: not settings of d3stream: {unknown}"
     settings = load_settings({}, environ={k: v for k, v in environ.items() if k.startswith("D3STREAM_")})
-    assert settings.model == "/models/d3"
+    assert settings.model == IMAGE_MODEL_PATH
     exposed = {int(v.split("/")[0]) for c in final if c.cmd.upper() == "EXPOSE" for v in c.value}
     assert settings.metrics_port in exposed
     (entrypoint,) = [c for c in final if c.cmd.upper() == "ENTRYPOINT"]
@@ -793,8 +807,9 @@ def test_image_runs_the_service_as_configured(name: str) -> None:
         assert base.startswith("python:3.11-slim"), base
 
 
-def test_images_and_manifests_agree() -> None:
-    """Same metrics port, model path and user id in the image and in the pods."""
+def test_images_and_manifests_agree(tmp_path: Path) -> None:
+    """Same metrics port and user id in the image and in the pods; the image's model path is where the
+    model-volume component mounts the checkpoint (the base sets an s3:// model instead)."""
     final = _final_stage(_instructions("Dockerfile"))
     environ: dict[str, str] = {}
     for command in final:
@@ -802,7 +817,8 @@ def test_images_and_manifests_agree() -> None:
             environ.update(_env_pairs(command))
     objects = render(BASE)
     settings = _settings(objects)
-    assert environ["D3STREAM_MODEL"] == settings.model
+    assert settings.model and settings.model.startswith("s3://")
+    assert environ["D3STREAM_MODEL"] == _settings(render(compose(tmp_path, ["model-volume"]))).model
     assert int(environ["D3STREAM_METRICS_PORT"]) == settings.metrics_port
     # The default host is the loopback address; probes and Prometheus come from outside the container.
     assert environ["D3STREAM_METRICS_HOST"] == settings.metrics_host == "0.0.0.0"
