@@ -270,3 +270,18 @@ def test_a_high_priority_request_is_answered_before_a_low_flood_of_its_fetch(pip
     first = [served.answer.id for served in recorder.calls[0]]
     assert "urgent" in first, [[s.answer.id for s in call] for call in recorder.calls]
     assert all(answer.error is None for answer in recorder.answers.values())
+
+
+def test_cost_shares_on_the_shared_prefix_path_add_up_to_its_passes(pipeline_service):
+    """Multi-question requests run their shared prefix once and question tails on it: each answer's share of
+    the prefix and suffix passes (by the tokens it ran in each) adds up to every pass's measured time (no
+    exact-replay checks here: no request is charged for those)."""
+    service = pipeline_service(prefix_reuse="on", prefix_verify_every=0)
+    batch = records(*(request(f"p{n}", state={"text": "word " * (3 + 4 * n)},
+                              questions={"a": Q_NOUL, "b": Q_CHOICE, "c": Q_SCORE}) for n in range(4)))
+    recorder = serve(service, batch)
+    answers = list(recorder.answers.values())
+    assert all(a.error is None and a.provenance.batch.shared_prefix for a in answers)
+    assert all(a.provenance.cost.device_seconds > 0 for a in answers)
+    measured = service.metrics.registry.get_sample_value("d3stream_pass_seconds_sum")
+    assert sum(a.provenance.cost.device_seconds for a in answers) == pytest.approx(measured, rel=1e-9)
