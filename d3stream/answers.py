@@ -24,6 +24,7 @@ from .events import (
     HEADERS,
     Answer,
     BatchRecord,
+    Cost,
     DeadLetter,
     ErrorInfo,
     MediaRecord,
@@ -75,6 +76,17 @@ class RequestWork:
     submitted_at: float = 0.0
     publish_at: float = 0.0
     finished: bool = False  # its answer event is built (whatever happens next, it gets no second one)
+    # What it cost (provenance ``cost``): who it is counted for and its share of the passes that carried it.
+    tenant: str | None = None
+    device_seconds: float = 0.0
+    padded_tokens: int = 0
+
+    def cost(self) -> Cost | None:
+        """Its cost record, once the request is decoded (a record that is no request has no tenant)."""
+        if self.tenant is None:
+            return None
+        return Cost(tenant=self.tenant, prompt_tokens=self.tokens, padded_tokens=self.padded_tokens,
+                    device_seconds=self.device_seconds, media_bytes=sum(media.bytes for media in self.media))
 
 
 class AnswerBuilder:
@@ -108,6 +120,7 @@ class AnswerBuilder:
             media=work.media,
             batch=work.batch,
             timings=work.timings,
+            cost=work.cost(),
             worker=self.worker,
             replay_id=self.replay_id,
         )
@@ -120,6 +133,7 @@ class AnswerBuilder:
         *,
         request: Request | None = None,
         request_id: str | None = None,
+        late_ms: int | None = None,
     ) -> Answer:
         answer_id = (request.id if request else None) or request_id
         if not answer_id:  # no id anywhere: name the request by where it was read
@@ -129,7 +143,7 @@ class AnswerBuilder:
             id=answer_id,
             source=work.source,
             model=self.model_record.name,
-            error=ErrorInfo(code=code, message=message),
+            error=ErrorInfo(code=code, message=message, late_ms=late_ms),
             provenance=self._provenance(work),
             metadata=request.metadata if request else None,
         )

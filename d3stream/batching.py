@@ -14,11 +14,19 @@ pass holds a few thousand of them. So the scheduler:
 A pass that fails (out of memory, a runtime error) is split in half and each half retried; a row that
 fails alone gets the exception, which the service reports for its request. One bad prompt therefore
 costs its own request an error, not its neighbours theirs.
+
+Shared traffic (docs/SCHEDULING.md): passes are cut one at a time from what is waiting, so a request that
+arrives while a flood is queued rides the next pass, not the flood's last. Rows are taken by their
+*effective lane*, the request's priority lane (0 is ``high``) less one for every ``lane_ageing_ms`` it has
+waited, lowest first, so a low lane is never starved; within a lane the longest first, and the rest of the
+pass is filled from lower lanes. Just before a pass is cut, the rows of a request past its deadline are
+dropped and settled with ``seams.DeadlineExceeded``: they cost no device time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -26,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import structlog
+
+from .seams import DEFAULT_SCHEDULING, DeadlineExceeded, Scheduling
 
 log = structlog.get_logger(__name__)
 
@@ -71,6 +81,8 @@ class _Submission:
     future: asyncio.Future
     outcomes: list[Any]
     remaining: int
+    scheduling: Scheduling = DEFAULT_SCHEDULING
+    expired: bool = False  # its deadline passed: its rows still waiting are dropped
 
     def settle(self, index: int, outcome: Any) -> None:
         if self.outcomes[index] is not _UNSET:
@@ -106,6 +118,8 @@ class BatchScheduler(Generic[T]):
         linger_ms: float = 5.0,
         executor: Executor | None = None,
         on_pass: Callable[[PassRecord], None] | None = None,
+        lanes: bool = True,
+        lane_ageing_ms: float = 2000.0,
     ):
         if max_batch_rows < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_rows and max_batch_tokens must be positive")
@@ -115,6 +129,9 @@ class BatchScheduler(Generic[T]):
         self.max_batch_rows = max_batch_rows
         self.max_batch_tokens = max_batch_tokens
         self.linger = linger_ms / 1000.0
+        # Lanes off: every request rides as if it were in the middle lane (ageing still orders by arrival).
+        self.lanes = lanes
+        self.ageing = max(lane_ageing_ms, 1.0) / 1000.0
         # One model thread: passes run one at a time, in the order they were cut.
         self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
@@ -123,10 +140,13 @@ class BatchScheduler(Generic[T]):
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
+        self._released = float("-inf")  # rows that arrived until then linger no more (see _loop)
         self.passes_run = 0
         self.rows_run = 0
         self.real_tokens = 0
         self.padded_tokens = 0
+        self.device_seconds = 0.0  # the passes' measured seconds, summed (what answers' cost shares add up to)
+        self.rows_expired = 0  # rows dropped because their request's deadline passed
 
     def start(self) -> None:
         if self._task is None:
@@ -142,13 +162,14 @@ class BatchScheduler(Generic[T]):
         if self._owns_executor:
             self._executor.shutdown(wait=False)
 
-    async def submit(self, rows: Sequence[T]) -> list[tuple[Any, PassRecord]]:
-        """Each row's result and the pass it ran in; raises what ``run`` raised for a row that fails alone."""
-        outcomes = await self.submit_each(rows)
+    async def submit(self, rows: Sequence[T], scheduling: Scheduling | None = None) -> list[tuple[Any, PassRecord]]:
+        """Each row's result and the pass it ran in; raises what ``run`` raised for a row that fails alone
+        (``DeadlineExceeded`` when the deadline passed first)."""
+        outcomes = list(await self.enqueue(rows, None, scheduling))
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
-        return outcomes  # type: ignore[return-value]
+        return outcomes
 
     def expect(self, position: Any) -> None:
         """Passes here are cut by arrival and length, not by where requests were read: nothing to keep."""
@@ -160,10 +181,12 @@ class BatchScheduler(Generic[T]):
         """Like ``submit``, but a row that fails alone gets its exception in its slot instead of raising."""
         return list(await self.enqueue(rows))
 
-    def enqueue(self, rows: Sequence[T], position: Any = None) -> asyncio.Future[list[Any]]:
+    def enqueue(self, rows: Sequence[T], position: Any = None,
+                scheduling: Scheduling | None = None) -> asyncio.Future[list[Any]]:
         """Queue one request's rows; the future gets every row's outcome (as ``submit_each`` returns them)
         once the last of them is run. No task per request: callers gather the futures of many requests
-        (``position``, where the request was read, matters to source-ordered schedulers only)."""
+        (``position``, where the request was read, matters to source-ordered schedulers only; ``scheduling``
+        is the request's lane and deadline)."""
         if self._closing:
             raise RuntimeError("the batch scheduler is closed")
         self.start()
@@ -171,7 +194,7 @@ class BatchScheduler(Generic[T]):
         if not rows:
             future.set_result([])
             return future
-        submission = _Submission(future, [_UNSET] * len(rows), len(rows))
+        submission = _Submission(future, [_UNSET] * len(rows), len(rows), scheduling or DEFAULT_SCHEDULING)
         now = time.perf_counter()
         for index, row in enumerate(rows):
             length = self._length(row)
@@ -191,8 +214,11 @@ class BatchScheduler(Generic[T]):
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
-            deadline = self._waiting[0].since + self.linger
-            while not self._full() and not self._closing:
+            # Rows that were waiting when the last pass was cut have lingered already: the passes left of
+            # that batch follow without lingering again.
+            oldest = self._waiting[0].since
+            deadline = oldest + self.linger
+            while not self._full() and not self._closing and oldest > self._released:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
@@ -201,14 +227,63 @@ class BatchScheduler(Generic[T]):
                     await asyncio.wait_for(self._arrived.wait(), timeout=remaining)
                 except TimeoutError:
                     break
-            taken, self._waiting, self._waiting_tokens = self._waiting, [], 0
-            for group in pack(taken, lambda w: w.length, self.max_batch_rows, self.max_batch_tokens):
-                try:
-                    await self._run_pass(group)
-                except Exception as exc:  # noqa: BLE001 - the batcher must outlive any one pass
-                    log.exception("pass could not be completed")
-                    for waiting in group:
-                        waiting.settle(exc)
+            now = time.perf_counter()
+            self._released = now
+            group = self._next_pass(now, time.time())
+            if not group:  # every waiting row had expired
+                continue
+            try:
+                await self._run_pass(group)
+            except Exception as exc:  # noqa: BLE001 - the batcher must outlive any one pass
+                log.exception("pass could not be completed")
+                for waiting in group:
+                    waiting.settle(exc)
+
+    def _rank(self, waiting: _Waiting[T], now: float) -> int:
+        """The row's effective lane: its request's lane, one higher for every ``lane_ageing_ms`` waited."""
+        lane = waiting.submission.scheduling.lane if self.lanes else 1
+        return lane - math.floor((now - waiting.since) / self.ageing)
+
+    def _drop_expired(self, wall: float) -> None:
+        """Settle the rows of requests past their deadline with ``DeadlineExceeded`` and forget them."""
+        kept: list[_Waiting[T]] = []
+        for waiting in self._waiting:
+            submission = waiting.submission
+            deadline = submission.scheduling.deadline
+            if submission.expired or (deadline is not None and wall > deadline):
+                if not submission.expired:
+                    submission.expired = True
+                    late = DeadlineExceeded(wall - (deadline or wall))
+                    for index, outcome in enumerate(submission.outcomes):
+                        if outcome is _UNSET:
+                            submission.settle(index, late)
+                self.rows_expired += 1
+                self._waiting_tokens -= waiting.length
+                continue
+            kept.append(waiting)
+        self._waiting = kept
+
+    def _next_pass(self, now: float, wall: float) -> list[_Waiting[T]]:
+        """Take the rows of the next pass: by effective lane, the longest first within one, while they fit
+        ``max_batch_rows`` and ``max_batch_tokens`` (a single prompt over the budget runs alone)."""
+        if any(w.submission.scheduling.deadline is not None or w.submission.expired for w in self._waiting):
+            self._drop_expired(wall)
+        ordered = sorted(self._waiting, key=lambda w: (self._rank(w, now), -w.length, w.since))
+        chosen: list[_Waiting[T]] = []
+        longest = skipped = 0
+        for waiting in ordered:
+            if len(chosen) >= self.max_batch_rows or skipped > self.max_batch_rows:
+                break
+            size = waiting.length
+            if chosen and (len(chosen) + 1) * max(longest, size) > self.max_batch_tokens:
+                skipped += 1  # too long to join: a later, shorter row may still fit
+                continue
+            chosen.append(waiting)
+            longest = max(longest, size)
+        taken = {id(waiting) for waiting in chosen}
+        self._waiting = [waiting for waiting in self._waiting if id(waiting) not in taken]
+        self._waiting_tokens -= sum(waiting.length for waiting in chosen)
+        return chosen
 
     async def _run_pass(self, group: list[_Waiting[T]]) -> None:
         loop = asyncio.get_running_loop()
@@ -239,6 +314,7 @@ class BatchScheduler(Generic[T]):
         self.rows_run += record.rows
         self.real_tokens += record.real_tokens
         self.padded_tokens += record.padded_tokens
+        self.device_seconds += seconds
         if self._on_pass is not None:
             try:
                 self._on_pass(record)

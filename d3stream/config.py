@@ -79,6 +79,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_batch_rows: int = 64
     max_batch_tokens: int | None = None
     linger_ms: float = 5.0
+    # Shared traffic (docs/SCHEDULING.md)
+    priority_lanes: bool = True
+    lane_ageing_ms: float = 2_000.0
+    honor_deadlines: bool = True
+    tenant_header: str | None = None
     max_inflight_requests: int = 256
     max_inflight_tokens: int = 262_144
     prefix_reuse: Literal["auto", "on", "off"] = "auto"
@@ -177,6 +182,12 @@ HELP: dict[str, str] = {
     "max_batch_rows": "most question prompts in one forward pass",
     "max_batch_tokens": "most padded tokens (rows x longest prompt) in one pass; default 16384 on GPU, 4096 on CPU",
     "linger_ms": "how long a question may wait for others to share its pass",
+    "priority_lanes": "fill passes from the higher request priority lanes first (high, normal, low); off: one lane",
+    "lane_ageing_ms": "a waiting question moves up one priority lane per this many milliseconds, so no lane starves",
+    "honor_deadlines": "answer requests past their deadline or ttl_ms deadline_exceeded without device time "
+    "(replays turn it off)",
+    "tenant_header": "record header naming a request's tenant when the request has no tenant field (unset or "
+    "absent: the topic)",
     "max_inflight_requests": "requests read but not yet answered before partitions are paused",
     "max_inflight_tokens": "prompt tokens in flight before partitions are paused",
     "prefix_reuse": "run the prompt prefix a request's questions share once (causal checkpoints); auto: on "

@@ -16,13 +16,13 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
 from .runtime.kinds import MEDIA_KINDS, QUESTION_TYPE_NAMES, question_type, spoken_list
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: deadline, ttl_ms, priority, tenant; provenance.cost (requests of 1 stay valid)
 CONTENT_TYPE = "application/json"
 HEADERS = [("content-type", CONTENT_TYPE.encode()), ("d3stream-schema", SCHEMA_VERSION.encode())]
 
@@ -36,9 +36,14 @@ ERROR_CODES = (
     "media_too_large",  # over the strict size limits (refused from HEAD, never downloaded)
     "media_unreadable",  # fetched, but not a valid image or video
     "media_unavailable",  # the object store did not answer in time, after retries
+    "deadline_exceeded",  # past its deadline (or ttl_ms) before a pass carried it: no device time spent
     "answer_too_large",  # the answer does not fit the answer topic's message limit, even compressed
     "internal_error",  # a fault of this worker; the message says what
 )
+
+# Priority lanes, highest first (the scheduler's lane index is the position here).
+Priority = Literal["high", "normal", "low"]
+PRIORITIES: tuple[Priority, ...] = get_args(Priority)
 
 MediaReference = Annotated[
     str,
@@ -64,6 +69,17 @@ class Request(msgspec.Struct, kw_only=True):
     model: str | None = None
     permutation_average: bool | None = None
     metadata: Any = None
+    # Scheduling (schema 2; all optional, so requests of schema 1 stay valid).
+    deadline: Annotated[int, msgspec.Meta(
+        ge=0, description="epoch milliseconds after which the answer is no longer wanted: answered deadline_exceeded "
+                          "without device time")] | None = None
+    ttl_ms: Annotated[int, msgspec.Meta(
+        ge=0, description="the deadline relative to the record's timestamp (the earlier of the two counts)")] | None = None
+    priority: Annotated[Priority, msgspec.Meta(
+        description="the lane: passes are filled from higher lanes first, with ageing (docs/SCHEDULING.md)")] = "normal"
+    tenant: Annotated[str, msgspec.Meta(
+        min_length=1, max_length=128,
+        description="who the cost is counted for; default: the tenant_header record header, else the topic")] | None = None
 
 
 class Source(msgspec.Struct, kw_only=True):
@@ -75,9 +91,11 @@ class Source(msgspec.Struct, kw_only=True):
     timestamp: int | None = None
 
 
-class ErrorInfo(msgspec.Struct, kw_only=True):
+class ErrorInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     code: str
     message: str
+    late_ms: Annotated[int | None, msgspec.Meta(
+        description="deadline_exceeded: how long after its deadline the request was dropped")] = None
 
 
 class ModelRecord(msgspec.Struct, kw_only=True):
@@ -109,6 +127,21 @@ class BatchRecord(msgspec.Struct, kw_only=True):
     saved_tokens: int = 0
 
 
+class Cost(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What answering this request used (schema 2). ``device_seconds`` is its share of every pass it rode in,
+    by tokens (a pass's seconds x its rows' real tokens / the pass's real tokens), so the shares of all
+    answers add up to the passes' measured time."""
+
+    tenant: str | None = None
+    prompt_tokens: int = 0
+    padded_tokens: int = 0
+    device_seconds: float = 0.0
+    media_bytes: int = 0
+    # Not measured separately: the vision tower runs inside the forward pass, so its time is part of
+    # device_seconds (None until a runtime reports it).
+    vision_seconds: float | None = None
+
+
 class Timings(msgspec.Struct, kw_only=True):
     """Where the time went for this request, in milliseconds."""
 
@@ -131,6 +164,7 @@ class Provenance(msgspec.Struct, kw_only=True):
     media: list[MediaRecord] = msgspec.field(default_factory=list)
     batch: BatchRecord = msgspec.field(default_factory=BatchRecord)
     timings: Timings = msgspec.field(default_factory=Timings)
+    cost: Cost | None = None
     worker: Worker | None = None
     replay_id: str | None = None
 

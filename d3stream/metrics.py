@@ -41,6 +41,9 @@ from . import __version__
 log = structlog.get_logger(__name__)
 
 PREFIX = "d3stream"
+# Tenants are named by requests (untrusted): a bounded number get series of their own.
+MAX_TENANT_LABELS = 100
+OTHER_TENANT = "_other"
 
 STAGES = ("fetch", "decode", "prepare", "queued", "forward", "publish", "end_to_end")
 """Stages a request walks, as ``observe_stage`` takes them (``queued``: waiting for a forward pass)."""
@@ -228,6 +231,22 @@ class Metrics:
             ["code"],
             registry=r,
         )
+        # ---- cost (provenance.cost of each answer, summed; docs/SCHEDULING.md)
+        self.device_seconds = Counter(
+            f"{PREFIX}_device_seconds",
+            "Forward-pass device seconds, attributed to requests by their share of each pass's real tokens, by "
+            f"tenant and model (at most {MAX_TENANT_LABELS} tenants are named; the rest count as '{OTHER_TENANT}').",
+            ["tenant", "model"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            f"{PREFIX}_tokens",
+            "Tokens answered requests used, by tenant, model and kind: 'prompt' (their prompts' tokens) or "
+            "'padded' (the padded grid of the passes they rode in).",
+            ["tenant", "model", "kind"],
+            registry=r,
+        )
+        self._tenants: set[str] = set()
         self.dead_letters = Counter(
             f"{PREFIX}_dead_letters",
             "Records that were not even a JSON object, copied to the dead-letter topic. Any rate here "
@@ -414,6 +433,22 @@ class Metrics:
         if series is None:  # a code outside the documented table still counts
             series = self._answer_series[label] = self.answers.labels(code=label)
         series.inc()
+
+    def count_cost(self, tenant: str, model: str, device_seconds: float, prompt_tokens: int,
+                   padded_tokens: int) -> None:
+        """What one answered request cost, under its tenant (request fields are untrusted: only the first
+        ``MAX_TENANT_LABELS`` tenants get a series of their own)."""
+        if tenant not in self._tenants:
+            if len(self._tenants) >= MAX_TENANT_LABELS:
+                tenant = OTHER_TENANT
+            else:
+                self._tenants.add(tenant)
+        if device_seconds > 0:
+            self.device_seconds.labels(tenant=tenant, model=model).inc(device_seconds)
+        if prompt_tokens > 0:
+            self.tokens.labels(tenant=tenant, model=model, kind="prompt").inc(prompt_tokens)
+        if padded_tokens > 0:
+            self.tokens.labels(tenant=tenant, model=model, kind="padded").inc(padded_tokens)
 
     def count_dead_letter(self) -> None:
         self.dead_letters.inc()

@@ -10,7 +10,9 @@ never run side by side on the device. If a shared-prefix call fails, the request
 
 A pass that fails is split and retried by the scheduler; a row failing alone fails only its question
 (``invalid_model_output``). Each request gets the record of the passes that carried it (its provenance's
-``batch``) and its queueing and forward time.
+``batch``) and its queueing and forward time, and its share of each pass's device time, by tokens
+(provenance ``cost``; docs/SCHEDULING.md). A request whose deadline passes before its rows ride a pass
+is marked ``expired`` (the pipeline answers it ``deadline_exceeded``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .config import Settings
 from .events import BatchRecord
 from .metrics import Metrics
 from .runtime.model import Prepared, Row
-from .seams import DecisionModel, Position
+from .seams import DEFAULT_SCHEDULING, DeadlineExceeded, DecisionModel, Position, Scheduling
 
 if TYPE_CHECKING:
     from .runtime.model import D3
@@ -61,9 +63,12 @@ class RowScheduler(Protocol):
         """The request read at ``position`` is answered; if it submitted no rows it holds nothing back."""
         ...
 
-    def enqueue(self, rows: Sequence[Row], position: Position) -> asyncio.Future[list[Outcome]]:
+    def enqueue(self, rows: Sequence[Row], position: Position,
+                scheduling: Scheduling | None = None) -> asyncio.Future[list[Outcome]]:
         """Queue one request's rows; the future gets each row's (probabilities, pass record), or the
-        exception of a row that failed alone, once the last of them has run."""
+        exception of a row that failed alone, once the last of them has run. ``scheduling`` (lane,
+        deadline) may be ignored; a scheduler that honours a deadline settles the rows it drops with
+        ``seams.DeadlineExceeded``."""
         ...
 
     async def close(self) -> None: ...
@@ -78,6 +83,8 @@ class PassItem:
     position: Position
     plan: Any = None  # its shared-prefix plan, if it has one
     probabilities: dict[Row, list[float]] = field(default_factory=dict)
+    scheduling: Scheduling = DEFAULT_SCHEDULING
+    expired: DeadlineExceeded | None = None  # its deadline passed before a pass carried all its rows
 
 
 class Passes:
@@ -97,6 +104,8 @@ class Passes:
             linger_ms=settings.linger_ms,
             executor=self.executor,
             on_pass=metrics.observe_pass_record,
+            lanes=settings.priority_lanes,
+            lane_ageing_ms=settings.lane_ageing_ms,
         )
         self.prefix_runner: Any = self._prefix_runner(settings, model) if scheduler is None else None
         self.prefix_scheduler: BatchScheduler | None = None
@@ -111,6 +120,8 @@ class Passes:
                 max_batch_tokens=4 * self.budget,
                 linger_ms=settings.linger_ms,
                 executor=self.executor,
+                lanes=settings.priority_lanes,
+                lane_ageing_ms=settings.lane_ageing_ms,
             )
 
     def provenance(self) -> dict[str, Any]:
@@ -146,7 +157,7 @@ class Passes:
         for item in items:
             item.work.submitted_at = submitted
             if item.plan is None:
-                waiting[self.rows.enqueue(item.prepared.rows, item.position)] = item
+                waiting[self.rows.enqueue(item.prepared.rows, item.position, item.scheduling)] = item
             else:
                 waiting[asyncio.ensure_future(self._run_shared(item))] = item
         finished: asyncio.Queue[asyncio.Future[Any]] = asyncio.Queue()
@@ -167,13 +178,19 @@ class Passes:
     async def _run_rows(self, item: PassItem) -> None:
         """One request's rows as full prompts (the fallback of a failed shared-prefix call)."""
         submitted = time.perf_counter()
-        self._take_outcomes(item, await self.rows.enqueue(item.prepared.rows, item.position), submitted)
+        self._take_outcomes(item, await self.rows.enqueue(item.prepared.rows, item.position, item.scheduling),
+                            submitted)
 
     def _take_outcomes(self, item: PassItem, outcomes: list[Outcome], submitted: float) -> None:
-        """A request's probabilities from its rows' outcomes; a row whose pass failed alone fails its question."""
+        """A request's probabilities from its rows' outcomes; a row whose pass failed alone fails its question,
+        a row dropped at its deadline expires the request."""
         prepared = item.prepared
         passes: dict[int, PassRecord] = {}
+        mine: dict[int, list[int]] = {}  # per pass: the lengths of this request's rows in it
         for row, outcome in zip(prepared.rows, outcomes, strict=True):
+            if isinstance(outcome, DeadlineExceeded):
+                item.expired = outcome
+                continue
             if isinstance(outcome, BaseException):
                 question = prepared.questions[row.key]
                 prepared.errors[row.key] = {
@@ -185,9 +202,15 @@ class Passes:
             result, record = outcome
             item.probabilities[row] = result
             passes[id(record)] = record
+            mine.setdefault(id(record), []).append(row.length)
         if prepared.errors:
             prepared.rows = [row for row in prepared.rows if row.key not in prepared.errors]
-        self._account(item.work, submitted, list(passes.values()))
+        work = item.work
+        for key, record in passes.items():
+            lengths = mine[key]
+            work.device_seconds += _share(record.seconds, sum(lengths), record.real_tokens)
+            work.padded_tokens += len(lengths) * (record.padded_tokens // max(record.rows, 1))
+        self._account(work, submitted, list(passes.values()))
 
     async def _run_shared(self, item: PassItem) -> None:
         """A multi-question request on its shared prefix; if that fails, its rows run as full prompts."""
@@ -195,7 +218,10 @@ class Passes:
         plan = item.plan
         submitted = item.work.submitted_at = time.perf_counter()
         try:
-            [((probabilities, passes), _)] = await self.prefix_scheduler.submit([plan])
+            [((probabilities, passes), _)] = await self.prefix_scheduler.submit([plan], item.scheduling)
+        except DeadlineExceeded as exc:
+            item.expired = exc
+            return
         except Exception as exc:  # noqa: BLE001 - the full-prompt path splits and reports row failures
             log.warning("shared-prefix run failed; running full prompts", error=f"{type(exc).__name__}: {exc}")
             await self._run_rows(item)
@@ -203,9 +229,27 @@ class Passes:
         # Shared only if each row's answer came from a suffix pass (a failed check re-answers from full prompts).
         answered_by = {row: info.kind for info in passes if info.kind in ("suffix", "full") for row in info.done}
         reused = bool(answered_by) and all(kind == "suffix" for kind in answered_by.values())
+        self._share_prefix_passes(item, passes)
         self._account(item.work, submitted, passes, shared_prefix=reused,
                       saved_tokens=(len(plan.rows) - 1) * plan.length if reused else 0)
         item.probabilities = probabilities
+
+    @staticmethod
+    def _share_prefix_passes(item: PassItem, passes: Sequence[Any]) -> None:
+        """The request's share of the shared-prefix runner's passes, by the tokens it ran in each: its prefix
+        in a prefix pass, its rows' suffixes (or whole prompts) in the passes that answered them. Exact-replay
+        check passes are not attributed to any request (docs/SCHEDULING.md)."""
+        plan, work = item.plan, item.work
+        rows = set(plan.rows)
+        for info in passes:
+            if info.kind == "prefix":
+                tokens, count = (plan.length, 1) if plan in info.prefixes else (0, 0)
+            else:
+                answered = [row for row in info.done if row in rows]
+                count = len(answered)
+                tokens = sum(plan.suffix_length(row) if info.kind == "suffix" else row.length for row in answered)
+            work.device_seconds += _share(info.seconds, tokens, info.real_tokens)
+            work.padded_tokens += count * (info.padded_tokens // max(info.rows, 1))
 
     def _account(self, work: RequestWork, submitted: float, passes: Sequence[Any], **batch: Any) -> None:
         """The request's forward and queueing time and its batch record, from the passes that carried it
@@ -279,3 +323,8 @@ class Passes:
             (result, [info for info in passes if plan in info.prefixes or any(row in result for row in info.done)])
             for plan, result in zip(plans, results, strict=True)
         ]
+
+
+def _share(seconds: float, tokens: int, pass_tokens: int) -> float:
+    """A pass's device time attributed to ``tokens`` of its ``pass_tokens`` real tokens."""
+    return seconds * tokens / pass_tokens if pass_tokens > 0 else 0.0

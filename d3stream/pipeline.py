@@ -4,7 +4,8 @@
 value, headers) and walks them through the stages:
 
 1. **event**: bytes -> ``Request`` (``events.decode_request``), or an error answer (``undecodable_event``,
-   also dead-lettered; ``invalid_request``; ``model_not_served``);
+   also dead-lettered; ``invalid_request``; ``model_not_served``; ``deadline_exceeded`` when its deadline
+   has passed already), with its tenant and scheduling (lane, deadline: docs/SCHEDULING.md);
 2. **media** (requests that name images or videos): fetched from the object store (``storage.py``) and
    decoded strictly off the prepare thread (``decoding.py``), under the media budgets;
 3. **prepare**: validated, rendered and tokenized by the model, and planned for shared-prefix reuse, on the
@@ -32,7 +33,7 @@ import structlog
 from .answers import AnswerBuilder, RequestWork, answer_identity, media_record, ms
 from .config import Settings
 from .decoding import ByteBudget, MediaDecoder
-from .events import HEADERS, Answer, EventError, Request, RequestLimits, Source, decode_request
+from .events import HEADERS, PRIORITIES, Answer, EventError, Request, RequestLimits, Source, decode_request
 from .jobthread import JobThread
 from .metrics import Metrics
 from .passes import Passes, PassItem
@@ -40,7 +41,7 @@ from .publishing import Outgoing
 from .runtime.kinds import IMAGE, MEDIA_KINDS, VIDEO
 from .runtime.media import MediaBudgetExceeded, reason
 from .runtime.model import Prepared
-from .seams import DecisionModel, InFlight, InputRecord, position_of
+from .seams import DeadlineExceeded, DecisionModel, InFlight, InputRecord, Scheduling, position_of
 from .storage import MediaError, MediaFetcher
 from .tracing import forwarded_headers, header_names
 
@@ -145,6 +146,10 @@ class RequestPipeline:
                 work.extra.append(self.answers.dead_letter(work, str(exc)))
             return self.answers.error(work, exc.code, str(exc), request_id=exc.request_id)
         work.request = request
+        work.tenant = self._tenant(record, request)
+        scheduling = self._scheduling(record, request)
+        if scheduling.deadline is not None and time.time() > scheduling.deadline:
+            return self._expired(work, request, DeadlineExceeded(time.time() - scheduling.deadline), "was read")
         if request.model is not None and request.model != self.model.model_name:
             return self.answers.error(work, "model_not_served",
                                       f"this worker serves {self.model.model_name!r}, not {request.model!r}",
@@ -152,6 +157,36 @@ class RequestPipeline:
         work.questions = len(request.questions)
         self.in_flight.questions += work.questions
         return request
+
+    def _tenant(self, record: InputRecord, request: Request) -> str:
+        """Who the request's cost counts for: its ``tenant``, else the ``tenant_header`` header, else the topic."""
+        if request.tenant is not None:
+            return request.tenant
+        header = self.settings.tenant_header
+        if header:
+            for name, value in record.headers or ():
+                if name == header and value:
+                    return value.decode("utf-8", "replace")[:128]
+        return record.topic
+
+    def _scheduling(self, record: InputRecord, request: Request) -> Scheduling:
+        """The request's lane and deadline (epoch seconds): the earlier of ``deadline`` and the record's
+        timestamp plus ``ttl_ms``; none when ``honor_deadlines`` is off."""
+        candidates = []
+        if self.settings.honor_deadlines:
+            if request.deadline is not None:
+                candidates.append(request.deadline)
+            if request.ttl_ms is not None and record.timestamp is not None and record.timestamp >= 0:
+                candidates.append(record.timestamp + request.ttl_ms)
+        return Scheduling(lane=PRIORITIES.index(request.priority),
+                          deadline=min(candidates) / 1000.0 if candidates else None)
+
+    def _expired(self, work: RequestWork, request: Request, late: DeadlineExceeded, when: str) -> Answer:
+        return self.answers.error(
+            work, "deadline_exceeded",
+            f"the request's deadline had passed {late.late_ms:,} ms before it {when}; it was not run "
+            "(fields deadline / ttl_ms; honor_deadlines)",
+            request=request, late_ms=late.late_ms)
 
     async def _serve_with_media(self, work: RequestWork, request: Request, on_served: OnServed) -> None:
         """A request naming images or videos: refused early if certainly too long, its media fetched and
@@ -193,7 +228,8 @@ class RequestPipeline:
             prepared, plan = outcome
             work.tokens = prepared.input_tokens
             self.in_flight.tokens += work.tokens
-            passing.append((PassItem(work, prepared, position_of(work.record), plan), request))
+            passing.append((PassItem(work, prepared, position_of(work.record), plan,
+                                     scheduling=self._scheduling(work.record, request)), request))
         if refused:
             await on_served(refused)
         requests = {id(item): request for item, request in passing}
@@ -212,6 +248,8 @@ class RequestPipeline:
 
     def _answered(self, item: PassItem, request: Request) -> Served:
         work = item.work
+        if item.expired is not None:
+            return self._served(work, self._expired(work, request, item.expired, "could ride a forward pass"))
         try:
             response = item.prepared.answers(item.probabilities)
             answer = self.answers.answered(work, request, response)
@@ -226,6 +264,9 @@ class RequestPipeline:
         self.in_flight.tokens -= work.tokens
         self.media_budget.release(work.media_bytes)
         self.passes.rows.finished(position_of(work.record))
+        if work.tenant is not None:
+            self.metrics.count_cost(work.tenant, self.model.model_name, work.device_seconds, work.tokens,
+                                    work.padded_tokens)
         work.timings.total = ms(time.perf_counter() - work.received)
         answer.answer_id = answer_identity(answer, self.provenance_sha256)
         answer, outgoing = self.answers.fitted(work, answer)

@@ -42,7 +42,7 @@ from .connection import client_options, connecting
 from .metrics import Metrics
 from .passes import Outcome
 from .runtime.model import Row
-from .seams import DecisionModel, Position
+from .seams import DecisionModel, Position, Scheduling
 from .service import Service
 
 log = structlog.get_logger(__name__)
@@ -159,9 +159,11 @@ class OrderedPasses:
         self._closed.add(key)
         self._advance(key)
 
-    def enqueue(self, rows: Sequence[Row], position: Position) -> asyncio.Future[list[Outcome]]:
+    def enqueue(self, rows: Sequence[Row], position: Position,
+                scheduling: Scheduling | None = None) -> asyncio.Future[list[Outcome]]:
         """Fill the request's place in its partition's order; its passes run once every earlier request of the
-        partition is placed (or answered without rows)."""
+        partition is placed (or answered without rows). ``scheduling`` is ignored: passes follow the source
+        order only (and replays do not honour deadlines)."""
         topic, partition, offset = position
         slot = next(s for s in self._queues[(topic, partition)] if s.offset == offset)
         loop = asyncio.get_running_loop()
@@ -300,6 +302,7 @@ def _replay_settings(settings: Settings, plan: ReplayRange, replay_id: str, out_
         "group_id": f"{settings.group_id}-replay-{replay_id}",
         "transactional_id_prefix": f"{settings.transactional_id_prefix}-replay-{replay_id}",
         "auto_offset_reset": "earliest",
+        "honor_deadlines": False,  # a replay reads old requests on purpose: their deadlines have long passed
     }
     if deterministic:  # passes cut in source order only: no second scheduler for shared prefixes
         changes["prefix_reuse"] = "off"

@@ -111,3 +111,26 @@ class InFlight:
     requests: int = 0
     questions: int = 0
     tokens: int = 0
+
+
+# ------------------------------------------------------------------------------------------ scheduling
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    """How a request's rows are scheduled (docs/SCHEDULING.md): its lane (0 is the highest; ``events.PRIORITIES``
+    names them) and its deadline (epoch seconds; None: none). A scheduler that cannot use them ignores them."""
+
+    lane: int = 1
+    deadline: float | None = None
+
+
+DEFAULT_SCHEDULING = Scheduling()
+
+
+class DeadlineExceeded(Exception):  # noqa: N818 - it names the answer's error code
+    """A request's deadline passed before a pass carried its rows: they were dropped, not run."""
+
+    def __init__(self, late_seconds: float):
+        self.late_ms = max(0, round(late_seconds * 1000.0))
+        super().__init__(f"the request's deadline passed {self.late_ms:,} ms before a forward pass could carry it")

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from d3stream.batching import BatchScheduler, PassRecord, pack
+from d3stream.seams import DeadlineExceeded, Scheduling
 
 
 @dataclass(eq=False)
@@ -329,3 +330,74 @@ def test_a_pass_with_the_wrong_number_of_results_fails_its_rows_and_the_schedule
     outcomes, later = _run(scenario())
     assert any(isinstance(o, BaseException) for o in outcomes)
     assert later[0][0] == 6
+
+
+# ------------------------------------------------------------------------- lanes, ageing, deadlines
+
+HIGH, NORMAL, LOW = Scheduling(lane=0), Scheduling(lane=1), Scheduling(lane=2)
+
+
+def test_a_high_row_arriving_behind_a_low_flood_rides_the_next_pass():
+    """Passes are cut one at a time: a high-priority row submitted while a flood of low rows is queued runs
+    in the very next pass, not after the flood; with lanes off it waits behind the flood's longer rows."""
+
+    def order(lanes: bool) -> list[str]:
+        model = FakeModel(delay=0.05)
+
+        async def scenario():
+            scheduler = BatchScheduler(model, length=_length, linger_ms=1, max_batch_rows=2, lanes=lanes)
+            flood = [scheduler.enqueue([Item(20, f"low{n}")], None, LOW) for n in range(12)]
+            await asyncio.sleep(0.02)  # the first pass of the flood is running
+            urgent = scheduler.enqueue([Item(10, "high")], None, HIGH)
+            await asyncio.gather(urgent, *flood)
+            await scheduler.close()
+
+        _run(scenario())
+        return [item.name for call in model.calls for item in call]
+
+    with_lanes, without = order(True), order(False)
+    assert with_lanes.index("high") <= 3, with_lanes  # the first pass (2 rows) was running; it rode the second
+    assert without.index("high") == len(without) - 1, without  # lanes off: shorter, so after every longer row
+
+
+def test_ageing_lets_a_low_row_through_a_steady_high_stream():
+    """High rows arrive faster than passes run; a low row submitted first still runs after about two ageing
+    steps instead of never (without ageing it would wait for the stream to end)."""
+    model = FakeModel(delay=0.02)
+
+    async def scenario():
+        scheduler = BatchScheduler(model, length=_length, linger_ms=1, max_batch_rows=1, lane_ageing_ms=60)
+        low = scheduler.enqueue([Item(5, "low")], None, LOW)
+        highs = []
+        for n in range(60):  # one every ~10 ms: twice what one-row passes of 20 ms can take
+            highs.append(scheduler.enqueue([Item(5, f"high{n}")], None, HIGH))
+            await asyncio.sleep(0.01)
+        await asyncio.gather(low, *highs)
+        await scheduler.close()
+
+    _run(scenario())
+    ran = [item.name for call in model.calls for item in call]
+    assert len(ran) == 61
+    assert ran.index("low") < 40, ran  # well before the stream's end, with 20+ high rows still waiting
+
+
+def test_rows_past_their_deadline_are_dropped_without_a_pass():
+    """Expired before it was queued: settled with DeadlineExceeded, never run. Expiring while it lingers:
+    dropped when the pass is cut; its neighbour runs alone."""
+    model = FakeModel()
+
+    async def scenario():
+        scheduler = BatchScheduler(model, length=_length, linger_ms=300)
+        gone = scheduler.enqueue([Item(4, "gone"), Item(5, "gone2")], None, Scheduling(deadline=time.time() - 2))
+        soon = scheduler.enqueue([Item(6, "soon")], None, Scheduling(deadline=time.time() + 0.05))
+        kept = scheduler.enqueue([Item(7, "kept")], None, NORMAL)
+        results = await asyncio.gather(gone, soon, kept)
+        await scheduler.close()
+        return results, scheduler
+
+    (gone, soon, kept), scheduler = _run(scenario())
+    assert all(isinstance(outcome, DeadlineExceeded) for outcome in gone + soon)
+    assert gone[0].late_ms >= 1900 and soon[0].late_ms > 0
+    assert [[item.name for item in call] for call in model.calls] == [["kept"]]
+    assert kept[0][0] == 14 and scheduler.rows_expired == 3
+    assert scheduler.device_seconds == pytest.approx(kept[0][1].seconds)

@@ -125,7 +125,7 @@ def test_valid_request_decodes_with_defaults():
 
 
 def test_unknown_fields_are_tolerated():
-    document = {"id": "r1", "questions": QUESTIONS, "priority": 3, "extra": {"nested": [1]}}
+    document = {"id": "r1", "questions": QUESTIONS, "rank": 3, "extra": {"nested": [1]}}
     request = decode_request(json.dumps(document).encode())
     assert request.id == "r1" and request.questions == QUESTIONS
     _validator("request").validate(document)  # the published schema tolerates them too

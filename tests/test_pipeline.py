@@ -195,3 +195,93 @@ def test_every_delivery_setting_value_is_a_registered_mode():
     kafka_modes = {name for name, mode in DELIVERY_MODES.items() if mode.kafka_sink}
     assert set(get_args(DeliveryMode)) == kafka_modes
     assert DELIVERY_MODES["exactly_once"].transactional and not DELIVERY_MODES["at_least_once"].transactional
+
+
+# ------------------------------------------------------------------------ deadlines, cost, lanes
+
+
+def test_a_request_past_its_deadline_on_arrival_costs_no_pass(pipeline_service):
+    """``deadline`` in the past, or ``ttl_ms`` from an old record timestamp: deadline_exceeded, saying how
+    late, without a forward pass; a request of schema 1 (no such fields) beside them is answered."""
+    service = pipeline_service()
+    recorder = serve(service, records(request("late-deadline", deadline=1_000),
+                                      request("late-ttl", ttl_ms=60_000),  # the records are from 2023
+                                      request("no-deadline")))
+    answers = recorder.answers
+    for rid in ("late-deadline", "late-ttl"):
+        error = answers[rid].error
+        assert error.code == "deadline_exceeded" and "deadline_exceeded" in ERROR_CODES
+        assert error.late_ms > 10**9 and f"{error.late_ms:,} ms" in error.message
+        assert answers[rid].provenance.cost.device_seconds == 0 and answers[rid].provenance.batch.passes == 0
+    assert answers["no-deadline"].error is None
+    assert service.passes.rows.passes_run == 1 and service.passes.rows.rows_run == 1
+
+
+def test_a_request_expiring_while_queued_is_dropped_before_its_pass(pipeline_service):
+    """Alive when admitted, expired while its row lingers for company: dropped from the pass it would have
+    ridden (its neighbour rides alone) and answered deadline_exceeded."""
+    import time
+
+    service = pipeline_service(linger_ms=3_000, prefix_reuse="off")
+    soon = int(time.time() * 1000) + 1_000  # admitted well before, then the row lingers 3 s
+    recorder = serve(service, records(request("expiring", deadline=soon), request("patient")))
+    answers = recorder.answers
+    assert answers["expiring"].error.code == "deadline_exceeded"
+    assert answers["expiring"].error.late_ms > 0 and "forward pass" in answers["expiring"].error.message
+    assert answers["patient"].error is None and answers["patient"].provenance.batch.rows == 1
+    assert service.passes.rows.passes_run == 1 and service.passes.rows.rows_expired == 1
+
+
+def test_cost_shares_add_up_to_the_passes_measured_time(pipeline_service):
+    """Over a stream of requests cut into several passes, each answer's share of device time (by tokens) sums
+    to the passes' measured seconds; prompt and padded tokens add up too; the tenant comes from the request,
+    else the tenant_header header, else the topic, and the Prometheus counters carry the same sums."""
+    service = pipeline_service(prefix_reuse="off", max_batch_rows=4, tenant_header="x-team")
+    batch = records(*(request(f"r{n}", state={"text": "word " * (1 + n * 3)},
+                              questions={"a": Q_NOUL, "b": Q_CHOICE} if n % 2 else {"a": Q_SCORE},
+                              **({"tenant": "explicit"} if n % 3 == 0 else {}))
+                      for n in range(10)))
+    for record in batch[1::3]:
+        record.headers = [("x-team", b"from-header")]
+    recorder = serve(service, batch)
+    rows = service.passes.rows
+    answers = list(recorder.answers.values())
+    assert all(answer.error is None for answer in answers)
+    assert rows.passes_run >= 3
+    assert sum(a.provenance.cost.device_seconds for a in answers) == pytest.approx(rows.device_seconds, rel=1e-9)
+    assert sum(a.provenance.cost.prompt_tokens for a in answers) == rows.real_tokens
+    assert sum(a.provenance.cost.padded_tokens for a in answers) == rows.padded_tokens
+    assert all(a.provenance.cost.prompt_tokens == a.usage["input_tokens"] for a in answers)
+    tenants = {a.id: a.provenance.cost.tenant for a in answers}
+    assert {tenants["r0"], tenants["r1"], tenants["r2"]} == {"explicit", "from-header", "requests"}
+    registry = service.metrics.registry
+    counted = sum(registry.get_sample_value("d3stream_device_seconds_total",
+                                            {"tenant": tenant, "model": service.model.model_name}) or 0.0
+                  for tenant in ("explicit", "from-header", "requests"))
+    assert counted == pytest.approx(rows.device_seconds, rel=1e-9)
+
+
+def test_a_high_priority_request_is_answered_before_a_low_flood_of_its_fetch(pipeline_service):
+    """One fetch: a flood of low-priority requests and one high-priority request last; with two rows a pass
+    the high one rides the first pass and is the first answer handed on."""
+    service = pipeline_service(prefix_reuse="off", max_batch_rows=2)
+    batch = records(*(request(f"low{n}", priority="low") for n in range(8)), request("urgent", priority="high"))
+    recorder = serve(service, batch)
+    first = [served.answer.id for served in recorder.calls[0]]
+    assert "urgent" in first, [[s.answer.id for s in call] for call in recorder.calls]
+    assert all(answer.error is None for answer in recorder.answers.values())
+
+
+def test_cost_shares_on_the_shared_prefix_path_add_up_to_its_passes(pipeline_service):
+    """Multi-question requests run their shared prefix once and question tails on it: each answer's share of
+    the prefix and suffix passes (by the tokens it ran in each) adds up to every pass's measured time (no
+    exact-replay checks here: no request is charged for those)."""
+    service = pipeline_service(prefix_reuse="on", prefix_verify_every=0)
+    batch = records(*(request(f"p{n}", state={"text": "word " * (3 + 4 * n)},
+                              questions={"a": Q_NOUL, "b": Q_CHOICE, "c": Q_SCORE}) for n in range(4)))
+    recorder = serve(service, batch)
+    answers = list(recorder.answers.values())
+    assert all(a.error is None and a.provenance.batch.shared_prefix for a in answers)
+    assert all(a.provenance.cost.device_seconds > 0 for a in answers)
+    measured = service.metrics.registry.get_sample_value("d3stream_pass_seconds_sum")
+    assert sum(a.provenance.cost.device_seconds for a in answers) == pytest.approx(measured, rel=1e-9)
