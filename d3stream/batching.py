@@ -15,12 +15,15 @@ A pass that fails (out of memory, a runtime error) is split in half and each hal
 fails alone gets the exception, which the service reports for its request. One bad prompt therefore
 costs its own request an error, not its neighbours theirs.
 
-Shared traffic (docs/SCHEDULING.md): passes are cut one at a time from what is waiting, so a request that
-arrives while a flood is queued rides the next pass, not the flood's last. Rows are taken by their
-*effective lane*, the request's priority lane (0 is ``high``) less one for every ``lane_ageing_ms`` it has
-waited, lowest first, so a low lane is never starved; within a lane the longest first, and the rest of the
-pass is filled from lower lanes. Just before a pass is cut, the rows of a request past its deadline are
-dropped and settled with ``seams.DeadlineExceeded``: they cost no device time.
+Shared traffic (docs/SCHEDULING.md): rows are taken by their *effective lane*, the request's priority lane
+(0 is ``high``) less one for every ``lane_ageing_ms`` it has waited, lowest first, so a low lane is never
+starved; within a lane the longest first, and the rest of a pass is filled from lower lanes. Passes are cut
+up to ``CUT_AHEAD`` at a time (one sort of what waits per cut: sorting per pass made a queue of thousands of
+rows cost quadratic time) and cut again before the next pass whenever a request queued since then is in a
+higher lane than that pass, so a request that arrives while a flood is queued still rides the next pass,
+not the flood's last; and at least every half ageing step, so ranks stay current. Just before a pass runs,
+the rows of a request past its deadline are dropped and settled with ``seams.DeadlineExceeded``: they cost
+no device time.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -71,6 +75,10 @@ def pack(items: Sequence[T], length: Callable[[T], int], max_rows: int, max_toke
 
 
 _UNSET: Any = object()
+
+# Passes cut at once: the waiting rows are sorted once per cut, and a higher-lane arrival still rides the next
+# pass (it makes the scheduler cut again, see BatchScheduler._recut_due).
+CUT_AHEAD = 16
 
 
 @dataclass(eq=False)
@@ -141,6 +149,10 @@ class BatchScheduler(Generic[T]):
         self._task: asyncio.Task | None = None
         self._closing = False
         self._released = float("-inf")  # rows that arrived until then linger no more (see _loop)
+        # Passes cut at the last cut and not run yet, in order; the lowest lane among rows queued since then.
+        self._planned: deque[list[_Waiting[T]]] = deque()
+        self._planned_at = float("-inf")
+        self._best_new_lane: int | None = None
         self.passes_run = 0
         self.rows_run = 0
         self.real_tokens = 0
@@ -195,6 +207,9 @@ class BatchScheduler(Generic[T]):
             future.set_result([])
             return future
         submission = _Submission(future, [_UNSET] * len(rows), len(rows), scheduling or DEFAULT_SCHEDULING)
+        lane = submission.scheduling.lane
+        if self._best_new_lane is None or lane < self._best_new_lane:
+            self._best_new_lane = lane
         now = time.perf_counter()
         for index, row in enumerate(rows):
             length = self._length(row)
@@ -208,29 +223,22 @@ class BatchScheduler(Generic[T]):
 
     async def _loop(self) -> None:
         while True:
-            if not self._waiting:
+            if not self._waiting and not self._planned:
                 if self._closing:
                     return
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
-            # Rows that were waiting when the last pass was cut have lingered already: the passes left of
-            # that batch follow without lingering again.
-            oldest = self._waiting[0].since
-            deadline = oldest + self.linger
-            while not self._full() and not self._closing and oldest > self._released:
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    break
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), timeout=remaining)
-                except TimeoutError:
-                    break
+            if not self._planned:
+                await self._linger()
             now = time.perf_counter()
-            self._released = now
-            group = self._next_pass(now, time.time())
-            if not group:  # every waiting row had expired
+            if self._recut_due(now):
+                self._released = now
+                self._cut(now, time.time())
+            if not self._planned:  # every waiting row had expired
+                continue
+            group = self._unexpired(self._planned.popleft(), time.time())
+            if not group:
                 continue
             try:
                 await self._run_pass(group)
@@ -239,15 +247,87 @@ class BatchScheduler(Generic[T]):
                 for waiting in group:
                     waiting.settle(exc)
 
+    async def _linger(self) -> None:
+        """Wait up to ``linger_ms`` after the oldest new row for company, unless a pass is full already. Rows
+        that were waiting when the last passes were cut have lingered already: they do not linger again."""
+        oldest = self._waiting[0].since
+        deadline = oldest + self.linger
+        while not self._full() and not self._closing and oldest > self._released:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=remaining)
+            except TimeoutError:
+                break
+
     def _rank(self, waiting: _Waiting[T], now: float) -> int:
         """The row's effective lane: its request's lane, one higher for every ``lane_ageing_ms`` waited."""
         lane = waiting.submission.scheduling.lane if self.lanes else 1
         return lane - math.floor((now - waiting.since) / self.ageing)
 
+    def _recut_due(self, now: float) -> bool:
+        """Passes are cut ``CUT_AHEAD`` at a time (sorting what waits once per cut, not once per pass), and cut
+        again before the next pass when a row queued since beats it (a higher lane), when half an ageing step
+        has passed (ranks moved), or when none are left."""
+        if not self._planned:
+            return True
+        if now - self._planned_at >= self.ageing / 2:
+            return True
+        new = self._best_new_lane
+        return self.lanes and new is not None and new < self._rank(self._planned[0][0], now)
+
+    def _cut(self, now: float, wall: float) -> None:
+        """Cut the next passes from every row not run yet: by effective lane, the longest first within one,
+        while they fit ``max_batch_rows`` and ``max_batch_tokens`` (a single prompt over the budget runs alone)."""
+        for group in self._planned:
+            self._waiting += group
+        self._planned.clear()
+        self._best_new_lane = None
+        self._planned_at = now
+        self._drop_expired(wall)
+        keyed = sorted(((self._rank(w, now), -w.length, w.since, n), w) for n, w in enumerate(self._waiting))
+        ordered = [w for _, w in keyed]
+        taken: set[int] = set()
+        for _ in range(CUT_AHEAD):
+            group = self._fill(ordered, taken)
+            if not group:
+                break
+            self._planned.append(group)
+        if taken:
+            self._waiting = [w for w in self._waiting if id(w) not in taken]
+            self._waiting_tokens = sum(w.length for w in self._waiting)
+
+    def _fill(self, ordered: list[_Waiting[T]], taken: set[int]) -> list[_Waiting[T]]:
+        """One pass from ``ordered`` (rows in ``taken`` are in earlier passes); a row too long to join is
+        skipped, up to ``max_batch_rows`` of them, since a later, shorter row may still fit."""
+        chosen: list[_Waiting[T]] = []
+        longest = skipped = 0
+        for waiting in ordered:
+            if len(chosen) >= self.max_batch_rows or skipped > self.max_batch_rows:
+                break
+            if id(waiting) in taken:
+                continue
+            size = waiting.length
+            if chosen and (len(chosen) + 1) * max(longest, size) > self.max_batch_tokens:
+                skipped += 1
+                continue
+            chosen.append(waiting)
+            longest = max(longest, size)
+        taken.update(id(waiting) for waiting in chosen)
+        return chosen
+
     def _drop_expired(self, wall: float) -> None:
         """Settle the rows of requests past their deadline with ``DeadlineExceeded`` and forget them."""
+        kept = self._unexpired(self._waiting, wall)
+        self._waiting_tokens -= sum(w.length for w in self._waiting) - sum(w.length for w in kept)
+        self._waiting = kept
+
+    def _unexpired(self, rows: list[_Waiting[T]], wall: float) -> list[_Waiting[T]]:
+        """``rows`` without those of requests past their deadline, which are settled ``DeadlineExceeded``."""
         kept: list[_Waiting[T]] = []
-        for waiting in self._waiting:
+        for waiting in rows:
             submission = waiting.submission
             deadline = submission.scheduling.deadline
             if submission.expired or (deadline is not None and wall > deadline):
@@ -258,32 +338,9 @@ class BatchScheduler(Generic[T]):
                         if outcome is _UNSET:
                             submission.settle(index, late)
                 self.rows_expired += 1
-                self._waiting_tokens -= waiting.length
                 continue
             kept.append(waiting)
-        self._waiting = kept
-
-    def _next_pass(self, now: float, wall: float) -> list[_Waiting[T]]:
-        """Take the rows of the next pass: by effective lane, the longest first within one, while they fit
-        ``max_batch_rows`` and ``max_batch_tokens`` (a single prompt over the budget runs alone)."""
-        if any(w.submission.scheduling.deadline is not None or w.submission.expired for w in self._waiting):
-            self._drop_expired(wall)
-        ordered = sorted(self._waiting, key=lambda w: (self._rank(w, now), -w.length, w.since))
-        chosen: list[_Waiting[T]] = []
-        longest = skipped = 0
-        for waiting in ordered:
-            if len(chosen) >= self.max_batch_rows or skipped > self.max_batch_rows:
-                break
-            size = waiting.length
-            if chosen and (len(chosen) + 1) * max(longest, size) > self.max_batch_tokens:
-                skipped += 1  # too long to join: a later, shorter row may still fit
-                continue
-            chosen.append(waiting)
-            longest = max(longest, size)
-        taken = {id(waiting) for waiting in chosen}
-        self._waiting = [waiting for waiting in self._waiting if id(waiting) not in taken]
-        self._waiting_tokens -= sum(waiting.length for waiting in chosen)
-        return chosen
+        return kept
 
     async def _run_pass(self, group: list[_Waiting[T]]) -> None:
         loop = asyncio.get_running_loop()
