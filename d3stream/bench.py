@@ -841,7 +841,7 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
                                  images_supported=model.image_unavailable is None)
         report[name] = bench.workload(name, requests, seed=args.seed, rate=args.rate, peak=calibration)
         report[name]["setup"]["checkpoint"] = str(root)
-        report[name]["setup"]["kernels"] = model.kernels
+        report[name]["setup"]["kernels"] = model.kernel_record()
         if args.out:  # after every workload, so a run stopped early still leaves what it measured
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report, calibration

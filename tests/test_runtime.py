@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from d3stream.runtime import D3
+from d3stream.runtime.model import kernel_path
 from d3stream.runtime.package import write_manifest
 from d3stream.tasks import showcase
 from tests.media_makers import frames_array, noise_image
@@ -591,6 +592,33 @@ def test_permutation_average_splits_wide_passes(averaging_model, qwen35_model):
                 + backward["answers"][key]["probabilities"][option]
             ) / 2
             assert averaged["answers"][key]["probabilities"][option] == pytest.approx(expected, abs=BATCH_TOL)
+
+
+def test_provenance_names_the_gated_deltanet_kernels(qwen35_text_model, qwen3vl_model):
+    """Without flash-linear-attention and causal-conv1d (this CPU environment) transformers runs its
+    reference PyTorch code for every Gated DeltaNet op, and the provenance record says so op by op; a
+    Qwen3-VL backbone has no such layers."""
+    kernels = qwen35_text_model.provenance()["kernels"]
+    assert kernels == {
+        "path": "reference",
+        "torch_chunk_gated_delta_rule": "torch-reference",
+        "torch_recurrent_gated_delta_rule": "torch-reference",
+        "causal_conv1d_fn": "torch-reference",
+        "causal_conv1d_update": "torch-reference",
+    }
+    assert qwen3vl_model.provenance()["kernels"] == {"path": "none"}
+
+
+@pytest.mark.parametrize(
+    "bound, path",
+    [
+        (["fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule", "causal_conv1d.causal_conv1d_fn"], "fast"),
+        (["fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule", "torch-reference"], "mixed"),
+        (["torch-reference", "torch-reference"], "reference"),
+    ],
+)
+def test_kernel_path_sums_up_the_ops(bound, path):
+    assert kernel_path(dict(zip(("torch_chunk_gated_delta_rule", "causal_conv1d_fn"), bound, strict=True))) == path
 
 
 def test_permutation_average_reported_in_provenance(averaging_model, qwen35_model):

@@ -154,8 +154,25 @@ def sdpa_backends(device: Any) -> contextlib.AbstractContextManager:
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+# The Gated DeltaNet functions of transformers' qwen3_5 modeling that a kernel package may replace: at import,
+# transformers binds each to flash-linear-attention (``fla``, PyPI ``fla-core``) or ``causal_conv1d`` when
+# that package imports, else to its own PyTorch code ("correct but much slower", its warning says).
+GATED_DELTANET_FUNCTIONS = (
+    "torch_chunk_gated_delta_rule",  # prefill: the chunked delta-rule scan (fla)
+    "torch_recurrent_gated_delta_rule",  # one token on cached states (fla)
+    "causal_conv1d_fn",  # the short depthwise convolution before the scan (causal_conv1d)
+    "causal_conv1d_update",  # its one-token form on a cached conv state (causal_conv1d)
+)
+REFERENCE_KERNEL = "torch-reference"
+
+
 def kernel_report() -> dict[str, str]:
-    """Which implementation transformers bound for the Gated DeltaNet ops: a kernel package or PyTorch."""
+    """Which implementation transformers bound for each Gated DeltaNet op: ``module.function`` of a kernel
+    package (``fla...``, ``causal_conv1d...``, hub ``kernels...``) or ``torch-reference``.
+
+    transformers wraps each function in a closure over the implementation it picked; the closures are
+    walked rather than the packages imported here, so the report says what really runs, not what is installed.
+    """
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
     def bound(function: Any) -> str:
@@ -171,10 +188,18 @@ def kernel_report() -> dict[str, str]:
             for cell in getattr(current, "__closure__", None) or ():
                 with contextlib.suppress(ValueError):
                     stack.append(cell.cell_contents)
-        return "torch-reference"
+        return REFERENCE_KERNEL
 
-    names = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
-    return {name: bound(getattr(qwen, name)) for name in names if hasattr(qwen, name)}
+    return {name: bound(getattr(qwen, name)) for name in GATED_DELTANET_FUNCTIONS if hasattr(qwen, name)}
+
+
+def kernel_path(kernels: Mapping[str, str]) -> str:
+    """``fast`` when every op runs a kernel package, ``reference`` when none does, else ``mixed``;
+    ``none`` for a backbone without Gated DeltaNet layers (an empty report)."""
+    if not kernels:
+        return "none"
+    fast = [implementation != REFERENCE_KERNEL for implementation in kernels.values()]
+    return "fast" if all(fast) else "reference" if not any(fast) else "mixed"
 
 
 def _patch_embed_as_matmul(self: Any, hidden_states: Any) -> Any:
@@ -1085,7 +1110,7 @@ class D3:
             "attn_implementation": "sdpa",
             "batch_size": self.batch_size,
             "files_sha256": files,
-            "kernels": self.kernels,
+            "kernels": self.kernel_record(),
             "policy": "One prompt per question; options under single-token answer codes; last-token readout "
             "over the question's codes only; argmax choice; no truncation (over-limit questions are "
             "refused); no option filtering; one fixed prompt for every request; position ids counted "
@@ -1100,6 +1125,12 @@ class D3:
                 "order, in the same forward passes, and answered with the per-option mean of both distributions."
             )
         return record
+
+    def kernel_record(self) -> dict[str, str]:
+        """The Gated DeltaNet kernels this model runs: ``path`` (fast / reference / mixed / none) and the
+        implementation bound for each op (``kernel_report``); provenance's ``kernels`` entry and what
+        ``Metrics.set_kernels`` publishes."""
+        return {"path": kernel_path(self.kernels), **self.kernels}
 
     def image_contract(self) -> dict[str, Any]:
         """How image inputs are read (or why they are not available)."""
