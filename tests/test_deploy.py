@@ -668,7 +668,9 @@ def test_gpu_model_volume_and_security(rendered: list[dict]) -> None:
     settings = _settings(rendered)
     pod = _one(rendered, "Deployment")["spec"]["template"]["spec"]
     container = _container(rendered)
+    # The deployment unit: one worker process per GPU (docs/GPU.md), so a pod asks for exactly one.
     assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == "1"
+    assert str(container["resources"]["requests"]["nvidia.com/gpu"]) == "1"
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     model_mount = mounts[settings.model]
     assert model_mount.get("readOnly") is True
