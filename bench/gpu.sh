@@ -16,14 +16,15 @@
 # Environment: OUT (default bench-out), DEVICE (cuda), SIZE (0.8b), PYTHON (python3), WORKLOAD (all),
 # SCALE (1: multiplies the default request counts), LIMIT_S (420: the benchmark is stopped after this many
 # seconds; the JSON keeps every workload finished by then), CKPT (checkpoint directory, built when absent),
-# BENCH_ARGS (more `d3stream bench` flags, e.g. "--repeat 2"), CHECK_TICKETS / CHECK_PICTURES (60 / 20:
+# BENCH_ARGS (more `d3stream bench` flags, e.g. "--repeat 2"), SWEEP (--calibrate: the wide calibration
+# sweep; "--sweep quick" for a CPU dry run, where the wide sweep alone outlasts LIMIT_S), CHECK_TICKETS / CHECK_PICTURES (60 / 20:
 # held-out requests of the kernel check), CAUSAL_CONV1D (skip: the conv runs its PyTorch reference; build:
 # compile the carried source with nvcc, several minutes, and leave the wheel in $OUT/wheels to carry next
 # time; a causal_conv1d-*.whl already in bench/wheels/kernels/ is always installed).
 #
 # CPU dry run of the same steps on the tiny checkpoint (the kernel wheels are installed and reported, but
 # the check and the benchmark run without them: the runtime refuses GPU kernels on a CPU):
-#   DEVICE=cpu SIZE=tiny SCALE=0.1 OUT=/tmp/bench-dry bench/gpu.sh
+#   DEVICE=cpu SIZE=tiny SCALE=0.1 SWEEP="--sweep quick" OUT=/tmp/bench-dry bench/gpu.sh
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -126,9 +127,9 @@ then
 fi
 
 status=0
-# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+# shellcheck disable=SC2086  # SWEEP and BENCH_ARGS are lists of flags
 PYTHONPATH="$RUN_PATH" timeout "${LIMIT_S:-420}" "$PYTHON" -m d3stream.bench --workload "${WORKLOAD:-all}" \
-    --device "$DEVICE" --checkpoint "$CKPT" --calibrate --scale "${SCALE:-1}" --no-progress \
+    --device "$DEVICE" --checkpoint "$CKPT" ${SWEEP:---calibrate} --scale "${SCALE:-1}" --no-progress \
     --variant buckets --variant media_per_request \
     --out "$OUT/bench.json" --markdown "$OUT/bench.md" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1 || status=$?
 tail -n 40 "$OUT/bench.log"
