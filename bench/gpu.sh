@@ -49,7 +49,7 @@ CKPT=${CKPT:-/tmp/d3stream-bench-$SIZE}
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1
-pip_install() { "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --no-index "$@"; }
+pip_install() { "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --no-index --upgrade "$@"; }
 
 # Base wheels (transformers, ...) in DEPS; kernel packages apart in KDEPS, so a process can run without them.
 BASE_PATH="$root"
