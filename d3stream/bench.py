@@ -30,6 +30,10 @@ A calibration sweep of batch shapes (rows x length, no padding) runs first: its 
 device's saturated forward throughput (``b_over_peak`` compares b with it), and ``--calibrate`` widens the
 sweep and prints the ``max_batch_tokens`` to give the service (the smallest budget within 5 % of the best).
 
+``--variant buckets`` / ``--variant media_per_request`` add ``b_buckets`` / ``b_media_per_request``: path b
+with padded widths rounded to length buckets, or with each request's images encoded on their own instead of
+all of a pass's together (throughput only; ``b_<variant>_over_b`` and ``b_<variant>_max_abs_dp`` compare).
+
 ``max_abs_dp`` is the largest |Δp| between c's and b's probabilities over every question (prefix reuse
 against full prompts). Peak memory: resident set size sampled during each path, and on CUDA
 ``torch.cuda.max_memory_allocated``. Model FLOPs: 2 x non-embedding parameters x tokens run + 4 x
@@ -41,6 +45,7 @@ full-attention layers x heads x head_dim x scored (query, key) pairs (vision tow
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import math
@@ -49,7 +54,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +70,12 @@ DEFAULT_REQUESTS = {
 H200_BF16_PEAK_TFLOPS = 989.0
 REFERENCE_BATCH_SIZE = 8
 DEFAULT_RATE_SHARE = 0.7
+# ``--variant NAME``: path b run once more with one runtime choice flipped, throughput and |Δp| beside b
+# (named ``b_NAME`` in the report), so a choice is kept only when the same run shows it pays.
+VARIANTS = {
+    "buckets": "with padded widths rounded to length buckets (D3.pad_buckets)",
+    "media_per_request": "with each request's media encoded on its own (D3.media_batch_patches = 0)",
+}
 
 _WORDS = (
     "robot corridor junction package delivery sensor battery door left right stop wait route blocked open "
@@ -258,11 +269,14 @@ class Tally:
 
     passes: list[Pass] = field(default_factory=list)
 
-    def add(self, kind: str, lengths: Sequence[int], seconds: float, pairs: int | None = None) -> None:
+    def add(self, kind: str, lengths: Sequence[int], seconds: float, pairs: int | None = None,
+            width: int | None = None) -> None:
+        """One pass of rows of ``lengths``, padded to ``width`` (default: the longest)."""
         lengths = list(lengths)
         if pairs is None:
             pairs = sum(n * (n + 1) // 2 for n in lengths)
-        self.passes.append(Pass(kind, len(lengths), sum(lengths), len(lengths) * max(lengths), seconds, pairs))
+        width = max(lengths) if width is None else width
+        self.passes.append(Pass(kind, len(lengths), sum(lengths), len(lengths) * width, seconds, pairs))
 
     @property
     def real(self) -> int:
@@ -294,6 +308,22 @@ def length_peak(calibration: dict[str, Any], lengths: Sequence[int]) -> float:
     swept = {shape["length"] for shape in calibration["sweep"]}
     nearest = min(swept, key=lambda length: abs(math.log(length / mean)))
     return max(shape["tokens_per_s"] for shape in calibration["sweep"] if shape["length"] == nearest)
+
+
+@contextlib.contextmanager
+def variant_of_b(model: Any, variant: str) -> Iterator[None]:
+    """Path b's runtime choice ``variant`` (``VARIANTS``) flipped on ``model`` for the duration."""
+    saved = model.pad_buckets, model.media_batch_patches
+    if variant == "buckets":
+        model.pad_buckets = True
+    elif variant == "media_per_request":
+        model.media_batch_patches = 0
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    try:
+        yield
+    finally:
+        model.pad_buckets, model.media_batch_patches = saved
 
 
 def _reset_media(prepared: Sequence[Any]) -> None:
@@ -345,6 +375,7 @@ class Bench:
         peak_tflops: float | None = None,
         progress: bool = True,
         repeat: int = 1,
+        variants: Sequence[str] = (),
     ):
         self.model = model
         self.torch = model.torch
@@ -356,6 +387,10 @@ class Bench:
         self.peak_tflops = peak_tflops
         self.progress = progress
         self.repeat = max(1, int(repeat))
+        unknown = set(variants) - set(VARIANTS)
+        if unknown:
+            raise ValueError(f"unknown --variant {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
+        self.variants = tuple(variants)
         self.flops = Flops(model)
         self._bar: Any = None
 
@@ -433,13 +468,16 @@ class Bench:
 
     def run_b(self, prepared: Sequence[Any], tally: Tally) -> dict[Any, list[float]]:
         from .batching import pack
+        from .runtime.model import bucketed_width
 
         rows = [row for request in prepared for row in request.rows]
         results: dict[Any, list[float]] = {}
         for group in pack(rows, lambda row: row.length, self.max_batch_rows, self.max_batch_tokens):
             values, seconds = self._timed_forward(group)
             results.update(zip(group, values, strict=True))
-            tally.add("batch", [row.length for row in group], seconds)
+            lengths = [row.length for row in group]
+            width = bucketed_width(max(lengths)) if self.model.pad_buckets else max(lengths)
+            tally.add("batch", lengths, seconds, width=width)
             self._tick(len(group))
         return results
 
@@ -593,6 +631,7 @@ class Bench:
         except PrefixReuseUnavailable:
             causal = False
         paths = ("a", "b", "c") if causal else ("a", "b")
+        paths += tuple(f"b_{variant}" for variant in self.variants)  # throughput only, beside b
 
         from tqdm import tqdm
 
@@ -605,6 +644,10 @@ class Bench:
         _reset_media(few)
         self.run_b(few, Tally())
         _reset_media(few)
+        for variant in self.variants:
+            with variant_of_b(model, variant):
+                self.run_b(few, Tally())
+            _reset_media(few)
         if causal:
             self.runner().run(few)
             _reset_media(few)
@@ -629,6 +672,9 @@ class Bench:
                         results[path] = self.run_a(prepared, tally)
                     elif path == "b":
                         results[path] = self.run_b(prepared, tally)
+                    elif path.startswith("b_"):
+                        with variant_of_b(model, path[2:]):
+                            results[path] = self.run_b(prepared, tally)
                     else:
                         runner = self.runner(tally)
                         results[path] = runner.run(prepared)
@@ -658,7 +704,7 @@ class Bench:
         # Like the throughput rounds, the simulations run ``repeat`` times interleaved; each path reports the
         # run with the lowest mean latency (the one least disturbed by other load on the machine).
         for _ in range(self.repeat):
-            for path in paths:
+            for path in (p for p in paths if not p.startswith("b_")):
                 model.media_cache = None if path == "a" else MediaFeatureCache()
                 _reset_media(prepared)
                 simulate = {"a": self.latency_a, "b": self.latency_b, "c": self.latency_c}[path]
@@ -710,6 +756,13 @@ class Bench:
                 max(abs(x - y) for x, y in zip(results["b"][row], results["c"][row], strict=True))
                 for request in prepared for row in request.rows
             ), 6)
+        for variant in self.variants:
+            figures = out[f"b_{variant}"]
+            entry[f"b_{variant}_over_b"] = round(figures["questions_per_s"] / out["b"]["questions_per_s"], 3)
+            entry[f"b_{variant}_max_abs_dp"] = round(max(
+                max(abs(x - y) for x, y in zip(results["b"][row], results[f"b_{variant}"][row], strict=True))
+                for request in prepared for row in request.rows
+            ), 6)
         entry["setup"] = {
             "device": str(model.device),
             "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
@@ -722,9 +775,60 @@ class Bench:
             "reference_batch_size": model.batch_size,
             "verify_every": self.verify_every,
             "peak_tflops": self.peak_tflops,
+            "media_batch_patches": model.media_batch_patches,
+            "pad_buckets": model.pad_buckets,
         }
         entry["calibration"] = {k: peak[k] for k in ("peak_tokens_per_s", "best_shape", "max_batch_tokens")}
         return entry
+
+
+# ----------------------------------------------------------------------------------- kernel check
+
+# Largest |Δp| the bound kernels may differ by from the reference PyTorch path (the test suite's tolerance for
+# a question batched against alone: both are BF16 sums in another order).
+KERNEL_TOLERANCE = 1e-2
+
+
+def kernel_check(model: Any, *, tickets: int = 60, pictures: int = 20) -> dict[str, Any]:
+    """The held-out requests of the demo task (``tasks.heldout``) answered with the kernels transformers bound
+    and again with its reference PyTorch code (``reference_kernels``), same weights, same process: the
+    largest |Δp| of any question and whether it is within ``KERNEL_TOLERANCE``. Run before timing anything:
+    a fast kernel that answers differently is a defect, not a speed-up."""
+    from .runtime.model import reference_kernels
+    from .tasks import heldout
+
+    examples = heldout(tickets, pictures if model.image_unavailable is None else 0)
+    started = time.perf_counter()
+    bound = [model.system_one(**_request_args(example.request)) for example in examples]
+    bound_seconds = time.perf_counter() - started
+    with reference_kernels():
+        started = time.perf_counter()
+        reference = [model.system_one(**_request_args(example.request)) for example in examples]
+        reference_seconds = time.perf_counter() - started
+    worst = 0.0
+    questions = 0
+    for fast, slow in zip(bound, reference, strict=True):
+        for key, answer in fast["answers"].items():
+            other = slow["answers"][key]
+            if "probabilities" not in answer or "probabilities" not in other:
+                continue
+            questions += 1
+            worst = max(worst, max(abs(answer["probabilities"][k] - other["probabilities"][k])
+                                   for k in answer["probabilities"]))
+    return {
+        "kernels": model.kernel_record(),
+        "requests": len(examples),
+        "questions": questions,
+        "max_abs_dp": round(worst, 6),
+        "tolerance": KERNEL_TOLERANCE,
+        "passed": worst <= KERNEL_TOLERANCE,
+        "bound_seconds": round(bound_seconds, 3),
+        "reference_seconds": round(reference_seconds, 3),
+    }
+
+
+def _request_args(request: dict[str, Any]) -> dict[str, Any]:
+    return {"state": request["state"], "questions": request["questions"], "images": request.get("images")}
 
 
 # ------------------------------------------------------------------------------------------ reports
@@ -733,11 +837,12 @@ class Bench:
 def markdown(report: dict[str, Any], calibration: dict[str, Any] | None = None) -> str:
     """The report as Markdown tables."""
     out = io.StringIO()
-    names = {"a": "a reference (per request, batch 8)", "b": "b token-budget batching", "c": "c b + prefix reuse"}
+    names = {"a": "a reference (per request, batch 8)", "b": "b token-budget batching", "c": "c b + prefix reuse",
+             **{f"b_{variant}": f"b {text}" for variant, text in VARIANTS.items()}}
     out.write("| workload | path | questions/s | input tokens/s | real ÷ padded | p50 ms | p99 ms | peak RSS MB |"
               " MFU |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
     for workload, entry in report.items():
-        for path in ("a", "b", "c"):
+        for path in names:
             figures = entry.get(path)
             if not figures:
                 continue
@@ -761,6 +866,14 @@ def markdown(report: dict[str, Any], calibration: dict[str, Any] | None = None) 
                   f"{show(entry.get('b_over_peak_at_length'))} | {show(entry['c_over_b'])} | "
                   f"{show(entry['real_over_padded'], 3)} | "
                   f"{'-' if delta is None else format(delta, '.1e')} | {entry['a']['latency']['rate_rps']:.2f} |\n")
+    variants = [v for v in VARIANTS if any(f"b_{v}_over_b" in entry for entry in report.values())]
+    if variants:
+        out.write("\n| workload | variant of b | ÷ b (questions/s) | max abs Δp vs b |\n|---|---|---:|---:|\n")
+        for workload, entry in report.items():
+            for variant in variants:
+                if f"b_{variant}_over_b" in entry:
+                    out.write(f"| {workload} | {VARIANTS[variant]} | {entry[f'b_{variant}_over_b']:.3f} | "
+                              f"{entry[f'b_{variant}_max_abs_dp']:.1e} |\n")
     first = next(iter(report.values()), None)
     if first is not None:
         setup, peak = first["setup"], first["calibration"]
@@ -822,7 +935,7 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     budget = args.max_batch_tokens or default_token_budget(str(model.device))
     bench = Bench(model, max_batch_tokens=budget, max_batch_rows=args.max_batch_rows, linger_ms=args.linger_ms,
                   verify_every=args.verify_every, peak_tflops=peak_tflops, progress=args.progress,
-                  repeat=args.repeat)
+                  repeat=args.repeat, variants=args.variants)
 
     from tqdm import tqdm
 
@@ -841,7 +954,7 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
                                  images_supported=model.image_unavailable is None)
         report[name] = bench.workload(name, requests, seed=args.seed, rate=args.rate, peak=calibration)
         report[name]["setup"]["checkpoint"] = str(root)
-        report[name]["setup"]["kernels"] = model.kernels
+        report[name]["setup"]["kernels"] = model.kernel_record()
         if args.out:  # after every workload, so a run stopped early still leaves what it measured
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report, calibration
@@ -942,6 +1055,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="path c: also run every Nth question from scratch (exact-replay check)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help=f"device peak for MFU (default on CUDA: H200 bf16 dense, {H200_BF16_PEAK_TFLOPS:g})")
+    parser.add_argument("--variant", dest="variants", action="append", choices=tuple(VARIANTS), default=[],
+                        help="also run path b this way, throughput side by side with b (repeatable): "
+                        + "; ".join(f"{name}: {text}" for name, text in VARIANTS.items()))
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--kafka", type=int, nargs="?", const=20_000, default=0, metavar="N",
                         help="instead: the Kafka path with a null model against raw aiokafka consume->produce, on "

@@ -60,6 +60,9 @@ class NullModel:
     def limit_prompt_tokens(self, limit: int | None) -> None:
         return None
 
+    def kernel_record(self) -> dict[str, str]:
+        return {}
+
     def limit_request_tokens(self, limit: int | None) -> None:
         return None
 

@@ -318,6 +318,13 @@ class Metrics:
             "The model this worker serves: name, SHA-256 of its provenance record, torch device.",
             registry=r,
         )
+        self.kernels = Gauge(
+            f"{PREFIX}_kernel_info",
+            "The implementation bound for each Gated DeltaNet op (1 per op): a kernel package (fla..., "
+            "causal_conv1d...) or torch-reference; op=path sums them up as fast, reference, mixed or none.",
+            ["op", "implementation"],
+            registry=r,
+        )
         self.build_info = Info(f"{PREFIX}_build", "The d3stream version of this worker.", registry=r)
         self.build_info.info({"version": __version__})
         self.ready_gauge = Gauge(
@@ -492,6 +499,13 @@ class Metrics:
     def set_model(self, name: str, provenance_sha256: str, device: str) -> None:
         """The model being served (``d3stream_model_info``)."""
         self.model_info.info({"name": str(name), "provenance_sha256": str(provenance_sha256), "device": str(device)})
+
+    def set_kernels(self, kernels: dict[str, str]) -> None:
+        """The Gated DeltaNet kernels of the served model (``D3.kernel_record()``: op -> implementation),
+        one ``d3stream_kernel_info`` series per op; a later call replaces the earlier series."""
+        self.kernels.clear()
+        for op, implementation in kernels.items():
+            self.kernels.labels(op=str(op), implementation=str(implementation)).set(1)
 
 
 # ------------------------------------------------------------------------------------ HTTP server

@@ -121,6 +121,7 @@ class Service:
         self._answered = 0
         self._errors = 0
         self.metrics.set_model(model.model_name, self.provenance_sha256, str(model.device))
+        self.metrics.set_kernels(model.kernel_record())
         self.metrics.set_ready_check(lambda: self.ready and self.joined and not self.stopping and not self.stalled)
 
     # ------------------------------------------------------------------------------ what it shows

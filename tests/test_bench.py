@@ -51,6 +51,49 @@ def test_bench_small_json(qwen35_checkpoint, capsys, tmp_path):
     assert "| small | a reference" in table and "b ÷ a" in table
 
 
+def test_variants_of_b_run_side_by_side(qwen35_checkpoint, capsys, tmp_path):
+    """``--variant`` runs path b again with one runtime choice flipped, in the same run, and compares it with
+    b: length buckets pad more but answer the same, per-request media encoding answers the same."""
+    markdown = tmp_path / "bench.md"
+    code = bench.main([
+        "--workload", "images", "--json", "--checkpoint", str(qwen35_checkpoint), "--device", "cpu",
+        "--requests", "6", "--sweep", "quick", "--no-progress", "--markdown", str(markdown), "--threads", "1",
+        "--variant", "buckets", "--variant", "media_per_request",
+    ])
+    assert code == 0
+    entry = json.loads(capsys.readouterr().out)["images"]
+    b, buckets, per_request = entry["b"], entry["b_buckets"], entry["b_media_per_request"]
+    assert b["questions"] == buckets["questions"] == per_request["questions"]
+    assert buckets["padded_tokens"] > b["padded_tokens"] == per_request["padded_tokens"]
+    assert buckets["real_tokens"] == b["real_tokens"]
+    for variant in ("buckets", "media_per_request"):
+        assert entry[f"b_{variant}_over_b"] > 0
+        assert 0 <= entry[f"b_{variant}_max_abs_dp"] <= 1e-2
+    assert entry["setup"]["pad_buckets"] is False and entry["setup"]["media_batch_patches"] > 0
+    table = markdown.read_text()
+    assert "| images | b with padded widths rounded to length buckets" in table
+    assert "variant of b" in table
+
+
+def test_an_unknown_variant_is_refused(qwen35_text_model):
+    with pytest.raises(ValueError, match="unknown --variant"):
+        bench.Bench(qwen35_text_model, max_batch_tokens=1024, variants=["fast"])
+
+
+def test_kernel_check_answers_held_out_requests_both_ways(qwen35_model):
+    """The check gpu.sh runs before timing: held-out requests with the bound kernels and with the reference
+    path. Here (no kernel packages) both are the reference code, so they agree exactly; afterwards the
+    bound functions are in place again."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    bound = qwen.torch_chunk_gated_delta_rule
+    result = bench.kernel_check(qwen35_model, tickets=3, pictures=1)
+    assert result["requests"] == 4 and result["questions"] >= 4
+    assert result["passed"] and result["max_abs_dp"] == 0.0
+    assert result["kernels"]["path"] == "reference"
+    assert qwen.torch_chunk_gated_delta_rule is bound
+
+
 def test_register_adds_the_command():
     parser = argparse.ArgumentParser(prog="d3stream")
     bench.register(parser.add_subparsers(dest="command"))

@@ -672,7 +672,9 @@ def test_gpu_model_volume_and_security(rendered: list[dict]) -> None:
     settings = _settings(rendered)
     pod = _one(rendered, "Deployment")["spec"]["template"]["spec"]
     container = _container(rendered)
+    # The deployment unit: one worker process per GPU (docs/GPU.md), so a pod asks for exactly one.
     assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == "1"
+    assert str(container["resources"]["requests"]["nvidia.com/gpu"]) == "1"
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     if settings.model and settings.model.startswith("s3://"):
         # Downloaded at start: the location passes the service's own allowlist check, and the cache is a

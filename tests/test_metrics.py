@@ -155,6 +155,28 @@ def test_metrics_are_documented_and_prefixed(served) -> None:
         assert len(family.documentation) > 20, f"{family.name} needs a HELP text an operator can act on"
 
 
+def test_kernels_are_published_and_replaced(served) -> None:
+    """``set_kernels`` shows which Gated DeltaNet kernels run, one series per op; a second call (another
+    model loaded) replaces the first call's series instead of leaving stale ones beside them."""
+    metrics, server = served
+    metrics.set_kernels({"path": "mixed", "torch_chunk_gated_delta_rule": "fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule",
+                         "causal_conv1d_fn": "torch-reference"})
+    first = scrape(server.url)
+    assert _value(first, "d3stream_kernel_info", op="path", implementation="mixed") == 1
+    assert _value(first, "d3stream_kernel_info", op="causal_conv1d_fn", implementation="torch-reference") == 1
+    assert _value(
+        first, "d3stream_kernel_info", op="torch_chunk_gated_delta_rule",
+        implementation="fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule",
+    ) == 1
+    metrics.set_kernels({"path": "reference", "torch_chunk_gated_delta_rule": "torch-reference"})
+    second = scrape(server.url)
+    kernel_series = {labels for name, labels in second if name == "d3stream_kernel_info"}
+    assert kernel_series == {
+        (("implementation", "reference"), ("op", "path")),
+        (("implementation", "torch-reference"), ("op", "torch_chunk_gated_delta_rule")),
+    }
+
+
 def test_unknown_stage_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown stage"):
         Metrics().observe_stage("fetc", 0.1)

@@ -80,6 +80,9 @@ def test_metrics_move_during_a_real_stream(kafka_broker, topic_names, qwen35_tex
         assert value(during, "d3stream_requests_in_flight") == 0
         info = [key for key in during if key[0] == "d3stream_model_info"]
         assert info and dict(info[0][1])["name"] == qwen35_text_model.model_name
+        kernels = {dict(labels)["op"]: dict(labels)["implementation"] for name, labels in during
+                   if name == "d3stream_kernel_info"}
+        assert kernels["path"] == qwen35_text_model.kernel_record()["path"]  # the served model's kernels
         assert status(url, "/readyz") == 503  # stopped
     finally:
         server.stop()

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from d3stream.runtime import D3
+from d3stream.runtime.model import kernel_path
 from d3stream.runtime.package import write_manifest
 from d3stream.tasks import showcase
 from tests.media_makers import frames_array, noise_image
@@ -593,6 +594,33 @@ def test_permutation_average_splits_wide_passes(averaging_model, qwen35_model):
             assert averaged["answers"][key]["probabilities"][option] == pytest.approx(expected, abs=BATCH_TOL)
 
 
+def test_provenance_names_the_gated_deltanet_kernels(qwen35_text_model, qwen3vl_model):
+    """Without flash-linear-attention and causal-conv1d (this CPU environment) transformers runs its
+    reference PyTorch code for every Gated DeltaNet op, and the provenance record says so op by op; a
+    Qwen3-VL backbone has no such layers."""
+    kernels = qwen35_text_model.provenance()["kernels"]
+    assert kernels == {
+        "path": "reference",
+        "torch_chunk_gated_delta_rule": "torch-reference",
+        "torch_recurrent_gated_delta_rule": "torch-reference",
+        "causal_conv1d_fn": "torch-reference",
+        "causal_conv1d_update": "torch-reference",
+    }
+    assert qwen3vl_model.provenance()["kernels"] == {"path": "none"}
+
+
+@pytest.mark.parametrize(
+    "bound, path",
+    [
+        (["fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule", "causal_conv1d.causal_conv1d_fn"], "fast"),
+        (["fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule", "torch-reference"], "mixed"),
+        (["torch-reference", "torch-reference"], "reference"),
+    ],
+)
+def test_kernel_path_sums_up_the_ops(bound, path):
+    assert kernel_path(dict(zip(("torch_chunk_gated_delta_rule", "causal_conv1d_fn"), bound, strict=True))) == path
+
+
 def test_permutation_average_reported_in_provenance(averaging_model, qwen35_model):
     assert averaging_model.provenance()["permutation_average"] is True
     assert "reversed" in averaging_model.provenance()["policy"]
@@ -967,3 +995,139 @@ def test_reloading_a_changed_d3_format_uses_the_new_one(text_copy):
 
 def test_d3_is_the_public_class():
     assert D3.from_pretrained.__doc__ and "verify" in D3.from_pretrained.__doc__
+
+
+# ------------------------------------------------------------------- the GPU path: media, buckets, copies
+
+
+def _image_requests() -> list[dict]:
+    """Requests with up to three images each, each image in several of them; the first and the last differ
+    only in their image."""
+    return [
+        {"state": STATE, "questions": {"route": CHOICE, "stop": NOUL}, "images": [IMAGE_A]},
+        {"state": "two pictures", "questions": {"urgency": SCORE}, "images": [IMAGE_B, IMAGE_C]},
+        {"state": "three", "questions": {"stop": NOUL}, "images": [IMAGE_C, IMAGE_A, IMAGE_B]},
+        {"state": STATE, "questions": {"route": CHOICE}},
+        {"state": STATE, "questions": {"route": CHOICE, "stop": NOUL}, "images": [IMAGE_C]},
+    ]
+
+
+def _answers_in_one_pass(model, requests) -> list[dict]:
+    prepared, rows = _shuffled_rows(model, requests)
+    probabilities = dict(zip(rows, model.forward(rows), strict=True))
+    return [p.answers(probabilities) for p in prepared]
+
+
+@pytest.mark.parametrize("patches", [4096, 300], ids=["one-call", "budget-splits"])
+def test_media_of_many_requests_encoded_together_answer_as_alone(qwen35_model, patches):
+    """The images of every request in a pass go through the vision tower together, ``media_batch_patches``
+    patches per call; each request gets the answers it gets with its media encoded on its own."""
+    model = qwen35_model
+    requests = _image_requests()
+    saved = model.media_batch_patches
+    try:
+        model.media_batch_patches = 0
+        alone = _answers_in_one_pass(model, requests)
+        model.media_batch_patches = patches
+        together = _answers_in_one_pass(model, requests)
+    finally:
+        model.media_batch_patches = saved
+    for single, joint in zip(alone, together, strict=True):
+        assert joint["usage"] == single["usage"]
+        assert gap(joint, single) <= BATCH_TOL
+    assert gap(together[0], together[-1]) > 3 * BATCH_TOL  # a request answered with another's image would show
+
+
+def test_media_of_a_pass_encoded_once_per_content_with_the_cache(qwen35_model):
+    """With the feature cache, an image that two requests of one pass share is encoded once."""
+    from d3stream.runtime.cache import MediaFeatureCache
+
+    model = qwen35_model
+    requests = _image_requests()  # 7 images, 3 distinct
+    saved = model.media_cache
+    model.media_cache = MediaFeatureCache()
+    try:
+        expected = [model.system_one(**r) for r in requests]
+        model.media_cache = MediaFeatureCache()
+        answers = _answers_in_one_pass(model, requests)
+        assert model.media_cache.stats()["encoded"] == 3
+    finally:
+        model.media_cache = saved
+    for single, joint in zip(expected, answers, strict=True):
+        assert gap(joint, single) <= BATCH_TOL
+
+
+def test_patch_groups_respect_the_budget():
+    import torch
+
+    from d3stream.runtime.model import _patch_groups
+
+    grids = [torch.tensor(g) for g in ([1, 10, 10], [1, 20, 20], [1, 4, 4], [1, 30, 30], [1, 2, 2])]
+    assert _patch_groups(grids, 500) == [[0, 1], [2], [3], [4]]  # 100 + 400; 16 (900 next is over); 900 alone
+    assert _patch_groups(grids, 10_000) == [[0, 1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize(
+    "width, bucket", [(1, 16), (16, 16), (17, 32), (100, 112), (300, 320), (1000, 1024), (1024, 1024), (2100, 2304)]
+)
+def test_bucketed_width(width, bucket):
+    from d3stream.runtime.model import bucketed_width
+
+    assert bucketed_width(width) == bucket
+
+
+def test_bucketed_widths_are_few_and_cheap():
+    from d3stream.runtime.model import bucketed_width
+
+    widths = [bucketed_width(w) for w in range(1, 8193)]
+    assert all(b >= w and b - w < max(16, w / 8) for w, b in zip(range(1, 8193), widths, strict=True))
+    assert len(set(widths)) < 80
+
+
+def test_padding_to_a_bucket_changes_no_answer(qwen35_model):
+    """Rounding a pass's width up to a bucket only adds left padding: the same answers."""
+    model = qwen35_model
+    requests = _requests(with_video=False)
+    plain = _answers_in_one_pass(model, requests)
+    model.pad_buckets = True
+    try:
+        bucketed = _answers_in_one_pass(model, requests)
+        rows = model.prepare(STATE, QUESTIONS).rows
+        width = max(row.length for row in rows)
+        ids, _, _ = model.left_padded(rows)
+        assert ids.shape[1] > width  # really padded further (the width is not on a bucket)
+    finally:
+        model.pad_buckets = False
+    for a, b in zip(plain, bucketed, strict=True):
+        assert gap(a, b) <= BATCH_TOL
+
+
+@pytest.mark.parametrize("device, expected", [("cpu", (False, False)), ("cuda:0", (True, True))])
+def test_host_transfer_pins_only_for_cuda(device, expected):
+    """Pinned memory and non-blocking copies on CUDA; on the CPU neither (pinning would need a driver)."""
+    from d3stream.runtime.model import host_transfer
+
+    assert host_transfer(device) == expected
+
+
+def test_cpu_batches_are_not_pinned(qwen35_text_model):
+    ids, present, positions = qwen35_text_model.left_padded(qwen35_text_model.prepare(STATE, QUESTIONS).rows)
+    assert ids.device.type == "cpu" and not ids.is_pinned() and present.sum() > 0
+
+
+def test_reference_kernels_swap_in_the_pytorch_code_and_back():
+    """Inside ``reference_kernels`` the Gated DeltaNet ops are transformers' own PyTorch functions (not its
+    dispatch wrappers, which would call a kernel package when one is bound); afterwards the wrappers again."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    from d3stream.runtime.model import GATED_DELTANET_FUNCTIONS, reference_kernels
+
+    wrappers = {name: getattr(qwen, name) for name in GATED_DELTANET_FUNCTIONS}
+    with reference_kernels():
+        for name, wrapper in wrappers.items():
+            inside = getattr(qwen, name)
+            assert inside is inspect.unwrap(wrapper) and inside is not wrapper
+            assert not hasattr(inside, "__wrapped__")
+    assert {name: getattr(qwen, name) for name in GATED_DELTANET_FUNCTIONS} == wrappers

@@ -13,9 +13,10 @@ the tower's outputs (the merged features, plus Qwen3-VL's deepstack features) an
 recently used once their tensors exceed ``max_bytes``; an entry larger than the whole budget is not kept.
 
 Wiring: ``model.media_cache = MediaFeatureCache(max_bytes=..., on_lookup=metrics.count_media_cache)``;
-``D3._features`` then asks the cache for each image and video and encodes only the ones it misses (all
-missing images of a request in one call of the tower, as before). ``stats()`` gives hits, misses,
-evictions, entries and bytes.
+``D3._encode_pass_media`` then asks the cache for each image and video of every request in a pass and
+encodes only the ones it misses, the misses of all those requests in shared calls of the tower (an image
+two requests of the pass share, once). ``request_features`` is the one-request form
+(``media_batch_patches = 0``). ``stats()`` gives hits, misses, evictions, encoded, entries and bytes.
 """
 
 from __future__ import annotations

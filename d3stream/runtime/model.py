@@ -28,7 +28,7 @@ import math
 import os
 import time
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,10 @@ MERGE_TOKENS = 8192
 # Bytes a rendered prompt adds to the request's own text at most (system turn, headers, option codes'
 # punctuation): generous, it only decides whether a request is cheap enough to skip a token estimate.
 PROMPT_OVERHEAD_BYTES = 2048
+# Vision patches (before the 2x2 merge) one call of the vision tower may take when it encodes the images or
+# videos of many requests of a pass together: bounds the tower's activations as max_batch_tokens bounds the
+# backbone's. A 1280x1280 image is 6,400 patches; the largest image the processor makes, 16,384.
+DEFAULT_MEDIA_BATCH_PATCHES = 32768
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
 
@@ -154,8 +158,52 @@ def sdpa_backends(device: Any) -> contextlib.AbstractContextManager:
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+def host_transfer(device: Any) -> tuple[bool, bool]:
+    """(pin, non_blocking) for copying host tensors to ``device``: on CUDA the batch is built in pinned
+    (page-locked) memory and copied without blocking the host, so the next pass's preparation overlaps the
+    copy; elsewhere both are pointless (a CPU "copy" is a no-op, and pinning needs a CUDA driver)."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    return cuda, cuda
+
+
+def to_device(tensors: Sequence[Any], device: Any) -> tuple[Any, ...]:
+    """``tensors`` on ``device``, through pinned memory with non-blocking copies where that pays
+    (``host_transfer``). PyTorch's caching host allocator keeps a pinned buffer alive until its copy is done."""
+    pin, non_blocking = host_transfer(device)
+    return tuple((t.pin_memory() if pin else t).to(device, non_blocking=non_blocking) for t in tensors)
+
+
+def bucketed_width(width: int) -> int:
+    """``width`` rounded up to a length bucket: the next multiple of an eighth of the power of two at or
+    below it, at least 16 (so 300 -> 320, 1000 -> 1024, 2100 -> 2304): at most 1/8 more padding, and a few
+    dozen distinct widths up to 8k instead of every length."""
+    if width <= 16:
+        return 16
+    step = max(16, (1 << (width.bit_length() - 1)) // 8)
+    return -(-width // step) * step
+
+
+# The Gated DeltaNet functions of transformers' qwen3_5 modeling that a kernel package may replace: at import,
+# transformers binds each to flash-linear-attention (``fla``, PyPI ``fla-core``) or ``causal_conv1d`` when
+# that package imports, else to its own PyTorch code ("correct but much slower", its warning says).
+GATED_DELTANET_FUNCTIONS = (
+    "torch_chunk_gated_delta_rule",  # prefill: the chunked delta-rule scan (fla)
+    "torch_recurrent_gated_delta_rule",  # one token on cached states (fla)
+    "causal_conv1d_fn",  # the short depthwise convolution before the scan (causal_conv1d)
+    "causal_conv1d_update",  # its one-token form on a cached conv state (causal_conv1d)
+)
+REFERENCE_KERNEL = "torch-reference"
+
+
 def kernel_report() -> dict[str, str]:
-    """Which implementation transformers bound for the Gated DeltaNet ops: a kernel package or PyTorch."""
+    """Which implementation transformers bound for each Gated DeltaNet op: ``module.function`` of a kernel
+    package (``fla...``, ``causal_conv1d...``, hub ``kernels...``) or ``torch-reference``.
+
+    transformers wraps each function in a closure over the implementation it picked; the closures are
+    walked rather than the packages imported here, so the report says what really runs, not what is installed.
+    """
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
     def bound(function: Any) -> str:
@@ -171,10 +219,38 @@ def kernel_report() -> dict[str, str]:
             for cell in getattr(current, "__closure__", None) or ():
                 with contextlib.suppress(ValueError):
                     stack.append(cell.cell_contents)
-        return "torch-reference"
+        return REFERENCE_KERNEL
 
-    names = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
-    return {name: bound(getattr(qwen, name)) for name in names if hasattr(qwen, name)}
+    return {name: bound(getattr(qwen, name)) for name in GATED_DELTANET_FUNCTIONS if hasattr(qwen, name)}
+
+
+@contextlib.contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Run transformers' reference PyTorch code for every Gated DeltaNet op for the duration, whatever kernel
+    package it bound: the fast kernels' check (``bench.kernel_check``) answers the same requests both ways
+    with the same weights in one process. The model code calls these functions by their module-level
+    names, and ``functools.wraps`` leaves the reference under each wrapper's ``__wrapped__``."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    saved = {name: getattr(qwen, name) for name in GATED_DELTANET_FUNCTIONS if hasattr(qwen, name)}
+    try:
+        for name, function in saved.items():
+            setattr(qwen, name, inspect.unwrap(function))
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(qwen, name, function)
+
+
+def kernel_path(kernels: Mapping[str, str]) -> str:
+    """``fast`` when every op runs a kernel package, ``reference`` when none does, else ``mixed``;
+    ``none`` for a backbone without Gated DeltaNet layers (an empty report)."""
+    if not kernels:
+        return "none"
+    fast = [implementation != REFERENCE_KERNEL for implementation in kernels.values()]
+    return "fast" if all(fast) else "reference" if not any(fast) else "mixed"
 
 
 def _patch_embed_as_matmul(self: Any, hidden_states: Any) -> Any:
@@ -205,6 +281,32 @@ def linearize_patch_embed(model: Any) -> int:
             module.forward = types.MethodType(_patch_embed_as_matmul, module)
             count += 1
     return count
+
+
+def _split_media(pixels: Any, grids: Any) -> list[tuple[Any, Any]]:
+    """A request's stacked patches cut per image (or video): (its patches, its grid row), in order."""
+    items, start = [], 0
+    for grid in grids:
+        count = int(grid.prod())
+        items.append((pixels[start : start + count], grid))
+        start += count
+    return items
+
+
+def _patch_groups(grids: Sequence[Any], budget: int) -> list[list[int]]:
+    """Indices of ``grids`` cut, in order, into groups of at most ``budget`` patches (an item larger than
+    the budget alone)."""
+    groups: list[list[int]] = []
+    patches = 0
+    for number, grid in enumerate(grids):
+        count = int(grid.prod())
+        if groups and patches + count <= budget:
+            groups[-1].append(number)
+            patches += count
+        else:
+            groups.append([number])
+            patches = count
+    return groups
 
 
 # ------------------------------------------------------------------------------------ prepared requests
@@ -304,6 +406,8 @@ class D3:
         readout_dtype: str | None = None,
         model_name: str | None = None,
         permutation_average: bool = False,
+        media_batch_patches: int = DEFAULT_MEDIA_BATCH_PATCHES,
+        pad_buckets: bool = False,
     ):
         import torch
         from safetensors.torch import load_file
@@ -353,6 +457,12 @@ class D3:
             raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
         self.model_name = model_name or (manifest or {}).get("model_name") or self.root.name
         self.permutation_average = bool(permutation_average)
+        # Vision patches per call of the vision tower when the media of many requests in one pass are encoded
+        # together (``_encode_pass_media``); 0 encodes each request's media on its own.
+        self.media_batch_patches = int(media_batch_patches)
+        # Round each pass's padded width up to a length bucket (``bucketed_width``); off by default: on the
+        # CPU it did not pay (bench/README.md, "Shape buckets").
+        self.pad_buckets = bool(pad_buckets)
 
         # A vision checkpoint's processor carries the same tokenizer: load it once (it is 33 MB of BPE).
         self.has_vision_weights = vision_weights_present(self.root)
@@ -867,14 +977,103 @@ class D3:
 
     def _features(self, media: RequestMedia) -> dict[str, Any]:
         """Vision-tower features of a request's images and videos, computed once per request."""
-        if media.features is not None:
-            return media.features
-        # Media-feature cache hook (``runtime/cache.py``): with a ``MediaFeatureCache`` set on
-        # ``self.media_cache``, each image and video is looked up by content and processor settings and
-        # only the ones not cached are encoded. Without one (the default) nothing below changes.
+        if media.features is None:
+            self._encode_pass_media([media])
+        return media.features
+
+    def _encode_pass_media(self, medias: Sequence[RequestMedia]) -> None:
+        """Set ``features`` on every request media of a pass that has none, running the vision tower over
+        the images (and the videos) of all of them together, ``media_batch_patches`` patches per call.
+
+        One call for the images of many small requests instead of one each: the tower's per-call cost
+        (kernel launches, rotary tables, cu_seqlens) is paid once, and its matrix products are wider. Each
+        image keeps its own attention block (``cu_seqlens``), so the features are those of a per-request
+        encoding up to summation order. With a ``MediaFeatureCache`` on ``self.media_cache`` each image and
+        video is looked up first and only the misses are encoded (an image in two requests of the pass, once).
+        """
+        from .cache import Entry, _tensor_bytes
+
+        pending = list({id(m): m for m in medias if m.features is None}.values())
+        if not pending:
+            return
+        if self.media_batch_patches <= 0:
+            for media in pending:  # one request at a time (the reference behaviour)
+                media.features = self._encode_one_request(media)
+            return
+        cache = self.media_cache
+        # Set on the requests only once every call succeeded: a failing pass (split and retried by the
+        # scheduler) must not leave a request with half of its features.
+        made: dict[int, dict[str, Any]] = {id(media): {} for media in pending}
+        for kind, pixels_name, grid_name in (
+            ("image", "pixel_values", "image_grid_thw"),
+            ("video", "pixel_values_videos", "video_grid_thw"),
+        ):
+            users = [m for m in pending if pixels_name in m.inputs]
+            if not users:
+                continue
+            # Every item of the pass under one key: its cache key, or its place when there is no cache.
+            item_keys: list[list[str]] = [
+                cache.keys(self, m, kind) if cache is not None else [f"{n}/{i}" for i in range(len(m.inputs[grid_name]))]
+                for n, m in enumerate(users)
+            ]
+            found: dict[str, Entry] = {}
+            missing: dict[str, tuple[Any, Any]] = {}  # key -> (pixels, grid row) of an item to encode
+            for media, keys in zip(users, item_keys, strict=True):
+                items = _split_media(media.inputs[pixels_name], media.inputs[grid_name])
+                for key, item in zip(keys, items, strict=True):
+                    if key in found or key in missing:
+                        continue  # the same media twice in the pass: encoded (or looked up) once
+                    entry = cache.get(key) if cache is not None else None
+                    if entry is None:
+                        missing[key] = item
+                    else:
+                        found[key] = entry
+            keys_to_encode = list(missing)
+            for group in _patch_groups([missing[k][1] for k in keys_to_encode], self.media_batch_patches):
+                chosen = [keys_to_encode[g] for g in group]
+                outputs = self._encode_items(kind, [missing[k] for k in chosen])
+                for key, (pooled, layers) in zip(chosen, outputs, strict=True):
+                    size = _tensor_bytes(pooled) + sum(_tensor_bytes(t) for t in layers or [])
+                    entry = Entry(pooled, layers, size)
+                    found[key] = entry
+                    if cache is not None:
+                        cache.put(key, entry)
+                        cache.encoded += 1
+            for media, keys in zip(users, item_keys, strict=True):
+                entries = [found[key] for key in keys]
+                features = made[id(media)]
+                features[kind] = [entry.pooled for entry in entries]
+                if entries[0].deepstack is not None:
+                    layers = range(len(entries[0].deepstack))
+                    features[f"{kind}_deepstack"] = [[e.deepstack[layer] for e in entries] for layer in layers]
+        for media in pending:
+            media.features = made[id(media)]
+
+    def _encode_items(self, kind: str, items: Sequence[tuple[Any, Any]]) -> list[tuple[Any, list[Any] | None]]:
+        """One vision-tower call over ``items`` (each: its patches and its [t, h, w] grid row); per item its
+        merged features and, for Qwen3-VL, its deepstack features (copies when the call held several items,
+        so a cached entry does not keep the whole call's output alive)."""
+        torch = self.torch
+        pixels = torch.cat([item[0] for item in items])
+        grids = torch.stack([item[1] for item in items])
+        encode = self.backbone.get_image_features if kind == "image" else self.backbone.get_video_features
+        pixels, grids = to_device([pixels, grids], self.device)
+        output = encode(pixels, grids, return_dict=True)
+        deep = getattr(output, "deepstack_features", None)
+        several = len(items) > 1
+        results = []
+        for position, pooled in enumerate(output.pooler_output):
+            layers = None if deep is None else [layer[position] for layer in deep]
+            if several:
+                pooled = pooled.clone()
+                layers = None if layers is None else [t.clone() for t in layers]
+            results.append((pooled, layers))
+        return results
+
+    def _encode_one_request(self, media: RequestMedia) -> dict[str, Any]:
+        """The features of one request's media, all its images in one call (``media_batch_patches`` = 0)."""
         if self.media_cache is not None:
-            media.features = self.media_cache.request_features(self, media)
-            return media.features
+            return self.media_cache.request_features(self, media)
         features: dict[str, Any] = {}
         backbone, device = self.backbone, self.device
         for kind, pixels, grid in (
@@ -889,7 +1088,6 @@ class D3:
             deep = getattr(output, "deepstack_features", None)
             if deep is not None:  # Qwen3-VL feeds vision features into its first layers too
                 features[f"{kind}_deepstack"] = [list(layer) for layer in deep]
-        media.features = features
         return features
 
     def _encoder_outputs(self, rows: Sequence[Row]) -> dict[str, Any] | None:
@@ -917,10 +1115,10 @@ class D3:
         device, with each row's media features computed (once per request). Rows need ``ids``,
         ``length``, ``positions`` and ``media``."""
         torch = self.torch
-        for row in rows:
-            if row.media is not None:
-                self._features(row.media)
+        self._encode_pass_media([row.media for row in rows if row.media is not None])
         width = max(row.length for row in rows)
+        if self.pad_buckets:
+            width = bucketed_width(width)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         present = torch.zeros((len(rows), width), dtype=torch.long)
         positions = torch.zeros((3, len(rows), width), dtype=torch.long)
@@ -930,7 +1128,7 @@ class D3:
             present[number, start:] = 1
             # Positions count from each row's first real token, so padding never shifts them.
             positions[:, number, start:] = torch.arange(row.length) if row.positions is None else row.positions
-        return tuple(t.to(self.device, non_blocking=True) for t in (ids, present, positions))
+        return to_device([ids, present, positions], self.device)
 
     def forward(self, rows: Sequence[Row]) -> list[list[float]]:
         """Option probabilities of each row (cut to its option count), all rows in one left-padded pass.
@@ -1085,7 +1283,7 @@ class D3:
             "attn_implementation": "sdpa",
             "batch_size": self.batch_size,
             "files_sha256": files,
-            "kernels": self.kernels,
+            "kernels": self.kernel_record(),
             "policy": "One prompt per question; options under single-token answer codes; last-token readout "
             "over the question's codes only; argmax choice; no truncation (over-limit questions are "
             "refused); no option filtering; one fixed prompt for every request; position ids counted "
@@ -1100,6 +1298,12 @@ class D3:
                 "order, in the same forward passes, and answered with the per-option mean of both distributions."
             )
         return record
+
+    def kernel_record(self) -> dict[str, str]:
+        """The Gated DeltaNet kernels this model runs: ``path`` (fast / reference / mixed / none) and the
+        implementation bound for each op (``kernel_report``); provenance's ``kernels`` entry and what
+        ``Metrics.set_kernels`` publishes."""
+        return {"path": kernel_path(self.kernels), **self.kernels}
 
     def image_contract(self) -> dict[str, Any]:
         """How image inputs are read (or why they are not available)."""
