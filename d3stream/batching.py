@@ -17,11 +17,12 @@ costs its own request an error, not its neighbours theirs.
 
 Shared traffic (docs/SCHEDULING.md): rows are taken by their *effective lane*, the request's priority lane
 (0 is ``high``) less one for every ``lane_ageing_ms`` it has waited, lowest first, so a low lane is never
-starved; within a lane the longest first, and the rest of a pass is filled from lower lanes. Passes are cut
-up to ``CUT_AHEAD`` at a time (one sort of what waits per cut: sorting per pass made a queue of thousands of
-rows cost quadratic time) and cut again before the next pass whenever a request queued since then is in a
-higher lane than that pass, so a request that arrives while a flood is queued still rides the next pass,
-not the flood's last; and at least every half ageing step, so ranks stay current. Just before a pass runs,
+starved; within a lane the longest first, and the rest of a pass is filled from lower lanes. Everything
+waiting is cut into passes at once (one sort per cut: sorting per pass made a queue of thousands of rows cost
+quadratic time), and cut again before the next pass whenever a request queued since then is in a higher lane
+than that pass, so a request that arrives while a flood is queued still rides the next pass, not the flood's
+last; and at least every half ageing step, so ranks stay current. Rows of the same lane queued meanwhile wait
+for the passes cut before them. Just before a pass runs,
 the rows of a request past its deadline are dropped and settled with ``seams.DeadlineExceeded``: they cost
 no device time.
 """
@@ -76,9 +77,6 @@ def pack(items: Sequence[T], length: Callable[[T], int], max_rows: int, max_toke
 
 _UNSET: Any = object()
 
-# Passes cut at once: the waiting rows are sorted once per cut, and a higher-lane arrival still rides the next
-# pass (it makes the scheduler cut again, see BatchScheduler._recut_due).
-CUT_AHEAD = 16
 
 
 @dataclass(eq=False)
@@ -268,9 +266,8 @@ class BatchScheduler(Generic[T]):
         return lane - math.floor((now - waiting.since) / self.ageing)
 
     def _recut_due(self, now: float) -> bool:
-        """Passes are cut ``CUT_AHEAD`` at a time (sorting what waits once per cut, not once per pass), and cut
-        again before the next pass when a row queued since beats it (a higher lane), when half an ageing step
-        has passed (ranks moved), or when none are left."""
+        """Passes are cut again before the next one when a row queued since beats it (a higher lane), when half
+        an ageing step has passed (ranks moved), or when none are left."""
         if not self._planned:
             return True
         if now - self._planned_at >= self.ageing / 2:
@@ -279,8 +276,10 @@ class BatchScheduler(Generic[T]):
         return self.lanes and new is not None and new < self._rank(self._planned[0][0], now)
 
     def _cut(self, now: float, wall: float) -> None:
-        """Cut the next passes from every row not run yet: by effective lane, the longest first within one,
-        while they fit ``max_batch_rows`` and ``max_batch_tokens`` (a single prompt over the budget runs alone)."""
+        """Cut passes from every row not run yet: by effective lane, the longest first within one, while they
+        fit ``max_batch_rows`` and ``max_batch_tokens`` (a single prompt over the budget runs alone). A row too
+        long to join a pass is skipped, up to ``max_batch_rows`` of them per pass (a later, shorter row may
+        still fit), and leads the next pass."""
         for group in self._planned:
             self._waiting += group
         self._planned.clear()
@@ -288,35 +287,28 @@ class BatchScheduler(Generic[T]):
         self._planned_at = now
         self._drop_expired(wall)
         keyed = sorted(((self._rank(w, now), -w.length, w.since, n), w) for n, w in enumerate(self._waiting))
-        ordered = [w for _, w in keyed]
-        taken: set[int] = set()
-        for _ in range(CUT_AHEAD):
-            group = self._fill(ordered, taken)
-            if not group:
-                break
+        upcoming = deque(w for _, w in keyed)
+        while upcoming:
+            group, skipped = self._fill(upcoming)
             self._planned.append(group)
-        if taken:
-            self._waiting = [w for w in self._waiting if id(w) not in taken]
-            self._waiting_tokens = sum(w.length for w in self._waiting)
+            upcoming.extendleft(reversed(skipped))
+        self._waiting = []
+        self._waiting_tokens = 0
 
-    def _fill(self, ordered: list[_Waiting[T]], taken: set[int]) -> list[_Waiting[T]]:
-        """One pass from ``ordered`` (rows in ``taken`` are in earlier passes); a row too long to join is
-        skipped, up to ``max_batch_rows`` of them, since a later, shorter row may still fit."""
+    def _fill(self, upcoming: deque[_Waiting[T]]) -> tuple[list[_Waiting[T]], list[_Waiting[T]]]:
+        """One pass taken from the front of ``upcoming``, and the rows skipped for it (in order)."""
         chosen: list[_Waiting[T]] = []
-        longest = skipped = 0
-        for waiting in ordered:
-            if len(chosen) >= self.max_batch_rows or skipped > self.max_batch_rows:
-                break
-            if id(waiting) in taken:
-                continue
+        skipped: list[_Waiting[T]] = []
+        longest = 0
+        while upcoming and len(chosen) < self.max_batch_rows and len(skipped) <= self.max_batch_rows:
+            waiting = upcoming.popleft()
             size = waiting.length
             if chosen and (len(chosen) + 1) * max(longest, size) > self.max_batch_tokens:
-                skipped += 1
+                skipped.append(waiting)
                 continue
             chosen.append(waiting)
             longest = max(longest, size)
-        taken.update(id(waiting) for waiting in chosen)
-        return chosen
+        return chosen, skipped
 
     def _drop_expired(self, wall: float) -> None:
         """Settle the rows of requests past their deadline with ``DeadlineExceeded`` and forget them."""

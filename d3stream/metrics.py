@@ -247,6 +247,7 @@ class Metrics:
             registry=r,
         )
         self._tenants: set[str] = set()
+        self._cost_series: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         self.dead_letters = Counter(
             f"{PREFIX}_dead_letters",
             "Records that were not even a JSON object, copied to the dead-letter topic. Any rate here "
@@ -450,12 +451,20 @@ class Metrics:
                 tenant = OTHER_TENANT
             else:
                 self._tenants.add(tenant)
+        series = self._cost_series.get((tenant, model))
+        if series is None:  # looked up once per tenant and model: labels() costs more than the increments
+            series = self._cost_series[(tenant, model)] = (
+                self.device_seconds.labels(tenant=tenant, model=model),
+                self.tokens.labels(tenant=tenant, model=model, kind="prompt"),
+                self.tokens.labels(tenant=tenant, model=model, kind="padded"),
+            )
+        seconds_series, prompt_series, padded_series = series
         if device_seconds > 0:
-            self.device_seconds.labels(tenant=tenant, model=model).inc(device_seconds)
+            seconds_series.inc(device_seconds)
         if prompt_tokens > 0:
-            self.tokens.labels(tenant=tenant, model=model, kind="prompt").inc(prompt_tokens)
+            prompt_series.inc(prompt_tokens)
         if padded_tokens > 0:
-            self.tokens.labels(tenant=tenant, model=model, kind="padded").inc(padded_tokens)
+            padded_series.inc(padded_tokens)
 
     def count_dead_letter(self) -> None:
         self.dead_letters.inc()
