@@ -1,7 +1,7 @@
 """Where checkpoints come from: a local directory, or an ``s3://bucket/prefix/`` downloaded to a local cache.
 
-``--model`` takes ``PATH`` or ``NAME=PATH`` (``parse_model_spec``; several of them for the multi-model
-worker that is still to come), where PATH is a checkpoint directory or an ``s3://`` prefix. A checkpoint in
+``--model`` takes ``PATH`` or ``NAME=PATH`` (``parse_model_spec``; several of them for a worker serving
+several models, the first the default), where PATH is a checkpoint directory or an ``s3://`` prefix. A checkpoint in
 object storage is fetched once into ``model_cache_dir`` and loaded from there like any local one:
 
 * the location is checked against ``model_allowlist`` before any network call (the same rule as
