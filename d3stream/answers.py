@@ -67,6 +67,7 @@ class RequestWork:
     media_bytes: int = 0  # held of the in-flight media budget
     questions: int = 0
     request: Request | None = None  # once decoded: even a worker fault is answered under its id
+    model: str | None = None  # the served model it was routed to (None: not routed; the default's records)
     extra: list[Outgoing] = field(default_factory=list)  # e.g. a dead letter, published with the answer
     headers: list[tuple[str, bytes]] = field(default_factory=lambda: HEADERS)  # of the answer and dead letter
     # When each stage started (perf_counter; 0: not reached): with the timings, what spans are built from.

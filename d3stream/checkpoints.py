@@ -1,7 +1,7 @@
 """Where checkpoints come from: a local directory, or an ``s3://bucket/prefix/`` downloaded to a local cache.
 
-``--model`` takes ``PATH`` or ``NAME=PATH`` (``parse_model_spec``; several of them for the multi-model
-worker that is still to come), where PATH is a checkpoint directory or an ``s3://`` prefix. A checkpoint in
+``--model`` takes ``PATH`` or ``NAME=PATH`` (``parse_model_spec``; several of them for a worker serving
+several models, the first the default), where PATH is a checkpoint directory or an ``s3://`` prefix. A checkpoint in
 object storage is fetched once into ``model_cache_dir`` and loaded from there like any local one:
 
 * the location is checked against ``model_allowlist`` before any network call (the same rule as
@@ -391,3 +391,69 @@ def _checkpoint_name(value: Any, where: str, field: str) -> str:
         raise CheckpointError(f"{where}: {field} must name a checkpoint folder of the source (one path segment "
                               f"of letters, digits, '.', '_', '-'), got {value!r}")
     return value
+
+
+# ------------------------------------------------------------------------------------------ memory at start
+
+# Bytes per parameter of each safetensors dtype. The backbone (model*.safetensors) always loads in BF16
+# (runtime/model.py), whatever it is stored in; other files (the readout) load as stored.
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+               "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+BACKBONE_BYTES = 2
+
+
+def checkpoint_memory_bytes(path: Path) -> int:
+    """The memory a checkpoint's weights take once loaded: parameter count x dtype size, read from the
+    safetensors headers (a few KiB each) before anything is loaded."""
+    total = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        backbone = file.name.startswith("model")
+        for tensor in _safetensors_header(file).values():
+            count = 1
+            for size in tensor["shape"]:
+                count *= int(size)
+            total += count * (BACKBONE_BYTES if backbone else DTYPE_BYTES.get(tensor["dtype"], 4))
+    return total
+
+
+def _safetensors_header(file: Path) -> dict[str, Any]:
+    """The tensors' dtypes and shapes: an 8-byte little-endian length, then that much JSON."""
+    with file.open("rb") as stream:
+        length = int.from_bytes(stream.read(8), "little")
+        if not 0 < length <= MAX_SMALL_OBJECT_BYTES:
+            raise CheckpointError(f"{file}: not a safetensors file (header of {length} bytes)")
+        header = json.loads(stream.read(length))
+    return {name: value for name, value in header.items() if name != "__metadata__"}
+
+
+def available_memory_bytes(device: str) -> int:
+    """Free memory where the weights will live: the GPU's free memory (``torch.cuda.mem_get_info``), or the
+    host's available memory for a CPU device."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_models_fit(needs: Mapping[str, int], device: str, bound: int | None = None) -> None:
+    """Refuse, before any model is loaded, models whose weights together exceed ``bound`` (setting
+    ``model_memory_bytes``) or, without one, the device's free memory. The message names every model and
+    what it needs. Only weights are counted: passes need activations on top (``max_batch_tokens``)."""
+    total = sum(needs.values())
+    available = bound if bound is not None else available_memory_bytes(device)
+    if total <= available:
+        return
+    each = ", ".join(f"{name} {_mib(size)}" for name, size in needs.items())
+    where = f"model_memory_bytes ({_mib(available)})" if bound is not None else f"free memory on {device} ({_mib(available)})"
+    raise CheckpointError(
+        f"the models do not fit: their weights need {_mib(total)} ({each}), more than {where}. "
+        "Serve fewer models per worker (--model), or raise model_memory_bytes if the bound is too tight"
+    )
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):,.1f} MiB"

@@ -30,33 +30,21 @@ def _serve(args: argparse.Namespace) -> int:
         print("d3stream serve: no checkpoint: set --model, D3STREAM_MODEL or model = ... in the settings file",
               file=sys.stderr)
         return 2
-    from .checkpoints import CheckpointError, model_name_for, resolve_model
+    from .checkpoints import CheckpointError
     from .metrics import Metrics, serve_metrics
-    from .runtime import D3
     from .service import Service
 
-    # The endpoint comes up before the model is downloaded and loaded, so a liveness probe sees a live
+    # The endpoint comes up before the models are downloaded and loaded, so a liveness probe sees a live
     # process meanwhile.
     metrics = Metrics()
     server = serve_metrics(metrics, settings)
     try:
-        resolved = resolve_model(settings.model, settings)
-        model_name = model_name_for(resolved, settings.model_name)
-    except CheckpointError as exc:
+        service = Service(settings, _load_models(settings), metrics=metrics)
+    except (CheckpointError, ValueError) as exc:  # also: two models of one name, prefix_reuse=on on a non-causal one
         print(f"d3stream serve: {exc}", file=sys.stderr)
         if server is not None:
             server.stop()
         return 2
-    model = D3.from_pretrained(
-        resolved.path,
-        device=settings.device,
-        verify=settings.verify,
-        model_name=model_name,
-        permutation_average=settings.permutation_average,
-    )
-    if settings.warmup:
-        model.warmup()
-    service = Service(settings, model, metrics=metrics)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -79,6 +67,42 @@ def _serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
     return 0
+
+
+def _load_models(settings: Any) -> list[Any]:
+    """Every ``--model`` of serve, the first the default: made local (s3:// fetched and verified), their
+    weights checked to fit the device together (``model_memory_bytes``) before any is loaded, then loaded
+    (and warmed up with ``warmup``). CheckpointError / ValueError name what is wrong."""
+    from .checkpoints import (
+        check_models_fit,
+        checkpoint_memory_bytes,
+        model_name_for,
+        parse_model_specs,
+        resolve_model,
+    )
+    from .runtime import D3
+
+    specs = parse_model_specs(settings.model)  # a name given twice is refused before any download
+    resolved = [resolve_model(text, settings) for text in settings.model]
+    names = [model_name_for(resolved[0], settings.model_name), *(each.name for each in resolved[1:])]
+    device = settings.device or ("cuda:0" if _cuda_available() else "cpu")
+    check_models_fit({name or spec.location: checkpoint_memory_bytes(each.path)
+                      for name, spec, each in zip(names, specs, resolved, strict=True)},
+                     device, settings.model_memory_bytes)
+    models = []
+    for name, each in zip(names, resolved, strict=True):
+        model = D3.from_pretrained(each.path, device=settings.device, verify=settings.verify, model_name=name,
+                                   permutation_average=settings.permutation_average)
+        if settings.warmup:
+            model.warmup()
+        models.append(model)
+    return models
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _connection(command: str, args: argparse.Namespace) -> Any:

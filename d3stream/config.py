@@ -62,8 +62,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_request_size: int = 4_194_304
     dead_letter_max_bytes: int = 65_536
     # Model
-    model: str | None = None
+    model: list[str] = msgspec.field(default_factory=list)
     model_name: str | None = None
+    model_memory_bytes: int | None = None
     device: str | None = None
     verify: Literal["fast", "full", "none"] = "fast"
     permutation_average: bool = False
@@ -161,9 +162,12 @@ HELP: dict[str, str] = {
     "over it, or over the answer topic's max.message.bytes once compressed, becomes answer_too_large",
     "dead_letter_max_bytes": "raw bytes of a record a dead letter carries (base64); beyond, only the first this "
     "many, with the size and SHA-256 of the whole",
-    "model": "checkpoint: a directory or s3://bucket/prefix/ (downloaded once to model_cache_dir), optionally "
-    "as NAME=... (the name answers carry); required for serve",
-    "model_name": "name answers carry (default: the checkpoint's manifest name)",
+    "model": "checkpoints to serve: each a directory or s3://bucket/prefix/ (downloaded once to model_cache_dir), "
+    "optionally as NAME=... (the name requests route by and answers carry); several (repeat the flag or separate "
+    "with commas): one worker serves them all, the first is the default; required for serve",
+    "model_name": "name the default (first) model's answers carry (default: the checkpoint's manifest name)",
+    "model_memory_bytes": "memory the served models' weights may take together, checked at start (default: the "
+    "device's free memory: torch.cuda.mem_get_info on a GPU, available RAM on a CPU)",
     "device": "torch device (default: cuda:0 when present, else cpu)",
     "verify": "checkpoint manifest verification at load",
     "permutation_average": "score choice questions in both option orders and average (requests may ask too)",
@@ -352,6 +356,8 @@ def load_settings(
         if unknown:
             raise ValueError(f"{path}: unknown settings {', '.join(unknown)}; see `d3stream serve --help`")
         merged.update(section)
+    if isinstance(merged.get("model"), str):  # model = "ckpt", as written before a worker served several
+        merged["model"] = [merged["model"]]
     for name in FIELDS:
         if env_name(name) in environ:
             merged[name] = _coerce_text(name, environ[env_name(name)])

@@ -42,6 +42,11 @@ log = structlog.get_logger(__name__)
 Outcome = tuple[Any, PassRecord] | BaseException
 
 
+def model_thread() -> ThreadPoolExecutor:
+    """The one thread every pass of a device runs on."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
+
+
 def default_token_budget(device: str) -> int:
     """Padded tokens per pass: a GPU keeps gaining up to ~16k, a CPU saturates at 1-4k."""
     return 16_384 if str(device).startswith("cuda") else 4_096
@@ -91,11 +96,13 @@ class Passes:
     """The model side of a worker: one model thread, the row scheduler and the shared-prefix scheduler."""
 
     def __init__(self, settings: Settings, model: DecisionModel, metrics: Metrics,
-                 scheduler: RowScheduler | None = None):
+                 scheduler: RowScheduler | None = None, *, executor: ThreadPoolExecutor | None = None):
         self.metrics = metrics
         self.budget = settings.max_batch_tokens or default_token_budget(str(model.device))
-        # One model thread for both schedulers: passes never run side by side on the device.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
+        # One model thread for both schedulers: passes never run side by side on the device. A worker serving
+        # several models hands every model's Passes the same one (it shuts it down itself).
+        self._owns_executor = executor is None
+        self.executor = executor or model_thread()
         self.rows: RowScheduler = scheduler or BatchScheduler(
             model.forward,
             length=lambda row: row.length,
@@ -132,7 +139,8 @@ class Passes:
         await self.rows.close()
         if self.prefix_scheduler is not None:
             await self.prefix_scheduler.close()
-        self.executor.shutdown(wait=True)
+        if self._owns_executor:
+            self.executor.shutdown(wait=True)
 
     # ---------------------------------------------------------------------------------- planning
 

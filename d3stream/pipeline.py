@@ -14,6 +14,10 @@ value, headers) and walks them through the stages:
 5. **answer**: probabilities -> answer objects -> the answer event with its provenance, sized to fit its
    topic (``answers.py``).
 
+A worker may serve several models (``Hosted``: each with its own passes, answer builder and provenance
+digest); a request's ``model`` field routes it, absent the first (default) one; a name not served is
+``model_not_served``. Records refused before routing are answered with the default model's records.
+
 The fetch is processed as a batch where that saves work (its text-only requests share one prepare trip and
 one submission to the scheduler), while failures stay per request: whatever goes wrong with one record ends
 as that record's error answer, never as its neighbours'. Answers are handed to ``on_served`` as they are
@@ -62,22 +66,39 @@ OnServed = Callable[[list[Served]], Awaitable[None]]
 Media = tuple[list[Any], list[Any]] | None
 
 
-class RequestPipeline:
-    """Records -> answer events, for one model (see the module's docstring)."""
+@dataclass(eq=False)
+class Hosted:
+    """One model a worker serves, with what is its own: its passes (row and shared-prefix schedulers, token
+    budget, prefix runner; the model thread is shared), its answer builder (model record), its provenance
+    record and that record's digest, which its answer ids are derived from."""
 
-    def __init__(self, settings: Settings, model: DecisionModel, *, passes: Passes, answers: AnswerBuilder,
-                 fetcher: MediaFetcher, decoder: MediaDecoder, media_budget: ByteBudget, metrics: Metrics,
-                 in_flight: InFlight, provenance_sha256: str):
+    model: DecisionModel
+    passes: Passes
+    answers: AnswerBuilder
+    provenance: dict[str, Any]
+    provenance_sha256: str
+
+    @property
+    def name(self) -> str:
+        return self.model.model_name
+
+
+class RequestPipeline:
+    """Records -> answer events, for the models of one worker (see the module's docstring)."""
+
+    def __init__(self, settings: Settings, hosted: Sequence[Hosted], *, fetcher: MediaFetcher,
+                 decoder: MediaDecoder, media_budget: ByteBudget, metrics: Metrics, in_flight: InFlight):
         self.settings = settings
-        self.model = model
-        self.passes = passes
-        self.answers = answers
+        self.hosted = {each.name: each for each in hosted}
+        if len(self.hosted) != len(hosted):
+            raise ValueError("two served models have the same name: name them with --model NAME=PATH")
+        self.default = hosted[0]
+        self.answers = self.default.answers  # what is refused before routing is answered with its records
         self.fetcher = fetcher
         self.decoder = decoder
         self.media_budget = media_budget
         self.metrics = metrics
         self.in_flight = in_flight
-        self.provenance_sha256 = provenance_sha256
         self.request_limits = RequestLimits.from_settings(settings)
         # Request headers the answers carry: the trace headers, then forward_headers.
         self._forwarded_names = header_names(settings.forward_headers)
@@ -91,9 +112,10 @@ class RequestPipeline:
         """Answer every record; ``on_served`` receives each answer once (it must not raise)."""
         works = [self._begin(record) for record in records]
         for work in works:
-            self.passes.rows.expect(position_of(work.record))
+            for each in self.hosted.values():
+                each.passes.rows.expect(position_of(work.record))
         refused: list[Served] = []
-        text: list[tuple[RequestWork, Request]] = []
+        text: dict[str, list[tuple[RequestWork, Request]]] = {}
         with_media: list[tuple[RequestWork, Request]] = []
         for work in works:
             outcome = self._admit(work)
@@ -102,12 +124,13 @@ class RequestPipeline:
             elif outcome.images or outcome.videos:
                 with_media.append((work, outcome))
             else:
-                text.append((work, outcome))
+                text.setdefault(self._hosted(work).name, []).append((work, outcome))
         steps: list[Awaitable[None]] = []
         if refused:
             steps.append(on_served(refused))
-        if text:
-            steps.append(self._isolated([work for work, _ in text], self._answer_all(text, on_served), on_served))
+        for name, items in text.items():  # one prepare trip and one submission per model
+            steps.append(self._isolated([work for work, _ in items],
+                                        self._answer_all(self.hosted[name], items, on_served), on_served))
         for work, request in with_media:
             steps.append(self._isolated([work], self._serve_with_media(work, request, on_served), on_served))
         await asyncio.gather(*steps)
@@ -119,10 +142,14 @@ class RequestPipeline:
         except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
             log.exception("request failed", offsets=[work.source.offset for work in works][:20])
             left = [work for work in works if not work.finished]
-            await on_served([self._served(work, self.answers.error(work, "internal_error", reason(exc),
-                                                                    request=work.request)) for work in left])
+            await on_served([self._served(work, self._hosted(work).answers.error(
+                work, "internal_error", reason(exc), request=work.request)) for work in left])
 
     # ------------------------------------------------------------------------------------ stages
+
+    def _hosted(self, work: RequestWork) -> Hosted:
+        """The model a request was routed to (the default before routing)."""
+        return self.default if work.model is None else self.hosted[work.model]
 
     def _begin(self, record: InputRecord) -> RequestWork:
         work = RequestWork(
@@ -150,10 +177,12 @@ class RequestPipeline:
         scheduling = self._scheduling(record, request)
         if scheduling.deadline is not None and time.time() > scheduling.deadline:
             return self._expired(work, request, DeadlineExceeded(time.time() - scheduling.deadline), "was read")
-        if request.model is not None and request.model != self.model.model_name:
+        hosted = self.default if request.model is None else self.hosted.get(request.model)
+        if hosted is None:
+            served = ", ".join(repr(name) for name in self.hosted)
             return self.answers.error(work, "model_not_served",
-                                      f"this worker serves {self.model.model_name!r}, not {request.model!r}",
-                                      request=request)
+                                      f"this worker serves {served}, not {request.model!r}", request=request)
+        work.model = hosted.name
         work.questions = len(request.questions)
         self.in_flight.questions += work.questions
         return request
@@ -182,7 +211,7 @@ class RequestPipeline:
                           deadline=min(candidates) / 1000.0 if candidates else None)
 
     def _expired(self, work: RequestWork, request: Request, late: DeadlineExceeded, when: str) -> Answer:
-        return self.answers.error(
+        return self._hosted(work).answers.error(
             work, "deadline_exceeded",
             f"the request's deadline had passed {late.late_ms:,} ms before it {when}; it was not run "
             "(fields deadline / ttl_ms; honor_deadlines)",
@@ -191,30 +220,34 @@ class RequestPipeline:
     async def _serve_with_media(self, work: RequestWork, request: Request, on_served: OnServed) -> None:
         """A request naming images or videos: refused early if certainly too long, its media fetched and
         decoded, then prepared and answered like the text-only ones."""
-        media = await self._over_token_limit(work, request) or await self._media(work, request)
+        hosted = self._hosted(work)
+        media = await self._over_token_limit(hosted, work, request) or await self._media(hosted, work, request)
         if isinstance(media, Answer):
             await on_served([self._served(work, media)])
             return
-        await self._answer_all([(work, request)], on_served, [media])
+        await self._answer_all(hosted, [(work, request)], on_served, [media])
 
-    async def _over_token_limit(self, work: RequestWork, request: Request) -> Answer | None:
+    async def _over_token_limit(self, hosted: Hosted, work: RequestWork, request: Request) -> Answer | None:
         """Refuse a request certainly over max_request_tokens before fetching its media."""
-        if not self.model.request_may_exceed_tokens(len(work.record.value or b""), len(request.questions)):
+        model = hosted.model
+        if not model.request_may_exceed_tokens(len(work.record.value or b""), len(request.questions)):
             return None
         try:
-            await self.prepare_thread.run(lambda: self.model.check_request_tokens(
+            await self.prepare_thread.run(lambda: model.check_request_tokens(
                 request.state, request.questions, permutation_average=request.permutation_average))
         except ValueError as exc:
-            return self.answers.error(work, "invalid_request", str(exc), request=request)
+            return hosted.answers.error(work, "invalid_request", str(exc), request=request)
         return None
 
-    async def _answer_all(self, items: list[tuple[RequestWork, Request]], on_served: OnServed,
+    async def _answer_all(self, hosted: Hosted, items: list[tuple[RequestWork, Request]], on_served: OnServed,
                           media: Sequence[Media] | None = None) -> None:
-        """Prepare every request in one trip to the prepare thread, run their rows together, answer them."""
+        """Prepare every request (all routed to ``hosted``) in one trip to the prepare thread, run their rows
+        together on that model's passes, answer them."""
         decoded = media or [None] * len(items)
         started = time.perf_counter()
         outcomes = await self.prepare_thread.run(
-            lambda: [self._prepare(request, found) for (_, request), found in zip(items, decoded, strict=True)])
+            lambda: [self._prepare(hosted, request, found)
+                     for (_, request), found in zip(items, decoded, strict=True)])
         seconds = time.perf_counter() - started
         refused: list[Served] = []
         passing: list[tuple[PassItem, Request]] = []
@@ -223,7 +256,7 @@ class RequestPipeline:
             self.metrics.observe_stage("prepare", seconds)
             if isinstance(outcome, BaseException):
                 code = "invalid_request" if isinstance(outcome, ValueError) else "internal_error"
-                refused.append(self._served(work, self.answers.error(work, code, reason(outcome), request=request)))
+                refused.append(self._served(work, hosted.answers.error(work, code, reason(outcome), request=request)))
                 continue
             prepared, plan = outcome
             work.tokens = prepared.input_tokens
@@ -233,29 +266,30 @@ class RequestPipeline:
         if refused:
             await on_served(refused)
         requests = {id(item): request for item, request in passing}
-        async for done in self.passes.run([item for item, _ in passing]):
-            await on_served([self._answered(item, requests[id(item)]) for item in done])
+        async for done in hosted.passes.run([item for item, _ in passing]):
+            await on_served([self._answered(hosted, item, requests[id(item)]) for item in done])
 
-    def _prepare(self, request: Request, media: Media) -> tuple[Prepared, Any] | BaseException:
+    @staticmethod
+    def _prepare(hosted: Hosted, request: Request, media: Media) -> tuple[Prepared, Any] | BaseException:
         """On the prepare thread: the prepared request and its shared-prefix plan, or what went wrong."""
         images, videos = media if media is not None else ([], [])
         try:
-            prepared = self.model.prepare(request.state, request.questions, decoded_images=images,
-                                          decoded_videos=videos, permutation_average=request.permutation_average)
-            return prepared, self.passes.plan(prepared)
+            prepared = hosted.model.prepare(request.state, request.questions, decoded_images=images,
+                                            decoded_videos=videos, permutation_average=request.permutation_average)
+            return prepared, hosted.passes.plan(prepared)
         except Exception as exc:  # noqa: BLE001 - handed back as this request's own error
             return exc
 
-    def _answered(self, item: PassItem, request: Request) -> Served:
+    def _answered(self, hosted: Hosted, item: PassItem, request: Request) -> Served:
         work = item.work
         if item.expired is not None:
             return self._served(work, self._expired(work, request, item.expired, "could ride a forward pass"))
         try:
             response = item.prepared.answers(item.probabilities)
-            answer = self.answers.answered(work, request, response)
+            answer = hosted.answers.answered(work, request, response)
         except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
             log.exception("answer not built", offset=work.source.offset)
-            answer = self.answers.error(work, "internal_error", reason(exc), request=request)
+            answer = hosted.answers.error(work, "internal_error", reason(exc), request=request)
         return self._served(work, answer)
 
     def _served(self, work: RequestWork, answer: Answer) -> Served:
@@ -263,34 +297,35 @@ class RequestPipeline:
         work.finished = True
         self.in_flight.tokens -= work.tokens
         self.media_budget.release(work.media_bytes)
-        self.passes.rows.finished(position_of(work.record))
+        for each in self.hosted.values():
+            each.passes.rows.finished(position_of(work.record))
+        hosted = self._hosted(work)
         if work.tenant is not None:
-            self.metrics.count_cost(work.tenant, self.model.model_name, work.device_seconds, work.tokens,
-                                    work.padded_tokens)
+            self.metrics.count_cost(work.tenant, hosted.name, work.device_seconds, work.tokens, work.padded_tokens)
         work.timings.total = ms(time.perf_counter() - work.received)
-        answer.answer_id = answer_identity(answer, self.provenance_sha256)
-        answer, outgoing = self.answers.fitted(work, answer)
+        answer.answer_id = answer_identity(answer, hosted.provenance_sha256)  # deterministic per model
+        answer, outgoing = hosted.answers.fitted(work, answer)
         return Served(work, answer, [*work.extra, outgoing])
 
     # ------------------------------------------------------------------------------------- media
 
-    async def _media(self, work: RequestWork, request: Request) -> tuple[list[Any], list[Any]] | Answer:
+    async def _media(self, hosted: Hosted, work: RequestWork, request: Request) -> tuple[list[Any], list[Any]] | Answer:
         """Fetch and decode a request's media, or the error answer that ends it. The reference count is
         checked before any fetch, pixel and frame totals (from headers) before any decode; identical
         references are fetched and decoded once."""
         settings = self.settings
         references = len(request.images) + len(request.videos)
         if references > settings.max_media_references:
-            return self.answers.error(
+            return hosted.answers.error(
                 work, "invalid_request",
                 f"the request names {references:,} images and videos; at most {settings.max_media_references:,} "
                 "are accepted (setting: max_media_references)",
                 request=request,
             )
         for kind in MEDIA_KINDS:
-            unavailable = kind.unavailable(self.model)
+            unavailable = kind.unavailable(hosted.model)
             if kind.references(request) and unavailable is not None:
-                return self.answers.error(work, "media_unreadable",
+                return hosted.answers.error(work, "media_unreadable",
                                           f"{kind.name} inputs are not available: {unavailable}", request=request)
         try:
             started = work.fetch_at = time.perf_counter()
@@ -302,7 +337,7 @@ class RequestPipeline:
             fetched = {id(item): len(item.data) for item in (*images, *videos)}  # a repeated reference once
             self.metrics.add_media_bytes(sum(fetched.values()))
         except MediaError as exc:
-            return self.answers.error(work, exc.code, exc.message, request=request)
+            return hosted.answers.error(work, exc.code, exc.message, request=request)
 
         async def reserve(estimate: int) -> None:
             work.media_bytes = await self.media_budget.acquire(estimate)
@@ -313,9 +348,9 @@ class RequestPipeline:
             work.timings.decode = ms(time.perf_counter() - started)
             self.metrics.observe_stage("decode", time.perf_counter() - started)
         except MediaBudgetExceeded as exc:
-            return self.answers.error(work, "invalid_request", str(exc), request=request)
+            return hosted.answers.error(work, "invalid_request", str(exc), request=request)
         except ValueError as exc:
-            return self.answers.error(work, "media_unreadable", str(exc), request=request)
+            return hosted.answers.error(work, "media_unreadable", str(exc), request=request)
         held = decoded.nbytes
         if held < work.media_bytes:  # keep what the media really take, give the rest of the estimate back
             self.media_budget.release(work.media_bytes - held)

@@ -455,10 +455,14 @@ def _replay_command(args: Any) -> int:
     if refusal:
         print(f"d3stream replay: {refusal}", file=sys.stderr)
         return 2
-    checkpoint = settings.model
-    if not checkpoint:
+    if not settings.model:
         print("d3stream replay: no checkpoint: set --model or D3STREAM_MODEL", file=sys.stderr)
         return 2
+    if len(settings.model) > 1:  # a replay answers a range with one model; compare two replays to compare models
+        print(f"d3stream replay: --model names {len(settings.model)} checkpoints; a replay runs one (replay once "
+              "per model and compare the answer sets)", file=sys.stderr)
+        return 2
+    [checkpoint] = settings.model
     if args.to_topic:
         import msgspec
 

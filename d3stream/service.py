@@ -1,6 +1,7 @@
 """One d3stream worker: the request pipeline, a consume loop and a delivery mode, put together.
 
-``Service(settings, model).run()`` serves until ``stop()`` (SIGTERM/SIGINT: stop fetching, finish what is in
+``Service(settings, model).run()`` (or ``Service(settings, [default, other, ...])``: several models in one
+worker, routed by the request's ``model``) serves until ``stop()`` (SIGTERM/SIGINT: stop fetching, finish what is in
 flight, publish, commit, close; a crash never loses a request, a clean shutdown repeats nothing). The parts:
 
 * ``pipeline.RequestPipeline`` answers the records of each fetch (no Kafka in it);
@@ -9,8 +10,8 @@ flight, publish, commit, close; a crash never loses a request, a clean shutdown 
 * a delivery mode (``commits.DELIVERY_MODES``) is a sink (``sinks.py``: Kafka topics or a file) and a commit
   policy (``commits.py``: in the answers' transaction, or after they are written).
 
-This module wires them and owns what spans them: the start-up order (topics, limits, provenance record,
-consumer), the handler that delivers each fetch's answers and counts them, and the clean-up. An error that no
+This module wires them and owns what spans them: the start-up order (topics, limits, a provenance record per
+model, consumer), the one model thread every model's passes share (one device: passes never run side by side), the handler that delivers each fetch's answers and counts them, and the clean-up. An error that no
 retry can cure (``WorkerFatal``: no permission, a missing topic) stops the worker without committing past the
 record; ``run`` raises it and ``d3stream serve`` exits with status 3.
 """
@@ -22,9 +23,9 @@ import json
 import os
 import socket
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 from aiokafka import AIOKafkaConsumer
@@ -40,8 +41,8 @@ from .events import ModelRecord, Worker
 from .limits import Limits, WorkerFatal, producer_compression
 from .metrics import Metrics
 from .offsets import OffsetTracker
-from .passes import Passes, RowScheduler, default_token_budget
-from .pipeline import RequestPipeline, Served
+from .passes import Passes, RowScheduler, default_token_budget, model_thread
+from .pipeline import Hosted, RequestPipeline, Served
 from .publishing import Outgoing
 from .seams import DecisionModel, InFlight
 from .sinks import KafkaTopics, Sink
@@ -56,12 +57,12 @@ T = TypeVar("T")
 
 
 class Service:
-    """One d3stream worker: a consumer group member serving one model."""
+    """One d3stream worker: a consumer group member serving one model, or several (the first is the default)."""
 
     def __init__(
         self,
         settings: Settings,
-        model: DecisionModel,
+        model: DecisionModel | Sequence[DecisionModel],
         *,
         fetcher: MediaFetcher | None = None,
         metrics: Metrics | None = None,
@@ -72,7 +73,13 @@ class Service:
         replay_id: str | None = None,
     ):
         self.settings = settings = check_settings(settings)
-        self.model = model
+        models = list(model) if isinstance(model, Sequence) else [model]
+        if not models:
+            raise ValueError("a worker needs a model to serve (setting: model)")
+        if scheduler is not None and len(models) > 1:
+            raise ValueError("a row scheduler of one's own (a deterministic replay) serves one model: give one --model")
+        self.models = models
+        self.model = models[0]
         self.metrics = metrics or Metrics()
         # Spans of served requests (otlp_endpoint, or a caller's own, e.g. a test's in-memory exporter).
         self._owns_tracing = tracing is None
@@ -81,34 +88,31 @@ class Service:
             import torch
 
             torch.set_num_threads(settings.torch_threads)
-        model.limit_prompt_tokens(settings.max_prompt_tokens)
-        model.limit_request_tokens(settings.max_request_tokens)
+        for each in models:
+            each.limit_prompt_tokens(settings.max_prompt_tokens)
+            each.limit_request_tokens(settings.max_request_tokens)
         self.read = read or LiveRead(settings.request_topics)
         self.mode = DELIVERY_MODES["jsonl_file" if answer_file is not None else settings.delivery]
         self.answer_file = answer_file
         self.fetcher = fetcher or MediaFetcher.from_settings(settings)
-        self.passes = Passes(settings, model, self.metrics, scheduler)
-        self.provenance = {**model.provenance(), **self.passes.provenance()}  # answers depend on reuse too
-        self.provenance_sha256 = provenance_digest(self.provenance)
         # The limits of the topics answers and dead letters go to (read from the broker at start).
         self.limits = Limits(max_request_size=settings.max_request_size,
                              compression=producer_compression(settings.compression))
-        self.answers = AnswerBuilder(
-            settings,
-            model_record=ModelRecord(name=model.model_name, runtime=self.provenance.get("runtime", ""),
-                                     provenance_sha256=self.provenance_sha256),
-            worker=Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__),
-            limits=self.limits, metrics=self.metrics, replay_id=replay_id,
-        )
+        # One device, one model thread: every model's passes take turns on it, never side by side.
+        self.model_thread = model_thread()
+        worker = Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__)
+        self.hosted = [self._host(each, worker, scheduler, replay_id) for each in models]
+        default = self.hosted[0]
+        self.passes, self.answers = default.passes, default.answers
+        self.provenance, self.provenance_sha256 = default.provenance, default.provenance_sha256
         # Media decoding: images on a thread of their own, videos in killable processes, under a deadline;
         # decoded media wait for their share of max_inflight_media_bytes.
         self.decoder = MediaDecoder.from_settings(settings)
         self.media_budget = ByteBudget(settings.max_inflight_media_bytes)
         self.in_flight = InFlight()
         self.pipeline = RequestPipeline(
-            settings, model, passes=self.passes, answers=self.answers, fetcher=self.fetcher, decoder=self.decoder,
-            media_budget=self.media_budget, metrics=self.metrics, in_flight=self.in_flight,
-            provenance_sha256=self.provenance_sha256,
+            settings, self.hosted, fetcher=self.fetcher, decoder=self.decoder, media_budget=self.media_budget,
+            metrics=self.metrics, in_flight=self.in_flight,
         )
         self.tracker = OffsetTracker()
         # Made when it runs: the Kafka consumer, where answers go and how offsets commit, the loop over them.
@@ -120,9 +124,24 @@ class Service:
         self._stop_asked = False
         self._answered = 0
         self._errors = 0
-        self.metrics.set_model(model.model_name, self.provenance_sha256, str(model.device))
-        self.metrics.set_kernels(model.kernel_record())
+        self.metrics.set_model(self.model.model_name, self.provenance_sha256, str(self.model.device))
+        self.metrics.set_kernels(self.model.kernel_record())
         self.metrics.set_ready_check(lambda: self.ready and self.joined and not self.stopping and not self.stalled)
+
+    def _host(self, model: DecisionModel, worker: Worker, scheduler: RowScheduler | None,
+              replay_id: str | None) -> Hosted:
+        """A served model's own parts: passes on the shared model thread, its provenance (answers depend on
+        prefix reuse too) and the answer builder that names it."""
+        passes = Passes(self.settings, model, self.metrics, scheduler, executor=self.model_thread)
+        provenance = {**model.provenance(), **passes.provenance()}
+        digest = provenance_digest(provenance)
+        answers = AnswerBuilder(
+            self.settings,
+            model_record=ModelRecord(name=model.model_name, runtime=provenance.get("runtime", ""),
+                                     provenance_sha256=digest),
+            worker=worker, limits=self.limits, metrics=self.metrics, replay_id=replay_id,
+        )
+        return Hosted(model, passes, answers, provenance, digest)
 
     # ------------------------------------------------------------------------------ what it shows
 
@@ -188,21 +207,23 @@ class Service:
         self.limits.topics = await self._connecting(self.sink.read_limits())
         log.info("topic limits", max_message_bytes=self.limits.topics, compression=self.limits.compression,
                  max_request_size=self.limits.max_request_size)
-        if self.model.video_unavailable is None:
+        if any(model.video_unavailable is None for model in self.models):
             self.decoder.warm()  # the first video should not wait for its decoding process to start
         await self._publish_provenance(self.sink)
         await self._connecting(self.consumer.start())
         try:
             self.ready = True
             log.info("serving", topics=settings.request_topics, group=settings.group_id,
-                     model=self.model.model_name, budget=self.passes.budget, delivery=self.mode.name)
+                     models=[each.name for each in self.hosted], budget=self.passes.budget, delivery=self.mode.name)
             await self.loop.run()
         finally:
             self.ready = False
             await self.consumer.stop()
 
     async def _close(self) -> None:
-        await self.passes.close()
+        for hosted in self.hosted:
+            await hosted.passes.close()
+        self.model_thread.shutdown(wait=True)
         if self.delivery is not None:
             await self.delivery.stop()
         if self.sink is not None:
@@ -236,10 +257,18 @@ class Service:
 
     @contextlib.contextmanager
     def _media_cache_lent(self) -> Iterator[None]:
-        """The model encodes through this service's media-feature cache while it serves, and is handed back as
-        it was given however serving ends, so a model shared with other callers (a replay beside a live
-        service, the next test) keeps no features, and no counter, from this one."""
-        settings, model = self.settings, self.model
+        """Each model encodes through a media-feature cache of this service while it serves (one per model:
+        vision features differ between checkpoints), and is handed back as it was given however serving
+        ends, so a model shared with other callers (a replay beside a live service, the next test) keeps no
+        features, and no counter, from this one."""
+        with contextlib.ExitStack() as stack:
+            for model in self.models:
+                stack.enter_context(self._cache_lent(model))
+            yield
+
+    @contextlib.contextmanager
+    def _cache_lent(self, model: Any) -> Iterator[None]:
+        settings = self.settings
         if settings.media_cache_bytes <= 0 or not hasattr(model, "media_cache"):
             yield
             return
@@ -282,9 +311,11 @@ class Service:
             await admin.close()
 
     async def _publish_provenance(self, sink: Sink) -> None:
-        payload = json.dumps(self.provenance, sort_keys=True, ensure_ascii=False).encode()
-        await sink.publish_provenance(Outgoing(self.settings.provenance_topic, self.provenance_sha256.encode(),
-                                               payload, kind="provenance"))
+        """One record per served model, keyed by its digest (the topic is compacted)."""
+        for hosted in self.hosted:
+            payload = json.dumps(hosted.provenance, sort_keys=True, ensure_ascii=False).encode()
+            await sink.publish_provenance(Outgoing(self.settings.provenance_topic, hosted.provenance_sha256.encode(),
+                                                   payload, kind="provenance"))
 
     # ------------------------------------------------------------------------------ one fetch
 

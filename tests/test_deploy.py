@@ -517,7 +517,7 @@ def test_environment_variables_are_settings(rendered: list[dict]) -> None:
     unknown = sorted(k for k in environ if k.startswith("D3STREAM_") and k not in SETTING_ENV)
     assert not unknown, f"not settings of d3stream (d3stream.config.Settings): {unknown}"
     settings = _settings(rendered)  # every value parses, with the service's own loader
-    assert settings.model is not None and (settings.model.startswith("s3://") or settings.model == IMAGE_MODEL_PATH)
+    assert len(settings.model) == 1 and (settings.model[0].startswith("s3://") or settings.model == [IMAGE_MODEL_PATH])
     assert settings.metrics_port is not None, "the probes need the metrics endpoint"
 
 
@@ -676,17 +676,18 @@ def test_gpu_model_volume_and_security(rendered: list[dict]) -> None:
     assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == "1"
     assert str(container["resources"]["requests"]["nvidia.com/gpu"]) == "1"
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-    if settings.model and settings.model.startswith("s3://"):
+    [model] = settings.model
+    if model.startswith("s3://"):
         # Downloaded at start: the location passes the service's own allowlist check, and the cache is a
         # writable volume (the root filesystem is read-only).
-        checkpoint_location(settings.model, settings.model_allowlist)
+        checkpoint_location(model, settings.model_allowlist)
         cache = Path(settings.model_cache_dir or "/nonexistent")
         mount = next((m for m in mounts.values() if cache.is_relative_to(m["mountPath"])), None)
         assert mount is not None and not mount.get("readOnly"), "model_cache_dir must be on a writable volume"
         volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
         assert "emptyDir" in volume
     else:
-        model_mount = mounts[settings.model]
+        model_mount = mounts[model]
         assert model_mount.get("readOnly") is True
         volume = next(v for v in pod["volumes"] if v["name"] == model_mount["name"])
         assert volume["persistentVolumeClaim"]["readOnly"] is True
@@ -794,7 +795,7 @@ def test_image_runs_the_service_as_configured(name: str) -> None:
     unknown = sorted(k for k in environ if k.startswith("D3STREAM_") and k not in SETTING_ENV)
     assert not unknown, f"{name}: not settings of d3stream: {unknown}"
     settings = load_settings({}, environ={k: v for k, v in environ.items() if k.startswith("D3STREAM_")})
-    assert settings.model == IMAGE_MODEL_PATH
+    assert settings.model == [IMAGE_MODEL_PATH]
     exposed = {int(v.split("/")[0]) for c in final if c.cmd.upper() == "EXPOSE" for v in c.value}
     assert settings.metrics_port in exposed
     (entrypoint,) = [c for c in final if c.cmd.upper() == "ENTRYPOINT"]
@@ -819,8 +820,8 @@ def test_images_and_manifests_agree(tmp_path: Path) -> None:
             environ.update(_env_pairs(command))
     objects = render(BASE)
     settings = _settings(objects)
-    assert settings.model and settings.model.startswith("s3://")
-    assert environ["D3STREAM_MODEL"] == _settings(render(compose(tmp_path, ["model-volume"]))).model
+    assert len(settings.model) == 1 and settings.model[0].startswith("s3://")
+    assert [environ["D3STREAM_MODEL"]] == _settings(render(compose(tmp_path, ["model-volume"]))).model
     assert int(environ["D3STREAM_METRICS_PORT"]) == settings.metrics_port
     # The default host is the loopback address; probes and Prometheus come from outside the container.
     assert environ["D3STREAM_METRICS_HOST"] == settings.metrics_host == "0.0.0.0"
