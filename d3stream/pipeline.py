@@ -38,6 +38,7 @@ from .jobthread import JobThread
 from .metrics import Metrics
 from .passes import Passes, PassItem
 from .publishing import Outgoing
+from .quotas import TenantQuotas
 from .runtime.kinds import IMAGE, MEDIA_KINDS, VIDEO
 from .runtime.media import MediaBudgetExceeded, reason
 from .runtime.model import Prepared
@@ -67,7 +68,7 @@ class RequestPipeline:
 
     def __init__(self, settings: Settings, model: DecisionModel, *, passes: Passes, answers: AnswerBuilder,
                  fetcher: MediaFetcher, decoder: MediaDecoder, media_budget: ByteBudget, metrics: Metrics,
-                 in_flight: InFlight, provenance_sha256: str):
+                 in_flight: InFlight, provenance_sha256: str, quotas: TenantQuotas | None = None):
         self.settings = settings
         self.model = model
         self.passes = passes
@@ -77,6 +78,8 @@ class RequestPipeline:
         self.media_budget = media_budget
         self.metrics = metrics
         self.in_flight = in_flight
+        # Per-tenant in-flight token limits (tenant_max_inflight_tokens; a limit of 0 holds nothing).
+        self.quotas = quotas or TenantQuotas(settings.tenant_max_inflight_tokens, in_flight)
         self.provenance_sha256 = provenance_sha256
         self.request_limits = RequestLimits.from_settings(settings)
         # Request headers the answers carry: the trace headers, then forward_headers.
@@ -232,6 +235,30 @@ class RequestPipeline:
                                      scheduling=self._scheduling(work.record, request)), request))
         if refused:
             await on_served(refused)
+        await self._run_within_quotas(passing, on_served)
+
+    async def _run_within_quotas(self, passing: list[tuple[PassItem, Request]], on_served: OnServed) -> None:
+        """Run the requests' rows; a request whose tenant is over ``tenant_max_inflight_tokens`` is held
+        first, until its tenant's answered requests make room (quotas.py; the others do not wait for it)."""
+        ready: list[tuple[PassItem, Request]] = []
+        held: list[tuple[PassItem, Request]] = []
+        for item, request in passing:
+            work = item.work
+            taken = self.quotas.try_take(work.tenant or "", work.tokens)
+            work.quota_tokens = work.tokens if taken else 0
+            (ready if taken else held).append((item, request))
+        steps = [self._run(ready, on_served)] if ready else []
+        steps.extend(self._isolated([item.work], self._held(item, request, on_served), on_served)
+                     for item, request in held)
+        await asyncio.gather(*steps)
+
+    async def _held(self, item: PassItem, request: Request, on_served: OnServed) -> None:
+        work = item.work
+        await self.quotas.take(work.tenant or "", work.tokens, (work.record.topic, work.record.partition))
+        work.quota_tokens = work.tokens
+        await self._run([(item, request)], on_served)
+
+    async def _run(self, passing: list[tuple[PassItem, Request]], on_served: OnServed) -> None:
         requests = {id(item): request for item, request in passing}
         async for done in self.passes.run([item for item, _ in passing]):
             await on_served([self._answered(item, requests[id(item)]) for item in done])
@@ -262,6 +289,9 @@ class RequestPipeline:
         """The request's final answer event (with its id and size settled) and the records to publish."""
         work.finished = True
         self.in_flight.tokens -= work.tokens
+        if work.quota_tokens:
+            self.quotas.give_back(work.tenant or "", work.quota_tokens)
+            work.quota_tokens = 0
         self.media_budget.release(work.media_bytes)
         self.passes.rows.finished(position_of(work.record))
         if work.tenant is not None:
