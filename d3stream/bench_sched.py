@@ -163,7 +163,8 @@ def scheduling_bench(model: Any, *, seconds: float = 6.0, threads: int | None = 
         tenants[name] = {"steady_per_s": round(within / seconds, 1),
                          "steady_p99_ms": round(1000 * _quantile(run.latencies("steady"), 0.99), 1)}
     for name in ("flood_quotas_off", "flood_quotas_on"):
-        tenants[name]["vs_alone"] = round(tenants[name]["steady_per_s"] / tenants["alone"]["steady_per_s"], 3)
+        alone = tenants["alone"]["steady_per_s"]  # 0 only on runs too short to answer within the window
+        tenants[name]["vs_alone"] = round(tenants[name]["steady_per_s"] / alone, 3) if alone else None
     report["tenants"] = tenants
     return report
 
@@ -183,7 +184,7 @@ def scheduling_markdown(report: dict[str, Any]) -> str:
         "",
         "| steady tenant (30 % of capacity) | answered/s in its window | vs alone | p99 ms |",
         "|---|---:|---:|---:|",
-        *(f"| {name.replace('_', ' ')} | {row['steady_per_s']:,.1f} | {row.get('vs_alone', 1.0):.2f} | "
+        *(f"| {name.replace('_', ' ')} | {row['steady_per_s']:,.1f} | {row.get('vs_alone', 1.0) or 0:.2f} | "
           f"{row['steady_p99_ms']:,.1f} |" for name, row in tenants.items() if isinstance(row, dict)),
         f"(quota: {tenants['quota_tokens']:,} tokens per tenant)",
     ]
