@@ -81,6 +81,7 @@ class RequestWork:
     tenant: str | None = None
     device_seconds: float = 0.0
     padded_tokens: int = 0
+    quota_tokens: int = 0  # taken of its tenant's quota (tenant_max_inflight_tokens), given back when answered
 
     def cost(self) -> Cost | None:
         """Its cost record, once the request is decoded (a record that is no request has no tenant)."""

@@ -1011,7 +1011,28 @@ def _run_service_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_scheduling_bench(args: argparse.Namespace) -> int:
+    """``--scheduling``: lanes, expired requests and tenant quotas over the pipeline (``bench_sched.py``)."""
+    from . import bench_sched
+    from .logs import configure_logging
+
+    configure_logging(level="warning")
+    if args.checkpoint:
+        root = Path(args.checkpoint)
+    else:
+        from .demo import demo_checkpoint
+
+        root = demo_checkpoint(progress=args.progress)
+    report = bench_sched.scheduling_bench(root, seconds=args.scheduling, threads=args.threads or 1)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(report) if args.json else bench_sched.scheduling_markdown(report), end="" if not args.json else "\n")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.scheduling:
+        return _run_scheduling_bench(args)
     if args.kafka or args.soak:
         return _run_service_bench(args)
     report, calibration = run_bench(args)
@@ -1065,6 +1086,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak", type=int, nargs="?", const=100_000, default=0, metavar="N",
                         help="instead: serve N small requests (default 100,000) with the checkpoint and report "
                         "whether the resident set size stays flat")
+    parser.add_argument("--scheduling", type=float, nargs="?", const=6.0, default=0.0, metavar="SECONDS",
+                        help="instead: priority lanes, expired requests and tenant quotas over the request pipeline "
+                        "(no broker), streams of SECONDS (default 6) on the checkpoint; docs/SCHEDULING.md")
     parser.add_argument("--out", metavar="FILE", help="also write the JSON report here")
     parser.add_argument("--markdown", metavar="FILE", help="also write the Markdown tables here")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

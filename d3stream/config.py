@@ -87,6 +87,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tenant_header: str | None = None
     max_inflight_requests: int = 256
     max_inflight_tokens: int = 262_144
+    tenant_max_inflight_tokens: int = 0
     prefix_reuse: Literal["auto", "on", "off"] = "auto"
     prefix_verify_every: int = 200
     prefix_tolerance: float = 1e-2
@@ -194,6 +195,8 @@ HELP: dict[str, str] = {
     "absent: the topic)",
     "max_inflight_requests": "requests read but not yet answered before partitions are paused",
     "max_inflight_tokens": "prompt tokens in flight before partitions are paused",
+    "tenant_max_inflight_tokens": "prompt tokens one tenant may have in flight (0: no limit); over it, its next "
+    "requests are held and their partitions paused while other partitions flow (docs/SCHEDULING.md)",
     "prefix_reuse": "run the prompt prefix a request's questions share once (causal checkpoints); auto: on "
     "where the checkpoint allows it, off for noncausal_full_attention",
     "prefix_verify_every": "with prefix reuse, also run every Nth question from its full prompt and compare "
@@ -396,6 +399,8 @@ def check_settings(settings: Settings) -> Settings:
             "draining when the rebalance times out is dropped from the group and starts the next rebalance. Lower "
             f"rebalance_drain_s or raise rebalance_timeout_ms to at least {int(drain_ms + REBALANCE_MARGIN_S * 1000)}"
         )
+    if settings.tenant_max_inflight_tokens < 0:
+        raise ValueError(f"tenant_max_inflight_tokens must be 0 (off) or more, got {settings.tenant_max_inflight_tokens}")
     if settings.stall_unready_s < 0:
         raise ValueError(f"stall_unready_s must be 0 (off) or more, got {settings.stall_unready_s}")
     reserved = sorted({"content-type", "d3stream-schema"} & set(settings.forward_headers))

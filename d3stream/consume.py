@@ -44,6 +44,7 @@ from .decoding import ByteBudget
 from .limits import WorkerFatal
 from .metrics import Metrics
 from .offsets import OffsetTracker
+from .quotas import TenantQuotas
 from .seams import InFlight
 
 log = structlog.get_logger(__name__)
@@ -118,7 +119,7 @@ class ConsumeLoop:
 
     def __init__(self, settings: Settings, consumer: AIOKafkaConsumer, *, commits: CommitPolicy,
                  tracker: OffsetTracker, read: ReadPolicy, handler: Handler, in_flight: InFlight,
-                 media_budget: ByteBudget, metrics: Metrics):
+                 media_budget: ByteBudget, metrics: Metrics, quotas: TenantQuotas | None = None):
         self.settings = settings
         self.consumer = consumer
         self.commits = commits
@@ -128,6 +129,9 @@ class ConsumeLoop:
         self.in_flight = in_flight
         self.media_budget = media_budget
         self.metrics = metrics
+        self.quotas = quotas
+        # Partitions paused because a request of theirs is held by its tenant's quota (quotas.py).
+        self.quota_paused: set[TopicPartition] = set()
         self.stopping = asyncio.Event()
         self.fatal: WorkerFatal | None = None  # why the worker stopped by itself, if it did
         self.joined = False  # the consumer has an assignment
@@ -177,7 +181,7 @@ class ConsumeLoop:
         next_commit = time.monotonic() + settings.commit_interval_ms / 1000
         flushing: asyncio.Task[None] | None = None
         while not self.stopping.is_set():
-            room = max(1, settings.max_inflight_requests - self.in_flight.requests)
+            room = max(1, settings.max_inflight_requests - self.in_flight.requests + self.in_flight.held_requests)
             batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
             fetched = self._take(batches)
             if fetched:
@@ -186,6 +190,7 @@ class ConsumeLoop:
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
             self._apply_backpressure()
+            self._apply_quotas()
             self.metrics.set_in_flight(self.in_flight.requests, self.in_flight.questions, self.in_flight.tokens)
             self.metrics.set_paused(self.paused)
             if time.monotonic() >= next_commit and (flushing is None or flushing.done()):
@@ -229,14 +234,16 @@ class ConsumeLoop:
 
     def _apply_backpressure(self) -> None:
         settings, work = self.settings, self.in_flight
+        # Requests held by a tenant quota are bounded by their partitions' pause, not by these limits.
+        requests, tokens = work.requests - work.held_requests, work.tokens - work.held_tokens
         full = (
-            work.requests >= settings.max_inflight_requests
-            or work.tokens >= settings.max_inflight_tokens
+            requests >= settings.max_inflight_requests
+            or tokens >= settings.max_inflight_tokens
             or self.media_budget.full
         )
         drained = (
-            work.requests < RESUME_AT * settings.max_inflight_requests
-            and work.tokens < RESUME_AT * settings.max_inflight_tokens
+            requests < RESUME_AT * settings.max_inflight_requests
+            and tokens < RESUME_AT * settings.max_inflight_tokens
             and self.media_budget.used < RESUME_AT * self.media_budget.capacity
         )
         assignment = self.consumer.assignment()
@@ -245,9 +252,27 @@ class ConsumeLoop:
             self.paused = True
             log.debug("paused", requests=work.requests, tokens=work.tokens)
         elif self.paused and drained:
-            self.consumer.resume(*(p for p in assignment if p not in self.settling))
+            self.consumer.resume(*(p for p in assignment if p not in self.settling and p not in self.quota_paused))
             self.paused = False
             log.debug("resumed", requests=work.requests, tokens=work.tokens)
+
+    def _apply_quotas(self) -> None:
+        """Pause the partitions with a request held by its tenant's quota; resume those whose held requests
+        went on (unless backpressure or settling holds them). Other partitions are not touched."""
+        if self.quotas is None or not self.quotas.enabled:
+            return
+        assignment = self.consumer.assignment()
+        held = {TopicPartition(topic, partition) for topic, partition in self.quotas.held_partitions()} & assignment
+        newly = held - self.quota_paused
+        if newly:
+            self.consumer.pause(*newly)
+            log.debug("tenant over its quota: partitions paused", partitions=sorted(str(p) for p in newly))
+        released = self.quota_paused - held
+        self.quota_paused = held
+        if released and not self.paused:
+            self.consumer.resume(*(p for p in released if p in assignment and p not in self.settling))
+        self.metrics.set_quota_held(self.quotas.held_tenants(), self.in_flight.held_requests, len(held),
+                                    self.quotas.held_total)
 
     # ------------------------------------------------------------------------- commits and lag
 
@@ -321,7 +346,7 @@ class ConsumeLoop:
             for partition in settled:
                 self.settling.pop(partition, None)
             if not self.paused:
-                self.consumer.resume(*(p for p in settled if p in assignment))
+                self.consumer.resume(*(p for p in settled if p in assignment and p not in self.quota_paused))
             log.debug("partitions settled", partitions=[f"{p.topic}-{p.partition}" for p in settled])
 
     async def stop_settling(self, partitions: list[TopicPartition]) -> None:
@@ -361,6 +386,7 @@ class _Rebalance(ConsumerRebalanceListener):
         loop.metrics.forget_partitions([(p.topic, p.partition) for p in revoked])
         loop.metrics.count_revoked(len(revoked), abandoned)
         loop.paused = False  # a new assignment starts unpaused
+        loop.quota_paused.difference_update(revoked)
         log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked],
                  abandoned=abandoned, committed=committed, seconds=round(time.monotonic() - started, 3))
 

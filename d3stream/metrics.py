@@ -175,6 +175,24 @@ class Metrics:
             "Paused most of the time: the device is the bottleneck, add replicas or GPUs.",
             registry=r,
         )
+        self.tenants_held = Gauge(
+            f"{PREFIX}_tenants_held",
+            "Tenants over tenant_max_inflight_tokens with requests held (their partitions paused).",
+            registry=r,
+        )
+        self.quota_held_requests = Gauge(
+            f"{PREFIX}_quota_held_requests", "Requests read and held by their tenant's quota.", registry=r,
+        )
+        self.quota_paused_partitions = Gauge(
+            f"{PREFIX}_quota_paused_partitions",
+            "Partitions paused because a request of theirs is held by its tenant's quota.",
+            registry=r,
+        )
+        self.quota_held_total = Counter(
+            f"{PREFIX}_quota_held", "Requests held by their tenant's quota before they could be scheduled.",
+            registry=r,
+        )
+        self._quota_held_counted = 0
         # ---- forward passes
         self.pass_rows = Histogram(
             f"{PREFIX}_pass_rows",
@@ -405,6 +423,16 @@ class Metrics:
     def set_paused(self, paused: bool) -> None:
         """Whether backpressure has paused the assigned partitions."""
         self.paused.set(1 if paused else 0)
+
+    def set_quota_held(self, tenants: int, requests: int, partitions: int, held_total: int) -> None:
+        """Tenant quotas now: tenants over their limit, their held requests and paused partitions; and how
+        many requests were ever held (``held_total``, monotonic)."""
+        self.tenants_held.set(tenants)
+        self.quota_held_requests.set(requests)
+        self.quota_paused_partitions.set(partitions)
+        if held_total > self._quota_held_counted:
+            self.quota_held_total.inc(held_total - self._quota_held_counted)
+            self._quota_held_counted = held_total
 
     # ---------------------------------------------------------------------------------- passes
 

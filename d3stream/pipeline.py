@@ -42,6 +42,7 @@ from .jobthread import JobThread
 from .metrics import Metrics
 from .passes import Passes, PassItem
 from .publishing import Outgoing
+from .quotas import TenantQuotas
 from .runtime.kinds import IMAGE, MEDIA_KINDS, VIDEO
 from .runtime.media import MediaBudgetExceeded, reason
 from .runtime.model import Prepared
@@ -87,7 +88,8 @@ class RequestPipeline:
     """Records -> answer events, for the models of one worker (see the module's docstring)."""
 
     def __init__(self, settings: Settings, hosted: Sequence[Hosted], *, fetcher: MediaFetcher,
-                 decoder: MediaDecoder, media_budget: ByteBudget, metrics: Metrics, in_flight: InFlight):
+                 decoder: MediaDecoder, media_budget: ByteBudget, metrics: Metrics, in_flight: InFlight,
+                 quotas: TenantQuotas | None = None):
         self.settings = settings
         self.hosted = {each.name: each for each in hosted}
         if len(self.hosted) != len(hosted):
@@ -99,6 +101,8 @@ class RequestPipeline:
         self.media_budget = media_budget
         self.metrics = metrics
         self.in_flight = in_flight
+        # Per-tenant in-flight token limits (tenant_max_inflight_tokens; a limit of 0 holds nothing).
+        self.quotas = quotas or TenantQuotas(settings.tenant_max_inflight_tokens, in_flight)
         self.request_limits = RequestLimits.from_settings(settings)
         # Request headers the answers carry: the trace headers, then forward_headers.
         self._forwarded_names = header_names(settings.forward_headers)
@@ -265,6 +269,31 @@ class RequestPipeline:
                                      scheduling=self._scheduling(work.record, request)), request))
         if refused:
             await on_served(refused)
+        await self._run_within_quotas(hosted, passing, on_served)
+
+    async def _run_within_quotas(self, hosted: Hosted, passing: list[tuple[PassItem, Request]],
+                                 on_served: OnServed) -> None:
+        """Run the requests' rows; a request whose tenant is over ``tenant_max_inflight_tokens`` is held
+        first, until its tenant's answered requests make room (quotas.py; the others do not wait for it)."""
+        ready: list[tuple[PassItem, Request]] = []
+        held: list[tuple[PassItem, Request]] = []
+        for item, request in passing:
+            work = item.work
+            taken = self.quotas.try_take(work.tenant or "", work.tokens)
+            work.quota_tokens = work.tokens if taken else 0
+            (ready if taken else held).append((item, request))
+        steps = [self._run(hosted, ready, on_served)] if ready else []
+        steps.extend(self._isolated([item.work], self._held(hosted, item, request, on_served), on_served)
+                     for item, request in held)
+        await asyncio.gather(*steps)
+
+    async def _held(self, hosted: Hosted, item: PassItem, request: Request, on_served: OnServed) -> None:
+        work = item.work
+        await self.quotas.take(work.tenant or "", work.tokens, (work.record.topic, work.record.partition))
+        work.quota_tokens = work.tokens
+        await self._run(hosted, [(item, request)], on_served)
+
+    async def _run(self, hosted: Hosted, passing: list[tuple[PassItem, Request]], on_served: OnServed) -> None:
         requests = {id(item): request for item, request in passing}
         async for done in hosted.passes.run([item for item, _ in passing]):
             await on_served([self._answered(hosted, item, requests[id(item)]) for item in done])
@@ -296,6 +325,9 @@ class RequestPipeline:
         """The request's final answer event (with its id and size settled) and the records to publish."""
         work.finished = True
         self.in_flight.tokens -= work.tokens
+        if work.quota_tokens:
+            self.quotas.give_back(work.tenant or "", work.quota_tokens)
+            work.quota_tokens = 0
         self.media_budget.release(work.media_bytes)
         for each in self.hosted.values():
             each.passes.rows.finished(position_of(work.record))

@@ -306,6 +306,8 @@ def _replay_settings(settings: Settings, plan: ReplayRange, replay_id: str, out_
     }
     if deterministic:  # passes cut in source order only: no second scheduler for shared prefixes
         changes["prefix_reuse"] = "off"
+        # Passes wait for every earlier offset: a request held by its tenant's quota could wait on a later one.
+        changes["tenant_max_inflight_tokens"] = 0
     if out_file is not None:
         changes["create_topics"] = False  # answers go to the file: no topic of the replay's own to create
     return msgspec.structs.replace(settings, **changes)

@@ -115,6 +115,10 @@ class InFlight:
     requests: int = 0
     questions: int = 0
     tokens: int = 0
+    # Of those, requests held by their tenant's quota and their tokens (quotas.py): not counted against the
+    # worker-wide limits, since they are bounded by the pause of their partitions instead.
+    held_requests: int = 0
+    held_tokens: int = 0
 
 
 # ------------------------------------------------------------------------------------------ scheduling

@@ -197,7 +197,7 @@ class Service:
                                      group_id=settings.group_id, metrics=self.metrics)
         self.loop = ConsumeLoop(settings, self.consumer, commits=self.delivery, tracker=self.tracker, read=self.read,
                                 handler=self._serve_fetch, in_flight=self.in_flight, media_budget=self.media_budget,
-                                metrics=self.metrics)
+                                metrics=self.metrics, quotas=self.pipeline.quotas)
         if self._stop_asked:
             self.loop.stop()
         if settings.create_topics:

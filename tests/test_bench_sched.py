@@ -1,0 +1,17 @@
+"""The plumbing of ``d3stream bench --scheduling`` (d3stream/bench_sched.py) with tiny counts: every figure
+is there and the expired burst costs no pass. No timing is asserted."""
+
+from __future__ import annotations
+
+from d3stream.bench_sched import scheduling_bench, scheduling_markdown
+
+
+def test_the_scheduling_bench_reports_every_figure(qwen35_model):
+    report = scheduling_bench(qwen35_model, seconds=0.5, threads=None, expired=5)
+    assert set(report["lanes"]) == {"alone", "flood_lanes_on", "flood_lanes_off"}
+    assert all(row["requests"] >= 2 for row in report["lanes"].values())
+    assert report["expired"] == {"requests": 5, "passes_run": 0, "deadline_exceeded": 5}
+    assert {"alone", "flood_quotas_off", "flood_quotas_on"} <= set(report["tenants"])
+    assert report["tenants"]["quota_tokens"] > 0
+    table = scheduling_markdown(report)
+    assert "flood lanes off" in table and "flood quotas on" in table and "0 forward passes" in table

@@ -1,0 +1,99 @@
+"""Tenant quotas (``tenant_max_inflight_tokens``, d3stream/quotas.py; docs/SCHEDULING.md): a flooding tenant's
+requests are held and its partitions paused while another tenant's requests, on other partitions, are
+answered; nothing is lost or answered twice, and the commits cover every record (exactly_once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from d3stream.events import HEADERS
+from d3stream.quotas import TenantQuotas
+from d3stream.seams import InFlight
+from tests.stream_helpers import Q_NOUL, committed, run, serve
+
+pytestmark = pytest.mark.timeout(300)
+
+FLOOD, LIGHT = 120, 12
+STATE = {"text": "a short ticket"}
+
+
+def test_a_tenant_over_its_quota_is_held_and_goes_on_as_its_tokens_come_back():
+    async def scenario() -> None:
+        in_flight = InFlight()
+        quotas = TenantQuotas(100, in_flight)
+        assert quotas.try_take("a", 60) and quotas.try_take("a", 40)
+        assert not quotas.try_take("a", 10), "at its limit: held"
+        assert quotas.try_take("b", 500), "another tenant is not held; one request always goes (soft by one)"
+        held = asyncio.create_task(quotas.take("a", 10, ("req", 0)))
+        await asyncio.sleep(0)
+        assert quotas.held_partitions() == {("req", 0)} and quotas.held_tenants() == 1
+        assert in_flight.held_requests == 1 and in_flight.held_tokens == 10
+        assert not quotas.try_take("a", 1), "no overtaking a held request"
+        quotas.give_back("a", 40)
+        await asyncio.wait_for(held, 5)
+        assert quotas.tokens_of("a") == 70 and quotas.held_partitions() == set() and in_flight.held_requests == 0
+        assert TenantQuotas(0, in_flight).try_take("a", 10**9), "0 turns the limit off"
+
+    run(scenario())
+
+
+def _request(rid: str, tenant: str) -> bytes:
+    return json.dumps({"id": rid, "state": STATE, "questions": {"a": Q_NOUL},
+                       "tenant": tenant}).encode()
+
+
+async def _produce(bootstrap: str, topic: str, records: list[tuple[int, str, bytes]]) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
+    await producer.start()
+    try:
+        sent = [await producer.send(topic, value=value, key=rid.encode(), partition=partition, headers=HEADERS)
+                for partition, rid, value in records]
+        await asyncio.gather(*sent)
+    finally:
+        await producer.stop()
+
+
+def test_a_flooding_tenant_is_held_on_its_partitions_while_another_is_answered(stack, qwen35_model):
+    flood = [(n % 2, f"flood{n}", _request(f"flood{n}", "flood")) for n in range(FLOOD)]  # partitions 0, 1
+    light = [(2 + n % 2, f"light{n}", _request(f"light{n}", "light")) for n in range(LIGHT)]  # partitions 2, 3
+    # A limit that fits the light tenant's whole burst: the flood, ten times as many, waits in waves.
+    tokens = qwen35_model.prepare(STATE, {"a": Q_NOUL}).input_tokens
+    settings = stack.settings(prefix_reuse="off", tenant_max_inflight_tokens=LIGHT * tokens, linger_ms=5)
+    bootstrap = stack.broker.bootstrap_servers
+    seen: dict[str, object] = {}
+
+    async def during(service, reader, task):
+        loop = service.loop
+        await _produce(bootstrap, stack.requests, flood)
+        await reader.wait(lambda: loop.quota_paused, 60, task, what="the flood's partitions paused")
+        await _produce(bootstrap, stack.requests, light)
+        paused_seen: set[int] = set()
+
+        def light_answered() -> bool:
+            paused_seen.update(p.partition for p in loop.quota_paused)
+            return {rid for _, rid, _ in light} <= set(reader.counts())
+
+        await reader.wait(light_answered, 60, task, what="the light tenant's answers")
+        seen["flood_answered"] = sum(1 for rid in reader.counts() if rid.startswith("flood"))
+        seen["held_tenants"] = service.metrics.registry.get_sample_value("d3stream_tenants_held")
+        seen["paused"] = paused_seen
+
+    service, reader = run(serve(stack, settings, qwen35_model, [],
+                                [rid for _, rid, _ in flood + light], timeout=240, during=during))
+
+    assert seen["flood_answered"] < FLOOD, "the light tenant was answered while the flood was still held"
+    assert seen["held_tenants"] == 1, "the gauge shows the flooding tenant held"
+    assert seen["paused"] <= {0, 1}, "only the flooding tenant's partitions were paused"
+    assert service.metrics.registry.get_sample_value("d3stream_quota_held_total") > 0
+    counts = reader.counts()
+    assert sorted(counts) == sorted(rid for _, rid, _ in flood + light) and set(counts.values()) == {1}, \
+        "every request answered exactly once"
+    assert all(answer.get("error") is None for answer in reader.answers())
+    assert run(committed(bootstrap, stack.group, stack.requests, 4)) == {0: FLOOD // 2, 1: FLOOD // 2,
+                                                                          2: LIGHT // 2, 3: LIGHT // 2}
