@@ -284,9 +284,9 @@ def test_questions_share_their_prompt_prefix_and_repeated_media_is_encoded_once(
     assert value("d3stream_prefix_checks_total", {"result": "passed"}) == questions
     assert value("d3stream_prefix_checks_total", {"result": "failed"}) == 0
     assert 0 < value("d3stream_prefix_max_abs_dp") <= settings.prefix_tolerance
-    # Three requests, one image: encoded once, then found in the cache (verification reruns may hit too).
+    # Three requests, one image: encoded once. Requests in the same pass share one vision-tower call (no
+    # cache lookup for the copies); ones in later passes find it in the cache. Either way: one miss.
     assert value("d3stream_media_cache_lookups_total", {"result": "miss"}) == 1
-    assert value("d3stream_media_cache_lookups_total", {"result": "hit"}) >= 2
     assert service.provenance["shared_prefix_reuse"]["verify_every"] == 1
     assert model.media_cache is None  # the service's cache went with it: a later caller of the model sees none
 
