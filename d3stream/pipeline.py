@@ -34,20 +34,20 @@ from typing import Any
 
 import structlog
 
-from .answers import AnswerBuilder, RequestWork, answer_identity, media_record, ms
+from .answers import AnswerBuilder, RequestWork, answer_identity, ms
 from .config import Settings
 from .decoding import ByteBudget, MediaDecoder
 from .events import HEADERS, PRIORITIES, Answer, EventError, Request, RequestLimits, Source, decode_request
 from .jobthread import JobThread
+from .media_stage import MediaStage
 from .metrics import Metrics
 from .passes import Passes, PassItem
 from .publishing import Outgoing
 from .quotas import TenantQuotas
-from .runtime.kinds import IMAGE, MEDIA_KINDS, VIDEO
-from .runtime.media import MediaBudgetExceeded, reason
+from .runtime.media import reason
 from .runtime.model import Prepared
 from .seams import DeadlineExceeded, DecisionModel, InFlight, InputRecord, Scheduling, position_of
-from .storage import MediaError, MediaFetcher
+from .storage import MediaFetcher
 from .tracing import forwarded_headers, header_names
 
 log = structlog.get_logger(__name__)
@@ -96,8 +96,8 @@ class RequestPipeline:
             raise ValueError("two served models have the same name: name them with --model NAME=PATH")
         self.default = hosted[0]
         self.answers = self.default.answers  # what is refused before routing is answered with its records
-        self.fetcher = fetcher
-        self.decoder = decoder
+        self.media = MediaStage(settings, fetcher=fetcher, decoder=decoder, media_budget=media_budget,
+                                metrics=metrics)
         self.media_budget = media_budget
         self.metrics = metrics
         self.in_flight = in_flight
@@ -225,7 +225,7 @@ class RequestPipeline:
         """A request naming images or videos: refused early if certainly too long, its media fetched and
         decoded, then prepared and answered like the text-only ones."""
         hosted = self._hosted(work)
-        media = await self._over_token_limit(hosted, work, request) or await self._media(hosted, work, request)
+        media = await self._over_token_limit(hosted, work, request) or await self.media.load(hosted.model, hosted.answers, work, request)
         if isinstance(media, Answer):
             await on_served([self._served(work, media)])
             return
@@ -338,53 +338,3 @@ class RequestPipeline:
         answer.answer_id = answer_identity(answer, hosted.provenance_sha256)  # deterministic per model
         answer, outgoing = hosted.answers.fitted(work, answer)
         return Served(work, answer, [*work.extra, outgoing])
-
-    # ------------------------------------------------------------------------------------- media
-
-    async def _media(self, hosted: Hosted, work: RequestWork, request: Request) -> tuple[list[Any], list[Any]] | Answer:
-        """Fetch and decode a request's media, or the error answer that ends it. The reference count is
-        checked before any fetch, pixel and frame totals (from headers) before any decode; identical
-        references are fetched and decoded once."""
-        settings = self.settings
-        references = len(request.images) + len(request.videos)
-        if references > settings.max_media_references:
-            return hosted.answers.error(
-                work, "invalid_request",
-                f"the request names {references:,} images and videos; at most {settings.max_media_references:,} "
-                "are accepted (setting: max_media_references)",
-                request=request,
-            )
-        for kind in MEDIA_KINDS:
-            unavailable = kind.unavailable(hosted.model)
-            if kind.references(request) and unavailable is not None:
-                return hosted.answers.error(work, "media_unreadable",
-                                          f"{kind.name} inputs are not available: {unavailable}", request=request)
-        try:
-            started = work.fetch_at = time.perf_counter()
-            images, videos = await asyncio.gather(
-                *(self.fetcher.fetch_all(kind.references(request), kind.name) for kind in (IMAGE, VIDEO)))
-            work.timings.fetch = ms(time.perf_counter() - started)
-            self.metrics.observe_stage("fetch", time.perf_counter() - started)
-            work.media = [media_record(item) for item in (*images, *videos)]
-            fetched = {id(item): len(item.data) for item in (*images, *videos)}  # a repeated reference once
-            self.metrics.add_media_bytes(sum(fetched.values()))
-        except MediaError as exc:
-            return hosted.answers.error(work, exc.code, exc.message, request=request)
-
-        async def reserve(estimate: int) -> None:
-            work.media_bytes = await self.media_budget.acquire(estimate)
-
-        try:
-            started = work.decode_at = time.perf_counter()
-            decoded = await self.decoder.decode([i.data for i in images], [v.data for v in videos], reserve)
-            work.timings.decode = ms(time.perf_counter() - started)
-            self.metrics.observe_stage("decode", time.perf_counter() - started)
-        except MediaBudgetExceeded as exc:
-            return hosted.answers.error(work, "invalid_request", str(exc), request=request)
-        except ValueError as exc:
-            return hosted.answers.error(work, "media_unreadable", str(exc), request=request)
-        held = decoded.nbytes
-        if held < work.media_bytes:  # keep what the media really take, give the rest of the estimate back
-            self.media_budget.release(work.media_bytes - held)
-            work.media_bytes = held
-        return decoded.images, decoded.videos
