@@ -214,14 +214,20 @@ def fetch_checkpoint(uri: str, access: ObjectStoreAccess, *, client: Any | None 
     return target
 
 
-def _parse_manifest(data: bytes, where: str) -> dict[str, Any]:
-    """The manifest of a checkpoint to download, with every listed name checked to stay inside it."""
+def _json_object(data: bytes, where: str, schema: str, refusal: str) -> dict[str, Any]:
+    """A JSON object whose ``schema`` field is ``schema``; CheckpointError naming ``where`` otherwise."""
     try:
-        manifest = json.loads(data.decode("utf-8"))
+        document = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{where} is not valid JSON ({exc})") from exc
-    if not isinstance(manifest, dict) or manifest.get("schema") != MANIFEST_SCHEMA:
-        raise CheckpointError(f"{where} is not a {MANIFEST_SCHEMA} manifest")
+    if not isinstance(document, dict) or document.get("schema") != schema:
+        raise CheckpointError(f"{where} {refusal}")
+    return document
+
+
+def _parse_manifest(data: bytes, where: str) -> dict[str, Any]:
+    """The manifest of a checkpoint to download, with every listed name checked to stay inside it."""
+    manifest = _json_object(data, where, MANIFEST_SCHEMA, f"is not a {MANIFEST_SCHEMA} manifest")
     files = manifest.get("files_sha256")
     if not isinstance(files, dict) or not files:
         raise CheckpointError(f"{where} lists no files (files_sha256): there is nothing to verify a download with")
@@ -358,12 +364,8 @@ def parse_pointer(data: bytes, source: str) -> SourcePointer:
     ``{"schema": "d3-model-pointer/1", "current": NAME, "canary": {"checkpoint": NAME, "share": 0.05}}``;
     a NAME is one path segment, so a pointer can only name checkpoints inside its own source."""
     where = f"{source}{POINTER}"
-    try:
-        document = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{where} is not valid JSON ({exc})") from exc
-    if not isinstance(document, dict) or document.get("schema") != POINTER_SCHEMA:
-        raise CheckpointError(f"{where} is not a {POINTER_SCHEMA} pointer (its \"schema\" must say so)")
+    document = _json_object(data, where, POINTER_SCHEMA,
+                            f"is not a {POINTER_SCHEMA} pointer (its \"schema\" must say so)")
     unknown = sorted(set(document) - {"schema", "current", "canary"})
     if unknown:
         raise CheckpointError(f"{where}: unknown fields {', '.join(unknown)}")
