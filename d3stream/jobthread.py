@@ -7,8 +7,10 @@ a callback per job), which with thousands of requests in flight cost about a fif
 ``JobThread.run`` queues the job instead; the thread takes every job queued since it last looked, runs
 them in order and hands all their results back to the loop in one callback.
 
-Jobs run one at a time, in submission order, on one thread, as with a one-worker ``ThreadPoolExecutor``.
-A job's exception is raised from its own ``await`` and touches no other job.
+Jobs run one at a time on one thread, as with a one-worker ``ThreadPoolExecutor``: by priority (a request's
+lane: 0 before 1 before 2), in submission order within one. A job of a higher priority queued while lower ones
+wait runs next, and its result is handed back at once, so an interactive request is not prepared after a
+flood's backlog. A job's exception is raised from its own ``await`` and touches no other job.
 """
 
 from __future__ import annotations
@@ -21,51 +23,75 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 Outcome = tuple["asyncio.Future[Any]", Any, BaseException | None]
+# Results of a backlog go back to the event loop in batches of this many jobs.
+HAND_BACK_EVERY = 32
 
 
 class JobThread:
     """A single worker thread that runs callables for the event loop, many per wake-up."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, priorities: int = 3):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        # A deque, not a list under a lock: appending and popping are atomic, and a lock held by the worker
+        # Deques, not a heap under a lock: appending and popping are atomic, and a lock held by the worker
         # when the interpreter switches threads would stall the event loop for a whole switch interval.
-        self._queued: deque[tuple[Callable[[], Any], asyncio.Future[Any]]] = deque()
+        self._queued: list[deque[tuple[Callable[[], Any], asyncio.Future[Any]]]] = [
+            deque() for _ in range(priorities)]
         self._draining = False  # a drain is scheduled or running and will see what is queued now
 
-    def run(self, job: Callable[[], T]) -> asyncio.Future[T]:
-        """Queue ``job`` (no arguments: bind them with a lambda or ``functools.partial``); await its result."""
+    def run(self, job: Callable[[], T], priority: int = 1) -> asyncio.Future[T]:
+        """Queue ``job`` (no arguments: bind them with a lambda or ``functools.partial``); await its result.
+        ``priority``: 0 runs before 1 before 2 (clamped to the levels there are)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._queued.append((job, future))
+        level = min(max(priority, 0), len(self._queued) - 1)
+        self._queued[level].append((job, future))
         if not self._draining:
             self._draining = True
             # A second drain racing the first is harmless: the one worker runs them one after the other.
             self._executor.submit(self._drain, loop)
         return future
 
+    def _next(self) -> tuple[int, tuple[Callable[[], Any], asyncio.Future[Any]]] | None:
+        for level, queued in enumerate(self._queued):
+            if queued:
+                try:
+                    return level, queued.popleft()
+                except IndexError:  # taken meanwhile by a racing drain
+                    continue
+        return None
+
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
-        queued = self._queued
+        outcomes: list[Outcome] = []
         while True:
-            jobs = []
-            while queued:
-                jobs.append(queued.popleft())
-            if not jobs:
+            taken = self._next()
+            if taken is None:
+                if outcomes and not self._hand_back(loop, outcomes):
+                    return
+                outcomes = []
                 self._draining = False
-                if not queued:
+                if not any(self._queued):
                     return
                 self._draining = True  # a job arrived while this drain was finishing: take it too
                 continue
-            outcomes: list[Outcome] = []
-            for job, future in jobs:
-                try:
-                    outcomes.append((future, job(), None))
-                except BaseException as exc:  # noqa: BLE001 - handed to the job's own awaiter
-                    outcomes.append((future, None, exc))
+            level, (job, future) = taken
             try:
-                loop.call_soon_threadsafe(_settle, outcomes)
-            except RuntimeError:  # the loop closed while jobs ran: nobody is waiting any more
-                return
+                outcomes.append((future, job(), None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the job's own awaiter
+                outcomes.append((future, None, exc))
+            # Results go back together (one callback for many jobs), except behind an urgent job, which
+            # should not wait for the rest of the backlog.
+            if level == 0 or len(outcomes) >= HAND_BACK_EVERY:
+                if not self._hand_back(loop, outcomes):
+                    return
+                outcomes = []
+
+    @staticmethod
+    def _hand_back(loop: asyncio.AbstractEventLoop, outcomes: list[Outcome]) -> bool:
+        try:
+            loop.call_soon_threadsafe(_settle, outcomes)
+        except RuntimeError:  # the loop closed while jobs ran: nobody is waiting any more
+            return False
+        return True
 
     def shutdown(self) -> None:
         """Finish the queued jobs, then stop the thread."""

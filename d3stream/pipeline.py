@@ -9,7 +9,7 @@ value, headers) and walks them through the stages:
 2. **media** (requests that name images or videos): fetched from the object store (``storage.py``) and
    decoded strictly off the prepare thread (``decoding.py``), under the media budgets;
 3. **prepare**: validated, rendered and tokenized by the model, and planned for shared-prefix reuse, on the
-   prepare thread; every text-only request of the fetch in one trip there;
+   prepare thread; the fetch's text-only requests in trips of ``PREPARE_CHUNK``, higher lanes first;
 4. **passes**: rows of many requests packed into forward passes (``passes.py``);
 5. **answer**: probabilities -> answer objects -> the answer event with its provenance, sized to fit its
    topic (``answers.py``).
@@ -30,6 +30,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import structlog
@@ -51,6 +52,11 @@ from .storage import MediaFetcher
 from .tracing import forwarded_headers, header_names
 
 log = structlog.get_logger(__name__)
+
+
+# Requests prepared per trip to the prepare thread: few trips per fetch, and an urgent request waits for at
+# most one trip of a flood's backlog (jobs of a higher priority lane go first: jobthread.py).
+PREPARE_CHUNK = 16
 
 
 @dataclass(eq=False)
@@ -245,13 +251,11 @@ class RequestPipeline:
 
     async def _answer_all(self, hosted: Hosted, items: list[tuple[RequestWork, Request]], on_served: OnServed,
                           media: Sequence[Media] | None = None) -> None:
-        """Prepare every request (all routed to ``hosted``) in one trip to the prepare thread, run their rows
-        together on that model's passes, answer them."""
+        """Prepare every request (all routed to ``hosted``) on the prepare thread, a few trips for a whole fetch,
+        run their rows together on that model's passes, answer them."""
         decoded = media or [None] * len(items)
         started = time.perf_counter()
-        outcomes = await self.prepare_thread.run(
-            lambda: [self._prepare(hosted, request, found)
-                     for (_, request), found in zip(items, decoded, strict=True)])
+        outcomes = await self._prepare_all(hosted, [request for _, request in items], decoded)
         seconds = time.perf_counter() - started
         refused: list[Served] = []
         passing: list[tuple[PassItem, Request]] = []
@@ -297,6 +301,25 @@ class RequestPipeline:
         requests = {id(item): request for item, request in passing}
         async for done in hosted.passes.run([item for item, _ in passing]):
             await on_served([self._answered(hosted, item, requests[id(item)]) for item in done])
+
+    async def _prepare_all(self, hosted: Hosted, requests: list[Request],
+                           media: Sequence[Media]) -> list[tuple[Prepared, Any] | BaseException]:
+        """Each request prepared (or what went wrong), in trips of ``PREPARE_CHUNK`` requests of one priority
+        lane: a high-priority request's trip goes before a flood's backlog waiting on the prepare thread."""
+        lanes = [PRIORITIES.index(request.priority) if self.settings.priority_lanes else 1 for request in requests]
+        order = sorted(range(len(requests)), key=lanes.__getitem__)
+        chunks = [order[at:at + PREPARE_CHUNK] for at in range(0, len(order), PREPARE_CHUNK)]
+
+        def trip(chunk: list[int]) -> list[tuple[Prepared, Any] | BaseException]:
+            return [self._prepare(hosted, requests[index], media[index]) for index in chunk]
+
+        results = await asyncio.gather(*(self.prepare_thread.run(partial(trip, chunk), priority=lanes[chunk[0]])
+                                         for chunk in chunks))
+        outcomes: list[tuple[Prepared, Any] | BaseException] = [RuntimeError("not prepared")] * len(requests)
+        for chunk, prepared in zip(chunks, results, strict=True):
+            for index, outcome in zip(chunk, prepared, strict=True):
+                outcomes[index] = outcome
+        return outcomes
 
     @staticmethod
     def _prepare(hosted: Hosted, request: Request, media: Media) -> tuple[Prepared, Any] | BaseException:

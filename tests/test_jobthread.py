@@ -78,3 +78,28 @@ def test_a_cancelled_awaiter_does_not_stop_the_others():
             worker.shutdown()
 
     assert asyncio.run(scenario()) == "fast"
+
+
+def test_an_urgent_job_runs_before_a_backlog_and_is_handed_back_at_once():
+    """A priority-0 job queued behind a backlog of priority-2 jobs runs next, and its result reaches the event
+    loop before the backlog is finished (an interactive request is not prepared after a flood's)."""
+    worker = JobThread("test-priority")
+    ran: list[str] = []
+
+    def slow(name: str) -> str:
+        time.sleep(0.01)
+        ran.append(name)
+        return name
+
+    async def scenario() -> int:
+        backlog = [worker.run(lambda n=n: slow(f"low{n}"), priority=2) for n in range(30)]
+        await asyncio.sleep(0.015)  # the backlog's first job is running
+        await worker.run(lambda: slow("high"), priority=0)
+        settled_first = sum(future.done() for future in backlog)
+        await asyncio.gather(*backlog)
+        return settled_first
+
+    settled_first = asyncio.run(scenario())
+    worker.shutdown()
+    assert ran.index("high") <= 2, ran  # after the one or two low jobs already running
+    assert settled_first <= 2, settled_first  # handed back without waiting for the rest of the backlog

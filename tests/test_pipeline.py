@@ -172,9 +172,9 @@ def test_a_fetch_is_prepared_in_one_trip_and_its_questions_share_passes(pipeline
     trips = []
     original_run = service.pipeline.prepare_thread.run
 
-    def counted(job: Any) -> Any:
+    def counted(job: Any, **options: Any) -> Any:
         trips.append(job)
-        return original_run(job)
+        return original_run(job, **options)
 
     service.pipeline.prepare_thread.run = counted
     recorder = serve(service, records(*batch_values))
