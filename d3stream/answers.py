@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,4 +246,5 @@ def media_record(item: FetchedMedia) -> MediaRecord:
 
 
 def ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 3)
+    """Seconds as milliseconds to the microsecond (cheaper than ``round(..., 3)``, which goes through text)."""
+    return math.floor(seconds * 1_000_000.0 + 0.5) / 1000.0

@@ -151,17 +151,32 @@ def normalized(probabilities: Sequence[float], count: int) -> list[float]:
     if count < 1 or len(probabilities) < count:
         raise ValueError(f"expected {count} option probabilities, got {len(probabilities)}")
     values = [float(p) for p in probabilities[:count]]
-    if any(not math.isfinite(p) or p < 0 for p in values):
+    try:
+        total = math.fsum(values)  # nan or inf when any value is
+    except ValueError:  # inf and -inf
+        total = math.nan
+    if not (math.isfinite(total) and min(values) >= 0):
         raise ValueError("the model produced a non-finite or negative option probability")
-    total = math.fsum(values)
     if not total > 0:
         raise ValueError("the model's option probabilities sum to zero")
     return [p / total for p in values]
 
 
+def option_keys(question: Mapping[str, Any]) -> list[str]:
+    """The option keys of a rendered question in code order (``options`` without rendering their texts,
+    which answering does not need)."""
+    kind = question.get("type")
+    if kind == "noul":
+        return ["false", "true"]
+    criteria = question.get("criteria")
+    if kind == "choice" and isinstance(criteria, Mapping) and criteria:
+        return list(criteria)
+    return options(question)[0]  # raises, naming what is wrong
+
+
 def to_answer(question: Mapping[str, Any], probabilities: Sequence[float]) -> dict[str, Any]:
     """The answer object of a rendered choice or noul question from its option probabilities."""
-    keys, _ = options(question)
+    keys = option_keys(question)
     shares = normalized(probabilities, len(keys))
     if question.get("type") == "noul":
         return {
