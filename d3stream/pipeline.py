@@ -16,7 +16,9 @@ value, headers) and walks them through the stages:
 
 A worker may serve several models (``Hosted``: each with its own passes, answer builder and provenance
 digest); a request's ``model`` field routes it, absent the first (default) one; a name not served is
-``model_not_served``. Records refused before routing are answered with the default model's records.
+``model_not_served``. Records refused before routing are answered with the default model's records. With a
+shadow model (``shadow.py``) a share of the answered requests is also answered by it, after the live answer;
+each is delivered with its shadow answer as one more record.
 
 The fetch is processed as a batch where that saves work (its text-only requests share one prepare trip and
 one submission to the scheduler), while failures stay per request: whatever goes wrong with one record ends
