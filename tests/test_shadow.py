@@ -172,3 +172,20 @@ def test_a_worker_killed_mid_stream_loses_and_repeats_nothing_on_either_topic(
         assert all("answers" in a for a in answers), topic
     with capsys.disabled():
         print(f"\n[shadow kill] {at_kill} of {published} requests committed when the worker was killed")
+
+
+def test_a_served_model_as_shadow_answers_the_others_traffic_not_its_own(stack, qwen35_text_model, demo_random_model):
+    live, other = qwen35_text_model, demo_random_model
+    requests = _requests(6, "served")
+    for request in requests[4:]:
+        request["model"] = other.model_name  # routed to the shadow model itself: answered live, not shadowed
+    settings = stack.settings(shadow=other.model_name)
+    run(serve(stack, settings, [live, other], [record(r) for r in requests], {r["id"] for r in requests}))
+    answers = [json.loads(r.value) for r in run(read_all(stack.broker.bootstrap_servers, f"{stack.answers}.shadow", 4))]
+    assert sorted(a["id"] for a in answers) == [r["id"] for r in requests[:4]]
+    by_id = {r["id"]: r for r in requests}
+    for answer in answers:
+        assert answer["model"] == other.model_name
+        request = by_id[answer["id"]]
+        close_to(answer["answers"], other.system_one(state=request["state"], questions=request["questions"])["answers"],
+                 answer["id"])
