@@ -178,11 +178,12 @@ async def _until_finished(service: Any, task: asyncio.Task, count: int, poll_s: 
         await asyncio.sleep(poll_s)
 
 
-async def _service_run(settings: Settings, model: Any, count: int) -> tuple[float, Any]:
-    """Serve until ``count`` requests are answered and committed; seconds from assignment to done."""
+async def _service_run(settings: Settings, model: Any, count: int, **service_options: Any) -> tuple[float, Any]:
+    """Serve until ``count`` requests are answered and committed; seconds from assignment to done.
+    ``service_options`` go to ``Service`` (e.g. ``shadow``: bench/shadow_cost.py)."""
     from .service import Service
 
-    service = Service(settings, model)
+    service = Service(settings, model, **service_options)
     task = asyncio.create_task(service.run())
     try:
         while not service.joined:

@@ -39,7 +39,8 @@ def _serve(args: argparse.Namespace) -> int:
     metrics = Metrics()
     server = serve_metrics(metrics, settings)
     try:
-        service = Service(settings, _load_models(settings), metrics=metrics)
+        models, shadow = _load_models(settings)
+        service = Service(settings, models, metrics=metrics, shadow=shadow)
     except (CheckpointError, ValueError) as exc:  # also: two models of one name, prefix_reuse=on on a non-causal one
         print(f"d3stream serve: {exc}", file=sys.stderr)
         if server is not None:
@@ -69,10 +70,11 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_models(settings: Any) -> list[Any]:
-    """Every ``--model`` of serve, the first the default: made local (s3:// fetched and verified), their
-    weights checked to fit the device together (``model_memory_bytes``) before any is loaded, then loaded
-    (and warmed up with ``warmup``). CheckpointError / ValueError name what is wrong."""
+def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
+    """Every ``--model`` of serve, the first the default, and a ``--shadow NAME=PATH`` checkpoint (None: no
+    shadow, or a served model's name): made local (s3:// fetched and verified), their weights checked to fit
+    the device together (``model_memory_bytes``) before any is loaded, then loaded (and warmed up with
+    ``warmup``). CheckpointError / ValueError name what is wrong."""
     from .checkpoints import (
         check_models_fit,
         checkpoint_memory_bytes,
@@ -81,9 +83,15 @@ def _load_models(settings: Any) -> list[Any]:
         resolve_model,
     )
     from .runtime import D3
+    from .shadow import parse_shadow
 
     specs = parse_model_specs(settings.model)  # a name given twice is refused before any download
-    resolved = [resolve_model(text, settings) for text in settings.model]
+    shadow = parse_shadow(settings.shadow) if settings.shadow else None
+    texts = list(settings.model)
+    if shadow is not None and shadow.location is not None:  # a checkpoint of its own: loaded and checked alike
+        specs.append(parse_model_specs([settings.shadow])[0])
+        texts.append(settings.shadow)
+    resolved = [resolve_model(text, settings) for text in texts]
     names = [model_name_for(resolved[0], settings.model_name), *(each.name for each in resolved[1:])]
     device = settings.device or ("cuda:0" if _cuda_available() else "cpu")
     check_models_fit({name or spec.location: checkpoint_memory_bytes(each.path)
@@ -96,7 +104,9 @@ def _load_models(settings: Any) -> list[Any]:
         if settings.warmup:
             model.warmup()
         models.append(model)
-    return models
+    if len(models) > len(settings.model):
+        return models[:-1], models[-1]
+    return models, None
 
 
 def _cuda_available() -> bool:

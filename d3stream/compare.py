@@ -606,7 +606,9 @@ def _label_report(joined: Sequence[JoinedQuestion], labels: Labels) -> LabelRepo
     )
 
 
-def _join(request_id: str, question_id: str, a: Slot, b: Slot) -> JoinedQuestion:
+def join_slots(request_id: str, question_id: str, a: Slot, b: Slot) -> JoinedQuestion:
+    """One question answered on both sides, with |Δp| of every option (an option one side lacks counts as 0);
+    what ``compare`` and the shadow's live metrics (shadow.py) both measure."""
     options = list(a.probabilities) + [k for k in b.probabilities if k not in a.probabilities]
     deltas = {k: abs(a.probabilities.get(k, 0.0) - b.probabilities.get(k, 0.0)) for k in options}
     return JoinedQuestion(request_id, question_id, a.type, a, b, deltas)
@@ -645,7 +647,7 @@ def compare(
             if slot_a is None or slot_b is None or slot_a.type != slot_b.type:
                 unreadable += 1
                 continue
-            joined.append(_join(request_id, question_id, slot_a, slot_b))
+            joined.append(join_slots(request_id, question_id, slot_a, slot_b))
 
     by_type_lists: dict[str, list[JoinedQuestion]] = defaultdict(list)
     by_question_lists: dict[str, list[JoinedQuestion]] = defaultdict(list)

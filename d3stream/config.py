@@ -65,6 +65,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: list[str] = msgspec.field(default_factory=list)
     model_name: str | None = None
     model_memory_bytes: int | None = None
+    shadow: str | None = None
+    shadow_share: float = 1.0
+    shadow_topic: str | None = None
     device: str | None = None
     verify: Literal["fast", "full", "none"] = "fast"
     permutation_average: bool = False
@@ -169,6 +172,12 @@ HELP: dict[str, str] = {
     "model_name": "name the default (first) model's answers carry (default: the checkpoint's manifest name)",
     "model_memory_bytes": "memory the served models' weights may take together, checked at start (default: the "
     "device's free memory: torch.cuda.mem_get_info on a GPU, available RAM on a CPU)",
+    "shadow": "a model that also answers requests, its answers going to shadow_topic only (never to the live "
+    "answer topic): NAME=PATH (a checkpoint directory or s3:// prefix, loaded like model) or the NAME of a served "
+    "model (README, Shadow evaluation)",
+    "shadow_share": "share of requests (0 to 1) the shadow also answers, chosen by a hash of the request id: the "
+    "same requests on every worker and replay",
+    "shadow_topic": "topic the shadow's answers go to (default: the answer topic's name + .shadow)",
     "device": "torch device (default: cuda:0 when present, else cpu)",
     "verify": "checkpoint manifest verification at load",
     "permutation_average": "score choice questions in both option orders and average (requests may ask too)",
@@ -401,6 +410,10 @@ def check_settings(settings: Settings) -> Settings:
         )
     if settings.tenant_max_inflight_tokens < 0:
         raise ValueError(f"tenant_max_inflight_tokens must be 0 (off) or more, got {settings.tenant_max_inflight_tokens}")
+    if not 0.0 <= settings.shadow_share <= 1.0:
+        raise ValueError(f"shadow_share must be between 0 and 1, got {settings.shadow_share}")
+    if settings.shadow_topic is not None and settings.shadow_topic == settings.answer_topic:
+        raise ValueError("shadow_topic must not be the answer topic: a shadow's answers never go to the live topic")
     if settings.stall_unready_s < 0:
         raise ValueError(f"stall_unready_s must be 0 (off) or more, got {settings.stall_unready_s}")
     reserved = sorted({"content-type", "d3stream-schema"} & set(settings.forward_headers))

@@ -366,6 +366,50 @@ class Metrics:
             "is the limit).",
             registry=r,
         )
+        # ---- shadow evaluation (shadow.py): the live answer and the shadow's, per model pair and question type
+        pair = ["live", "shadow"]
+        self.shadow_requests = Counter(
+            f"{PREFIX}_shadow_requests",
+            "Requests the shadow model also answered (outcome answered), or whose shadow answer is an error "
+            "(outcome errored: the live answer is unaffected).",
+            [*pair, "outcome"],
+            registry=r,
+        )
+        self.shadow_questions = Counter(
+            f"{PREFIX}_shadow_questions",
+            "Questions answered by both models and compared (outcome compared), or that the shadow answered "
+            "with an error while the live model answered them (outcome errored).",
+            [*pair, "type", "outcome"],
+            registry=r,
+        )
+        self.shadow_agreements = Counter(
+            f"{PREFIX}_shadow_agreements",
+            "Compared questions whose top choice (d3stream compare's decision) is the same for both models; "
+            "agreement = this / d3stream_shadow_questions{outcome=\"compared\"}.",
+            [*pair, "type"],
+            registry=r,
+        )
+        self.shadow_abs_dp = Counter(
+            f"{PREFIX}_shadow_abs_dp",
+            "Sum of |dp| over every option of the compared questions (live vs shadow probability); mean |dp| = "
+            "this / d3stream_shadow_dp_options, as d3stream compare averages it.",
+            [*pair, "type"],
+            registry=r,
+        )
+        self.shadow_dp_options = Counter(
+            f"{PREFIX}_shadow_dp_options",
+            "Options whose |dp| d3stream_shadow_abs_dp sums.",
+            [*pair, "type"],
+            registry=r,
+        )
+        self.shadow_max_abs_dp = Gauge(
+            f"{PREFIX}_shadow_max_abs_dp",
+            "Largest |dp| of any option between the live and the shadow answer since the worker started.",
+            [*pair, "type"],
+            registry=r,
+        )
+        self._shadow_max: dict[tuple[str, str, str], float] = {}
+        self._shadow_lock = threading.Lock()
         # ---- offsets and transactions
         self.commits = Counter(
             f"{PREFIX}_commits",
@@ -527,6 +571,30 @@ class Metrics:
         self.device_seconds.inc((tenant, model), device_seconds)
         self.tokens.inc((tenant, model, "prompt"), prompt_tokens)
         self.tokens.inc((tenant, model, "padded"), padded_tokens)
+
+    def count_shadow_request(self, live: str, shadow: str, *, errored: bool) -> None:
+        """One request the shadow also answered (``errored``: its shadow answer is an error answer)."""
+        self.shadow_requests.labels(live=live, shadow=shadow, outcome="errored" if errored else "answered").inc()
+
+    def count_shadow_question(self, live: str, shadow: str, kind: str, *, agree: bool | None,
+                              abs_dps: Iterable[float] = ()) -> None:
+        """One question of a shadowed request: compared (``agree`` and every option's |dp|), or, with
+        ``agree`` None, answered by the live model and not by the shadow."""
+        if agree is None:
+            self.shadow_questions.labels(live=live, shadow=shadow, type=kind, outcome="errored").inc()
+            return
+        self.shadow_questions.labels(live=live, shadow=shadow, type=kind, outcome="compared").inc()
+        if agree:
+            self.shadow_agreements.labels(live=live, shadow=shadow, type=kind).inc()
+        deltas = list(abs_dps)
+        self.shadow_abs_dp.labels(live=live, shadow=shadow, type=kind).inc(sum(deltas))
+        self.shadow_dp_options.labels(live=live, shadow=shadow, type=kind).inc(len(deltas))
+        largest = max(deltas, default=0.0)
+        with self._shadow_lock:
+            key = (live, shadow, kind)
+            if largest >= self._shadow_max.get(key, -1.0):
+                self._shadow_max[key] = largest
+                self.shadow_max_abs_dp.labels(live=live, shadow=shadow, type=kind).set(largest)
 
     def count_dead_letter(self) -> None:
         self.dead_letters.inc()

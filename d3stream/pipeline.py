@@ -16,7 +16,9 @@ value, headers) and walks them through the stages:
 
 A worker may serve several models (``Hosted``: each with its own passes, answer builder and provenance
 digest); a request's ``model`` field routes it, absent the first (default) one; a name not served is
-``model_not_served``. Records refused before routing are answered with the default model's records.
+``model_not_served``. Records refused before routing are answered with the default model's records. With a
+shadow model (``shadow.py``) a share of the answered requests is also answered by it, after the live answer;
+each is delivered with its shadow answer as one more record.
 
 The fetch is processed as a batch where that saves work (its text-only requests share one prepare trip and
 one submission to the scheduler), while failures stay per request: whatever goes wrong with one record ends
@@ -48,6 +50,7 @@ from .quotas import TenantQuotas
 from .runtime.media import reason
 from .runtime.model import Prepared
 from .seams import DeadlineExceeded, DecisionModel, InFlight, InputRecord, Scheduling, position_of
+from .shadow import Shadow
 from .storage import MediaFetcher
 from .tracing import forwarded_headers, header_names
 
@@ -95,7 +98,7 @@ class RequestPipeline:
 
     def __init__(self, settings: Settings, hosted: Sequence[Hosted], *, fetcher: MediaFetcher,
                  decoder: MediaDecoder, media_budget: ByteBudget, metrics: Metrics, in_flight: InFlight,
-                 quotas: TenantQuotas | None = None):
+                 quotas: TenantQuotas | None = None, shadow: Hosted | None = None):
         self.settings = settings
         self.hosted = {each.name: each for each in hosted}
         if len(self.hosted) != len(hosted):
@@ -114,6 +117,8 @@ class RequestPipeline:
         self._forwarded_names = header_names(settings.forward_headers)
         # Prompt preparation and prefix planning: one thread, woken once for many requests.
         self.prepare_thread = JobThread("d3stream-prepare")
+        # A model that also answers a share of the requests, to a topic of its own (shadow.py).
+        self.shadow = Shadow(settings, shadow, prepare_thread=self.prepare_thread, metrics=metrics) if shadow else None
 
     def close(self) -> None:
         self.prepare_thread.shutdown()
@@ -254,6 +259,15 @@ class RequestPipeline:
         """Prepare every request (all routed to ``hosted``) on the prepare thread, a few trips for a whole fetch,
         run their rows together on that model's passes, answer them."""
         decoded = media or [None] * len(items)
+        following = self.shadow.following(hosted, items, decoded, on_served) if self.shadow else None
+        try:
+            await self._answer_prepared(hosted, items, following or on_served, decoded)
+        finally:
+            if following is not None:  # the shadowed requests are delivered with their shadow answers
+                await following.finished()
+
+    async def _answer_prepared(self, hosted: Hosted, items: list[tuple[RequestWork, Request]], on_served: OnServed,
+                               decoded: Sequence[Media]) -> None:
         started = time.perf_counter()
         outcomes = await self._prepare_all(hosted, [request for _, request in items], decoded)
         seconds = time.perf_counter() - started

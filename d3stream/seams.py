@@ -102,7 +102,8 @@ class DecisionModel(Protocol):
 
 # ---------------------------------------------------------------------------------------------- output
 
-RecordKind = Literal["answer", "dead_letter", "provenance"]
+# "shadow": a shadow model's answer, to the shadow topic (shadow.py); a file sink keeps "answer" records only.
+RecordKind = Literal["answer", "dead_letter", "provenance", "shadow"]
 
 
 # ------------------------------------------------------------------------------------------- in flight

@@ -45,6 +45,7 @@ from .passes import Passes, RowScheduler, default_token_budget, model_thread
 from .pipeline import Hosted, RequestPipeline, Served
 from .publishing import Outgoing
 from .seams import DecisionModel, InFlight
+from .shadow import shadow_hosted
 from .sinks import KafkaTopics, Sink
 from .storage import MediaFetcher
 from .tracing import Tracing
@@ -71,6 +72,7 @@ class Service:
         scheduler: RowScheduler | None = None,
         answer_file: Path | None = None,
         replay_id: str | None = None,
+        shadow: DecisionModel | None = None,
     ):
         self.settings = settings = check_settings(settings)
         models = list(model) if isinstance(model, Sequence) else [model]
@@ -88,7 +90,9 @@ class Service:
             import torch
 
             torch.set_num_threads(settings.torch_threads)
-        for each in models:
+        # A shadow checkpoint of its own (--shadow NAME=PATH), loaded by the caller; replays have none.
+        self.shadow_model = shadow if replay_id is None and scheduler is None else None
+        for each in [*models, *([self.shadow_model] if self.shadow_model is not None else [])]:
             each.limit_prompt_tokens(settings.max_prompt_tokens)
             each.limit_request_tokens(settings.max_request_tokens)
         self.read = read or LiveRead(settings.request_topics)
@@ -103,6 +107,8 @@ class Service:
         worker = Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__)
         self.hosted = [self._host(each, worker, scheduler, replay_id) for each in models]
         default = self.hosted[0]
+        own_shadow = self._host(self.shadow_model, worker, None, replay_id) if self.shadow_model is not None else None
+        self.shadow = shadow_hosted(settings, self.hosted, own_shadow) if replay_id is None and scheduler is None else None
         self.passes, self.answers = default.passes, default.answers
         self.provenance, self.provenance_sha256 = default.provenance, default.provenance_sha256
         # Media decoding: images on a thread of their own, videos in killable processes, under a deadline;
@@ -112,7 +118,7 @@ class Service:
         self.in_flight = InFlight()
         self.pipeline = RequestPipeline(
             settings, self.hosted, fetcher=self.fetcher, decoder=self.decoder, media_budget=self.media_budget,
-            metrics=self.metrics, in_flight=self.in_flight,
+            metrics=self.metrics, in_flight=self.in_flight, shadow=self.shadow,
         )
         self.tracker = OffsetTracker()
         # Made when it runs: the Kafka consumer, where answers go and how offsets commit, the loop over them.
@@ -142,6 +148,11 @@ class Service:
             worker=worker, limits=self.limits, metrics=self.metrics, replay_id=replay_id,
         )
         return Hosted(model, passes, answers, provenance, digest)
+
+    def _hosted_all(self) -> list[Hosted]:
+        """The served models and a shadow checkpoint of its own (a served model's shadow is one of them)."""
+        own = self.shadow is not None and all(self.shadow is not each for each in self.hosted)
+        return [*self.hosted, *([self.shadow] if own and self.shadow is not None else [])]
 
     # ------------------------------------------------------------------------------ what it shows
 
@@ -221,7 +232,7 @@ class Service:
             await self.consumer.stop()
 
     async def _close(self) -> None:
-        for hosted in self.hosted:
+        for hosted in self._hosted_all():
             await hosted.passes.close()
         self.model_thread.shutdown(wait=True)
         if self.delivery is not None:
@@ -262,7 +273,7 @@ class Service:
         ends, so a model shared with other callers (a replay beside a live service, the next test) keeps no
         features, and no counter, from this one."""
         with contextlib.ExitStack() as stack:
-            for model in self.models:
+            for model in {id(each.model): each.model for each in self._hosted_all()}.values():
                 stack.enter_context(self._cache_lent(model))
             yield
 
@@ -312,7 +323,7 @@ class Service:
 
     async def _publish_provenance(self, sink: Sink) -> None:
         """One record per served model, keyed by its digest (the topic is compacted)."""
-        for hosted in self.hosted:
+        for hosted in self._hosted_all():
             payload = json.dumps(hosted.provenance, sort_keys=True, ensure_ascii=False).encode()
             await sink.publish_provenance(Outgoing(self.settings.provenance_topic, hosted.provenance_sha256.encode(),
                                                    payload, kind="provenance"))

@@ -23,6 +23,7 @@ from .connection import client_options
 from .limits import Limits, read_topic_limits
 from .metrics import Metrics
 from .publishing import Outgoing, quietly_stop, send_with_retries
+from .shadow import shadow_topic
 
 log = structlog.get_logger(__name__)
 
@@ -93,7 +94,9 @@ class KafkaTopics:
 
     def topics(self) -> list[tuple[str, dict[str, str]]]:
         settings = self.settings
-        return [(settings.answer_topic, {}), (settings.dead_letter_topic, {}),
+        # With a shadow model, its answers' topic (shadow.py).
+        shadow: list[tuple[str, dict[str, str]]] = [(shadow_topic(settings), {})] if settings.shadow else []
+        return [(settings.answer_topic, {}), *shadow, (settings.dead_letter_topic, {}),
                 (settings.provenance_topic, {"cleanup.policy": "compact"})]
 
     async def start(self) -> None:
@@ -164,8 +167,9 @@ class KafkaTopics:
 
 
 class JsonLinesFile:
-    """Answers appended to a JSON-lines file, one per line; durable at ``flush`` (fsync). Dead letters and
-    the provenance record are not kept: the file holds answers only, and each answer carries its provenance."""
+    """Answers appended to a JSON-lines file, one per line; durable at ``flush`` (fsync). Dead letters, shadow
+    answers and the provenance record are not kept: the file holds answers only, and each answer carries its
+    provenance."""
 
     def __init__(self, path: Path):
         self.path = path
