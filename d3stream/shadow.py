@@ -16,13 +16,15 @@ What keeps it out of the live path:
   file sink keeps live answers only.
 * **A shadow error never changes the live answer**: whatever fails on the shadow's side (prepare, a pass, an
   answer too large for the shadow topic) becomes the shadow's own error answer on the shadow topic.
-* **Scheduling: after the live answer, in the lowest lane.** A request's shadow rows are prepared and
-  submitted only once its live answer is computed, on the lowest priority lane of the prepare thread and of
-  the row scheduler. So live rows never queue behind shadow rows of the same request, and a shadow that names
-  a served model does not slow that model's own traffic (its rows fill passes after every live row waiting).
-  What the live stream does pay is the shadow passes' own device time (one model thread: a live pass waits
-  for a shadow pass that is running) and, for the shadowed requests, their delivery: the live answer is
-  published with its shadow answer, in one transaction (docs/MODELS.md, "Shadow evaluation", measures it).
+* **Scheduling: after the live answer, in the request's own lane.** A request's shadow rows are prepared and
+  submitted only once its live answer is computed, so live rows never queue behind shadow rows of the same
+  request. They then ride the request's own priority lane (with no deadline), not the lowest one: the live
+  answer of a shadowed request is published with its shadow answer (one transaction, below), so a shadow
+  that waited behind all newer live traffic would hold that live answer back just as long (measured: the
+  lowest lane put a saturated worker's shadowed answers seconds behind). What the live stream pays is the
+  shadow passes' own device time (one model thread: a live pass waits for a shadow pass that is running)
+  and, for the shadowed requests, the time to their shadow's pass (docs/MODELS.md, "Shadow evaluation",
+  measures it).
 
 Live comparison (``Metrics.count_shadow_*``): per (live model, shadow model, question type) the compared
 questions, how many agree on the top choice, the sum and maximum of |dp| over their options, and the
@@ -58,9 +60,6 @@ from .seams import Scheduling, position_of
 
 log = structlog.get_logger(__name__)
 
-# The lowest priority lane: shadow rows fill passes (and prepare trips) after every live row waiting.
-SHADOW_LANE = len(PRIORITIES) - 1
-SHADOW_SCHEDULING = Scheduling(lane=SHADOW_LANE, deadline=None)  # a shadow answer is never late: no deadline
 # Salt of the share's hash, so the shadow's choice is independent of any other hash of request ids.
 SHARE_SALT = b"d3stream-shadow\x00"
 
@@ -113,6 +112,7 @@ class Shadow:
         self.name: str = hosted.name
         self.topic = shadow_topic(settings)
         self.share = settings.shadow_share
+        self.lanes = settings.priority_lanes
         self.prepare_thread = prepare_thread
         self.metrics = metrics
         live: AnswerBuilder = hosted.answers
@@ -136,8 +136,9 @@ class Shadow:
         works = [self._work(served.work, request) for served, request, _ in pending]
         left = dict(enumerate(pending))
         try:
+            lanes = [self._lane(request) for _, request, _ in pending]
             prepared = await self.prepare_thread.run(
-                partial(self._prepare_all, [(request, media) for _, request, media in pending]), priority=SHADOW_LANE)
+                partial(self._prepare_all, [(request, media) for _, request, media in pending]), priority=min(lanes))
             items: list[PassItem] = []
             index_of: dict[int, int] = {}
             ready: list[int] = []
@@ -151,7 +152,7 @@ class Shadow:
                 prepared_request, plan = outcome
                 works[index].tokens = prepared_request.input_tokens
                 item = PassItem(works[index], prepared_request, position_of(works[index].record), plan,
-                                scheduling=SHADOW_SCHEDULING)
+                                scheduling=Scheduling(lane=lanes[index], deadline=None))  # never late
                 index_of[id(item)] = index
                 items.append(item)
             await self._deliver(ready, left, on_served)
@@ -169,13 +170,17 @@ class Shadow:
 
     # ------------------------------------------------------------------------------------ steps
 
+    def _lane(self, request: Request) -> int:
+        """The request's priority lane (``priority_lanes=false``: the middle one, as for its live rows)."""
+        return PRIORITIES.index(request.priority) if self.lanes else 1
+
     def _work(self, live: RequestWork, request: Request) -> RequestWork:
         """The shadow answer's own record of the request (its passes, timings, cost), read where the live one was."""
         return RequestWork(record=live.record, source=live.source, received=time.perf_counter(), request=request,
                            model=self.name, headers=live.headers, tenant=live.tenant, media=live.media)
 
     def _prepare_all(self, pending: list[tuple[Request, Media]]) -> list[tuple[Prepared, Any] | BaseException]:
-        """On the prepare thread (lowest lane): each request prepared for the shadow model, or what went wrong."""
+        """On the prepare thread (in its requests' lane): each request prepared for the shadow model, or what went wrong."""
         outcomes: list[tuple[Prepared, Any] | BaseException] = []
         for request, media in pending:
             images, videos = media if media is not None else ([], [])
