@@ -125,7 +125,9 @@ class RequestPipeline:
             for each in self.hosted.values():
                 each.passes.rows.expect(position_of(work.record))
         refused: list[Served] = []
-        text: dict[str, list[tuple[RequestWork, Request]]] = {}
+        # Text-only requests by model and lane: a lane's requests are prepared and submitted without waiting for
+        # a lower lane's (a high request read with a flood does not wait for the whole fetch to be prepared).
+        text: dict[tuple[str, int], list[tuple[RequestWork, Request]]] = {}
         with_media: list[tuple[RequestWork, Request]] = []
         for work in works:
             outcome = self._admit(work)
@@ -134,11 +136,12 @@ class RequestPipeline:
             elif outcome.images or outcome.videos:
                 with_media.append((work, outcome))
             else:
-                text.setdefault(self._hosted(work).name, []).append((work, outcome))
+                lane = PRIORITIES.index(outcome.priority) if self.settings.priority_lanes else 1
+                text.setdefault((self._hosted(work).name, lane), []).append((work, outcome))
         steps: list[Awaitable[None]] = []
         if refused:
             steps.append(on_served(refused))
-        for name, items in text.items():  # one prepare trip and one submission per model
+        for (name, _), items in text.items():  # a few prepare trips and one submission per model and lane
             steps.append(self._isolated([work for work, _ in items],
                                         self._answer_all(self.hosted[name], items, on_served), on_served))
         for work, request in with_media:
