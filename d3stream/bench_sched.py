@@ -28,7 +28,7 @@ import msgspec
 
 from .batching import BatchScheduler
 from .config import Settings
-from .consume import RESUME_AT
+from .consume import RESUME_AT, backpressure_pauses
 from .events import HEADERS
 
 POLL_S = 0.1  # the consume loop's getmany timeout: how often a paused worker looks again
@@ -52,10 +52,11 @@ class _Run:
     """One pipeline, fed the way the consume loop feeds it; the arrival and answer time of every id.
 
     Records become readable at their arrival times, each stream on a partition of its own. Like
-    ``consume.ConsumeLoop`` the feeder reads at most ``max_inflight_requests`` less what is in flight, pauses at
-    ``max_inflight_requests`` / ``max_inflight_tokens`` and resumes below ``RESUME_AT`` of them (looking again
-    every ``POLL_S`` while paused, as ``getmany``'s timeout does), and does not read a partition with a request
-    held by a tenant quota. A fetch takes the readable partitions' records in turn (a small stream is not
+    ``consume.ConsumeLoop`` the feeder reads at most ``max_inflight_requests`` less what is in flight; at
+    ``max_inflight_requests`` / ``max_inflight_tokens`` it stops reading the partitions ``backpressure_pauses``
+    names until the work drains below ``RESUME_AT`` of them (looking again when a record arrives on a partition
+    it reads, at least every ``POLL_S``, as ``getmany``'s timeout does), and does not read a partition with a
+    request held by a tenant quota. A fetch takes the readable partitions' records in turn (a small stream is not
     queued behind a flood's backlog on another partition, as Kafka's fetches are per partition). Latency runs
     from a record's arrival (it was readable) to its answer, so the wait to be read counts."""
 
@@ -69,6 +70,7 @@ class _Run:
         self.arrived: dict[str, float] = {}
         self.stages: list[dict[str, float]] = []
         self.loop_lag: list[float] = []
+        self.per_partition: dict[int, int] = {}  # requests in flight by partition (what backpressure weighs)
 
     async def _served(self, served: list[Any]) -> None:
         now = time.perf_counter()
@@ -76,6 +78,7 @@ class _Run:
         in_flight.requests -= len(served)
         in_flight.questions -= sum(item.work.questions for item in served)
         for item in served:
+            self.per_partition[item.work.record.partition] -= 1
             rid = item.answer.id
             self.answered[rid] = now
             if self.watch and rid.startswith(self.watch):
@@ -98,24 +101,28 @@ class _Run:
             await asyncio.sleep(0.001)
             self.loop_lag.append(time.perf_counter() - before - 0.001)
 
-    def _paused(self, paused: bool) -> bool:
-        """``consume.ConsumeLoop._apply_backpressure``'s rule, on the pipeline's in-flight counts."""
+    def _pressure(self, paused: set[int] | None) -> set[int] | None:
+        """``consume.ConsumeLoop._apply_backpressure``'s rule on the pipeline's in-flight counts: the partitions
+        backpressure pauses now, or None when it is off."""
         settings, work = self.settings, self.service.in_flight
         requests, tokens = work.requests - work.held_requests, work.tokens - work.held_tokens
-        if requests >= settings.max_inflight_requests or tokens >= settings.max_inflight_tokens:
-            return True
+        full = requests >= settings.max_inflight_requests or tokens >= settings.max_inflight_tokens
         drained = (requests < RESUME_AT * settings.max_inflight_requests
                    and tokens < RESUME_AT * settings.max_inflight_tokens)
-        return paused and not drained
+        if paused is not None and drained:
+            return None
+        if paused is None and not full:
+            return None
+        return (paused or set()) | backpressure_pauses(self.per_partition, requests, tokens,
+                                                       settings.max_inflight_requests, settings.max_inflight_tokens)
 
     def _fetch(self, queues: dict[int, deque[tuple[float, SimpleNamespace]]], now: float, room: int,
-               ) -> list[tuple[float, SimpleNamespace]]:
-        """Up to ``room`` readable records (with their arrival), the partitions taking turns."""
-        held = {partition for _, partition in self.service.pipeline.quotas.held_partitions()}
-        readable = [queue for partition, queue in queues.items() if partition not in held]
+               readable: list[int]) -> list[tuple[float, SimpleNamespace]]:
+        """Up to ``room`` records arrived on the ``readable`` partitions (with their arrival), taking turns."""
         fetch: list[tuple[float, SimpleNamespace]] = []
         while len(fetch) < room:
-            taken = [queue.popleft() for queue in readable if queue and queue[0][0] <= now]
+            taken = [queues[partition].popleft() for partition in readable
+                     if queues[partition] and queues[partition][0][0] <= now]
             if not taken:
                 break
             fetch.extend(taken[:room - len(fetch)])
@@ -128,23 +135,24 @@ class _Run:
         queues: dict[int, deque[tuple[float, SimpleNamespace]]] = {}
         for when, record in arrivals:
             queues.setdefault(record.partition, deque()).append((when, record))
+            self.per_partition.setdefault(record.partition, 0)
         steps = []
-        paused = False
+        paused: set[int] | None = None
         in_flight = self.service.in_flight
         while any(queues.values()):
-            paused = self._paused(paused)
-            if paused:
-                await asyncio.sleep(POLL_S)
-                continue
+            paused = self._pressure(paused)
+            held = {partition for _, partition in self.service.pipeline.quotas.held_partitions()}
+            readable = [partition for partition in queues if partition not in held and partition not in (paused or ())]
             now = time.perf_counter() - started
             room = max(1, self.settings.max_inflight_requests - in_flight.requests + in_flight.held_requests)
-            fetch = self._fetch(queues, now, room)
-            if not fetch:
-                upcoming = [queue[0][0] for queue in queues.values() if queue and queue[0][0] > now]
-                await asyncio.sleep(min([*upcoming, now + POLL_S]) - now)
+            fetch = self._fetch(queues, now, room, readable)
+            if not fetch:  # getmany waits for a record on a readable partition, at most POLL_S
+                upcoming = [queues[partition][0][0] for partition in readable if queues[partition]]
+                await asyncio.sleep(max(0.0, min([*upcoming, now + POLL_S]) - now))
                 continue
             for when, record in fetch:
                 self.arrived[json.loads(record.value)["id"]] = started + when
+                self.per_partition[record.partition] += 1
             in_flight.requests += len(fetch)
             records = [record for _, record in fetch]
             steps.append(asyncio.ensure_future(self.service.pipeline.serve(records, self._served)))
