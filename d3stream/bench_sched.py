@@ -249,6 +249,9 @@ def scheduling_bench(model: Any, *, seconds: float = 6.0, threads: int | None = 
                                         "seconds": seconds, "torch_threads": threads,
                                         "capacity_per_s": round(capacity, 1),
                                         "max_inflight_requests": base.max_inflight_requests,
+                                        # How long the in-flight work takes to drain: past lane_ageing_ms, aged
+                                        # flood rows reach the high lane (docs/SCHEDULING.md).
+                                        "inflight_drain_s": round(base.max_inflight_requests / capacity, 2),
                                         "lane_pass_tokens": base.lane_pass_tokens}}
 
     interactive = _steady("hi", INTERACTIVE_SHARE * capacity, seconds, priority="high")
@@ -294,7 +297,8 @@ def scheduling_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Scheduling, {setup['path']} (max_inflight_requests={setup['max_inflight_requests']}), "
         f"torch_threads={setup['torch_threads']}, capacity {setup['capacity_per_s']:,.0f} requests/s, streams of "
-        f"{setup['seconds']:g} s, lane_pass_tokens={'default' if cap is None else cap}:",
+        f"{setup['seconds']:g} s, lane_pass_tokens={'default' if cap is None else cap}, in-flight work drains in "
+        f"{setup['inflight_drain_s']:g} s:",
         "",
         "| high stream (10 % of capacity) | p50 ms | p99 ms | flood answered/s | passes | padded tokens/pass |",
         "|---|---:|---:|---:|---:|---:|",
