@@ -18,8 +18,8 @@ A worker may serve several models (``Hosted``: each with its own passes, answer 
 digest); a request's ``model`` field routes it, absent the first (default) one; a name not served is
 ``model_not_served``. Records refused before routing are answered with the default model's records.
 
-The fetch is processed as a batch where that saves work (its text-only requests share one prepare trip and
-one submission to the scheduler), while failures stay per request: whatever goes wrong with one record ends
+The fetch is processed as a batch where that saves work (its text-only requests of one priority lane share
+prepare trips and one submission to the scheduler; lanes apart, so a high one does not wait for a flood's), while failures stay per request: whatever goes wrong with one record ends
 as that record's error answer, never as its neighbours'. Answers are handed to ``on_served`` as they are
 ready (all text-only answers of the fetch together, a media request's on its own).
 """
