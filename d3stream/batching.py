@@ -25,6 +25,11 @@ last; and at least every half ageing step, so ranks stay current. Rows of the sa
 for the passes cut before them. Just before a pass runs,
 the rows of a request past its deadline are dropped and settled with ``seams.DeadlineExceeded``: they cost
 no device time.
+
+A pass on the device is never interrupted, so how long a high row waits is bounded by the length of passes.
+While a ``high`` row was queued within the last ``lane_ageing_ms``, every pass is cut to at most
+``lane_pass_tokens`` padded tokens: the pass carrying the high row is short, and so is the one running when
+it arrives. Without high traffic passes go back to the full ``max_batch_tokens``.
 """
 
 from __future__ import annotations
@@ -126,6 +131,7 @@ class BatchScheduler(Generic[T]):
         on_pass: Callable[[PassRecord], None] | None = None,
         lanes: bool = True,
         lane_ageing_ms: float = 2000.0,
+        lane_pass_tokens: int = 0,
     ):
         if max_batch_rows < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch_rows and max_batch_tokens must be positive")
@@ -138,6 +144,9 @@ class BatchScheduler(Generic[T]):
         # Lanes off: every request rides as if it were in the middle lane (ageing still orders by arrival).
         self.lanes = lanes
         self.ageing = max(lane_ageing_ms, 1.0) / 1000.0
+        # While high-lane rows were queued recently, passes are cut to this padded-token budget (0: never).
+        self.lane_pass_tokens = lane_pass_tokens
+        self._high_seen = float("-inf")  # when a high-lane row was last queued
         # One model thread: passes run one at a time, in the order they were cut.
         self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
@@ -209,6 +218,8 @@ class BatchScheduler(Generic[T]):
         if self._best_new_lane is None or lane < self._best_new_lane:
             self._best_new_lane = lane
         now = time.perf_counter()
+        if lane == 0 and self.lanes:
+            self._high_seen = now
         for index, row in enumerate(rows):
             length = self._length(row)
             self._waiting.append(_Waiting(row, submission, index, now, length))
@@ -217,7 +228,15 @@ class BatchScheduler(Generic[T]):
         return future
 
     def _full(self) -> bool:
-        return len(self._waiting) >= self.max_batch_rows or self._waiting_tokens >= self.max_batch_tokens
+        budget = self.pass_budget(time.perf_counter())
+        return len(self._waiting) >= self.max_batch_rows or self._waiting_tokens >= budget
+
+    def pass_budget(self, now: float) -> int:
+        """Padded tokens a pass cut now may hold: ``lane_pass_tokens`` while a high-lane row was queued within
+        the last ``lane_ageing_ms`` (short passes, so a high row waits for little), else ``max_batch_tokens``."""
+        if self.lane_pass_tokens > 0 and now - self._high_seen < self.ageing:
+            return min(self.lane_pass_tokens, self.max_batch_tokens)
+        return self.max_batch_tokens
 
     async def _loop(self) -> None:
         while True:
@@ -288,22 +307,24 @@ class BatchScheduler(Generic[T]):
         self._drop_expired(wall)
         keyed = sorted(((self._rank(w, now), -w.length, w.since, n), w) for n, w in enumerate(self._waiting))
         upcoming = deque(w for _, w in keyed)
+        budget = self.pass_budget(now)
         while upcoming:
-            group, skipped = self._fill(upcoming)
+            group, skipped = self._fill(upcoming, budget)
             self._planned.append(group)
             upcoming.extendleft(reversed(skipped))
         self._waiting = []
         self._waiting_tokens = 0
 
-    def _fill(self, upcoming: deque[_Waiting[T]]) -> tuple[list[_Waiting[T]], list[_Waiting[T]]]:
-        """One pass taken from the front of ``upcoming``, and the rows skipped for it (in order)."""
+    def _fill(self, upcoming: deque[_Waiting[T]], budget: int) -> tuple[list[_Waiting[T]], list[_Waiting[T]]]:
+        """One pass of at most ``budget`` padded tokens taken from the front of ``upcoming``, and the rows
+        skipped for it (in order)."""
         chosen: list[_Waiting[T]] = []
         skipped: list[_Waiting[T]] = []
         longest = 0
         while upcoming and len(chosen) < self.max_batch_rows and len(skipped) <= self.max_batch_rows:
             waiting = upcoming.popleft()
             size = waiting.length
-            if chosen and (len(chosen) + 1) * max(longest, size) > self.max_batch_tokens:
+            if chosen and (len(chosen) + 1) * max(longest, size) > budget:
                 skipped.append(waiting)
                 continue
             chosen.append(waiting)

@@ -86,6 +86,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Shared traffic (docs/SCHEDULING.md)
     priority_lanes: bool = True
     lane_ageing_ms: float = 2_000.0
+    lane_pass_tokens: int | None = None
     honor_deadlines: bool = True
     tenant_header: str | None = None
     max_inflight_requests: int = 256
@@ -198,6 +199,9 @@ HELP: dict[str, str] = {
     "linger_ms": "how long a question may wait for others to share its pass",
     "priority_lanes": "fill passes from the higher request priority lanes first (high, normal, low); off: one lane",
     "lane_ageing_ms": "a waiting question moves up one priority lane per this many milliseconds, so no lane starves",
+    "lane_pass_tokens": "while high-priority requests arrived within lane_ageing_ms, passes hold at most this many "
+                        "padded tokens, so a high request waits for short passes only; default a quarter of "
+                        "max_batch_tokens, 0: no cap",
     "honor_deadlines": "answer requests past their deadline or ttl_ms deadline_exceeded without device time "
     "(replays turn it off)",
     "tenant_header": "record header naming a request's tenant when the request has no tenant field (unset or "
@@ -408,6 +412,8 @@ def check_settings(settings: Settings) -> Settings:
             "draining when the rebalance times out is dropped from the group and starts the next rebalance. Lower "
             f"rebalance_drain_s or raise rebalance_timeout_ms to at least {int(drain_ms + REBALANCE_MARGIN_S * 1000)}"
         )
+    if settings.lane_pass_tokens is not None and settings.lane_pass_tokens < 0:
+        raise ValueError(f"lane_pass_tokens must be 0 (no cap) or more, got {settings.lane_pass_tokens}")
     if settings.tenant_max_inflight_tokens < 0:
         raise ValueError(f"tenant_max_inflight_tokens must be 0 (off) or more, got {settings.tenant_max_inflight_tokens}")
     if not 0.0 <= settings.shadow_share <= 1.0:

@@ -7,8 +7,10 @@ policy says the work is finished:
 * **fetches** records (``getmany``, at most as many as there is room for) and hands each fetch to the
   handler as one task (the request pipeline answers it and delivers through the commit policy);
 * applies **backpressure**: at ``max_inflight_requests`` requests, ``max_inflight_tokens`` prompt tokens or
-  a full media budget every assigned partition is paused, and resumed once the work drains below 80 % of
-  all three, so memory stays bounded however fast producers publish;
+  a full media budget the partitions holding their share of the in-flight work are paused (all of them past
+  the limits plus ``RESERVE``, or with a full media budget), and resumed once the work drains below 80 % of
+  all three, so memory stays bounded however fast producers publish, and a light stream on partitions of its
+  own is not held behind a flood on others (``backpressure_pauses``; docs/SCHEDULING.md);
 * **commits** every ``commit_interval_ms`` (beside the loop: a transaction's round trips must not stall
   fetching) and reports lag and stalls;
 * on **shutdown** (``stop()``: SIGTERM/SIGINT) stops fetching, finishes what is in flight for up to
@@ -30,9 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
@@ -51,6 +53,20 @@ log = structlog.get_logger(__name__)
 
 # Partitions resume once in-flight work falls below this share of every limit.
 RESUME_AT = 0.8
+# Under backpressure, partitions below their share keep being read until the work passes the limits by this much.
+RESERVE = 0.125
+
+K = TypeVar("K")
+
+
+def backpressure_pauses(in_flight: Mapping[K, int], requests: int, tokens: int, max_requests: int,
+                        max_tokens: int) -> set[K]:
+    """Under backpressure, which partitions to pause: each holding its share of ``max_requests`` (the limit over
+    the assigned partitions) or more of the in-flight requests, so a flood's partitions stop while a light
+    stream's keep flowing; every one once ``requests`` or ``tokens`` pass the limits by ``RESERVE``."""
+    over = requests >= max_requests * (1 + RESERVE) or tokens >= max_tokens * (1 + RESERVE)
+    share = max_requests / max(len(in_flight), 1)
+    return {partition for partition, count in in_flight.items() if over or count >= share}
 
 
 @dataclass
@@ -135,7 +151,8 @@ class ConsumeLoop:
         self.stopping = asyncio.Event()
         self.fatal: WorkerFatal | None = None  # why the worker stopped by itself, if it did
         self.joined = False  # the consumer has an assignment
-        self.paused = False
+        self.paused = False  # backpressure is on (until the work drains)
+        self.pressure_paused: set[TopicPartition] = set()  # the partitions backpressure paused
         self.stalled: list[str] = []  # partitions whose commit point has not moved for stall_unready_s
         self.tasks: set[asyncio.Task[None]] = set()
         # Assigned partitions not yet positioned at their stable committed offset (kept paused meanwhile),
@@ -247,14 +264,23 @@ class ConsumeLoop:
             and self.media_budget.used < RESUME_AT * self.media_budget.capacity
         )
         assignment = self.consumer.assignment()
-        if full and not self.paused and assignment:
-            self.consumer.pause(*assignment)
-            self.paused = True
-            log.debug("paused", requests=work.requests, tokens=work.tokens)
-        elif self.paused and drained:
+        if self.paused and drained:
             self.consumer.resume(*(p for p in assignment if p not in self.settling and p not in self.quota_paused))
             self.paused = False
+            self.pressure_paused = set()
             log.debug("resumed", requests=work.requests, tokens=work.tokens)
+        elif (full or self.paused) and assignment:
+            if not self.paused:
+                log.debug("paused", requests=work.requests, tokens=work.tokens)
+            self.paused = True
+            # Re-evaluated while it lasts: a partition reaching its share is paused too.
+            pause = set(assignment) if self.media_budget.full else backpressure_pauses(
+                {p: self.tracker.in_flight([p]) for p in assignment}, requests, tokens,
+                settings.max_inflight_requests, settings.max_inflight_tokens)
+            newly = pause - self.pressure_paused
+            if newly:
+                self.consumer.pause(*newly)
+                self.pressure_paused |= newly
 
     def _apply_quotas(self) -> None:
         """Pause the partitions with a request held by its tenant's quota; resume those whose held requests
@@ -386,6 +412,7 @@ class _Rebalance(ConsumerRebalanceListener):
         loop.metrics.forget_partitions([(p.topic, p.partition) for p in revoked])
         loop.metrics.count_revoked(len(revoked), abandoned)
         loop.paused = False  # a new assignment starts unpaused
+        loop.pressure_paused = set()
         loop.quota_paused.difference_update(revoked)
         log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked],
                  abandoned=abandoned, committed=committed, seconds=round(time.monotonic() - started, 3))

@@ -99,6 +99,8 @@ class Passes:
                  scheduler: RowScheduler | None = None, *, executor: ThreadPoolExecutor | None = None):
         self.metrics = metrics
         self.budget = settings.max_batch_tokens or default_token_budget(str(model.device))
+        # Passes while high-priority traffic is about: short, so a high request waits for little (SCHEDULING.md).
+        lane_budget = self.budget // 4 if settings.lane_pass_tokens is None else settings.lane_pass_tokens
         # One model thread for both schedulers: passes never run side by side on the device. A worker serving
         # several models hands every model's Passes the same one (it shuts it down itself).
         self._owns_executor = executor is None
@@ -113,6 +115,7 @@ class Passes:
             on_pass=metrics.observe_pass_record,
             lanes=settings.priority_lanes,
             lane_ageing_ms=settings.lane_ageing_ms,
+            lane_pass_tokens=lane_budget,
         )
         self.prefix_runner: Any = self._prefix_runner(settings, model) if scheduler is None else None
         self.prefix_scheduler: BatchScheduler | None = None
@@ -129,6 +132,7 @@ class Passes:
                 executor=self.executor,
                 lanes=settings.priority_lanes,
                 lane_ageing_ms=settings.lane_ageing_ms,
+                lane_pass_tokens=lane_budget,  # a call of this budget runs passes within it too
             )
 
     def provenance(self) -> dict[str, Any]:

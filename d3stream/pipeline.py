@@ -20,8 +20,8 @@ digest); a request's ``model`` field routes it, absent the first (default) one; 
 shadow model (``shadow.py``) a share of the answered requests is also answered by it, after the live answer;
 each is delivered with its shadow answer as one more record.
 
-The fetch is processed as a batch where that saves work (its text-only requests share one prepare trip and
-one submission to the scheduler), while failures stay per request: whatever goes wrong with one record ends
+The fetch is processed as a batch where that saves work (its text-only requests of one priority lane share
+prepare trips and one submission to the scheduler; lanes apart, so a high one does not wait for a flood's), while failures stay per request: whatever goes wrong with one record ends
 as that record's error answer, never as its neighbours'. Answers are handed to ``on_served`` as they are
 ready (all text-only answers of the fetch together, a media request's on its own).
 """
@@ -130,7 +130,9 @@ class RequestPipeline:
             for each in self.hosted.values():
                 each.passes.rows.expect(position_of(work.record))
         refused: list[Served] = []
-        text: dict[str, list[tuple[RequestWork, Request]]] = {}
+        # Text-only requests by model and lane: a lane's requests are prepared and submitted without waiting for
+        # a lower lane's (a high request read with a flood does not wait for the whole fetch to be prepared).
+        text: dict[tuple[str, int], list[tuple[RequestWork, Request]]] = {}
         with_media: list[tuple[RequestWork, Request]] = []
         for work in works:
             outcome = self._admit(work)
@@ -139,11 +141,12 @@ class RequestPipeline:
             elif outcome.images or outcome.videos:
                 with_media.append((work, outcome))
             else:
-                text.setdefault(self._hosted(work).name, []).append((work, outcome))
+                lane = PRIORITIES.index(outcome.priority) if self.settings.priority_lanes else 1
+                text.setdefault((self._hosted(work).name, lane), []).append((work, outcome))
         steps: list[Awaitable[None]] = []
         if refused:
             steps.append(on_served(refused))
-        for name, items in text.items():  # one prepare trip and one submission per model
+        for (name, _), items in text.items():  # a few prepare trips and one submission per model and lane
             steps.append(self._isolated([work for work, _ in items],
                                         self._answer_all(self.hosted[name], items, on_served), on_served))
         for work, request in with_media:

@@ -401,3 +401,41 @@ def test_rows_past_their_deadline_are_dropped_without_a_pass():
     assert [[item.name for item in call] for call in model.calls] == [["kept"]]
     assert kept[0][0] == 14 and scheduler.rows_expired == 3
     assert scheduler.device_seconds == pytest.approx(kept[0][1].seconds)
+
+
+def test_while_high_rows_come_passes_are_capped_so_a_flood_delays_a_high_row_by_one_short_pass():
+    """lane_pass_tokens: once a high row was queued (within lane_ageing_ms), every pass holds at most that many
+    padded tokens; a high row arriving behind a flood rides the pass after the one running, and both are short.
+    With no high row for lane_ageing_ms, passes are full again. Without the cap the high row's pass is filled
+    with flood rows up to max_batch_tokens."""
+
+    def scenario(cap: int):
+        model = FakeModel(delay=0.02)
+
+        async def go():
+            scheduler = BatchScheduler(model, length=_length, linger_ms=1, max_batch_rows=64, max_batch_tokens=2000,
+                                       lane_ageing_ms=1000, lane_pass_tokens=cap)
+            await scheduler.enqueue([Item(50, "h0")], None, HIGH)  # high traffic seen
+            flood = [scheduler.enqueue([Item(100, f"low{n}")], None, LOW) for n in range(30)]
+            while not model.calls or model.calls[-1][0].name == "h0":  # the flood's first pass is running
+                await asyncio.sleep(0.002)
+            running = len(model.calls)
+            await asyncio.gather(scheduler.enqueue([Item(50, "h1")], None, HIGH), *flood)
+            await asyncio.sleep(1.1)  # no high row for longer than lane_ageing_ms
+            quiet_from = len(model.calls)
+            await asyncio.gather(*(scheduler.enqueue([Item(100, f"late{n}")], None, LOW) for n in range(30)))
+            await scheduler.close()
+            return running, quiet_from
+
+        running, quiet_from = _run(go())
+        high_pass = next(n for n, call in enumerate(model.calls) if any(item.name == "h1" for item in call))
+        return model.calls, running, quiet_from, high_pass
+
+    calls, running, quiet_from, high_pass = scenario(300)
+    assert high_pass <= running, "one pass (the one running) at most between the high row and its pass"
+    assert all(_padded(call) <= 300 for call in calls[:quiet_from]), [_padded(call) for call in calls]
+    assert max(_padded(call) for call in calls[quiet_from:]) > 300, "no high traffic: full passes again"
+    assert sum(len(call) for call in calls) == 62
+
+    calls, _, _, high_pass = scenario(0)  # no cap: the high row's pass is filled with flood rows
+    assert _padded(calls[high_pass]) > 300

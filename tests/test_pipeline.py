@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -270,6 +271,58 @@ def test_a_high_priority_request_is_answered_before_a_low_flood_of_its_fetch(pip
     first = [served.answer.id for served in recorder.calls[0]]
     assert "urgent" in first, [[s.answer.id for s in call] for call in recorder.calls]
     assert all(answer.error is None for answer in recorder.answers.values())
+
+
+class SlowToPrepareLow:
+    """The real model, with each low-priority request's ``prepare`` slowed down: a flood that takes long to
+    tokenize (its prompts are long, or the prepare thread is busy)."""
+
+    def __init__(self, model: Any):
+        self._model = model
+        self.low_prepared = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def prepare(self, state: Any, questions: Any, **options: Any) -> Any:
+        if "low" in json.dumps(state):
+            time.sleep(0.01)
+            self.low_prepared += 1
+        return self._model.prepare(state, questions, **options)
+
+
+def test_a_high_request_of_a_flooded_fetch_does_not_wait_for_the_flood_to_be_prepared(qwen35_model):
+    """One fetch: a flood of 40 low requests that take long to prepare, and one high request last. Each lane of
+    the fetch is prepared and submitted on its own, so the high one rides a pass alone and is handed on first,
+    before the flood is prepared (submitted with the flood it would wait for all of it and share its pass)."""
+    qwen35_model.system_one(state={"ticket": "warm-up"}, questions={"q": Q_NOUL})  # a first pass is slow (once)
+    model = SlowToPrepareLow(qwen35_model)
+    settings = Settings(metrics_port=None, answer_topic="answers", dead_letter_topic="dead-letters",
+                        linger_ms=20, prefix_reuse="off", max_batch_rows=64)
+    service = Service(settings, model)
+    seen_at_first_answer = []
+
+    class First(Recorder):
+        async def __call__(self, served: list[Served]) -> None:
+            if not self.calls:
+                seen_at_first_answer.append(model.low_prepared)
+            await super().__call__(served)
+
+    recorder = First()
+    batch = records(*(request(f"low{n}", priority="low") for n in range(40)), request("urgent", priority="high"))
+
+    async def go() -> None:
+        try:
+            await service.pipeline.serve(batch, recorder)
+        finally:
+            await service.passes.close()
+
+    asyncio.run(go())
+    service.pipeline.close()
+    service.fetcher.close()
+    assert [served.answer.id for served in recorder.calls[0]] == ["urgent"], recorder.calls[0][:3]
+    assert seen_at_first_answer[0] < 40, "the high request waited for the whole flood to be prepared"
+    assert len(recorder.answers) == 41 and all(answer.error is None for answer in recorder.answers.values())
 
 
 def test_cost_shares_on_the_shared_prefix_path_add_up_to_its_passes(pipeline_service):

@@ -641,6 +641,19 @@ def test_backpressure_bounds_inflight_requests(stack, qwen35_model):
     assert model.forward_calls >= 40 // (limit + 1)
 
 
+def test_backpressure_pauses_the_flooded_partitions_and_keeps_a_light_one_flowing_up_to_the_reserve():
+    """At the limits, a partition holding its share of max_inflight_requests is paused, one below it is still
+    read (a light interactive stream beside a flood), until the work passes the limits by RESERVE: then all."""
+    from d3stream.consume import RESERVE, backpressure_pauses
+
+    flood_and_light = {"flood-0": 150, "flood-1": 104, "light": 2}  # share: 256 / 3 partitions
+    assert backpressure_pauses(flood_and_light, 256, 20_000, 256, 262_144) == {"flood-0", "flood-1"}
+    over = int(256 * (1 + RESERVE))
+    assert backpressure_pauses({**flood_and_light, "light": 30}, over, 20_000, 256, 262_144) == set(flood_and_light)
+    assert backpressure_pauses(flood_and_light, 256, 300_000, 256, 262_144) == set(flood_and_light)  # tokens too
+    assert backpressure_pauses({"only": 256}, 256, 0, 256, 262_144) == {"only"}  # one partition: as before
+
+
 # --------------------------------------------------------------------------- clean shutdown + restart
 
 
