@@ -65,6 +65,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: list[str] = msgspec.field(default_factory=list)
     model_name: str | None = None
     model_memory_bytes: int | None = None
+    model_source: str | None = None
+    model_source_poll_ms: int = 5_000
+    canary: str | None = None
     device: str | None = None
     verify: Literal["fast", "full", "none"] = "fast"
     permutation_average: bool = False
@@ -169,6 +172,12 @@ HELP: dict[str, str] = {
     "model_name": "name the default (first) model's answers carry (default: the checkpoint's manifest name)",
     "model_memory_bytes": "memory the served models' weights may take together, checked at start (default: the "
     "device's free memory: torch.cuda.mem_get_info on a GPU, available RAM on a CPU)",
+    "model_source": "a directory or s3://bucket/prefix/ of checkpoints with a pointer CURRENT.json (docs/MODELS.md): "
+    "the worker serves the pointer's current checkpoint as its default model, watches the pointer and swaps to a "
+    "new one without a stop (same model_allowlist and credentials as s3:// checkpoints)",
+    "model_source_poll_ms": "how often the model_source pointer is read for a change",
+    "canary": "NAME=SHARE: a deterministic share (0 to 1, by a hash of the request id) of the requests that name "
+    "no model goes to the served model NAME, the rest to the default; a model_source pointer's canary replaces it",
     "device": "torch device (default: cuda:0 when present, else cpu)",
     "verify": "checkpoint manifest verification at load",
     "permutation_average": "score choice questions in both option orders and average (requests may ask too)",
