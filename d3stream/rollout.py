@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,8 +291,12 @@ class Rollout:
 
     async def _load(self, location: str) -> Hosted:
         log.info("loading a checkpoint in the background", checkpoint=location)
+        started = time.perf_counter()
         model = await asyncio.to_thread(load_checkpoint, location, self.settings)
+        loaded = time.perf_counter()
         await asyncio.get_running_loop().run_in_executor(self.host.model_thread, warm_up, model, location)
+        log.info("checkpoint verified and warmed up", checkpoint=location, load_s=round(loaded - started, 2),
+                 warmup_s=round(time.perf_counter() - loaded, 2))
         return self.host.host_model(model)
 
     def _switch(self, pointer: SourcePointer, loaded: dict[str, Hosted]) -> None:
