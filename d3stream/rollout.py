@@ -27,9 +27,12 @@ depends only on the id, so a retried request meets the same model, and every wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import hashlib
 import math
 import time
+from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,13 +120,32 @@ def load_checkpoint(location: str, settings: Settings) -> Any:
             path = fetch_checkpoint(location, ObjectStoreAccess.from_settings(settings))
         else:
             path = Path(location).expanduser()
-        model: Any = D3.from_pretrained(path, device=settings.device, verify="full",
-                                   model_name=checkpoint_folder(location),
-                                   permutation_average=settings.permutation_average)
+        with collector_paused():
+            model: Any = D3.from_pretrained(path, device=settings.device, verify="full",
+                                            model_name=checkpoint_folder(location),
+                                            permutation_average=settings.permutation_average)
     except (CheckpointError, ValueError, OSError) as exc:
         raise RefusedCheckpoint(location, "refused_verification", str(exc)) from exc
     model.model_source_location = location  # a pointer may retire it (models given with --model stay)
     return model
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a checkpoint loads beside a serving event loop. Loading a
+    tokenizer builds ~150k small tuples (its BPE merges) in Python; the allocations trigger full collections,
+    which walk every object of a process holding models and keep the GIL throughout: measured on a busy
+    2-core machine, the event loop stalled for 9 s, long enough to miss the consumer's heartbeats and be
+    dropped from the group (a rebalance, the very thing a swap must not cause). Off, the longest stall was
+    about 2 s (single C calls: JSON parsing, the tokenizer's construction). The collector is on again after,
+    and collects what it skipped then."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def warm_up(model: Any, location: str) -> None:
@@ -203,6 +225,7 @@ class Rollout:
         self._problem: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._drains: set[asyncio.Task[None]] = set()
+        self._pending: set[str] = set()
 
     # -------------------------------------------------------------------------------------- routing
 
@@ -281,13 +304,18 @@ class Rollout:
         """Load what the pointer names and is not served, then switch routing in one step."""
         wanted = [pointer.current, *([pointer.canary.location] if pointer.canary else [])]
         loaded: dict[str, Hosted] = {}
-        for location in wanted:
-            name = checkpoint_folder(location)
-            if name not in self.pipeline.hosted and name not in loaded:
-                loaded[name] = await self._load(location)
-        for hosted in loaded.values():  # its provenance is on the topic before any answer names it
-            await self.host.publish_model_provenance(hosted)
-        self._switch(pointer, loaded)
+        # A retired model the pointer names again is kept while this runs (its drain waits), not reloaded.
+        self._pending = {checkpoint_folder(location) for location in wanted}
+        try:
+            for location in wanted:
+                name = checkpoint_folder(location)
+                if name not in self.pipeline.hosted and name not in loaded:
+                    loaded[name] = await self._load(location)
+            for hosted in loaded.values():  # its provenance is on the topic before any answer names it
+                await self.host.publish_model_provenance(hosted)
+            self._switch(pointer, loaded)
+        finally:
+            self._pending = set()
 
     async def _load(self, location: str) -> Hosted:
         log.info("loading a checkpoint in the background", checkpoint=location)
@@ -331,7 +359,7 @@ class Rollout:
         while True:
             if name in self.pipeline.routes:
                 return
-            hosted = self.pipeline.drop_model(name)
+            hosted = None if name in self._pending else self.pipeline.drop_model(name)
             if hosted is not None:
                 await self.host.unhost_model(hosted)
                 log.info("retired model dropped", model=name)

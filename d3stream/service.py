@@ -153,6 +153,11 @@ class Service:
         the rollout hands it to the pipeline once its provenance is published."""
         model.limit_prompt_tokens(self.settings.max_prompt_tokens)
         model.limit_request_tokens(self.settings.max_request_tokens)
+        if self.settings.media_cache_bytes > 0 and hasattr(model, "media_cache"):  # loaded for this worker alone
+            from .runtime.cache import MediaFeatureCache
+
+            model.media_cache = MediaFeatureCache(self.settings.media_cache_bytes,
+                                                  on_lookup=self.metrics.count_media_cache)
         hosted = self._host(model, self.worker, None, None)
         self.hosted.append(hosted)
         return hosted
