@@ -168,7 +168,7 @@ HELP: dict[str, str] = {
     "many, with the size and SHA-256 of the whole",
     "model": "checkpoints to serve: each a directory or s3://bucket/prefix/ (downloaded once to model_cache_dir), "
     "optionally as NAME=... (the name requests route by and answers carry); several (repeat the flag or separate "
-    "with commas): one worker serves them all, the first is the default; required for serve",
+    "with commas): one worker serves them all, the first is the default; serve needs it or model_source",
     "model_name": "name the default (first) model's answers carry (default: the checkpoint's manifest name)",
     "model_memory_bytes": "memory the served models' weights may take together, checked at start (default: the "
     "device's free memory: torch.cuda.mem_get_info on a GPU, available RAM on a CPU)",

@@ -16,6 +16,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from d3stream.checkpoints import POINTER
+from d3stream.cli import main as cli_main
 from d3stream.clients import produce
 from d3stream.config import Settings
 from d3stream.rollout import RefusedCheckpoint, load_checkpoint, load_source_models, parse_canary, share_point
@@ -23,6 +24,7 @@ from d3stream.runtime.package import MANIFEST, package_files, read_manifest, wri
 from d3stream.service import Service
 from tests.model_fixtures import copy_checkpoint
 from tests.stream_helpers import Reader, assigned_and_ready, close_to, read_all, record, run, stop
+from tests.test_checkpoints import _logging_restored  # noqa: F401 - autouse: serve sets up logging in process
 
 Q_NOUL = {"type": "noul", "question": "Is the customer asking for a refund?"}
 
@@ -244,3 +246,19 @@ def test_canary_settings_and_a_checkpoint_of_another_format_version(
     with pytest.raises(RefusedCheckpoint, match="format_version 99") as refused:
         load_checkpoint(str(newer), Settings())
     assert refused.value.outcome == "refused_verification"
+
+
+def test_serve_refuses_a_source_whose_current_checkpoint_is_tampered(
+    tmp_path: Path, qwen35_text_checkpoint: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    source = tmp_path / "source"
+    damaged = copy_checkpoint(qwen35_text_checkpoint, source / "v1") / "tokenizer_config.json"
+    data = damaged.read_bytes()
+    damaged.write_bytes(data[:10] + bytes([data[10] ^ 0x01]) + data[11:])
+    write_pointer(local_pointer(source), "v1")
+    # No broker at this address: the refusal must come first.
+    status = cli_main(["serve", "--model-source", str(source), "--bootstrap-servers", "127.0.0.1:9",
+                       "--metrics-port", ""])
+    error = capsys.readouterr().err
+    assert status == 2
+    assert f"model_source {source}" in error and "tokenizer_config.json: SHA-256 differs" in error, error
