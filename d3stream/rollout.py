@@ -307,10 +307,15 @@ class Rollout:
         # A retired model the pointer names again is kept while this runs (its drain waits), not reloaded.
         self._pending = {checkpoint_folder(location) for location in wanted}
         try:
-            for location in wanted:
-                name = checkpoint_folder(location)
-                if name not in self.pipeline.hosted and name not in loaded:
-                    loaded[name] = await self._load(location)
+            try:
+                for location in wanted:
+                    name = checkpoint_folder(location)
+                    if name not in self.pipeline.hosted and name not in loaded:
+                        loaded[name] = await self._load(location)
+            except RefusedCheckpoint:  # all or nothing: what did load for this pointer goes again
+                for hosted in loaded.values():
+                    await self.host.unhost_model(hosted)
+                raise
             for hosted in loaded.values():  # its provenance is on the topic before any answer names it
                 await self.host.publish_model_provenance(hosted)
             self._switch(pointer, loaded)
