@@ -7,6 +7,7 @@ keeps answering; the canary share splits requests by their id and follows the po
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -60,6 +61,17 @@ def sample(service: Service, name: str, **labels: str) -> float:
 
 def swaps(service: Service, outcome: str) -> float:
     return sample(service, "d3stream_model_swaps_total", outcome=outcome)
+
+
+async def until_swaps(service: Service, reader: Reader, task: asyncio.Task, outcome: str, count: int) -> None:
+    """Until ``count`` swaps of ``outcome``; on a timeout the failure shows where the rollout's watch waits."""
+    try:
+        await reader.wait(lambda: swaps(service, outcome) == count, 240, task, what=f"{count} {outcome}")
+    except AssertionError as exc:
+        stack = io.StringIO()
+        if service.rollout is not None and service.rollout._task is not None:
+            service.rollout._task.print_stack(file=stack)
+        raise AssertionError(f"{exc}\nthe rollout's watch:\n{stack.getvalue()}") from exc
 
 
 def test_a_pointer_changed_mid_stream_swaps_the_model_without_a_stop(
@@ -184,20 +196,19 @@ def test_a_tampered_checkpoint_is_refused_and_the_canary_share_follows_the_point
                 await reader.wait(lambda: assigned_and_ready(service), 60, task, what="the assignment")
                 with capture_logs() as logs:
                     write_pointer(put, "v3")
-                    await reader.wait(lambda: swaps(service, "refused_verification") == 1, 240, task,
-                                      what="the refusal")
+                    await until_swaps(service, reader, task, "refused_verification", 1)
                     await asyncio.sleep(1.0)  # ten polls of the same pointer
                 assert swaps(service, "refused_verification") == 1, "the same bad pointer was tried again"
                 await produce(bootstrap, stack.requests, [request(rid) for rid in batches["refused"]])
                 await reader.wait_ids(batches["refused"], 60, task)
 
                 write_pointer(put, "v1", ("v2", 0.3))
-                await reader.wait(lambda: swaps(service, "canary") == 1, 240, task, what="the canary")
+                await until_swaps(service, reader, task, "canary", 1)
                 await produce(bootstrap, stack.requests, [request(rid) for rid in batches["share-0.3"]])
                 await reader.wait_ids(batches["share-0.3"], 60, task)
 
                 write_pointer(put, "v1", ("v2", 0.8))
-                await reader.wait(lambda: swaps(service, "canary") == 2, 240, task, what="the new share")
+                await until_swaps(service, reader, task, "canary", 2)
                 await produce(bootstrap, stack.requests, [request(rid) for rid in batches["share-0.8"]] +
                               [request(rid, "v1") for rid in named])
                 await reader.wait_ids([*batches["share-0.8"], *named], 60, task)
