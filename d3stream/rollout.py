@@ -334,7 +334,7 @@ class Rollout:
 
     def _switch(self, pointer: SourcePointer, loaded: dict[str, Hosted]) -> None:
         """No await in here: every request admitted after it goes to the new routing, none before."""
-        previous = self.pipeline.default
+        previous, canary_before = self.pipeline.default, self._canary_state()
         current = checkpoint_folder(pointer.current)
         for name in (current, *([checkpoint_folder(pointer.canary.location)] if pointer.canary else [])):
             self.pipeline.add_model(loaded.get(name) or self.pipeline.hosted[name], default=name == current)
@@ -354,10 +354,13 @@ class Rollout:
                      previous_in_flight=self.pipeline.routed[previous.name],
                      canary=self.canary.hosted.name if self.canary else None,
                      canary_share=self.canary.share if self.canary else None)
-        elif self._applied is not None:
+        elif self._canary_state() != canary_before:
             self.metrics.count_model_swap("canary")
             log.info("canary changed", current=default.name, canary=self.canary.hosted.name if self.canary else None,
                      canary_share=self.canary.share if self.canary else None)
+
+    def _canary_state(self) -> tuple[str, float] | None:
+        return (self.canary.hosted.name, self.canary.share) if self.canary else None
 
     async def _drop_when_drained(self, name: str) -> None:
         """Close a retired model once every request routed to it is answered (unless it was named again)."""
