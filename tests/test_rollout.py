@@ -1,7 +1,9 @@
 """Rolling out models on a live stream (``model_source``, ``--canary``; d3stream/rollout.py), against a real
 broker, a real S3 endpoint and tiny real checkpoints: a pointer changed mid-stream swaps the default model
 without losing, repeating or re-assigning anything; a tampered checkpoint is refused once and the old model
-keeps answering; the canary share splits requests by their id and follows the pointer.
+keeps answering; the canary share splits requests by their id and follows the pointer; a checkpoint of
+another format version, or one that verifies but answers no probability, is refused; serve refuses a source
+whose current checkpoint is tampered before it connects.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from d3stream.checkpoints import POINTER
 from d3stream.cli import main as cli_main
 from d3stream.clients import produce
 from d3stream.config import Settings
-from d3stream.rollout import RefusedCheckpoint, load_checkpoint, load_source_models, parse_canary, share_point
+from d3stream.rollout import (
+    RefusedCheckpoint,
+    load_checkpoint,
+    load_source_models,
+    parse_canary,
+    share_point,
+    warm_up,
+)
 from d3stream.runtime.package import MANIFEST, package_files, read_manifest, write_manifest
 from d3stream.service import Service
 from tests.model_fixtures import copy_checkpoint
@@ -273,3 +282,23 @@ def test_serve_refuses_a_source_whose_current_checkpoint_is_tampered(
     error = capsys.readouterr().err
     assert status == 2
     assert f"model_source {source}" in error and "tokenizer_config.json: SHA-256 differs" in error, error
+
+
+def test_a_checkpoint_that_verifies_but_answers_no_probability_is_refused_at_warm_up(
+    tmp_path: Path, qwen35_text_checkpoint: Path,
+) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    broken = copy_checkpoint(qwen35_text_checkpoint, tmp_path / "source" / "nan")
+    readout = broken / "readout.safetensors"
+    weight = load_file(str(readout))["weight"]
+    readout.unlink()  # it may be a link to the fixture's file
+    save_file({"weight": torch.full_like(weight, float("nan"))}, str(readout))
+    manifest = read_manifest(broken)
+    write_manifest(broken, model_name=manifest["model_name"], repo_id=manifest["repo_id"],
+                   identity={k: v for k, v in manifest["identity"].items() if k != "model_sha256"})
+    model = load_checkpoint(str(broken), Settings())  # a manifest that matches: it verifies
+    with pytest.raises(RefusedCheckpoint, match="warm-up") as refused:
+        warm_up(model, str(broken))
+    assert refused.value.outcome == "refused_warmup"
