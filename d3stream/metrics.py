@@ -46,7 +46,7 @@ MAX_TENANT_LABELS = 100
 OTHER_TENANT = "_other"
 
 # What a rollout did with a changed model source pointer (d3stream_model_swaps_total's outcome label).
-SWAP_OUTCOMES = ("swapped", "canary", "refused_verification", "refused_warmup", "refused_pointer")
+SWAP_OUTCOMES = ("swapped", "canary", "refused_verification", "refused_memory", "refused_warmup", "refused_pointer")
 
 STAGES = ("fetch", "decode", "prepare", "queued", "forward", "publish", "end_to_end")
 """Stages a request walks, as ``observe_stage`` takes them (``queued``: waiting for a forward pass)."""
@@ -344,7 +344,7 @@ class Metrics:
             f"{PREFIX}_model_swaps",
             "Changes of a watched model_source pointer acted on (rollout.py), by outcome: swapped (a new default "
             "model serves), canary (the canary or its share changed), refused_verification (manifest, SHA-256 or "
-            "format version), refused_warmup, refused_pointer (unreadable or invalid pointer). A refusal leaves "
+            "format version), refused_memory (it and the served models do not fit), refused_warmup, refused_pointer (unreadable or invalid pointer). A refusal leaves "
             "the served models serving.",
             ["outcome"],
             registry=r,

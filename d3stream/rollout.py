@@ -32,7 +32,7 @@ import gc
 import hashlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,8 @@ from .checkpoints import (
     CheckpointError,
     ObjectStoreAccess,
     SourcePointer,
+    check_models_fit,
+    checkpoint_memory_bytes,
     fetch_checkpoint,
     resolve_source,
 )
@@ -109,10 +111,12 @@ def checkpoint_folder(location: str) -> str:
     return location.rstrip("/").rsplit("/", 1)[-1]
 
 
-def load_checkpoint(location: str, settings: Settings) -> Any:
+def load_checkpoint(location: str, settings: Settings, served: Sequence[Path] = ()) -> Any:
     """Load a checkpoint of a model source under its folder's name, every file's full SHA-256 checked
     against its manifest (a pointer can be changed by anyone who can write to the source), its format
-    version checked by the runtime. Blocking: run it off the event loop. RefusedCheckpoint says why not."""
+    version checked by the runtime; first, its weights and those of the ``served`` checkpoints must fit
+    together (``model_memory_bytes``, else the device's free memory), since the old model stays loaded
+    until its requests are answered. Blocking: run it off the event loop. RefusedCheckpoint says why not."""
     from .runtime import D3
 
     try:
@@ -120,6 +124,8 @@ def load_checkpoint(location: str, settings: Settings) -> Any:
             path = fetch_checkpoint(location, ObjectStoreAccess.from_settings(settings))
         else:
             path = Path(location).expanduser()
+        if served:
+            _check_fit(location, path, served, settings)
         with collector_paused():
             model: Any = D3.from_pretrained(path, device=settings.device, verify="full",
                                             model_name=checkpoint_folder(location),
@@ -128,6 +134,18 @@ def load_checkpoint(location: str, settings: Settings) -> Any:
         raise RefusedCheckpoint(location, "refused_verification", str(exc)) from exc
     model.model_source_location = location  # a pointer may retire it (models given with --model stay)
     return model
+
+
+def _check_fit(location: str, path: Path, served: Sequence[Path], settings: Settings) -> None:
+    import torch
+
+    device = settings.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    needs = {str(root): checkpoint_memory_bytes(root) for root in served}
+    needs[checkpoint_folder(location)] = checkpoint_memory_bytes(path)
+    try:
+        check_models_fit(needs, device, settings.model_memory_bytes)
+    except CheckpointError as exc:
+        raise RefusedCheckpoint(location, "refused_memory", str(exc)) from exc
 
 
 @contextlib.contextmanager
@@ -325,7 +343,9 @@ class Rollout:
     async def _load(self, location: str) -> Hosted:
         log.info("loading a checkpoint in the background", checkpoint=location)
         started = time.perf_counter()
-        model = await asyncio.to_thread(load_checkpoint, location, self.settings)
+        served = [root for root in (getattr(hosted.model, "root", None) for hosted in self.pipeline.hosted.values())
+                  if isinstance(root, Path)]
+        model = await asyncio.to_thread(load_checkpoint, location, self.settings, served)
         loaded = time.perf_counter()
         await asyncio.get_running_loop().run_in_executor(self.host.model_thread, warm_up, model, location)
         log.info("checkpoint verified and warmed up", checkpoint=location, load_s=round(loaded - started, 2),

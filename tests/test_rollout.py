@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from d3stream.checkpoints import POINTER
+from d3stream.checkpoints import POINTER, checkpoint_memory_bytes
 from d3stream.cli import main as cli_main
 from d3stream.clients import produce
 from d3stream.config import Settings
@@ -266,6 +266,12 @@ def test_canary_settings_and_a_checkpoint_of_another_format_version(
     with pytest.raises(RefusedCheckpoint, match="format_version 99") as refused:
         load_checkpoint(str(newer), Settings())
     assert refused.value.outcome == "refused_verification"
+
+    # The old model stays loaded while the new one loads: both must fit (model_memory_bytes), else refused.
+    needs = checkpoint_memory_bytes(qwen35_text_checkpoint)
+    with pytest.raises(RefusedCheckpoint, match="the models do not fit") as refused:
+        load_checkpoint(str(qwen35_text_checkpoint), Settings(model_memory_bytes=needs), [qwen35_text_checkpoint])
+    assert refused.value.outcome == "refused_memory" and "model_memory_bytes" in str(refused.value)
 
 
 def test_serve_refuses_a_source_whose_current_checkpoint_is_tampered(
