@@ -118,8 +118,8 @@ def test_a_pointer_changed_mid_stream_swaps_the_model_without_a_stop(
                     during.extend(batch)
                     await produce(bootstrap, stack.requests, [request(rid) for rid in batch])
                     await asyncio.sleep(0.25)
-                await produce(bootstrap, stack.requests, [request(rid) for rid in after])
-                await reader.wait_ids([*before, *during, *after], 240, task)
+                await produce(bootstrap, stack.requests, [*(request(rid) for rid in after), request("names-v1", "v1")])
+                await reader.wait_ids([*before, *during, *after, "names-v1"], 240, task)
                 # The old model answered what was routed to it, then was dropped.
                 await reader.wait(lambda: [h.name for h in service.hosted] == ["v2"], 30, task, what="v1 dropped")
                 group_after = {"rebalances": sample(service, "d3stream_rebalances_total"),
@@ -133,7 +133,7 @@ def test_a_pointer_changed_mid_stream_swaps_the_model_without_a_stop(
     service, reader, group = run(scenario())
     assert group["rebalances"] >= 1
     counts = reader.counts()
-    assert set(counts) == {*before, *during, *after}, "lost answers"
+    assert set(counts) == {*before, *during, *after, "names-v1"}, "lost answers"
     assert set(counts.values()) == {1}, "duplicated answers"
     assert swaps(service, "swapped") == 1
     assert set(service.pipeline.hosted) == {"v2"}
@@ -142,7 +142,12 @@ def test_a_pointer_changed_mid_stream_swaps_the_model_without_a_stop(
     by_partition: dict[int, list[tuple[int, str]]] = defaultdict(list)
     digests: dict[str, str] = {}
     checked: dict[str, int] = defaultdict(int)
+    retired = reader.by_id().pop("names-v1")
+    # The retired model takes no new request, even one that names it.
+    assert retired["error"]["code"] == "model_not_served" and "'v2'" in retired["error"]["message"]
     for answer in reader.answers():
+        if answer["id"] == "names-v1":
+            continue
         name = answer["model"]
         assert "error" not in answer, answer
         assert answer["provenance"]["model"]["name"] == name
@@ -153,7 +158,7 @@ def test_a_pointer_changed_mid_stream_swaps_the_model_without_a_stop(
             alone = references[name].system_one(state=body["state"], questions=body["questions"])["answers"]
             close_to(answer["answers"], alone, answer["id"])
         by_partition[answer["source"]["partition"]].append((answer["source"]["offset"], name))
-    models = {answer["id"]: answer["model"] for answer in reader.answers()}
+    models = {answer["id"]: answer.get("model") for answer in reader.answers()}
     assert {models[rid] for rid in after} == {"v2"}
     assert sum(models[rid] == "v1" for rid in before) >= 6
     # One switch per partition: in read order, every answer of v1 comes before every answer of v2.
