@@ -20,7 +20,7 @@ Credentials, endpoint, region, timeouts and retries are the media settings' (``s
 
 A watched **model source** (docs/MODELS.md) is a directory or ``s3://`` prefix holding checkpoints, one
 per sub-folder, and a pointer file ``CURRENT.json`` naming the current one and an optional canary with its
-share; ``resolve_source`` reads it. The live swap that watches it belongs to the multi-model worker.
+share; ``resolve_source`` reads it. ``rollout.py`` watches it and swaps models without a stop.
 """
 
 from __future__ import annotations

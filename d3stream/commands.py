@@ -26,9 +26,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"d3stream serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level)
-    if not settings.model:
-        print("d3stream serve: no checkpoint: set --model, D3STREAM_MODEL or model = ... in the settings file",
-              file=sys.stderr)
+    if not settings.model and not settings.model_source:
+        print("d3stream serve: no checkpoint: set --model (or --model-source), D3STREAM_MODEL or model = ... in the "
+              "settings file", file=sys.stderr)
         return 2
     from .checkpoints import CheckpointError
     from .metrics import Metrics, serve_metrics
@@ -70,11 +70,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+<<<<<<< HEAD
 def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
     """Every ``--model`` of serve, the first the default, and a ``--shadow NAME=PATH`` checkpoint (None: no
     shadow, or a served model's name): made local (s3:// fetched and verified), their weights checked to fit
     the device together (``model_memory_bytes``) before any is loaded, then loaded (and warmed up with
-    ``warmup``). CheckpointError / ValueError name what is wrong."""
+    ``warmup``). With ``model_source`` its pointer's current checkpoint (and canary) come first, the default
+    (rollout.py). CheckpointError / ValueError name what is wrong."""
     from .checkpoints import (
         check_models_fit,
         checkpoint_memory_bytes,
@@ -92,19 +94,25 @@ def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
         specs.append(parse_model_specs([settings.shadow])[0])
         texts.append(settings.shadow)
     resolved = [resolve_model(text, settings) for text in texts]
-    names = [model_name_for(resolved[0], settings.model_name), *(each.name for each in resolved[1:])]
+    names: list[str | None] = [each.name for each in resolved]
+    if settings.model and not settings.model_source:  # model_name names the default; a source's names itself
+        names[0] = model_name_for(resolved[0], settings.model_name)
     device = settings.device or ("cuda:0" if _cuda_available() else "cpu")
     check_models_fit({name or spec.location: checkpoint_memory_bytes(each.path)
                       for name, spec, each in zip(names, specs, resolved, strict=True)},
                      device, settings.model_memory_bytes)
     models = []
+    if settings.model_source:
+        from .rollout import load_source_models
+
+        models.extend(load_source_models(settings))
     for name, each in zip(names, resolved, strict=True):
-        model = D3.from_pretrained(each.path, device=settings.device, verify=settings.verify, model_name=name,
-                                   permutation_average=settings.permutation_average)
-        if settings.warmup:
+        models.append(D3.from_pretrained(each.path, device=settings.device, verify=settings.verify,
+                                         model_name=name, permutation_average=settings.permutation_average))
+    if settings.warmup:
+        for model in models:
             model.warmup()
-        models.append(model)
-    if len(models) > len(settings.model):
+    if len(texts) > len(settings.model):  # the last one loaded is the shadow's checkpoint
         return models[:-1], models[-1]
     return models, None
 

@@ -68,6 +68,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     shadow: str | None = None
     shadow_share: float = 1.0
     shadow_topic: str | None = None
+    model_source: str | None = None
+    model_source_poll_ms: int = 5_000
+    canary: str | None = None
     device: str | None = None
     verify: Literal["fast", "full", "none"] = "fast"
     permutation_average: bool = False
@@ -169,7 +172,7 @@ HELP: dict[str, str] = {
     "many, with the size and SHA-256 of the whole",
     "model": "checkpoints to serve: each a directory or s3://bucket/prefix/ (downloaded once to model_cache_dir), "
     "optionally as NAME=... (the name requests route by and answers carry); several (repeat the flag or separate "
-    "with commas): one worker serves them all, the first is the default; required for serve",
+    "with commas): one worker serves them all, the first is the default; serve needs it or model_source",
     "model_name": "name the default (first) model's answers carry (default: the checkpoint's manifest name)",
     "model_memory_bytes": "memory the served models' weights may take together, checked at start (default: the "
     "device's free memory: torch.cuda.mem_get_info on a GPU, available RAM on a CPU)",
@@ -179,6 +182,12 @@ HELP: dict[str, str] = {
     "shadow_share": "share of requests (0 to 1) the shadow also answers, chosen by a hash of the request id: the "
     "same requests on every worker and replay",
     "shadow_topic": "topic the shadow's answers go to (default: the answer topic's name + .shadow)",
+    "model_source": "a directory or s3://bucket/prefix/ of checkpoints with a pointer CURRENT.json (docs/MODELS.md): "
+    "the worker serves the pointer's current checkpoint as its default model, watches the pointer and swaps to a "
+    "new one without a stop (same model_allowlist and credentials as s3:// checkpoints)",
+    "model_source_poll_ms": "how often the model_source pointer is read for a change",
+    "canary": "NAME=SHARE: a deterministic share (0 to 1, by a hash of the request id) of the requests that name "
+    "no model goes to the served model NAME, the rest to the default; a model_source pointer's canary replaces it",
     "device": "torch device (default: cuda:0 when present, else cpu)",
     "verify": "checkpoint manifest verification at load",
     "permutation_average": "score choice questions in both option orders and average (requests may ask too)",

@@ -50,6 +50,9 @@ PREFIX = "d3stream"
 MAX_TENANT_LABELS = 100
 OTHER_TENANT = "_other"
 
+# What a rollout did with a changed model source pointer (d3stream_model_swaps_total's outcome label).
+SWAP_OUTCOMES = ("swapped", "canary", "refused_verification", "refused_memory", "refused_warmup", "refused_pointer")
+
 STAGES = ("fetch", "decode", "prepare", "queued", "forward", "publish", "end_to_end")
 """Stages a request walks, as ``observe_stage`` takes them (``queued``: waiting for a forward pass)."""
 
@@ -434,6 +437,15 @@ class Metrics:
             "The model this worker serves: name, SHA-256 of its provenance record, torch device.",
             registry=r,
         )
+        self.model_swaps = Counter(
+            f"{PREFIX}_model_swaps",
+            "Changes of a watched model_source pointer acted on (rollout.py), by outcome: swapped (a new default "
+            "model serves), canary (the canary or its share changed), refused_verification (manifest, SHA-256 or "
+            "format version), refused_memory (it and the served models do not fit), refused_warmup, refused_pointer (unreadable or invalid pointer). A refusal leaves "
+            "the served models serving.",
+            ["outcome"],
+            registry=r,
+        )
         self.kernels = Gauge(
             f"{PREFIX}_kernel_info",
             "The implementation bound for each Gated DeltaNet op (1 per op): a kernel package (fla..., "
@@ -457,6 +469,8 @@ class Metrics:
             self.media_cache.labels(result=result)
         for result in ("passed", "failed"):
             self.prefix_checks.labels(result=result)
+        for outcome in SWAP_OUTCOMES:
+            self.model_swaps.labels(outcome=outcome)
 
     # ------------------------------------------------------------------------------- readiness
 
@@ -638,6 +652,10 @@ class Metrics:
     def set_model(self, name: str, provenance_sha256: str, device: str) -> None:
         """The model being served (``d3stream_model_info``)."""
         self.model_info.info({"name": str(name), "provenance_sha256": str(provenance_sha256), "device": str(device)})
+
+    def count_model_swap(self, outcome: str) -> None:
+        """A model source pointer acted on: one of ``SWAP_OUTCOMES``."""
+        self.model_swaps.labels(outcome=outcome).inc()
 
     def set_kernels(self, kernels: dict[str, str]) -> None:
         """The Gated DeltaNet kernels of the served model (``D3.kernel_record()``: op -> implementation),

@@ -15,10 +15,13 @@ value, headers) and walks them through the stages:
    topic (``answers.py``).
 
 A worker may serve several models (``Hosted``: each with its own passes, answer builder and provenance
-digest); a request's ``model`` field routes it, absent the first (default) one; a name not served is
-``model_not_served``. Records refused before routing are answered with the default model's records. With a
-shadow model (``shadow.py``) a share of the answered requests is also answered by it, after the live answer;
-each is delivered with its shadow answer as one more record.
+digest); a request's ``model`` field routes it, absent the first (default) one, or the one ``route_default``
+picks (the canary share, rollout.py); a name not served is ``model_not_served``. Records refused before
+routing are answered with the default model's records. The models served can change while it runs
+(``add_model``, ``retire_model``, ``drop_model``: a swap without a stop): a retired model takes no new
+requests but answers those already routed to it.
+With a shadow model (``shadow.py``) a share of the answered requests is also answered by it, after the
+live answer; each is delivered with its shadow answer as one more record.
 
 The fetch is processed as a batch where that saves work (its text-only requests of one priority lane share
 prepare trips and one submission to the scheduler; lanes apart, so a high one does not wait for a flood's), while failures stay per request: whatever goes wrong with one record ends
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -103,8 +107,14 @@ class RequestPipeline:
         self.hosted = {each.name: each for each in hosted}
         if len(self.hosted) != len(hosted):
             raise ValueError("two served models have the same name: name them with --model NAME=PATH")
+        # What requests may name: the models above less any retired one that still answers what it holds.
+        self.routes = dict(self.hosted)
         self.default = hosted[0]
         self.answers = self.default.answers  # what is refused before routing is answered with its records
+        # Picks the model of a request that names none (None: the default); set by a rollout's canary.
+        self.route_default: Callable[[Request], Hosted] | None = None
+        # Requests routed to each model and not answered yet: a retired model is dropped at zero.
+        self.routed: Counter[str] = Counter()
         self.media = MediaStage(settings, fetcher=fetcher, decoder=decoder, media_budget=media_budget,
                                 metrics=metrics)
         self.media_budget = media_budget
@@ -122,6 +132,23 @@ class RequestPipeline:
 
     def close(self) -> None:
         self.prepare_thread.shutdown()
+
+    def add_model(self, hosted: Hosted, *, default: bool = False) -> None:
+        """Serve one more model (or serve a retired one again); as the default, requests naming none go to it."""
+        self.hosted[hosted.name] = self.routes[hosted.name] = hosted
+        if default:
+            self.default, self.answers = hosted, hosted.answers
+
+    def retire_model(self, name: str) -> None:
+        """Route nothing more to ``name``; what was routed to it is still answered by it."""
+        self.routes.pop(name, None)
+
+    def drop_model(self, name: str) -> Hosted | None:
+        """Forget a retired model that holds no request any more (None: it still holds some, or is routable)."""
+        if name in self.routes or self.routed[name] > 0:
+            return None
+        del self.routed[name]
+        return self.hosted.pop(name, None)
 
     async def serve(self, records: Sequence[InputRecord], on_served: OnServed) -> None:
         """Answer every record; ``on_served`` receives each answer once (it must not raise)."""
@@ -195,12 +222,16 @@ class RequestPipeline:
         scheduling = self._scheduling(record, request)
         if scheduling.deadline is not None and time.time() > scheduling.deadline:
             return self._expired(work, request, DeadlineExceeded(time.time() - scheduling.deadline), "was read")
-        hosted = self.default if request.model is None else self.hosted.get(request.model)
+        if request.model is not None:
+            hosted = self.routes.get(request.model)
+        else:
+            hosted = self.default if self.route_default is None else self.route_default(request)
         if hosted is None:
-            served = ", ".join(repr(name) for name in self.hosted)
+            served = ", ".join(repr(name) for name in self.routes)
             return self.answers.error(work, "model_not_served",
                                       f"this worker serves {served}, not {request.model!r}", request=request)
         work.model = hosted.name
+        self.routed[hosted.name] += 1
         work.questions = len(request.questions)
         self.in_flight.questions += work.questions
         return request
@@ -363,6 +394,8 @@ class RequestPipeline:
 
     def _served(self, work: RequestWork, answer: Answer) -> Served:
         """The request's final answer event (with its id and size settled) and the records to publish."""
+        if work.model is not None and not work.finished:
+            self.routed[work.model] -= 1
         work.finished = True
         self.in_flight.tokens -= work.tokens
         if work.quota_tokens:

@@ -44,6 +44,7 @@ from .offsets import OffsetTracker
 from .passes import Passes, RowScheduler, default_token_budget, model_thread
 from .pipeline import Hosted, RequestPipeline, Served
 from .publishing import Outgoing
+from .rollout import rollout_for
 from .seams import DecisionModel, InFlight
 from .shadow import shadow_hosted
 from .sinks import KafkaTopics, Sink
@@ -104,7 +105,7 @@ class Service:
                              compression=producer_compression(settings.compression))
         # One device, one model thread: every model's passes take turns on it, never side by side.
         self.model_thread = model_thread()
-        worker = Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__)
+        self.worker = worker = Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__)
         self.hosted = [self._host(each, worker, scheduler, replay_id) for each in models]
         default = self.hosted[0]
         own_shadow = self._host(self.shadow_model, worker, None, replay_id) if self.shadow_model is not None else None
@@ -121,6 +122,10 @@ class Service:
             metrics=self.metrics, in_flight=self.in_flight, shadow=self.shadow,
         )
         self.tracker = OffsetTracker()
+        # The watched model source (swaps without a stop) and the canary share (rollout.py), when set.
+        if scheduler is not None and (settings.model_source or settings.canary):
+            raise ValueError("a deterministic replay serves one fixed model: model_source and canary do not apply")
+        self.rollout = rollout_for(settings, self, self.metrics)
         # Made when it runs: the Kafka consumer, where answers go and how offsets commit, the loop over them.
         self.sink: Sink | None = None
         self.delivery: CommitPolicy | None = None
@@ -153,6 +158,32 @@ class Service:
         """The served models and a shadow checkpoint of its own (a served model's shadow is one of them)."""
         own = self.shadow is not None and all(self.shadow is not each for each in self.hosted)
         return [*self.hosted, *([self.shadow] if own and self.shadow is not None else [])]
+
+    def host_model(self, model: DecisionModel) -> Hosted:
+        """A model loaded while serving (a swap's new checkpoint), with the limits every served model gets;
+        the rollout hands it to the pipeline once its provenance is published."""
+        model.limit_prompt_tokens(self.settings.max_prompt_tokens)
+        model.limit_request_tokens(self.settings.max_request_tokens)
+        if self.settings.media_cache_bytes > 0 and hasattr(model, "media_cache"):  # loaded for this worker alone
+            from .runtime.cache import MediaFeatureCache
+
+            model.media_cache = MediaFeatureCache(self.settings.media_cache_bytes,
+                                                  on_lookup=self.metrics.count_media_cache)
+        hosted = self._host(model, self.worker, None, None)
+        self.hosted.append(hosted)
+        return hosted
+
+    async def unhost_model(self, hosted: Hosted) -> None:
+        """A retired model that answered everything routed to it: its passes closed, forgotten."""
+        await hosted.passes.close()
+        self.hosted.remove(hosted)
+
+    async def publish_model_provenance(self, hosted: Hosted) -> None:
+        """One model's provenance record, keyed by its digest (the topic is compacted)."""
+        assert self.sink is not None
+        payload = json.dumps(hosted.provenance, sort_keys=True, ensure_ascii=False).encode()
+        await self.sink.publish_provenance(Outgoing(self.settings.provenance_topic, hosted.provenance_sha256.encode(),
+                                                    payload, kind="provenance"))
 
     # ------------------------------------------------------------------------------ what it shows
 
@@ -220,8 +251,10 @@ class Service:
                  max_request_size=self.limits.max_request_size)
         if any(model.video_unavailable is None for model in self.models):
             self.decoder.warm()  # the first video should not wait for its decoding process to start
-        await self._publish_provenance(self.sink)
+        await self._publish_provenance()
         await self._connecting(self.consumer.start())
+        if self.rollout is not None:
+            self.rollout.start()  # watches the model source beside the consume loop, never in its way
         try:
             self.ready = True
             log.info("serving", topics=settings.request_topics, group=settings.group_id,
@@ -232,6 +265,8 @@ class Service:
             await self.consumer.stop()
 
     async def _close(self) -> None:
+        if self.rollout is not None:
+            await self.rollout.stop()
         for hosted in self._hosted_all():
             await hosted.passes.close()
         self.model_thread.shutdown(wait=True)
@@ -321,12 +356,10 @@ class Service:
         finally:
             await admin.close()
 
-    async def _publish_provenance(self, sink: Sink) -> None:
-        """One record per served model, keyed by its digest (the topic is compacted)."""
+    async def _publish_provenance(self) -> None:
+        """One record per served model and a shadow checkpoint of its own."""
         for hosted in self._hosted_all():
-            payload = json.dumps(hosted.provenance, sort_keys=True, ensure_ascii=False).encode()
-            await sink.publish_provenance(Outgoing(self.settings.provenance_topic, hosted.provenance_sha256.encode(),
-                                                   payload, kind="provenance"))
+            await self.publish_model_provenance(hosted)
 
     # ------------------------------------------------------------------------------ one fetch
 
