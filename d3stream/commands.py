@@ -70,7 +70,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-<<<<<<< HEAD
 def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
     """Every ``--model`` of serve, the first the default, and a ``--shadow NAME=PATH`` checkpoint (None: no
     shadow, or a served model's name): made local (s3:// fetched and verified), their weights checked to fit
