@@ -104,7 +104,7 @@ def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
     if settings.model_source:
         from .rollout import load_source_models
 
-        models.extend(load_source_models(settings))
+        models.extend(load_source_models(settings, beside=[each.path for each in resolved]))
     for name, each in zip(names, resolved, strict=True):
         models.append(D3.from_pretrained(each.path, device=settings.device, verify=settings.verify,
                                          model_name=name, permutation_average=settings.permutation_average))

@@ -124,8 +124,7 @@ def load_checkpoint(location: str, settings: Settings, served: Sequence[Path] = 
             path = fetch_checkpoint(location, ObjectStoreAccess.from_settings(settings))
         else:
             path = Path(location).expanduser()
-        if served:
-            _check_fit(location, path, served, settings)
+        _check_fit(location, path, served, settings)
         with collector_paused():
             model: Any = D3.from_pretrained(path, device=settings.device, verify="full",
                                             model_name=checkpoint_folder(location),
@@ -178,16 +177,22 @@ def warm_up(model: Any, location: str) -> None:
         raise RefusedCheckpoint(location, "refused_warmup", f"the warm-up pass answered no probability: {answer}")
 
 
-def load_source_models(settings: Settings) -> list[Any]:
+def load_source_models(settings: Settings, beside: Sequence[Path] = ()) -> list[Any]:
     """At start: the pointer's current checkpoint (the default) and its canary, loaded and verified as a
-    swap would load them. CheckpointError names what is wrong."""
+    swap would load them, each checked to fit beside the checkpoints ``beside`` (the --model and --shadow
+    ones) and the ones loaded before it. CheckpointError names what is wrong."""
     assert settings.model_source is not None
     pointer = resolve_source(settings.model_source, ObjectStoreAccess.from_settings(settings))
     locations = [pointer.current, *([pointer.canary.location] if pointer.canary else [])]
+    served, models = list(beside), []
     try:
-        return [load_checkpoint(location, settings) for location in locations]
+        for location in locations:
+            model = load_checkpoint(location, settings, served)
+            served.append(model.root)
+            models.append(model)
     except RefusedCheckpoint as exc:
         raise CheckpointError(f"model_source {settings.model_source}: {exc}") from exc
+    return models
 
 
 # ---------------------------------------------------------------------------------------------- rollout

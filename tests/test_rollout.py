@@ -295,6 +295,21 @@ def test_serve_refuses_a_source_whose_current_checkpoint_is_tampered(
     assert f"model_source {source}" in error and "tokenizer_config.json: SHA-256 differs" in error, error
 
 
+def test_serve_refuses_a_source_checkpoint_that_does_not_fit_beside_the_other_models(
+    tmp_path: Path, qwen35_text_checkpoint: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    source = tmp_path / "source"
+    copy_checkpoint(qwen35_text_checkpoint, source / "v1")
+    write_pointer(local_pointer(source), "v1")
+    one = checkpoint_memory_bytes(qwen35_text_checkpoint)  # room for one checkpoint, not for two
+    status = cli_main(["serve", "--model-source", str(source), "--model", f"pinned={qwen35_text_checkpoint}",
+                       "--model-memory-bytes", str(one + one // 2), "--bootstrap-servers", "127.0.0.1:9",
+                       "--metrics-port", ""])
+    error = capsys.readouterr().err
+    assert status == 2
+    assert f"model_source {source}" in error and "the models do not fit" in error, error
+
+
 def test_a_checkpoint_that_verifies_but_answers_no_probability_is_refused_at_warm_up(
     tmp_path: Path, qwen35_text_checkpoint: Path,
 ) -> None:
