@@ -20,8 +20,8 @@ What keeps it out of the live path:
   submitted only once its live answer is computed, so live rows never queue behind shadow rows of the same
   request. They then ride the request's own priority lane (with no deadline), not the lowest one: the live
   answer of a shadowed request is published with its shadow answer (one transaction, below), so a shadow
-  that waited behind all newer live traffic would hold that live answer back just as long (measured: the
-  lowest lane put a saturated worker's shadowed answers seconds behind). What the live stream pays is the
+  that waited behind all newer live traffic would hold that live answer back just as long (in the lowest
+  lane, up to three ageing steps on a saturated worker: docs/SCHEDULING.md). What the live stream pays is the
   shadow passes' own device time (one model thread: a live pass waits for a shadow pass that is running)
   and, for the shadowed requests, the time to their shadow's pass (docs/MODELS.md, "Shadow evaluation",
   measures it).
