@@ -209,7 +209,7 @@ HELP: dict[str, str] = {
     "priority_lanes": "fill passes from the higher request priority lanes first (high, normal, low); off: one lane",
     "lane_ageing_ms": "a waiting question moves up one priority lane per this many milliseconds, so no lane starves",
     "lane_pass_tokens": "while high-priority requests arrived within lane_ageing_ms, passes hold at most this many "
-                        "padded tokens, so a high request waits for short passes only; default a quarter of "
+                        "padded tokens, so a high request waits for short passes only; default a sixteenth of "
                         "max_batch_tokens, 0: no cap",
     "honor_deadlines": "answer requests past their deadline or ttl_ms deadline_exceeded without device time "
     "(replays turn it off)",

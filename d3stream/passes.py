@@ -100,7 +100,7 @@ class Passes:
         self.metrics = metrics
         self.budget = settings.max_batch_tokens or default_token_budget(str(model.device))
         # Passes while high-priority traffic is about: short, so a high request waits for little (SCHEDULING.md).
-        lane_budget = self.budget // 4 if settings.lane_pass_tokens is None else settings.lane_pass_tokens
+        lane_budget = self.budget // 16 if settings.lane_pass_tokens is None else settings.lane_pass_tokens
         # One model thread for both schedulers: passes never run side by side on the device. A worker serving
         # several models hands every model's Passes the same one (it shuts it down itself).
         self._owns_executor = executor is None
