@@ -56,8 +56,8 @@ class Recorder:
         return {s.answer.id: decode_answer(s.records[-1].value) for call in self.calls for s in call}
 
 
-def serve(service: Service, batch: list[SimpleNamespace]) -> Recorder:
-    recorder = Recorder()
+def serve(service: Service, batch: list[SimpleNamespace], recorder: Recorder | None = None) -> Recorder:
+    recorder = recorder or Recorder()
 
     async def go() -> None:
         try:
@@ -308,18 +308,8 @@ def test_a_high_request_of_a_flooded_fetch_does_not_wait_for_the_flood_to_be_pre
                 seen_at_first_answer.append(model.low_prepared)
             await super().__call__(served)
 
-    recorder = First()
     batch = records(*(request(f"low{n}", priority="low") for n in range(40)), request("urgent", priority="high"))
-
-    async def go() -> None:
-        try:
-            await service.pipeline.serve(batch, recorder)
-        finally:
-            await service.passes.close()
-
-    asyncio.run(go())
-    service.pipeline.close()
-    service.fetcher.close()
+    recorder = serve(service, batch, First())
     assert [served.answer.id for served in recorder.calls[0]] == ["urgent"], recorder.calls[0][:3]
     assert seen_at_first_answer[0] < 40, "the high request waited for the whole flood to be prepared"
     assert len(recorder.answers) == 41 and all(answer.error is None for answer in recorder.answers.values())
