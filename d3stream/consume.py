@@ -41,7 +41,8 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from .commits import CommitPolicy
-from .config import Settings
+from .config import Settings, heartbeat_interval_ms
+from .connection import client_options
 from .decoding import ByteBudget
 from .limits import WorkerFatal
 from .metrics import Metrics
@@ -68,6 +69,26 @@ def backpressure_pauses(in_flight: Mapping[K, int], requests: int, tokens: int, 
     share = max_requests / max(len(in_flight), 1)
     return {partition for partition, count in in_flight.items() if over or count >= share}
 
+
+
+def group_consumer(settings: Settings) -> AIOKafkaConsumer:
+    """The worker's consumer-group member: committed offsets are the commit policy's (no auto-commit), and it
+    reads committed records only (answers of an aborted transaction never count as requests)."""
+    return AIOKafkaConsumer(**client_options(
+        settings,
+        "consumer",
+        client_id=settings.client_id,
+        group_id=settings.group_id,
+        group_instance_id=settings.group_instance_id,
+        session_timeout_ms=settings.session_timeout_ms,
+        rebalance_timeout_ms=settings.rebalance_timeout_ms,
+        heartbeat_interval_ms=heartbeat_interval_ms(settings),
+        # A JoinGroup waits on the broker for the whole rebalance: its request must outlast it.
+        request_timeout_ms=max(40_000, settings.rebalance_timeout_ms + 5_000),
+        enable_auto_commit=False,
+        auto_offset_reset=settings.auto_offset_reset,
+        isolation_level="read_committed",
+    ))
 
 @dataclass
 class Fetched:

@@ -23,9 +23,9 @@ import json
 import os
 import socket
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import structlog
 from aiokafka import AIOKafkaConsumer
@@ -33,9 +33,9 @@ from aiokafka import AIOKafkaConsumer
 from . import __version__
 from .answers import AnswerBuilder, answer_identity, provenance_digest
 from .commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
-from .config import Settings, check_settings, heartbeat_interval_ms
-from .connection import client_options, connecting
-from .consume import ConsumeLoop, Fetched, LiveRead, ReadPolicy
+from .config import Settings, check_settings
+from .connection import connecting
+from .consume import ConsumeLoop, Fetched, LiveRead, ReadPolicy, group_consumer
 from .decoding import ByteBudget, MediaDecoder
 from .events import ModelRecord, Worker
 from .limits import Limits, WorkerFatal, producer_compression
@@ -45,9 +45,10 @@ from .passes import Passes, RowScheduler, default_token_budget, model_thread
 from .pipeline import Hosted, RequestPipeline, Served
 from .publishing import Outgoing
 from .rollout import rollout_for
+from .runtime.cache import lent_media_caches
 from .seams import DecisionModel, InFlight
 from .shadow import shadow_hosted
-from .sinks import KafkaTopics, Sink
+from .sinks import KafkaTopics, Sink, ensure_topics
 from .storage import MediaFetcher
 from .tracing import Tracing
 
@@ -232,7 +233,7 @@ class Service:
 
     async def _serve_until_stopped(self) -> None:
         settings = self.settings
-        self.consumer = self._new_consumer()
+        self.consumer = group_consumer(self.settings)
         self.sink = sink_for(self.mode, kafka=lambda: KafkaTopics(settings, self.limits, self.metrics),
                              file=self.answer_file)
         self.delivery = delivery_for(self.mode, sink=self.sink, consumer=self.consumer, tracker=self.tracker,
@@ -243,7 +244,7 @@ class Service:
         if self._stop_asked:
             self.loop.stop()
         if settings.create_topics:
-            await self._connecting(self._ensure_topics(self.sink))
+            await self._connecting(ensure_topics(self.settings, self.sink))
         await self._connecting(self.sink.start())
         await self.delivery.start()
         self.limits.topics = await self._connecting(self.sink.read_limits())
@@ -283,78 +284,15 @@ class Service:
             self.tracing.flush()
         log.info("stopped", **self.counts)
 
-    def _new_consumer(self) -> AIOKafkaConsumer:
-        settings = self.settings
-        return AIOKafkaConsumer(**client_options(
-            settings,
-            "consumer",
-            client_id=settings.client_id,
-            group_id=settings.group_id,
-            group_instance_id=settings.group_instance_id,
-            session_timeout_ms=settings.session_timeout_ms,
-            rebalance_timeout_ms=settings.rebalance_timeout_ms,
-            heartbeat_interval_ms=heartbeat_interval_ms(settings),
-            # A JoinGroup waits on the broker for the whole rebalance: its request must outlast it.
-            request_timeout_ms=max(40_000, settings.rebalance_timeout_ms + 5_000),
-            enable_auto_commit=False,
-            auto_offset_reset=settings.auto_offset_reset,
-            isolation_level="read_committed",
-        ))
-
-    @contextlib.contextmanager
-    def _media_cache_lent(self) -> Iterator[None]:
+    def _media_cache_lent(self) -> contextlib.AbstractContextManager[None]:
         """Each model encodes through a media-feature cache of this service while it serves (one per model:
-        vision features differ between checkpoints), and is handed back as it was given however serving
-        ends, so a model shared with other callers (a replay beside a live service, the next test) keeps no
-        features, and no counter, from this one."""
-        with contextlib.ExitStack() as stack:
-            for model in {id(each.model): each.model for each in self._hosted_all()}.values():
-                stack.enter_context(self._cache_lent(model))
-            yield
-
-    @contextlib.contextmanager
-    def _cache_lent(self, model: Any) -> Iterator[None]:
-        settings = self.settings
-        if settings.media_cache_bytes <= 0 or not hasattr(model, "media_cache"):
-            yield
-            return
-        from .runtime.cache import MediaFeatureCache
-
-        before = model.media_cache
-        model.media_cache = MediaFeatureCache(settings.media_cache_bytes, on_lookup=self.metrics.count_media_cache)
-        try:
-            yield
-        finally:
-            model.media_cache = before
+        vision features differ between checkpoints), handed back as it was given however serving ends."""
+        models = {id(each.model): each.model for each in self._hosted_all()}.values()
+        return lent_media_caches(models, self.settings.media_cache_bytes, self.metrics.count_media_cache)
 
     async def _connecting(self, step: Awaitable[T]) -> T:
         """Run a start-up step that connects to Kafka; a refusal becomes an error that names the knobs."""
         return await connecting(self.settings, step)
-
-    async def _ensure_topics(self, sink: Sink) -> None:
-        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-        from aiokafka.errors import TopicAlreadyExistsError
-
-        settings = self.settings
-        admin = AIOKafkaAdminClient(**client_options(settings, "admin", client_id=settings.client_id))
-        await admin.start()
-        try:
-            existing = set(await admin.list_topics())
-            partitions = {name: settings.topic_partitions for name in settings.request_topics}
-            configs: dict[str, dict[str, str]] = {}
-            for name, config in sink.topics():
-                # A compacted topic (provenance) holds one record per model: one partition is enough.
-                partitions[name] = 1 if config.get("cleanup.policy") == "compact" else settings.topic_partitions
-                configs[name] = config
-            for name, count in partitions.items():
-                if name in existing:
-                    continue
-                try:
-                    await admin.create_topics([NewTopic(name, count, 1, topic_configs=configs.get(name, {}))])
-                except TopicAlreadyExistsError:
-                    pass
-        finally:
-            await admin.close()
 
     async def _publish_provenance(self) -> None:
         """One record per served model and a shadow checkpoint of its own."""

@@ -209,3 +209,30 @@ class JsonLinesFile:
         if self._handle is None:
             raise RuntimeError(f"the answer file {self.path} is not open")
         return self._handle
+
+
+async def ensure_topics(settings: Settings, sink: Sink) -> None:
+    """Create the request topics and the sink's topics that do not exist yet (``create_topics``), each with
+    ``topic_partitions`` partitions and the sink's topic configs."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import TopicAlreadyExistsError
+
+    admin = AIOKafkaAdminClient(**client_options(settings, "admin", client_id=settings.client_id))
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        partitions = {name: settings.topic_partitions for name in settings.request_topics}
+        configs: dict[str, dict[str, str]] = {}
+        for name, config in sink.topics():
+            # A compacted topic (provenance) holds one record per model: one partition is enough.
+            partitions[name] = 1 if config.get("cleanup.policy") == "compact" else settings.topic_partitions
+            configs[name] = config
+        for name, count in partitions.items():
+            if name in existing:
+                continue
+            try:
+                await admin.create_topics([NewTopic(name, count, 1, topic_configs=configs.get(name, {}))])
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        await admin.close()

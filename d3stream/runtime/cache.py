@@ -21,11 +21,12 @@ two requests of the pass share, once). ``request_features`` is the one-request f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,3 +246,26 @@ class MediaFeatureCache:
             self.put(keys[number], entry)
             made[keys[number]] = entry
         return made
+
+
+@contextlib.contextmanager
+def lent_media_caches(models: Iterable[Any], capacity: int, on_lookup: Callable[[bool], None]) -> Iterator[None]:
+    """Each model (one with a ``media_cache``) encodes through a cache of ``capacity`` bytes of its own while
+    the block runs, and gets back the cache it had however the block ends, so a model shared with other
+    callers (a replay beside a live service, the next test) keeps no features, and no counter, from it.
+    ``capacity`` 0 lends nothing."""
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            if capacity > 0 and hasattr(model, "media_cache"):
+                stack.enter_context(_lent(model, capacity, on_lookup))
+        yield
+
+
+@contextlib.contextmanager
+def _lent(model: Any, capacity: int, on_lookup: Callable[[bool], None]) -> Iterator[None]:
+    before = model.media_cache
+    model.media_cache = MediaFeatureCache(capacity, on_lookup=on_lookup)
+    try:
+        yield
+    finally:
+        model.media_cache = before
