@@ -124,6 +124,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     otlp_endpoint: str | None = None
     # Lifecycle and logs
     shutdown_timeout_s: float = 120.0
+    gc_young_threshold: int = 20_000
     rebalance_drain_s: float = 5.0
     stall_unready_s: float = 300.0
     log_format: Literal["auto", "json", "console"] = "auto"
@@ -256,6 +257,8 @@ HELP: dict[str, str] = {
     "otlp_endpoint": "OTLP/HTTP collector address for a span per request and its stages, e.g. "
     "http://otel-collector:4318 (unset: no tracing; needs the otel extra)",
     "shutdown_timeout_s": "on SIGTERM, how long in-flight work may take to finish before exit",
+    "gc_young_threshold": "while serving, the start-up heap is frozen and the garbage collector's young threshold "
+                          "raised to this many allocations (Python's own: 700); 0 leaves the collector alone",
     "rebalance_drain_s": "on rebalance, how long revoked partitions' work may take to finish (exactly_once: "
     "what is unfinished then is abandoned and answered by the new owner)",
     "stall_unready_s": "/readyz fails while a partition's committed offset has not moved for this long although "
@@ -431,6 +434,9 @@ def check_settings(settings: Settings) -> Settings:
         raise ValueError("shadow_topic must not be the answer topic: a shadow's answers never go to the live topic")
     if settings.stall_unready_s < 0:
         raise ValueError(f"stall_unready_s must be 0 (off) or more, got {settings.stall_unready_s}")
+    if settings.gc_young_threshold < 0:
+        raise ValueError(f"gc_young_threshold must be 0 (leave the collector alone) or more, "
+                         f"got {settings.gc_young_threshold}")
     reserved = sorted({"content-type", "d3stream-schema"} & set(settings.forward_headers))
     if reserved:
         raise ValueError(f"forward_headers may not name {', '.join(reserved)}: the answer sets it itself")

@@ -32,6 +32,7 @@ from aiokafka import AIOKafkaConsumer
 
 from . import __version__
 from .answers import AnswerBuilder, answer_identity, provenance_digest
+from .collector import tuned_collector
 from .commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
 from .config import Settings, check_settings
 from .connection import connecting
@@ -223,7 +224,7 @@ class Service:
 
     async def run(self) -> None:
         """Serve until ``stop()``; then finish in-flight work, publish, commit and close."""
-        with self._media_cache_lent():
+        with self._media_cache_lent(), tuned_collector(self.settings.gc_young_threshold):
             try:
                 await self._serve_until_stopped()
             finally:
