@@ -12,8 +12,8 @@ the model costs nothing. The same requests are read from one topic and answered 
 Both run in the two delivery modes side by side (raw at-least-once against d3stream ``at_least_once``; raw
 transactional, one transaction per fetched batch, against d3stream ``exactly_once``), in one run, on the
 same broker. The clock starts when the consumer holds its partitions and stops when every answer is
-published and its offset committed. An unmeasured raw pass warms the broker first, and the four paths take
-turns for a few rounds, each keeping its best: on a 2-core machine single runs vary by a fifth or more.
+published and its offset committed. Unmeasured raw passes warm the broker first, and the four paths take
+turns for a few rounds, each keeping its best: on a 2-core machine single runs vary by a third or more.
 
 ``d3stream bench --soak N``: the service with the tiny random checkpoint answers N small requests (fed in
 chunks, so backpressure holds the in-flight work bounded); the resident set size is sampled after every
@@ -208,14 +208,14 @@ async def _service_run(settings: Settings, model: Any, count: int, **service_opt
     return seconds, service
 
 
-def kafka_overhead(count: int = 20_000, *, rounds: int = 2, broker: Any = None, prefix: str = "bench",
+def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: Any = None, prefix: str = "bench",
                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The raw-versus-d3stream comparison on ``broker`` (an ``infra.KafkaBroker``; default: a fresh one,
     started and stopped here), on topics named ``<prefix>.*``; figures as one dict.
 
-    One unmeasured raw pass warms the broker first (its JIT: the first pass on a fresh broker runs at about
-    two thirds of the later ones, which flattered whichever path came second); then the four paths run
-    ``rounds`` times in turn, and each path's figure is its best round."""
+    Two unmeasured raw passes (plain, then transactional) warm the broker first: the first pass of each kind
+    on a fresh broker runs at half to two thirds of the later ones, which flattered whichever path came
+    second. Then the four paths run ``rounds`` times in turn, and each path's figure is its best round."""
     if broker is None:
         from .infra import KafkaBroker, ensure_jars
 
@@ -231,7 +231,9 @@ def kafka_overhead(count: int = 20_000, *, rounds: int = 2, broker: Any = None, 
     asyncio.run(produce(bootstrap, topics["requests"], small_requests(count)))
     if progress is not None:
         progress("warm-up")
-    asyncio.run(_raw_loop(bootstrap, topics["requests"], topics["warm-up"], f"{prefix}-warm-up", count, False))
+    for transactional in (False, True):  # the broker's code paths of both modes
+        asyncio.run(_raw_loop(bootstrap, topics["requests"], topics["warm-up"], f"{prefix}-warm-up-{transactional}",
+                              count, transactional))
     report: dict[str, Any] = {"requests": count, "partitions": 4, "rounds": rounds, "topics": topics}
     runs: tuple[tuple[str, bool, DeliveryMode], ...] = (
         ("raw_at_least_once", False, "at_least_once"),
@@ -274,7 +276,7 @@ def _one_kafka_run(name: str, transactional: bool, mode: DeliveryMode, bootstrap
 def kafka_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Kafka path with a null model, {report['requests']:,} small requests, {report['partitions']} partitions, "
-        f"best of {report['rounds']} rounds after a warm-up pass:",
+        f"best of {report['rounds']} rounds after warm-up passes:",
         "",
         "| path | seconds | events/s |",
         "|---|---:|---:|",
