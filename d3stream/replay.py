@@ -439,37 +439,57 @@ def live_topic_refusal(
     )
 
 
+class _Refused(Exception):
+    """A replay that cannot start or finish as asked; the message (naming what to change) is printed after
+    ``d3stream replay:`` and the command exits with status 2."""
+
+
 def _replay_command(args: Any) -> int:
     import sys
 
+    try:
+        settings, checkpoint = _command_settings(args)
+        plan = _command_range(args)
+        model = _load_checkpoint(checkpoint, settings)
+        summary = _run_command(args, settings, model, plan)
+    except _Refused as exc:
+        print(f"d3stream replay: {exc}", file=sys.stderr)
+        return 2
+    _print_summary(summary, as_json=args.json)
+    return 0
+
+
+def _command_settings(args: Any) -> tuple[Settings, str]:
+    """The replay's settings (with --to-topic as its answer topic) and its one checkpoint; logging is
+    configured. A target that is a live or request topic, or a --model other than one, is refused."""
     from .config import load_settings
     from .logs import configure_logging
-    from .runtime import D3
 
     try:
         settings = load_settings(args)
     except ValueError as exc:
-        print(f"d3stream replay: {exc}", file=sys.stderr)
-        return 2
+        raise _Refused(str(exc)) from exc
     configure_logging(settings.log_format, "warning" if settings.log_level == "info" else settings.log_level)
     refusal = live_topic_refusal(args.to_topic, settings.answer_topic, allowed=args.allow_live_answer_topic,
                                  request_topics=[args.from_topic, *settings.request_topics])
     if refusal:
-        print(f"d3stream replay: {refusal}", file=sys.stderr)
-        return 2
+        raise _Refused(refusal)
     if not settings.model:
-        print("d3stream replay: no checkpoint: set --model or D3STREAM_MODEL", file=sys.stderr)
-        return 2
+        raise _Refused("no checkpoint: set --model or D3STREAM_MODEL")
     if len(settings.model) > 1:  # a replay answers a range with one model; compare two replays to compare models
-        print(f"d3stream replay: --model names {len(settings.model)} checkpoints; a replay runs one (replay once "
-              "per model and compare the answer sets)", file=sys.stderr)
-        return 2
+        raise _Refused(f"--model names {len(settings.model)} checkpoints; a replay runs one (replay once per "
+                       "model and compare the answer sets)")
     [checkpoint] = settings.model
     if args.to_topic:
         import msgspec
 
         settings = msgspec.structs.replace(settings, answer_topic=args.to_topic)
-    plan = ReplayRange(
+    return settings, checkpoint
+
+
+def _command_range(args: Any) -> ReplayRange:
+    """The range the flags name: the topic, its partitions (default: all), and offset or time bounds."""
+    return ReplayRange(
         topic=args.from_topic,
         partitions=[int(p) for p in args.partitions.split(",")] if args.partitions else None,
         start_offset=args.start_offset,
@@ -477,24 +497,34 @@ def _replay_command(args: Any) -> int:
         start_time=parse_time(args.start_time),
         end_time=parse_time(args.end_time),
     )
+
+
+def _load_checkpoint(checkpoint: str, settings: Settings) -> DecisionModel:
+    """The checkpoint the replay runs, resolved (a path, or a name in a model source) and loaded."""
     from .checkpoints import CheckpointError, model_name_for, resolve_model
+    from .runtime import D3
 
     try:
         resolved = resolve_model(checkpoint, settings)
         model_name = model_name_for(resolved, settings.model_name)
     except CheckpointError as exc:
-        print(f"d3stream replay: {exc}", file=sys.stderr)
-        return 2
-    model = D3.from_pretrained(resolved.path, device=settings.device, verify=settings.verify,
-                               model_name=model_name, permutation_average=settings.permutation_average)
+        raise _Refused(str(exc)) from exc
+    return D3.from_pretrained(resolved.path, device=settings.device, verify=settings.verify,
+                              model_name=model_name, permutation_average=settings.permutation_average)
+
+
+def _run_command(args: Any, settings: Settings, model: DecisionModel, plan: ReplayRange) -> dict[str, Any]:
+    """Replay the range into the --to-topic or --out target; the summary, with the drift from recorded
+    answers under ``drift`` when --compare-with names them."""
+    import sys
+
     out = Path(args.out) if args.out else None
     try:
         summary = asyncio.run(run_replay(settings, model, plan, replay_id=args.replay_id, out_file=out,
                                          deterministic=args.deterministic, rows_per_pass=args.rows_per_pass,
                                          progress=not args.json and sys.stderr.isatty()))
     except (ValueError, ConnectionError) as exc:
-        print(f"d3stream replay: {exc}", file=sys.stderr)
-        return 2
+        raise _Refused(str(exc)) from exc
     if args.compare_with:
         from .compare import SourceError
 
@@ -502,14 +532,17 @@ def _replay_command(args: Any) -> int:
             summary["drift"] = replay_drift(args.compare_with,
                                             str(out) if out else f"kafka:{settings.answer_topic}", settings)
         except (OSError, ValueError, SourceError) as exc:
-            print(f"d3stream replay: --compare-with: {exc}", file=sys.stderr)
-            return 2
-    if args.json:
+            raise _Refused(f"--compare-with: {exc}") from exc
+    return summary
+
+
+def _print_summary(summary: dict[str, Any], *, as_json: bool) -> None:
+    """One JSON object (--json), or one aligned line per field."""
+    if as_json:
         print(json.dumps(summary))
     else:
         for key, value in summary.items():
             print(f"{key:<16}{json.dumps(value) if isinstance(value, dict) else value}")
-    return 0
 
 
 def replay_drift(recorded: str, replayed: str, settings: Settings) -> dict[str, Any]:

@@ -60,44 +60,46 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 
+def _served_models(model: DecisionModel | Sequence[DecisionModel], settings: Settings,
+                   scheduler: RowScheduler | None) -> list[DecisionModel]:
+    """The models a worker serves (the first is the default). A row scheduler of one's own (a deterministic
+    replay) serves one fixed model; ValueError names the setting that asks for more."""
+    models = list(model) if isinstance(model, Sequence) else [model]
+    if not models:
+        raise ValueError("a worker needs a model to serve (setting: model)")
+    if scheduler is not None and len(models) > 1:
+        raise ValueError("a row scheduler of one's own (a deterministic replay) serves one model: give one --model")
+    if scheduler is not None and (settings.model_source or settings.canary):
+        raise ValueError("a deterministic replay serves one fixed model: model_source and canary do not apply")
+    return models
+
+
+def _use_torch_threads(count: int | None) -> None:
+    """Cap torch's intra-op threads (torch_threads; unset leaves torch's own choice)."""
+    if count:
+        import torch
+
+        torch.set_num_threads(count)
+
+
 class Service:
     """One d3stream worker: a consumer group member serving one model, or several (the first is the default)."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        model: DecisionModel | Sequence[DecisionModel],
-        *,
-        fetcher: MediaFetcher | None = None,
-        metrics: Metrics | None = None,
-        tracing: Tracing | None = None,
-        read: ReadPolicy | None = None,
-        scheduler: RowScheduler | None = None,
-        answer_file: Path | None = None,
-        replay_id: str | None = None,
-        shadow: DecisionModel | None = None,
-    ):
+    def __init__(self, settings: Settings, model: DecisionModel | Sequence[DecisionModel], *,
+                 fetcher: MediaFetcher | None = None, metrics: Metrics | None = None,
+                 tracing: Tracing | None = None, read: ReadPolicy | None = None,
+                 scheduler: RowScheduler | None = None, answer_file: Path | None = None,
+                 replay_id: str | None = None, shadow: DecisionModel | None = None):
         self.settings = settings = check_settings(settings)
-        models = list(model) if isinstance(model, Sequence) else [model]
-        if not models:
-            raise ValueError("a worker needs a model to serve (setting: model)")
-        if scheduler is not None and len(models) > 1:
-            raise ValueError("a row scheduler of one's own (a deterministic replay) serves one model: give one --model")
-        self.models = models
+        self.models = models = _served_models(model, settings, scheduler)
         self.model = models[0]
         self.metrics = metrics or Metrics()
         # Spans of served requests (otlp_endpoint, or a caller's own, e.g. a test's in-memory exporter).
         self._owns_tracing = tracing is None
         self.tracing = tracing if tracing is not None else Tracing.from_settings(settings)
-        if settings.torch_threads:
-            import torch
-
-            torch.set_num_threads(settings.torch_threads)
+        _use_torch_threads(settings.torch_threads)
         # A shadow checkpoint of its own (--shadow NAME=PATH), loaded by the caller; replays have none.
         self.shadow_model = shadow if replay_id is None and scheduler is None else None
-        for each in [*models, *([self.shadow_model] if self.shadow_model is not None else [])]:
-            each.limit_prompt_tokens(settings.max_prompt_tokens)
-            each.limit_request_tokens(settings.max_request_tokens)
         self.read = read or LiveRead(settings.request_topics)
         self.mode = DELIVERY_MODES["jsonl_file" if answer_file is not None else settings.delivery]
         self.answer_file = answer_file
@@ -107,11 +109,9 @@ class Service:
                              compression=producer_compression(settings.compression))
         # One device, one model thread: every model's passes take turns on it, never side by side.
         self.model_thread = model_thread()
-        self.worker = worker = Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__)
-        self.hosted = [self._host(each, worker, scheduler, replay_id) for each in models]
+        self.worker = Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__)
+        self.hosted, self.shadow = self._host_served(scheduler, replay_id)
         default = self.hosted[0]
-        own_shadow = self._host(self.shadow_model, worker, None, replay_id) if self.shadow_model is not None else None
-        self.shadow = shadow_hosted(settings, self.hosted, own_shadow) if replay_id is None and scheduler is None else None
         self.passes, self.answers = default.passes, default.answers
         self.provenance, self.provenance_sha256 = default.provenance, default.provenance_sha256
         # Media decoding: images on a thread of their own, videos in killable processes, under a deadline;
@@ -119,14 +119,9 @@ class Service:
         self.decoder = MediaDecoder.from_settings(settings)
         self.media_budget = ByteBudget(settings.max_inflight_media_bytes)
         self.in_flight = InFlight()
-        self.pipeline = RequestPipeline(
-            settings, self.hosted, fetcher=self.fetcher, decoder=self.decoder, media_budget=self.media_budget,
-            metrics=self.metrics, in_flight=self.in_flight, shadow=self.shadow,
-        )
+        self.pipeline = self._request_pipeline()
         self.tracker = OffsetTracker()
         # The watched model source (swaps without a stop) and the canary share (rollout.py), when set.
-        if scheduler is not None and (settings.model_source or settings.canary):
-            raise ValueError("a deterministic replay serves one fixed model: model_source and canary do not apply")
         self.rollout = rollout_for(settings, self, self.metrics)
         # Made when it runs: the Kafka consumer, where answers go and how offsets commit, the loop over them.
         self.sink: Sink | None = None
@@ -137,14 +132,13 @@ class Service:
         self._stop_asked = False
         self._answered = 0
         self._errors = 0
-        self.metrics.set_model(self.model.model_name, self.provenance_sha256, str(self.model.device))
-        self.metrics.set_kernels(self.model.kernel_record())
-        self.metrics.set_ready_check(lambda: self.ready and self.joined and not self.stopping and not self.stalled)
+        self._show_in_metrics()
 
-    def _host(self, model: DecisionModel, worker: Worker, scheduler: RowScheduler | None,
-              replay_id: str | None) -> Hosted:
-        """A served model's own parts: passes on the shared model thread, its provenance (answers depend on
-        prefix reuse too) and the answer builder that names it."""
+    def _host(self, model: DecisionModel, scheduler: RowScheduler | None, replay_id: str | None) -> Hosted:
+        """A served model's own parts, with the token limits every served model gets: passes on the shared
+        model thread, its provenance (answers depend on prefix reuse too) and the answer builder that names it."""
+        model.limit_prompt_tokens(self.settings.max_prompt_tokens)
+        model.limit_request_tokens(self.settings.max_request_tokens)
         passes = Passes(self.settings, model, self.metrics, scheduler, executor=self.model_thread)
         provenance = {**model.provenance(), **passes.provenance()}
         digest = provenance_digest(provenance)
@@ -152,9 +146,33 @@ class Service:
             self.settings,
             model_record=ModelRecord(name=model.model_name, runtime=provenance.get("runtime", ""),
                                      provenance_sha256=digest),
-            worker=worker, limits=self.limits, metrics=self.metrics, replay_id=replay_id,
+            worker=self.worker, limits=self.limits, metrics=self.metrics, replay_id=replay_id,
         )
         return Hosted(model, passes, answers, provenance, digest)
+
+    def _host_served(self, scheduler: RowScheduler | None,
+                     replay_id: str | None) -> tuple[list[Hosted], Hosted | None]:
+        """Every served model's parts, and the shadow (live serving only): a checkpoint of its own, hosted
+        here, or the served model ``shadow`` names."""
+        hosted = [self._host(each, scheduler, replay_id) for each in self.models]
+        if replay_id is not None or scheduler is not None:
+            return hosted, None
+        own = self._host(self.shadow_model, None, replay_id) if self.shadow_model is not None else None
+        return hosted, shadow_hosted(self.settings, hosted, own)
+
+    def _request_pipeline(self) -> RequestPipeline:
+        """The pipeline that answers each fetch for the served models (and the shadow), on this worker's media
+        path and in-flight counts, which the consume loop's backpressure reads too."""
+        return RequestPipeline(
+            self.settings, self.hosted, fetcher=self.fetcher, decoder=self.decoder, media_budget=self.media_budget,
+            metrics=self.metrics, in_flight=self.in_flight, shadow=self.shadow,
+        )
+
+    def _show_in_metrics(self) -> None:
+        """The default model's identity and kernels, and the readiness check, on the metrics endpoint."""
+        self.metrics.set_model(self.model.model_name, self.provenance_sha256, str(self.model.device))
+        self.metrics.set_kernels(self.model.kernel_record())
+        self.metrics.set_ready_check(lambda: self.ready and self.joined and not self.stopping and not self.stalled)
 
     def _hosted_all(self) -> list[Hosted]:
         """The served models and a shadow checkpoint of its own (a served model's shadow is one of them)."""
@@ -164,14 +182,12 @@ class Service:
     def host_model(self, model: DecisionModel) -> Hosted:
         """A model loaded while serving (a swap's new checkpoint), with the limits every served model gets;
         the rollout hands it to the pipeline once its provenance is published."""
-        model.limit_prompt_tokens(self.settings.max_prompt_tokens)
-        model.limit_request_tokens(self.settings.max_request_tokens)
         if self.settings.media_cache_bytes > 0 and hasattr(model, "media_cache"):  # loaded for this worker alone
             from .runtime.cache import MediaFeatureCache
 
             model.media_cache = MediaFeatureCache(self.settings.media_cache_bytes,
                                                   on_lookup=self.metrics.count_media_cache)
-        hosted = self._host(model, self.worker, None, None)
+        hosted = self._host(model, None, None)
         self.hosted.append(hosted)
         return hosted
 
