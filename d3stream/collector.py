@@ -59,3 +59,14 @@ def _leave() -> None:
             gc.set_threshold(*_thresholds_before)
             _thresholds_before = None
             gc.unfreeze()  # what the workers left behind is the collector's again
+
+
+def collect_released() -> None:
+    """Free what a retired model leaves in reference cycles: it was frozen with the start-up heap, where the
+    collector never looks. One full collection (tens of milliseconds), once per model swap."""
+    with _lock:
+        if _serving == 0:
+            return  # not frozen: the collector finds it by itself
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()

@@ -50,6 +50,7 @@ from .checkpoints import (
     fetch_checkpoint,
     resolve_source,
 )
+from .collector import collect_released
 from .config import Settings
 from .events import Request
 from .metrics import Metrics
@@ -395,6 +396,8 @@ class Rollout:
             hosted = None if name in self._pending else self.pipeline.drop_model(name)
             if hosted is not None:
                 await self.host.unhost_model(hosted)
+                hosted = None
+                collect_released()  # its weights, if held in cycles the frozen start-up heap hides
                 log.info("retired model dropped", model=name)
                 return
             await asyncio.sleep(DRAIN_CHECK_S)

@@ -56,3 +56,23 @@ def test_a_serving_worker_runs_with_the_tuned_collector_and_hands_it_back(stack,
     assert seen["threshold"] == (12_345, *before[1:])
     assert seen["frozen"] > 10_000  # the model and the libraries are out of the collector's walk
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_a_retired_models_cycles_frozen_with_the_start_up_heap_are_freed_at_its_drop():
+    import weakref
+
+    from d3stream.collector import collect_released
+
+    class Weights:  # a model object that holds itself in a cycle
+        def __init__(self):
+            self.me = self
+
+    held = Weights()
+    gone = weakref.ref(held)
+    with tuned_collector(20_000):  # frozen with the start-up heap
+        del held
+        gc.collect()
+        assert gone() is not None  # the collector does not look at frozen objects
+        collect_released()
+        assert gone() is None
+        assert gc.get_freeze_count() > 0  # the rest stays frozen
