@@ -19,8 +19,9 @@ from d3stream.events import decode_answer
 from d3stream.service import answer_identity, provenance_digest
 from tests.stream_helpers import close_to, read_all, record, run, serve
 
-Q_NOUL = {"type": "noul", "question": "Is the customer asking for a refund?"}
-Q_CHOICE = {"type": "choice", "question": "Which team?", "options": ["billing", "tech", "sales"]}
+Q_NOUL = {"type": "noul", "instructions": "Is the customer asking for a refund?"}
+Q_CHOICE = {"type": "choice", "instructions": "Which team?",
+            "criteria": {"billing": "billing and payments", "tech": "technical support", "sales": "sales"}}
 
 
 class OverlapWatch:
@@ -71,6 +72,7 @@ def test_two_models_in_one_worker_answer_as_each_alone(stack, qwen35_text_model,
         answer = answers[request["id"]]
         name = request.get("model", first.model_name)  # absent: the default (first) model
         assert "error" not in answer, answer
+        assert not [key for key, slot in answer["answers"].items() if "error" in slot], answer["answers"]
         alone = by_name[name].system_one(state=request["state"], questions=request["questions"])
         close_to(answer["answers"], alone["answers"], request["id"])
         assert answer["model"] == name
