@@ -40,7 +40,7 @@ from .events import (
 from .limits import Limits
 from .metrics import Metrics
 from .publishing import Outgoing
-from .seams import InputRecord
+from .seams import DEFAULT_SCHEDULING, InputRecord, Scheduling
 from .storage import FetchedMedia
 
 log = structlog.get_logger(__name__)
@@ -80,6 +80,7 @@ class RequestWork:
     finished: bool = False  # its answer event is built (whatever happens next, it gets no second one)
     # What it cost (provenance ``cost``): who it is counted for and its share of the passes that carried it.
     tenant: str | None = None
+    scheduling: Scheduling = DEFAULT_SCHEDULING  # its lane and deadline, once decoded
     device_seconds: float = 0.0
     padded_tokens: int = 0
     quota_tokens: int = 0  # taken of its tenant's quota (tenant_max_inflight_tokens), given back when answered

@@ -218,8 +218,8 @@ class RequestPipeline:
                 work.extra.append(self.answers.dead_letter(work, str(exc)))
             return self.answers.error(work, exc.code, str(exc), request_id=exc.request_id)
         work.request = request
-        work.tenant = self._tenant(record, request)
-        scheduling = self._scheduling(record, request)
+        work.tenant = request_tenant(self.settings, record, request)
+        scheduling = work.scheduling = request_scheduling(self.settings, record, request)
         if scheduling.deadline is not None and time.time() > scheduling.deadline:
             return self._expired(work, request, DeadlineExceeded(time.time() - scheduling.deadline), "was read")
         if request.model is not None:
@@ -235,29 +235,6 @@ class RequestPipeline:
         work.questions = len(request.questions)
         self.in_flight.questions += work.questions
         return request
-
-    def _tenant(self, record: InputRecord, request: Request) -> str:
-        """Who the request's cost counts for: its ``tenant``, else the ``tenant_header`` header, else the topic."""
-        if request.tenant is not None:
-            return request.tenant
-        header = self.settings.tenant_header
-        if header:
-            for name, value in record.headers or ():
-                if name == header and value:
-                    return value.decode("utf-8", "replace")[:128]
-        return record.topic
-
-    def _scheduling(self, record: InputRecord, request: Request) -> Scheduling:
-        """The request's lane and deadline (epoch seconds): the earlier of ``deadline`` and the record's
-        timestamp plus ``ttl_ms``; none when ``honor_deadlines`` is off."""
-        candidates = []
-        if self.settings.honor_deadlines:
-            if request.deadline is not None:
-                candidates.append(request.deadline)
-            if request.ttl_ms is not None and record.timestamp is not None and record.timestamp >= 0:
-                candidates.append(record.timestamp + request.ttl_ms)
-        return Scheduling(lane=PRIORITIES.index(request.priority),
-                          deadline=min(candidates) / 1000.0 if candidates else None)
 
     def _expired(self, work: RequestWork, request: Request, late: DeadlineExceeded, when: str) -> Answer:
         return self._hosted(work).answers.error(
@@ -318,7 +295,7 @@ class RequestPipeline:
             work.tokens = prepared.input_tokens
             self.in_flight.tokens += work.tokens
             passing.append((PassItem(work, prepared, position_of(work.record), plan,
-                                     scheduling=self._scheduling(work.record, request)), request))
+                                     scheduling=work.scheduling), request))
         if refused:
             await on_served(refused)
         await self._run_within_quotas(hosted, passing, on_served)
@@ -411,3 +388,28 @@ class RequestPipeline:
         answer.answer_id = answer_identity(answer, hosted.provenance_sha256)  # deterministic per model
         answer, outgoing = hosted.answers.fitted(work, answer)
         return Served(work, answer, [*work.extra, outgoing])
+
+
+def request_tenant(settings: Settings, record: InputRecord, request: Request) -> str:
+    """Who a request's cost counts for: its ``tenant``, else the ``tenant_header`` header, else the topic."""
+    if request.tenant is not None:
+        return request.tenant
+    header = settings.tenant_header
+    if header:
+        for name, value in record.headers or ():
+            if name == header and value:
+                return value.decode("utf-8", "replace")[:128]
+    return record.topic
+
+
+def request_scheduling(settings: Settings, record: InputRecord, request: Request) -> Scheduling:
+    """A request's lane and deadline (epoch seconds): the earlier of ``deadline`` and the record's timestamp
+    plus ``ttl_ms``; none when ``honor_deadlines`` is off."""
+    candidates = []
+    if settings.honor_deadlines:
+        if request.deadline is not None:
+            candidates.append(request.deadline)
+        if request.ttl_ms is not None and record.timestamp is not None and record.timestamp >= 0:
+            candidates.append(record.timestamp + request.ttl_ms)
+    return Scheduling(lane=PRIORITIES.index(request.priority),
+                      deadline=min(candidates) / 1000.0 if candidates else None)
