@@ -598,8 +598,9 @@ class Metrics:
             self.shadow_questions.labels(live=live, shadow=shadow, type=kind, outcome="errored").inc()
             return
         self.shadow_questions.labels(live=live, shadow=shadow, type=kind, outcome="compared").inc()
-        if agree:
-            self.shadow_agreements.labels(live=live, shadow=shadow, type=kind).inc()
+        # The agreement series exists from the first compared question, at 0 when it disagreed: a shadow that
+        # never agrees then reads as agreement 0, not as no data (the alert divides by it).
+        self.shadow_agreements.labels(live=live, shadow=shadow, type=kind).inc(1 if agree else 0)
         deltas = list(abs_dps)
         self.shadow_abs_dp.labels(live=live, shadow=shadow, type=kind).inc(sum(deltas))
         self.shadow_dp_options.labels(live=live, shadow=shadow, type=kind).inc(len(deltas))

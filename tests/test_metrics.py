@@ -246,3 +246,14 @@ def test_serve_metrics_follows_the_settings() -> None:
         assert _status(server.url + "/healthz") == 200
     finally:
         server.stop()
+
+
+def test_a_shadow_that_disagrees_from_the_start_has_an_agreement_of_zero_not_none():
+    """The agreement alert divides agreements by compared questions: both series exist from the first one."""
+    metrics = Metrics()
+    metrics.count_shadow_question("live-a", "shadow-b", "choice", agree=False, abs_dps=[0.4, 0.4])
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in metrics.registry.collect() for s in family.samples}
+    labels = (("live", "live-a"), ("shadow", "shadow-b"), ("type", "choice"))
+    assert samples[("d3stream_shadow_agreements_total", labels)] == 0
+    assert samples[("d3stream_shadow_questions_total", tuple(sorted((*labels, ("outcome", "compared")))))] == 1
