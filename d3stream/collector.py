@@ -10,10 +10,10 @@ So while a ``Service`` runs, the objects alive at its start are moved out of the
 (``gc.freeze``) and the young threshold is raised to ``gc_young_threshold``: a young collection walks every
 young object still alive, and with thousands of requests in flight that is tens of thousands of them, so
 the fewer collections the better (100,000 measured about 5 % faster than 20,000; collections off entirely,
-another 5 %). Nearly every per-request
-object is freed by reference counting the moment its answer is delivered; only reference cycles wait for a
-collection, and they still get one every ``gc_young_threshold`` allocations. When the last serving worker of
-the process stops, the collector is as it was. ``gc_young_threshold = 0`` leaves it alone.
+another 5 %). Nearly every per-request object is freed by reference counting the moment its answer is
+delivered; only reference cycles wait for a collection, and they still get one every ``gc_young_threshold``
+allocations. When the last serving worker of the process stops, the collector is as it was.
+``gc_young_threshold = 0`` leaves it alone.
 """
 
 from __future__ import annotations
