@@ -48,6 +48,7 @@ QUESTIONS = (
     {"type": "score", "criteria": ["none", "low", "medium", "high"]},
 )
 NULL_ROW_TOKENS = 64  # what each question counts for the token budgets (nothing is run)
+_NULL_IDS = [0] * NULL_ROW_TOKENS  # every row's prompt (never read: shared, as nothing runs it)
 # The raw loop's records are as large as d3stream's answers to these requests (about 1,050 bytes measured),
 # and neither side compresses: the ratio then measures per-request work, not bytes or a codec.
 RAW_PADDING = 970
@@ -99,7 +100,7 @@ class NullModel:
                 prepared.errors[key] = question_error(question, "invalid_question", str(exc))
                 continue
             prepared.questions[key] = normalized
-            prepared.rows.append(Row(key, [0] * NULL_ROW_TOKENS, normalized.option_count))
+            prepared.rows.append(Row(key, _NULL_IDS, normalized.option_count))
         return prepared
 
     def forward(self, rows: Sequence[Row]) -> list[list[float]]:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from .events import HEADERS
 
@@ -42,8 +43,7 @@ class WorkerFatal(RuntimeError):
     names the topic, the cause and the knob to turn."""
 
 
-@dataclass(frozen=True)
-class Fit:
+class Fit(NamedTuple):
     """How large a record is, and whether it fits its topic."""
 
     fits: bool
@@ -66,8 +66,6 @@ class Limits:
 
     def fit(self, topic: str, key: bytes | None, value: bytes,
             headers: Sequence[tuple[str, bytes]] = HEADERS) -> Fit:
-        from aiokafka.record.default_records import DefaultRecordBatchBuilder
-
         limit = self.topic_limit(topic)
         uncompressed = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, headers)
         if uncompressed > self.max_request_size:

@@ -197,32 +197,35 @@ class Passes:
         """A request's probabilities from its rows' outcomes; a row whose pass failed alone fails its question,
         a row dropped at its deadline expires the request."""
         prepared = item.prepared
-        passes: dict[int, PassRecord] = {}
-        mine: dict[int, list[int]] = {}  # per pass: the lengths of this request's rows in it
+        probabilities = item.probabilities
+        mine: dict[int, tuple[PassRecord, list[int]]] = {}  # per pass: its record, the lengths of our rows in it
+        failed = False
         for row, outcome in zip(prepared.rows, outcomes, strict=True):
-            if isinstance(outcome, DeadlineExceeded):
+            if type(outcome) is tuple:
+                result, record = outcome
+                probabilities[row] = result
+                seen = mine.get(id(record))
+                if seen is None:
+                    mine[id(record)] = (record, [len(row.ids)])
+                else:
+                    seen[1].append(len(row.ids))
+            elif isinstance(outcome, DeadlineExceeded):
                 item.expired = outcome
-                continue
-            if isinstance(outcome, BaseException):
+            else:
+                failed = True
                 question = prepared.questions[row.key]
                 prepared.errors[row.key] = {
                     "type": question.kind,
                     "error": "invalid_model_output",
                     "message": f"the forward pass failed for this question: {type(outcome).__name__}: {outcome}",
                 }
-                continue
-            result, record = outcome
-            item.probabilities[row] = result
-            passes[id(record)] = record
-            mine.setdefault(id(record), []).append(row.length)
-        if prepared.errors:
+        if failed:
             prepared.rows = [row for row in prepared.rows if row.key not in prepared.errors]
         work = item.work
-        for key, record in passes.items():
-            lengths = mine[key]
+        for record, lengths in mine.values():
             work.device_seconds += _share(record.seconds, sum(lengths), record.real_tokens)
             work.padded_tokens += len(lengths) * (record.padded_tokens // max(record.rows, 1))
-        self._account(work, submitted, list(passes.values()))
+        self._account(work, submitted, [record for record, _ in mine.values()])
 
     async def _run_shared(self, item: PassItem) -> None:
         """A multi-question request on its shared prefix; if that fails, its rows run as full prompts."""

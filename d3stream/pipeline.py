@@ -411,5 +411,9 @@ def request_scheduling(settings: Settings, record: InputRecord, request: Request
             candidates.append(request.deadline)
         if request.ttl_ms is not None and record.timestamp is not None and record.timestamp >= 0:
             candidates.append(record.timestamp + request.ttl_ms)
-    return Scheduling(lane=PRIORITIES.index(request.priority),
-                      deadline=min(candidates) / 1000.0 if candidates else None)
+    lane = PRIORITIES.index(request.priority)
+    return Scheduling(lane=lane, deadline=min(candidates) / 1000.0) if candidates else _UNDATED[lane]
+
+
+# Each lane's scheduling without a deadline: most requests', built once (they are immutable).
+_UNDATED = tuple(Scheduling(lane=lane) for lane in range(len(PRIORITIES)))

@@ -150,7 +150,7 @@ def normalized(probabilities: Sequence[float], count: int) -> list[float]:
     """The first ``count`` probabilities rescaled to sum to one; ValueError when they cannot be."""
     if count < 1 or len(probabilities) < count:
         raise ValueError(f"expected {count} option probabilities, got {len(probabilities)}")
-    values = [float(p) for p in probabilities[:count]]
+    values = list(map(float, probabilities[:count]))
     try:
         total = math.fsum(values)  # nan or inf when any value is
     except ValueError:  # inf and -inf
@@ -184,7 +184,7 @@ def to_answer(question: Mapping[str, Any], probabilities: Sequence[float]) -> di
             "noul": shares[1],
             "probabilities": {"false": shares[0], "true": shares[1]},
         }
-    best = max(range(len(keys)), key=lambda i: shares[i])
+    best = shares.index(max(shares))  # the first of equal bests, as max over the indices gives
     return {
         "type": "choice",
         "choice": keys[best],

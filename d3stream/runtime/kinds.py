@@ -82,7 +82,8 @@ def confidence(probabilities: Sequence[float]) -> float:
     count = len(probabilities)
     if count < 2:
         return 1.0
-    entropy = -sum(p * math.log(p) for p in probabilities if p > 0)
+    log = math.log
+    entropy = -sum([p * log(p) for p in probabilities if p > 0])
     return max(0.0, min(1.0, 1.0 - entropy / math.log(count)))
 
 
@@ -240,7 +241,7 @@ def _answer_score(question: Question, probabilities: Sequence[float], contract: 
     shares: list[float] = contract.normalized(probabilities, len(question.keys))
     return {
         "type": "score",
-        "score": sum(level * p for level, p in enumerate(shares)),
+        "score": sum([level * p for level, p in enumerate(shares)]),
         "probabilities": dict(zip(question.keys, shares, strict=True)),
         "confidence": confidence(shares),
         "legend": {key: canonical_text(text) for key, text in zip(question.keys, question.descriptions, strict=True)},

@@ -365,28 +365,29 @@ class Prepared:
 
     def answers(self, probabilities: Mapping[Row, Sequence[float]]) -> dict[str, Any]:
         """The response ``{"model", "answers", "usage"}`` from the probabilities of every row."""
-        merged: dict[str, list[float]] = {}
+        merged: dict[str, Sequence[float]] = {}
+        twins: list[Row] = []  # reversed-option rows, averaged in once their originals are in
+        tokens = 0
         for row in self.rows:
-            if not row.reversed:
-                merged[row.key] = list(probabilities[row])
-        for row in self.rows:
+            tokens += len(row.ids)
             if row.reversed:
-                merged[row.key] = average_orders(merged[row.key], probabilities[row])
+                twins.append(row)
+            else:
+                merged[row.key] = probabilities[row]
+        for row in twins:
+            merged[row.key] = average_orders(merged[row.key], probabilities[row])
         answers: dict[str, Any] = {}
+        errors, questions, contract = self.errors, self.questions, self.contract
         for key in self.keys:
-            if key in self.errors:
-                answers[key] = self.errors[key]
+            if key in errors:
+                answers[key] = errors[key]
                 continue
-            question = self.questions[key]
+            question = questions[key]
             try:
-                answers[key] = answer_object(question, merged[key], contract=self.contract)
+                answers[key] = answer_object(question, merged[key], contract=contract)
             except ValueError as exc:
                 answers[key] = question_error(question, "invalid_model_output", str(exc))
-        return {
-            "model": self.model_name,
-            "answers": answers,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
-        }
+        return {"model": self.model_name, "answers": answers, "usage": {"input_tokens": tokens, "output_tokens": 0}}
 
 
 # -------------------------------------------------------------------------------------------- the model
