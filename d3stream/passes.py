@@ -172,13 +172,23 @@ class Passes:
                 waiting[self.rows.enqueue(item.prepared.rows, item.position, item.scheduling)] = item
             else:
                 waiting[asyncio.ensure_future(self._run_shared(item))] = item
-        finished: asyncio.Queue[asyncio.Future[Any]] = asyncio.Queue()
+        # Futures settled since the last look, and a wake-up for when there are none (lighter than a Queue:
+        # a pass settles dozens of requests at once, and each put would wake the reader).
+        finished: list[asyncio.Future[Any]] = []
+        settled = asyncio.Event()
+
+        def arrived(future: asyncio.Future[Any]) -> None:
+            finished.append(future)
+            settled.set()
+
         for future in waiting:
-            future.add_done_callback(finished.put_nowait)
+            future.add_done_callback(arrived)
         while waiting:
-            done = [await finished.get()]
-            while not finished.empty():
-                done.append(finished.get_nowait())
+            if not finished:
+                settled.clear()
+                await settled.wait()
+            done = finished[:]
+            finished.clear()
             chunk = [waiting.pop(future) for future in done]
             for future, item in zip(done, chunk, strict=True):
                 if item.plan is None:

@@ -378,9 +378,11 @@ class RequestPipeline:
         if work.quota_tokens:
             self.quotas.give_back(work.tenant or "", work.quota_tokens)
             work.quota_tokens = 0
-        self.media_budget.release(work.media_bytes)
+        if work.media_bytes:
+            self.media_budget.release(work.media_bytes)
+        position = position_of(work.record)
         for each in self.hosted.values():
-            each.passes.rows.finished(position_of(work.record))
+            each.passes.rows.finished(position)
         hosted = self._hosted(work)
         if work.tenant is not None:
             self.metrics.count_cost(work.tenant, hosted.name, work.device_seconds, work.tokens, work.padded_tokens)
