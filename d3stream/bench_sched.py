@@ -223,6 +223,8 @@ def _lane_figures(run: _Run, seconds: float) -> dict[str, Any]:
     lag = sorted(run.loop_lag)
     return {"p50_ms": round(1000 * _quantile(latency, 0.5), 1), "p99_ms": round(1000 * _quantile(latency, 0.99), 1),
             "requests": len(latency), "flood_per_s": _within(run, "flood", seconds),
+            # The flood in all (a run's answers are every request's, however long they took).
+            "flood_answered": sum(1 for rid in run.answered if rid.startswith("flood")),
             "passes": scheduler.passes_run,
             "padded_tokens_per_pass": round(scheduler.padded_tokens / max(scheduler.passes_run, 1)),
             "stages_ms": stages,
@@ -257,6 +259,7 @@ def scheduling_bench(model: Any, *, seconds: float = 6.0, threads: int | None = 
     interactive = _steady("hi", INTERACTIVE_SHARE * capacity, seconds, priority="high")
     # Floods twice as long as the streams, so the worker is saturated for the whole window.
     flood = _burst("flood", int(2 * capacity * seconds), priority="low")
+    report["setup"]["flood_requests"] = len(flood)
     flooded = _merged(interactive, flood)
     lanes: dict[str, Any] = {}
     for name, arrivals, changes in (
