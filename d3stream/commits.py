@@ -38,6 +38,7 @@ from .publishing import (
     MAX_TXN_BACKOFF_S,
     PUBLISH_BACKOFF_S,
     Outgoing,
+    RecordBatches,
     classify,
     fatal,
     quietly_stop,
@@ -164,6 +165,7 @@ class CommitInTransaction(_Counted):
         # Retriable transaction failures in a row, and when the partition's next attempt may start.
         self._failures: dict[Any, int] = {}
         self._retry_at: dict[Any, float] = {}
+        self._batches: dict[int, RecordBatches] = {}  # by id of the producer they send with
 
     async def start(self) -> None:
         return None
@@ -260,21 +262,13 @@ class CommitInTransaction(_Counted):
         producer = await self._producer(partition)
         await producer.begin_transaction()
         try:
-            sends = []
-            try:
-                for offset, records in ready:
-                    for index, record in enumerate(records):
-                        sends.append((offset, index, await self._send(producer, record, offset, index, refused)))
-            finally:
-                for *_, sent in sends:  # when one fails (fenced: all of them do) the rest are read here
-                    if sent is not None:
-                        sent.add_done_callback(retrieved)
-            results = await asyncio.gather(*(send for *_, send in sends if send is not None), return_exceptions=True)
-            for (offset, index, _), result in zip((s for s in sends if s[2] is not None), results, strict=True):
-                if isinstance(result, BaseException):
-                    if classify(result, transactional=True) != "record":
-                        raise result
-                    refused.append((offset, index, result))
+            flat = [(offset, index, record) for offset, records in ready for index, record in enumerate(records)]
+            failures = await self._batches_of(producer).send([record for *_, record in flat])
+            for position, error in sorted(failures, key=lambda failure: failure[0]):
+                if classify(error, transactional=True) != "record":
+                    raise error
+                offset, index, _ = flat[position]
+                refused.append((offset, index, error))
             if refused:
                 raise refused[0][2]
             await producer.send_offsets_to_transaction({partition: point}, self.group_id)
@@ -290,20 +284,12 @@ class CommitInTransaction(_Counted):
                     pass
             raise
 
-    @staticmethod
-    async def _send(producer: Any, record: Outgoing, offset: int, index: int,
-                    refused: list[tuple[int, int, BaseException]]) -> Any:
-        """Enqueue one record; a record the producer refuses itself (over max_request_size) is noted in
-        ``refused`` (None returned) instead of ending the loop, so every refused record is replaced at once."""
-        from aiokafka.errors import KafkaError
-
-        try:
-            return await producer.send(record.topic, value=record.value, key=record.key, headers=record.headers)
-        except KafkaError as exc:
-            if classify(exc, transactional=True) != "record":
-                raise
-            refused.append((offset, index, exc))
-            return None
+    def _batches_of(self, producer: Any) -> RecordBatches:
+        """The record batches of a partition's producer (kept while the producer is: its pumps are its own)."""
+        batches = self._batches.get(id(producer))
+        if batches is None or batches.producer is not producer:
+            batches = self._batches[id(producer)] = RecordBatches(producer)
+        return batches
 
     def _back_off(self, partition: Any, exc: BaseException, topic: str) -> None:
         """A retriable failure: the partition's next transaction waits, twice as long each time (bounded)."""
@@ -319,6 +305,7 @@ class CommitInTransaction(_Counted):
         self._creating.pop(partition, None)
         producer = self._producers.pop(partition, None)
         if producer is not None:
+            self._batches.pop(id(producer), None)
             await quietly_stop(producer)
 
     async def assigned(self, partitions: Sequence[Any]) -> None:

@@ -124,7 +124,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     otlp_endpoint: str | None = None
     # Lifecycle and logs
     shutdown_timeout_s: float = 120.0
-    gc_young_threshold: int = 100_000
+    gc_young_threshold: int = 1_000_000
     rebalance_drain_s: float = 5.0
     stall_unready_s: float = 300.0
     log_format: Literal["auto", "json", "console"] = "auto"

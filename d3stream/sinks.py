@@ -22,7 +22,7 @@ from .config import Settings
 from .connection import client_options
 from .limits import Limits, read_topic_limits
 from .metrics import Metrics
-from .publishing import Outgoing, quietly_stop, send_with_retries
+from .publishing import Outgoing, RecordBatches, quietly_stop, send_with_retries
 from .shadow import shadow_topic
 
 log = structlog.get_logger(__name__)
@@ -70,6 +70,7 @@ class KafkaTopics:
         # 30 wake-ups per record, 5x slower); queued here, only the head of the line waits there.
         self._enqueue = asyncio.Lock()
         self._renewing = asyncio.Lock()
+        self._batched: RecordBatches | None = None  # of the current producer
 
     def new_producer(self, partition: TopicPartition | None = None) -> AIOKafkaProducer:
         """A producer with this worker's settings; for an input ``partition``, transactional with an id derived
@@ -116,27 +117,12 @@ class KafkaTopics:
         )
 
     async def write(self, records: Sequence[Outgoing]) -> None:
-        """Enqueue every record, then wait for the acknowledgements side by side; a record whose send failed
-        goes the slow way (``send_with_retries``: backoff, replacement of a record refused as too large)."""
-        from aiokafka.errors import KafkaError
-
-        producer = self._producer()
-        sent: list[tuple[Outgoing, asyncio.Future[Any] | None]] = []
-        async with self._enqueue:
-            for record in records:
-                try:
-                    future = await producer.send(record.topic, value=record.value, key=record.key,
-                                                 headers=record.headers)
-                except KafkaError:
-                    future = None
-                sent.append((record, future))
-        results = await asyncio.gather(*(f for _, f in sent if f is not None), return_exceptions=True)
-        failed = [record for record, future in sent if future is None]
-        acknowledged = iter(results)
-        failed += [record for record, future in sent
-                   if future is not None and isinstance(next(acknowledged), BaseException)]
+        """Hand every record to the producer in batches (``publishing.RecordBatches``), then wait for the
+        acknowledgements; a record that failed goes the slow way, alone (``send_with_retries``: backoff, a
+        fresh producer when the failure broke it, replacement of a record refused as too large)."""
+        failed = await self._batches().send(records)
         if failed:
-            await asyncio.gather(*(self._publish(record) for record in failed))
+            await asyncio.gather(*(self._publish(records[index]) for index, _ in failed))
 
     async def _publish(self, record: Outgoing) -> None:
         await send_with_retries(self._producer(), record, self.metrics, self._enqueue, renew=self._renew)
@@ -146,6 +132,12 @@ class KafkaTopics:
 
     async def publish_provenance(self, record: Outgoing) -> None:
         await send_with_retries(self._producer(), record, self.metrics)
+
+    def _batches(self) -> RecordBatches:
+        producer = self._producer()
+        if self._batched is None or self._batched.producer is not producer:
+            self._batched = RecordBatches(producer)  # the producer was renewed: batches of the new one
+        return self._batched
 
     def _producer(self) -> AIOKafkaProducer:
         if self.producer is None:
