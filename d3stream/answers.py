@@ -40,7 +40,7 @@ from .events import (
 from .limits import Limits
 from .metrics import Metrics
 from .publishing import Outgoing
-from .seams import DEFAULT_SCHEDULING, InputRecord, Scheduling
+from .seams import DEFAULT_SCHEDULING, InputRecord, Position, Scheduling
 from .storage import FetchedMedia
 
 log = structlog.get_logger(__name__)
@@ -54,13 +54,14 @@ def provenance_digest(record: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestWork:
     """What one request's answer is built from while it walks the stages."""
 
     record: InputRecord
     source: Source
     received: float
+    position: Position = ("", -1, -1)  # where it was read: (topic, partition, offset)
     timings: Timings = field(default_factory=Timings)
     media: list[MediaRecord] = field(default_factory=list)
     batch: BatchRecord = field(default_factory=BatchRecord)

@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 import structlog
@@ -86,10 +87,11 @@ _UNSET: Any = object()
 
 @dataclass(eq=False)
 class _Submission:
-    """One ``submit_each`` call: its rows' outcomes, filled in as their passes finish, and one future for
-    all of them (a future per row cost more event-loop time than the passes' bookkeeping itself)."""
+    """One request's rows (one ``enqueue`` call, or one request of ``enqueue_many``): their outcomes, filled in
+    as their passes finish, handed to ``done`` once all are in (a future per row cost more event-loop time than
+    the passes' bookkeeping itself; ``enqueue_many`` settles many requests without a future each)."""
 
-    future: asyncio.Future
+    done: Callable[[list[Any]], Any]
     outcomes: list[Any]
     remaining: int
     scheduling: Scheduling = DEFAULT_SCHEDULING
@@ -100,8 +102,13 @@ class _Submission:
             return
         self.outcomes[index] = outcome
         self.remaining -= 1
-        if self.remaining == 0 and not self.future.done():
-            self.future.set_result(self.outcomes)
+        if self.remaining == 0:
+            self.done(self.outcomes)
+
+
+def _resolve(future: asyncio.Future[list[Any]], outcomes: list[Any]) -> None:
+    if not future.done():
+        future.set_result(outcomes)
 
 
 @dataclass(eq=False)
@@ -190,7 +197,7 @@ class BatchScheduler(Generic[T]):
                 raise outcome
         return outcomes
 
-    def expect(self, position: Any) -> None:
+    def expect(self, positions: Sequence[Any]) -> None:
         """Passes here are cut by arrival and length, not by where requests were read: nothing to keep."""
 
     def finished(self, position: Any) -> None:
@@ -203,29 +210,41 @@ class BatchScheduler(Generic[T]):
     def enqueue(self, rows: Sequence[T], position: Any = None,
                 scheduling: Scheduling | None = None) -> asyncio.Future[list[Any]]:
         """Queue one request's rows; the future gets every row's outcome (as ``submit_each`` returns them)
-        once the last of them is run. No task per request: callers gather the futures of many requests
-        (``position``, where the request was read, matters to source-ordered schedulers only; ``scheduling``
-        is the request's lane and deadline)."""
+        once the last of them is run (``position``, where the request was read, matters to source-ordered
+        schedulers only; ``scheduling`` is the request's lane and deadline)."""
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self.enqueue_many([(rows, position, scheduling or DEFAULT_SCHEDULING)], lambda _, outcomes: _resolve(future, outcomes))
+        return future
+
+    def enqueue_many(self, requests: Sequence[tuple[Sequence[T], Any, Scheduling]],
+                     settled: Callable[[int, list[Any]], Any]) -> None:
+        """Queue the rows of several requests, each ``(rows, position, scheduling)``; ``settled(index, outcomes)``
+        is called (on the event loop, as a pass finishes) once every row of request ``index`` is run, with one
+        outcome per row as ``submit_each`` returns them. No future and no task per request."""
         if self._closing:
             raise RuntimeError("the batch scheduler is closed")
         self.start()
-        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        if not rows:
-            future.set_result([])
-            return future
-        submission = _Submission(future, [_UNSET] * len(rows), len(rows), scheduling or DEFAULT_SCHEDULING)
-        lane = submission.scheduling.lane
-        if self._best_new_lane is None or lane < self._best_new_lane:
-            self._best_new_lane = lane
         now = time.perf_counter()
-        if lane == 0 and self.lanes:
-            self._high_seen = now
-        for index, row in enumerate(rows):
-            length = self._length(row)
-            self._waiting.append(_Waiting(row, submission, index, now, length))
-            self._waiting_tokens += length
+        length, waiting = self._length, self._waiting
+        best = self._best_new_lane
+        tokens = 0
+        for number, (rows, _, scheduling) in enumerate(requests):
+            if not rows:
+                settled(number, [])
+                continue
+            submission = _Submission(partial(settled, number), [_UNSET] * len(rows), len(rows), scheduling)
+            lane = scheduling.lane
+            if best is None or lane < best:
+                best = lane
+            if lane == 0 and self.lanes:
+                self._high_seen = now
+            for index, row in enumerate(rows):
+                size = length(row)
+                waiting.append(_Waiting(row, submission, index, now, size))
+                tokens += size
+        self._best_new_lane = best
+        self._waiting_tokens += tokens
         self._arrived.set()
-        return future
 
     def _full(self) -> bool:
         budget = self.pass_budget(time.perf_counter())

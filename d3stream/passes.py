@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
@@ -60,20 +61,21 @@ class RowScheduler(Protocol):
         """Passes run so far."""
         ...
 
-    def expect(self, position: Position) -> None:
-        """A request was read at ``position`` (a source-ordered scheduler keeps its place)."""
+    def expect(self, positions: Sequence[Position]) -> None:
+        """Requests were read at ``positions`` (a source-ordered scheduler keeps their places)."""
         ...
 
     def finished(self, position: Position) -> None:
         """The request read at ``position`` is answered; if it submitted no rows it holds nothing back."""
         ...
 
-    def enqueue(self, rows: Sequence[Row], position: Position,
-                scheduling: Scheduling | None = None) -> asyncio.Future[list[Outcome]]:
-        """Queue one request's rows; the future gets each row's (probabilities, pass record), or the
-        exception of a row that failed alone, once the last of them has run. ``scheduling`` (lane,
+    def enqueue_many(self, requests: Sequence[tuple[Sequence[Row], Position, Scheduling]],
+                     settled: Callable[[int, list[Outcome]], Any]) -> None:
+        """Queue the rows of several requests, each ``(rows, position, scheduling)``; ``settled(index, outcomes)``
+        is called on the event loop once every row of request ``index`` has run, with each row's
+        (probabilities, pass record), or the exception of a row that failed alone. ``scheduling`` (lane,
         deadline) may be ignored; a scheduler that honours a deadline settles the rows it drops with
-        ``seams.DeadlineExceeded``."""
+        ``seams.DeadlineExceeded``. ``settled`` must not raise."""
         ...
 
     async def close(self) -> None: ...
@@ -162,46 +164,59 @@ class Passes:
 
     async def run(self, items: Sequence[PassItem]) -> AsyncIterator[list[PassItem]]:
         """Answer every row of ``items``, yielding the requests whose rows are all answered, a pass at a time
-        (a request does not wait for the last pass of its fetch). Full-prompt rows are queued without a task
-        per request; a request with a shared-prefix plan runs on that scheduler."""
+        (a request does not wait for the last pass of its fetch). Full-prompt rows are queued in one submission,
+        without a future or a task per request; a request with a shared-prefix plan runs on that scheduler."""
         submitted = time.perf_counter()
-        waiting: dict[asyncio.Future[Any], PassItem] = {}
-        for item in items:
-            item.work.submitted_at = submitted
-            if item.plan is None:
-                waiting[self.rows.enqueue(item.prepared.rows, item.position, item.scheduling)] = item
-            else:
-                waiting[asyncio.ensure_future(self._run_shared(item))] = item
-        # Futures settled since the last look, and a wake-up for when there are none (lighter than a Queue:
-        # a pass settles dozens of requests at once, and each put would wake the reader).
-        finished: list[asyncio.Future[Any]] = []
+        # Requests settled since the last look, with their rows' outcomes (None: a shared-prefix run, done), and a
+        # wake-up for when there are none (lighter than a Queue: a pass settles dozens of requests at once).
+        finished: list[tuple[PassItem, list[Outcome] | None]] = []
         settled = asyncio.Event()
+        plain = [item for item in items if item.plan is None]
+        shared = [item for item in items if item.plan is not None]
 
-        def arrived(future: asyncio.Future[Any]) -> None:
-            finished.append(future)
+        def arrived(index: int, outcomes: list[Outcome]) -> None:
+            finished.append((plain[index], outcomes))
             settled.set()
 
-        for future in waiting:
-            future.add_done_callback(arrived)
-        while waiting:
+        def ran(item: PassItem, task: asyncio.Future[None]) -> None:
+            finished.append((item, None))
+            settled.set()
+
+        for item in items:
+            item.work.submitted_at = submitted
+        if plain:
+            self.rows.enqueue_many([(item.prepared.rows, item.position, item.scheduling) for item in plain], arrived)
+        tasks = []
+        for item in shared:
+            task = asyncio.ensure_future(self._run_shared(item))
+            task.add_done_callback(partial(ran, item))
+            tasks.append(task)
+        left = len(items)
+        while left:
             if not finished:
                 settled.clear()
                 await settled.wait()
             done = finished[:]
             finished.clear()
-            chunk = [waiting.pop(future) for future in done]
-            for future, item in zip(done, chunk, strict=True):
-                if item.plan is None:
-                    self._take_outcomes(item, future.result(), submitted)
-                else:
-                    future.result()
+            left -= len(done)
+            chunk = []
+            for item, outcomes in done:
+                if outcomes is not None:
+                    self._take_outcomes(item, outcomes, submitted)
+                chunk.append(item)
+            for task in tasks:
+                if task.done():
+                    task.result()  # a shared-prefix run's own fault is the caller's
+            tasks = [task for task in tasks if not task.done()]
             yield chunk
 
     async def _run_rows(self, item: PassItem) -> None:
         """One request's rows as full prompts (the fallback of a failed shared-prefix call)."""
         submitted = time.perf_counter()
-        self._take_outcomes(item, await self.rows.enqueue(item.prepared.rows, item.position, item.scheduling),
-                            submitted)
+        future: asyncio.Future[list[Outcome]] = asyncio.get_running_loop().create_future()
+        self.rows.enqueue_many([(item.prepared.rows, item.position, item.scheduling)],
+                               lambda _, outcomes: _resolve(future, outcomes))
+        self._take_outcomes(item, await future, submitted)
 
     def _take_outcomes(self, item: PassItem, outcomes: list[Outcome], submitted: float) -> None:
         """A request's probabilities from its rows' outcomes; a row whose pass failed alone fails its question,
@@ -348,6 +363,11 @@ class Passes:
             (result, [info for info in passes if plan in info.prefixes or any(row in result for row in info.done)])
             for plan, result in zip(plans, results, strict=True)
         ]
+
+
+def _resolve(future: asyncio.Future[list[Outcome]], outcomes: list[Outcome]) -> None:
+    if not future.done():
+        future.set_result(outcomes)
 
 
 def _share(seconds: float, tokens: int, pass_tokens: int) -> float:

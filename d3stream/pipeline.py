@@ -53,7 +53,7 @@ from .publishing import Outgoing
 from .quotas import TenantQuotas
 from .runtime.media import reason
 from .runtime.model import Prepared
-from .seams import DeadlineExceeded, DecisionModel, InFlight, InputRecord, Scheduling, position_of
+from .seams import DeadlineExceeded, DecisionModel, InFlight, InputRecord, Scheduling
 from .shadow import Shadow
 from .storage import MediaFetcher
 from .tracing import forwarded_headers, header_names
@@ -153,9 +153,9 @@ class RequestPipeline:
     async def serve(self, records: Sequence[InputRecord], on_served: OnServed) -> None:
         """Answer every record; ``on_served`` receives each answer once (it must not raise)."""
         works = [self._begin(record) for record in records]
-        for work in works:
-            for each in self.hosted.values():
-                each.passes.rows.expect(position_of(work.record))
+        positions = [work.position for work in works]
+        for each in self.hosted.values():
+            each.passes.rows.expect(positions)
         refused: list[Served] = []
         # Text-only requests by model and lane: a lane's requests are prepared and submitted without waiting for
         # a lower lane's (a high request read with a flood does not wait for the whole fetch to be prepared).
@@ -197,15 +197,14 @@ class RequestPipeline:
         return self.default if work.model is None else self.hosted[work.model]
 
     def _begin(self, record: InputRecord) -> RequestWork:
-        work = RequestWork(
-            record=record,
-            source=Source(topic=record.topic, partition=record.partition, offset=record.offset,
-                          timestamp=record.timestamp),
-            received=time.perf_counter(),
-        )
-        forwarded = forwarded_headers(record.headers, self._forwarded_names, self.settings.forward_headers_max_bytes)
-        if forwarded:
-            work.headers = [*HEADERS, *forwarded]
+        topic, partition, offset = record.topic, record.partition, record.offset
+        work = RequestWork(record, Source(topic=topic, partition=partition, offset=offset, timestamp=record.timestamp),
+                           time.perf_counter(), (topic, partition, offset))
+        if record.headers:
+            forwarded = forwarded_headers(record.headers, self._forwarded_names,
+                                          self.settings.forward_headers_max_bytes)
+            if forwarded:
+                work.headers = [*HEADERS, *forwarded]
         return work
 
     def _admit(self, work: RequestWork) -> Request | Answer:
@@ -294,7 +293,7 @@ class RequestPipeline:
             prepared, plan = outcome
             work.tokens = prepared.input_tokens
             self.in_flight.tokens += work.tokens
-            passing.append((PassItem(work, prepared, position_of(work.record), plan,
+            passing.append((PassItem(work, prepared, work.position, plan,
                                      scheduling=work.scheduling), request))
         if refused:
             await on_served(refused)
@@ -380,7 +379,7 @@ class RequestPipeline:
             work.quota_tokens = 0
         if work.media_bytes:
             self.media_budget.release(work.media_bytes)
-        position = position_of(work.record)
+        position = work.position
         for each in self.hosted.values():
             each.passes.rows.finished(position)
         hosted = self._hosted(work)

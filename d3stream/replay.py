@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,10 @@ class _Slot:
 PartitionKey = tuple[str, int]
 
 
+def _settled_with(settled: Callable[[int, list[Outcome]], Any], number: int, done: asyncio.Future[Any]) -> None:
+    settled(number, list(done.result()))
+
+
 class OrderedPasses:
     """A row scheduler whose passes depend only on the source order: per partition, rows in offset order,
     ``rows_per_pass`` at a time (the last pass of a partition takes what is left)."""
@@ -141,9 +146,9 @@ class OrderedPasses:
     def passes_run(self) -> int:
         return len(self.passes)
 
-    def expect(self, position: Position) -> None:
-        topic, partition, offset = position
-        self._queues.setdefault((topic, partition), deque()).append(_Slot(offset))
+    def expect(self, positions: Sequence[Position]) -> None:
+        for topic, partition, offset in positions:
+            self._queues.setdefault((topic, partition), deque()).append(_Slot(offset))
 
     def finished(self, position: Position) -> None:
         """The request of ``position`` is answered; if it never submitted rows it holds nothing back."""
@@ -158,6 +163,13 @@ class OrderedPasses:
         key = (partition.topic, partition.partition)
         self._closed.add(key)
         self._advance(key)
+
+    def enqueue_many(self, requests: Sequence[tuple[Sequence[Row], Position, Scheduling]],
+                     settled: Callable[[int, list[Outcome]], Any]) -> None:
+        """Each request's rows placed by ``enqueue``; ``settled`` once a request's rows have all run."""
+        for number, (rows, position, _) in enumerate(requests):
+            done = self.enqueue(rows, position)
+            done.add_done_callback(partial(_settled_with, settled, number))
 
     def enqueue(self, rows: Sequence[Row], position: Position,
                 scheduling: Scheduling | None = None) -> asyncio.Future[list[Outcome]]:

@@ -56,7 +56,7 @@ from .passes import PassItem
 from .publishing import Outgoing
 from .runtime.media import reason
 from .runtime.model import Prepared
-from .seams import Scheduling, position_of
+from .seams import Scheduling
 
 log = structlog.get_logger(__name__)
 
@@ -151,7 +151,7 @@ class Shadow:
                     continue
                 prepared_request, plan = outcome
                 works[index].tokens = prepared_request.input_tokens
-                item = PassItem(works[index], prepared_request, position_of(works[index].record), plan,
+                item = PassItem(works[index], prepared_request, works[index].position, plan,
                                 scheduling=Scheduling(lane=lanes[index], deadline=None))  # never late
                 index_of[id(item)] = index
                 items.append(item)
@@ -176,7 +176,8 @@ class Shadow:
 
     def _work(self, live: RequestWork, request: Request) -> RequestWork:
         """The shadow answer's own record of the request (its passes, timings, cost), read where the live one was."""
-        return RequestWork(record=live.record, source=live.source, received=time.perf_counter(), request=request,
+        return RequestWork(record=live.record, source=live.source, received=time.perf_counter(), position=live.position,
+                           request=request,
                            model=self.name, headers=live.headers, tenant=live.tenant, media=live.media)
 
     def _prepare_all(self, pending: list[tuple[Request, Media]]) -> list[tuple[Prepared, Any] | BaseException]:
