@@ -40,12 +40,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Generic, TypeVar
 
 import structlog
 
+from .events import BatchRecord
 from .seams import DEFAULT_SCHEDULING, DeadlineExceeded, Scheduling
 
 log = structlog.get_logger(__name__)
@@ -61,6 +62,14 @@ class PassRecord:
     real_tokens: int
     padded_tokens: int
     seconds: float
+
+    # The provenance ``batch`` of a request that rode this pass alone: one per pass, shared by its requests
+    # (an answer's records are never changed once built).
+    batch: BatchRecord = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch", BatchRecord(passes=1, rows=self.rows, real_tokens=self.real_tokens,
+                                                      padded_tokens=self.padded_tokens))
 
 
 def pack(items: Sequence[T], length: Callable[[T], int], max_rows: int, max_tokens: int) -> list[list[T]]:

@@ -222,18 +222,28 @@ class Passes:
         """A request's probabilities from its rows' outcomes; a row whose pass failed alone fails its question,
         a row dropped at its deadline expires the request."""
         prepared = item.prepared
+        rows = prepared.rows
+        record = _one_pass(outcomes)
+        if record is not None:  # the common case: every row answered, all in one pass
+            answered = cast("list[tuple[Any, PassRecord]]", outcomes)
+            item.probabilities = {row: result for row, (result, _) in zip(rows, answered, strict=True)}
+            work = item.work
+            work.device_seconds += _share(record.seconds, sum(row.length for row in rows), record.real_tokens)
+            work.padded_tokens += len(rows) * (record.padded_tokens // max(record.rows, 1))
+            self._account(work, submitted, [record])
+            return
         probabilities = item.probabilities
         mine: dict[int, tuple[PassRecord, list[int]]] = {}  # per pass: its record, the lengths of our rows in it
         failed = False
-        for row, outcome in zip(prepared.rows, outcomes, strict=True):
+        for row, outcome in zip(rows, outcomes, strict=True):
             if type(outcome) is tuple:
                 result, record = outcome
                 probabilities[row] = result
                 seen = mine.get(id(record))
                 if seen is None:
-                    mine[id(record)] = (record, [len(row.ids)])
+                    mine[id(record)] = (record, [row.length])
                 else:
-                    seen[1].append(len(row.ids))
+                    seen[1].append(row.length)
             elif isinstance(outcome, DeadlineExceeded):
                 item.expired = outcome
             else:
@@ -245,7 +255,7 @@ class Passes:
                     "message": f"the forward pass failed for this question: {type(outcome).__name__}: {outcome}",
                 }
         if failed:
-            prepared.rows = [row for row in prepared.rows if row.key not in prepared.errors]
+            prepared.rows = [row for row in rows if row.key not in prepared.errors]
         work = item.work
         for record, lengths in mine.values():
             work.device_seconds += _share(record.seconds, sum(lengths), record.real_tokens)
@@ -294,11 +304,11 @@ class Passes:
     def _account(self, work: RequestWork, submitted: float, passes: Sequence[Any], **batch: Any) -> None:
         """The request's forward and queueing time and its batch record, from the passes that carried it
         (``PassRecord`` or the prefix runner's ``PassInfo``: both have rows, tokens and seconds)."""
-        if len(passes) == 1 and not batch:  # the common case, without the sums
+        if len(passes) == 1 and not batch:  # the common case: the pass's own record, shared by its requests
             [only] = passes
             forward = only.seconds
-            work.batch = BatchRecord(passes=1, rows=only.rows, real_tokens=only.real_tokens,
-                                     padded_tokens=only.padded_tokens)
+            work.batch = only.batch if type(only) is PassRecord else BatchRecord(
+                passes=1, rows=only.rows, real_tokens=only.real_tokens, padded_tokens=only.padded_tokens)
         else:
             forward = sum(record.seconds for record in passes)
             work.batch = BatchRecord(
@@ -363,6 +373,19 @@ class Passes:
             (result, [info for info in passes if plan in info.prefixes or any(row in result for row in info.done)])
             for plan, result in zip(plans, results, strict=True)
         ]
+
+
+def _one_pass(outcomes: list[Outcome]) -> PassRecord | None:
+    """The pass that answered every row, when they all rode the same one (None otherwise)."""
+    record = None
+    for outcome in outcomes:
+        if not isinstance(outcome, tuple):
+            return None
+        if record is None:
+            record = outcome[1]
+        elif outcome[1] is not record:
+            return None
+    return record
 
 
 def _resolve(future: asyncio.Future[list[Outcome]], outcomes: list[Outcome]) -> None:
