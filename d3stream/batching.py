@@ -182,6 +182,9 @@ class BatchScheduler(Generic[T]):
         self.padded_tokens = 0
         self.device_seconds = 0.0  # the passes' measured seconds, summed (what answers' cost shares add up to)
         self.rows_expired = 0  # rows dropped because their request's deadline passed
+        # Rows queued (waiting or cut, not run) whose request has a deadline: without any, nothing can expire and
+        # the checks before each cut and pass are skipped.
+        self._dated = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -242,6 +245,8 @@ class BatchScheduler(Generic[T]):
                 settled(number, [])
                 continue
             submission = _Submission(partial(settled, number), [_UNSET] * len(rows), len(rows), scheduling)
+            if scheduling.deadline is not None:
+                self._dated += len(rows)
             lane = scheduling.lane
             if best is None or lane < best:
                 best = lane
@@ -282,7 +287,10 @@ class BatchScheduler(Generic[T]):
                 self._cut(now, time.time())
             if not self._planned:  # every waiting row had expired
                 continue
-            group = self._unexpired(self._planned.popleft(), time.time())
+            group = self._planned.popleft()
+            if self._dated:
+                group = self._unexpired(group, time.time())
+                self._dated -= sum(1 for waiting in group if waiting.submission.scheduling.deadline is not None)
             if not group:
                 continue
             try:
@@ -332,9 +340,17 @@ class BatchScheduler(Generic[T]):
         self._planned.clear()
         self._best_new_lane = None
         self._planned_at = now
-        self._drop_expired(wall)
-        keyed = sorted(((self._rank(w, now), -w.length, w.since, n), w) for n, w in enumerate(self._waiting))
-        upcoming = deque(w for _, w in keyed)
+        if self._dated:
+            self._drop_expired(wall)
+        ageing, floor = self.ageing, math.floor
+        if self.lanes:
+            def rank(w: _Waiting[T]) -> tuple[int, int, float]:
+                return w.submission.scheduling.lane - floor((now - w.since) / ageing), -w.length, w.since
+        else:
+            def rank(w: _Waiting[T]) -> tuple[int, int, float]:
+                return 1 - floor((now - w.since) / ageing), -w.length, w.since
+        # A stable sort: rows equal in all three stay in the order they were queued.
+        upcoming = deque(sorted(self._waiting, key=rank))
         budget = self.pass_budget(now)
         while upcoming:
             group, skipped = self._fill(upcoming, budget)
@@ -379,6 +395,7 @@ class BatchScheduler(Generic[T]):
                         if outcome is _UNSET:
                             submission.settle(index, late)
                 self.rows_expired += 1
+                self._dated -= 1
                 continue
             kept.append(waiting)
         return kept
@@ -419,7 +436,7 @@ class BatchScheduler(Generic[T]):
             except Exception:  # noqa: BLE001 - a metrics hook must not stop the model
                 log.exception("pass hook failed")
         for waiting, result in zip(group, results, strict=True):
-            waiting.settle((result, record))
+            waiting.submission.settle(waiting.index, (result, record))
 
     @staticmethod
     def _release_memory() -> None:
