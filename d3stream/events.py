@@ -210,7 +210,6 @@ class EventError(ValueError):
         self.request_id = request_id
 
 
-_request_decoder = msgspec.json.Decoder(Request)
 _document_decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 
@@ -269,16 +268,16 @@ def _option_count(question: Any) -> int:
     return len(criteria) if isinstance(criteria, (dict, list)) else 0
 
 
-def _refuse_duplicate_keys(value: bytes, request_id: str | None) -> None:
+def _refuse_duplicate_keys(value: bytes, document: Any, request_id: str | None) -> None:
     """EventError naming the key when a JSON object of the record has the same key twice.
 
     msgspec (like most JSON parsers) keeps the last of duplicate keys, so a request could show one value
     to a reviewer's parser and another to the model. The check is cheap on the normal path: every object
     member has one ``:`` outside strings and ``:`` is never escaped on output, so re-encoding the
-    decoded document gives as many colons as the record exactly when no member was dropped. Only a
+    decoded ``document`` gives as many colons as the record exactly when no member was dropped. Only a
     mismatch (a duplicate, or a ``\\u003a`` escape in a string) pays for a second, pair-by-pair parse.
     """
-    if _encoder.encode(_document_decoder.decode(value)).count(b":") == value.count(b":"):
+    if _encoder.encode(document).count(b":") == value.count(b":"):
         return
     duplicate: list[str] = []
 
@@ -337,22 +336,25 @@ def decode_request(value: bytes | None, key: bytes | None = None, limits: Reques
             f"the record is {len(value):,} bytes, over max_request_bytes ({limits.bytes:,}); it was not read",
             fallback_id,
         )
-    request = _decode(value, fallback_id)
-    _refuse_duplicate_keys(value, request.id)
+    document = _parse(value, fallback_id)
+    request_id = document.get("id") if isinstance(document.get("id"), str) and document.get("id") else fallback_id
+    # Too few brackets to nest too deep: the walk over the document is only needed past the limit.
+    if value.count(b"[") + value.count(b"{") > MAX_NESTING and not _depth_ok(document):
+        raise EventError("invalid_request", _TOO_DEEP, request_id)
+    try:
+        request = msgspec.convert(document, Request)
+    except msgspec.ValidationError as exc:
+        raise EventError("invalid_request", f"the request does not match the schema: {exc}", request_id) from exc
+    _refuse_duplicate_keys(value, document, request.id)
     _check_limits(request, limits)
     return request
 
 
-def _decode(value: bytes, fallback_id: str | None) -> Request:
-    if value.count(b"[") + value.count(b"{") <= MAX_NESTING:
-        # Too few brackets to nest too deep: the typed decoder alone decides, once. (Failures take the
-        # slower path below, which names the problem.)
-        try:
-            return _request_decoder.decode(value)
-        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
-            pass
+def _parse(value: bytes, fallback_id: str | None) -> dict[str, Any]:
+    """The record as a JSON object (parsed once: the request, the depth and the duplicate-key checks all read
+    this document); ``undecodable_event`` when it is not UTF-8 JSON or not an object."""
     try:
-        document = msgspec.json.decode(value)
+        document = _document_decoder.decode(value)
     except RecursionError as exc:
         raise _too_deep(value, fallback_id) from exc
     except msgspec.DecodeError as exc:
@@ -361,17 +363,7 @@ def _decode(value: bytes, fallback_id: str | None) -> Request:
         raise EventError(
             "undecodable_event", f"a request is a JSON object, got {type(document).__name__}", fallback_id
         )
-    request_id = document.get("id") if isinstance(document.get("id"), str) and document.get("id") else fallback_id
-    if not _depth_ok(document):
-        raise EventError("invalid_request", _TOO_DEEP, request_id)
-    try:
-        return _request_decoder.decode(value)
-    except msgspec.ValidationError as exc:
-        raise EventError("invalid_request", f"the request does not match the schema: {exc}", request_id) from exc
-    except RecursionError as exc:
-        raise EventError("invalid_request", _TOO_DEEP, request_id) from exc
-    except msgspec.DecodeError as exc:
-        raise EventError("undecodable_event", f"the record is not UTF-8 JSON: {exc}", fallback_id) from exc
+    return document
 
 
 _TOO_DEEP = f"the request is nested deeper than {MAX_NESTING} levels of JSON arrays and objects"
