@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -188,16 +189,19 @@ class AnswerBuilder:
         topic = self.settings.answer_topic
         headers = work.headers
         value = encode(answer)
-        fit = self.limits.fit(topic, answer.id.encode(), value, headers)
+        key = answer.id.encode()
+        fit = self.limits.fit(topic, key, value, headers)
         if fit.fits:
-            def instead(cause: str) -> Outgoing:
-                self.metrics.count_answer("answer_too_large")
-                smaller = self._too_large(work, answer, f"the broker refused it for topic {topic!r}: {cause}")
-                return Outgoing(topic, smaller.id.encode(), encode(smaller), headers=headers)
-
-            return answer, Outgoing(topic, answer.id.encode(), value, headers=headers, replacement=instead)
+            return answer, Outgoing(topic, key, value, headers=headers, replacement=partial(self._refused, work, answer))
         smaller = self._too_large(work, answer, fit.reason)
         return smaller, Outgoing(topic, smaller.id.encode(), encode(smaller), headers=headers)
+
+    def _refused(self, work: RequestWork, answer: Answer, cause: str) -> Outgoing:
+        """What replaces an answer the broker refused as too large (``Outgoing.replacement``)."""
+        topic = self.settings.answer_topic
+        self.metrics.count_answer("answer_too_large")
+        smaller = self._too_large(work, answer, f"the broker refused it for topic {topic!r}: {cause}")
+        return Outgoing(topic, smaller.id.encode(), encode(smaller), headers=work.headers)
 
     def _too_large(self, work: RequestWork, answer: Answer, reason: str) -> Answer:
         """An ``answer_too_large`` error answer for ``answer``: no answers and no echoed metadata; the

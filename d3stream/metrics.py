@@ -103,12 +103,13 @@ class LoopHistogram(Collector):
         self.sums = dict.fromkeys(self.counts, 0.0)
         registry.register(self)
 
-    def observe(self, value: str, amount: float) -> None:
+    def observe(self, value: str, amount: float, count: int = 1) -> None:
+        """``count`` observations of ``amount`` (several requests that spent the same time, e.g. in one pass)."""
         counts = self.counts.get(value)
         if counts is None:
             raise ValueError(f"unknown {self.label} {value!r}; one of {', '.join(self.counts)}")
-        counts[bisect_left(self.bounds, amount)] += 1  # the first bound at or above it: le="bound"
-        self.sums[value] += amount
+        counts[bisect_left(self.bounds, amount)] += count  # the first bound at or above it: le="bound"
+        self.sums[value] += amount * count
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
@@ -322,6 +323,8 @@ class Metrics:
             ["tenant", "model", "kind"], r,
         )
         self._tenants: set[str] = set()
+        # The cost series' label sets of each (tenant, model) seen: built once, not per answered request.
+        self._cost_labels: dict[tuple[str, str], tuple[tuple[str, ...], ...]] = {}
         self.dead_letters = Counter(
             f"{PREFIX}_dead_letters",
             "Records that were not even a JSON object, copied to the dead-letter topic. Any rate here "
@@ -563,28 +566,36 @@ class Metrics:
 
     # --------------------------------------------------------------------------------- latency
 
-    def observe_stage(self, stage: str, seconds: float) -> None:
-        """Seconds one request spent in ``stage`` (one of ``STAGES``)."""
-        self.stage_seconds.observe(stage, seconds if seconds > 0.0 else 0.0)
+    def observe_stage(self, stage: str, seconds: float, requests: int = 1) -> None:
+        """Seconds one request (or each of ``requests``) spent in ``stage`` (one of ``STAGES``)."""
+        self.stage_seconds.observe(stage, seconds if seconds > 0.0 else 0.0, requests)
 
     # -------------------------------------------------------------------------------- outcomes
 
-    def count_answer(self, code: str | None) -> None:
-        """One answer event published: ``None`` (or "ok") when answered, else the request's error code."""
-        self.answers.inc((code or "ok",))  # a code outside the documented table still counts
+    def count_answer(self, code: str | None, answers: int = 1) -> None:
+        """One answer event published (or ``answers`` of them): ``None`` (or "ok") when answered, else the
+        request's error code."""
+        self.answers.inc((code or "ok",), answers)  # a code outside the documented table still counts
 
     def count_cost(self, tenant: str, model: str, device_seconds: float, prompt_tokens: int,
                    padded_tokens: int) -> None:
         """What one answered request cost, under its tenant (request fields are untrusted: only the first
         ``MAX_TENANT_LABELS`` tenants get a series of their own)."""
-        if tenant not in self._tenants:
-            if len(self._tenants) >= MAX_TENANT_LABELS:
-                tenant = OTHER_TENANT
-            else:
-                self._tenants.add(tenant)
-        self.device_seconds.inc((tenant, model), device_seconds)
-        self.tokens.inc((tenant, model, "prompt"), prompt_tokens)
-        self.tokens.inc((tenant, model, "padded"), padded_tokens)
+        labels = self._cost_labels.get((tenant, model))
+        if labels is None:
+            if tenant not in self._tenants:
+                if len(self._tenants) >= MAX_TENANT_LABELS:
+                    tenant = OTHER_TENANT
+                else:
+                    self._tenants.add(tenant)
+            labels = ((tenant, model), (tenant, model, "prompt"), (tenant, model, "padded"))
+            if len(self._cost_labels) < 4 * MAX_TENANT_LABELS:  # bounded: tenants past the limit are looked up
+                self._cost_labels[(tenant, model)] = labels
+        seconds, prompt, padded = labels
+        device, tokens = self.device_seconds.totals, self.tokens.totals
+        device[seconds] = device.get(seconds, 0.0) + device_seconds
+        tokens[prompt] = tokens.get(prompt, 0.0) + prompt_tokens
+        tokens[padded] = tokens.get(padded, 0.0) + padded_tokens
 
     def count_shadow_request(self, live: str, shadow: str, *, errored: bool) -> None:
         """One request the shadow also answered (``errored``: its shadow answer is an error answer)."""

@@ -200,10 +200,16 @@ class Passes:
             finished.clear()
             left -= len(done)
             chunk = []
+            # Requests settled by one pass spent the same time in it and before it: observed once, with a count.
+            times: dict[tuple[float, float], int] = {}
+            now = time.perf_counter()
             for item, outcomes in done:
                 if outcomes is not None:
-                    self._take_outcomes(item, outcomes, submitted)
+                    self._take_outcomes(item, outcomes, submitted, now, times)
                 chunk.append(item)
+            for (forward, queued), count in times.items():
+                self.metrics.observe_stage("forward", forward, count)
+                self.metrics.observe_stage("queued", queued, count)
             for task in tasks:
                 if task.done():
                     task.result()  # a shared-prefix run's own fault is the caller's
@@ -218,9 +224,10 @@ class Passes:
                                lambda _, outcomes: _resolve(future, outcomes))
         self._take_outcomes(item, await future, submitted)
 
-    def _take_outcomes(self, item: PassItem, outcomes: list[Outcome], submitted: float) -> None:
+    def _take_outcomes(self, item: PassItem, outcomes: list[Outcome], submitted: float, now: float | None = None,
+                       times: dict[tuple[float, float], int] | None = None) -> None:
         """A request's probabilities from its rows' outcomes; a row whose pass failed alone fails its question,
-        a row dropped at its deadline expires the request."""
+        a row dropped at its deadline expires the request. ``now`` and ``times``: as for ``_account``."""
         prepared = item.prepared
         rows = prepared.rows
         record = _one_pass(outcomes)
@@ -230,7 +237,7 @@ class Passes:
             work = item.work
             work.device_seconds += _share(record.seconds, sum(row.length for row in rows), record.real_tokens)
             work.padded_tokens += len(rows) * (record.padded_tokens // max(record.rows, 1))
-            self._account(work, submitted, [record])
+            self._account(work, submitted, [record], now, times)
             return
         probabilities = item.probabilities
         mine: dict[int, tuple[PassRecord, list[int]]] = {}  # per pass: its record, the lengths of our rows in it
@@ -260,7 +267,7 @@ class Passes:
         for record, lengths in mine.values():
             work.device_seconds += _share(record.seconds, sum(lengths), record.real_tokens)
             work.padded_tokens += len(lengths) * (record.padded_tokens // max(record.rows, 1))
-        self._account(work, submitted, [record for record, _ in mine.values()])
+        self._account(work, submitted, [record for record, _ in mine.values()], now, times)
 
     async def _run_shared(self, item: PassItem) -> None:
         """A multi-question request on its shared prefix; if that fails, its rows run as full prompts."""
@@ -301,9 +308,12 @@ class Passes:
             work.device_seconds += _share(info.seconds, tokens, info.real_tokens)
             work.padded_tokens += count * (info.padded_tokens // max(info.rows, 1))
 
-    def _account(self, work: RequestWork, submitted: float, passes: Sequence[Any], **batch: Any) -> None:
+    def _account(self, work: RequestWork, submitted: float, passes: Sequence[Any], now: float | None = None,
+                 times: dict[tuple[float, float], int] | None = None, **batch: Any) -> None:
         """The request's forward and queueing time and its batch record, from the passes that carried it
-        (``PassRecord`` or the prefix runner's ``PassInfo``: both have rows, tokens and seconds)."""
+        (``PassRecord`` or the prefix runner's ``PassInfo``: both have rows, tokens and seconds), as of ``now``
+        (default: now). With ``times`` its (forward, queued) seconds are counted there, for the caller to
+        observe together with those of the other requests it settles at once; else they are observed here."""
         if len(passes) == 1 and not batch:  # the common case: the pass's own record, shared by its requests
             [only] = passes
             forward = only.seconds
@@ -318,11 +328,15 @@ class Passes:
                 padded_tokens=sum(record.padded_tokens for record in passes),
                 **batch,
             )
-        queued = max(0.0, time.perf_counter() - submitted - forward)
+        queued = max(0.0, (time.perf_counter() if now is None else now) - submitted - forward)
         work.timings.forward = ms(forward)
         work.timings.queued = ms(queued)
-        self.metrics.observe_stage("forward", forward)
-        self.metrics.observe_stage("queued", queued)
+        if times is None:
+            self.metrics.observe_stage("forward", forward)
+            self.metrics.observe_stage("queued", queued)
+        else:
+            key = (forward, queued)
+            times[key] = times.get(key, 0) + 1
 
     # ------------------------------------------------------------------------- shared-prefix reuse
 

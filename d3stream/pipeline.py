@@ -283,9 +283,10 @@ class RequestPipeline:
         seconds = time.perf_counter() - started
         refused: list[Served] = []
         passing: list[tuple[PassItem, Request]] = []
+        self.metrics.observe_stage("prepare", seconds, len(items))  # the trips of the fetch took this long together
+        prepare_ms = ms(seconds)
         for (work, request), outcome in zip(items, outcomes, strict=True):
-            work.prepare_at, work.timings.prepare = started, ms(seconds)
-            self.metrics.observe_stage("prepare", seconds)
+            work.prepare_at, work.timings.prepare = started, prepare_ms
             if isinstance(outcome, BaseException):
                 code = "invalid_request" if isinstance(outcome, ValueError) else "internal_error"
                 refused.append(self._served(work, hosted.answers.error(work, code, reason(outcome), request=request)))

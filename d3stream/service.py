@@ -350,14 +350,21 @@ class Service:
             self.in_flight.requests -= len(served)
             self.in_flight.questions -= sum(item.work.questions for _, item in served)
         published = time.perf_counter()
-        for fetched, item in served:
-            self.metrics.observe_stage("publish", published - started)
-            self.metrics.observe_stage("end_to_end", published - item.work.received)
+        metrics = self.metrics
+        metrics.observe_stage("publish", published - started, len(served))  # delivered together
+        errors: dict[str, int] = {}
+        for _, item in served:
+            metrics.observe_stage("end_to_end", published - item.work.received)
             error = item.answer.error
-            if error is None:
-                self._answered += 1
-            else:
-                self._errors += 1
-            self.metrics.count_answer(error.code if error else None)
-            if self.tracing is not None:
+            if error is not None:
+                errors[error.code] = errors.get(error.code, 0) + 1
+        failed = sum(errors.values())
+        self._answered += len(served) - failed
+        self._errors += failed
+        if len(served) > failed:
+            metrics.count_answer(None, len(served) - failed)
+        for code, count in errors.items():
+            metrics.count_answer(code, count)
+        if self.tracing is not None:
+            for fetched, item in served:
                 self.tracing.request_served(fetched.record, item.work, item.answer, published)
