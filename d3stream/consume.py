@@ -48,7 +48,7 @@ from .limits import WorkerFatal
 from .metrics import Metrics
 from .offsets import OffsetTracker
 from .quotas import TenantQuotas
-from .seams import InFlight
+from .seams import InFlight, InputRecord
 
 log = structlog.get_logger(__name__)
 
@@ -91,15 +91,19 @@ def group_consumer(settings: Settings) -> AIOKafkaConsumer:
     ))
 
 @dataclass
-class Fetched:
-    """A record handed on by the consume loop, with the partition and assignment it was read in."""
+class Fetch:
+    """The records of one ``getmany`` handed on by the consume loop, and for each partition they came from,
+    the partition and the assignment (epoch) they were read in."""
 
-    partition: TopicPartition
-    record: ConsumerRecord
-    epoch: int
+    records: list[ConsumerRecord]
+    partitions: dict[tuple[str, int], tuple[TopicPartition, int]]
+
+    def origin(self, record: InputRecord) -> tuple[TopicPartition, int]:
+        """The partition and assignment epoch ``record`` was read in."""
+        return self.partitions[(record.topic, record.partition)]
 
 
-Handler = Callable[[list[Fetched]], Coroutine[Any, Any, None]]
+Handler = Callable[[Fetch], Coroutine[Any, Any, None]]
 
 
 class ReadPolicy(Protocol):
@@ -222,8 +226,8 @@ class ConsumeLoop:
             room = max(1, self._room())
             batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
             fetched = self._take(batches)
-            if fetched:
-                self.in_flight.requests += len(fetched)
+            if fetched.records:
+                self.in_flight.requests += len(fetched.records)
                 task = asyncio.create_task(self.handler(fetched))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
@@ -239,18 +243,21 @@ class ConsumeLoop:
         if flushing is not None:
             await flushing
 
-    def _take(self, batches: dict[TopicPartition, list[ConsumerRecord]]) -> list[Fetched]:
-        """The fetched records to serve, each tracked under its partition's assignment."""
-        fetched: list[Fetched] = []
+    def _take(self, batches: dict[TopicPartition, list[ConsumerRecord]]) -> Fetch:
+        """The fetched records to serve, tracked under their partitions' assignments."""
+        fetched = Fetch([], {})
+        accept = self.read.accept
         for partition, records in batches.items():
             if partition in self.settling:  # not positioned yet: read again once it is
                 if records:
                     skipped = self._skipped_while_settling
                     skipped[partition] = min(skipped.get(partition, records[0].offset), records[0].offset)
                 continue
-            for record in records:
-                if self.read.accept(record):
-                    fetched.append(Fetched(partition, record, self.tracker.add(partition, record.offset)))
+            accepted = [record for record in records if accept(record)]
+            if accepted:
+                epoch = self.tracker.add_all(partition, [record.offset for record in accepted])
+                fetched.partitions[(partition.topic, partition.partition)] = (partition, epoch)
+                fetched.records += accepted
         return fetched
 
     async def _cancel_tasks(self) -> None:

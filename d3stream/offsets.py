@@ -19,18 +19,17 @@ from aiokafka.structs import TopicPartition
 
 @dataclass
 class _Progress:
-    entries: deque = field(default_factory=deque)  # [offset, done] in offset order
-    index: dict[int, list] = field(default_factory=dict)
+    read: deque[int] = field(default_factory=deque)  # offsets in read order, from the first unanswered one on
+    unanswered: dict[int, float] = field(default_factory=dict)  # offset -> when it was read (monotonic)
     last: int = -1
     committed: int | None = None
     epoch: int = 0  # which assignment of the partition this progress belongs to
     first: int | None = None  # the first offset read in this assignment (where the group's commit stood)
     moved_at: float = 0.0  # monotonic time the commit point last moved, or work arrived after none waited
-    added_at: dict[int, float] = field(default_factory=dict)  # offset -> when it was read, while unanswered
 
     def waiting(self) -> bool:
         """Whether work of this partition is not committed yet (unanswered, or answered but uncommitted)."""
-        return bool(self.entries) or (self.last >= 0 and self.committed != self.last + 1)
+        return bool(self.unanswered) or (self.last >= 0 and self.committed != self.last + 1)
 
 
 class OffsetTracker:
@@ -42,20 +41,25 @@ class OffsetTracker:
 
     def add(self, partition: TopicPartition, offset: int) -> int:
         """Track an offset read from ``partition``; returns the assignment epoch its work belongs to."""
+        return self.add_all(partition, [offset])
+
+    def add_all(self, partition: TopicPartition, offsets: Sequence[int]) -> int:
+        """Track offsets read from ``partition`` (in read order); returns the assignment epoch their work
+        belongs to."""
         progress = self._partitions.get(partition)
         if progress is None:
             self._epochs += 1
             progress = self._partitions[partition] = _Progress(epoch=self._epochs)
+        if not offsets:
+            return progress.epoch
         now = time.monotonic()
         if not progress.waiting():
             progress.moved_at = now  # a stall is counted from when work arrived
         if progress.first is None:
-            progress.first = offset
-        progress.added_at[offset] = now
-        entry = [offset, False]
-        progress.entries.append(entry)
-        progress.index[offset] = entry
-        progress.last = max(progress.last, offset)
+            progress.first = offsets[0]
+        progress.read.extend(offsets)
+        progress.unanswered.update(dict.fromkeys(offsets, now))
+        progress.last = max(progress.last, max(offsets))
         return progress.epoch
 
     def owns(self, partition: TopicPartition, epoch: int | None = None) -> bool:
@@ -68,17 +72,16 @@ class OffsetTracker:
         if not self.owns(partition, epoch):
             return  # revoked meanwhile: not ours to commit any more
         progress = self._partitions[partition]
-        entry = progress.index.pop(offset, None)
-        if entry is None:
+        unanswered = progress.unanswered
+        if unanswered.pop(offset, None) is None:
             return
-        progress.added_at.pop(offset, None)
-        entry[1] = True
-        while progress.entries and progress.entries[0][1]:
-            progress.entries.popleft()
+        read = progress.read
+        while read and read[0] not in unanswered:
+            read.popleft()
 
     def in_flight(self, partitions: Sequence[TopicPartition] | None = None) -> int:
         chosen = self._partitions if partitions is None else {p: self._partitions.get(p) for p in partitions}
-        return sum(len(p.index) for p in chosen.values() if p is not None)
+        return sum(len(p.unanswered) for p in chosen.values() if p is not None)
 
     def committable(self, partitions: Sequence[TopicPartition] | None = None) -> dict[TopicPartition, int]:
         """Next offset to read, per partition whose commit point moved since the last commit."""
@@ -86,7 +89,7 @@ class OffsetTracker:
         for partition, progress in self._partitions.items():
             if partitions is not None and partition not in partitions:
                 continue
-            point = progress.entries[0][0] if progress.entries else progress.last + 1
+            point = progress.read[0] if progress.read else progress.last + 1
             if point > 0 and point != progress.committed:
                 result[partition] = point
         return result
@@ -112,7 +115,7 @@ class OffsetTracker:
         if progress is None or not progress.waiting():
             return 0.0, 0.0
         now = time.monotonic() if now is None else now
-        oldest = now - min(progress.added_at.values()) if progress.added_at else 0.0
+        oldest = now - min(progress.unanswered.values()) if progress.unanswered else 0.0
         return oldest, now - progress.moved_at
 
     def forget(self, partitions: Sequence[TopicPartition]) -> None:

@@ -36,7 +36,7 @@ from .collector import tuned_collector
 from .commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
 from .config import Settings, check_settings
 from .connection import connecting
-from .consume import ConsumeLoop, Fetched, LiveRead, ReadPolicy, group_consumer
+from .consume import ConsumeLoop, Fetch, LiveRead, ReadPolicy, group_consumer
 from .decoding import ByteBudget, MediaDecoder
 from .events import ModelRecord, Worker
 from .limits import Limits, WorkerFatal, producer_compression
@@ -318,28 +318,30 @@ class Service:
 
     # ------------------------------------------------------------------------------ one fetch
 
-    async def _serve_fetch(self, fetched: list[Fetched]) -> None:
+    async def _serve_fetch(self, fetched: Fetch) -> None:
         """The consume loop's handler: the pipeline answers the fetch, and each answer is delivered."""
-        where = {id(item.record): item for item in fetched}
 
         async def deliver(served: list[Served]) -> None:
-            await self._deliver([(where[id(s.work.record)], s) for s in served])
+            await self._deliver(fetched, served)
 
-        await self.pipeline.serve([item.record for item in fetched], deliver)
+        await self.pipeline.serve(fetched.records, deliver)
 
-    async def _deliver(self, served: list[tuple[Fetched, Served]]) -> None:
+    async def _deliver(self, fetched: Fetch, served: list[Served]) -> None:
         """Hand answers to the commit policy; count and trace them. Never raises: a worker-fatal error stops
         the worker (the offsets stay uncommitted), any other stops it too and is logged."""
         assert self.delivery is not None and self.loop is not None
         started = time.perf_counter()
-        for _, item in served:
-            item.work.publish_at = started
+        answered = []
+        for item in served:
+            work = item.work
+            work.publish_at = started
+            partition, epoch = fetched.origin(work.record)
+            answered.append(Answered(partition, work.source.offset, item.records, epoch))
         try:
-            await self.delivery.deliver([Answered(f.partition, f.record.offset, item.records, f.epoch)
-                                         for f, item in served])
+            await self.delivery.deliver(answered)
         except WorkerFatal as exc:
             log.error("answers could not be published; their offsets stay uncommitted",
-                      offsets=[f.record.offset for f, _ in served][:20], error=str(exc))
+                      offsets=[item.work.source.offset for item in served][:20], error=str(exc))
             self.loop.fail(exc)
             return
         except Exception:  # noqa: BLE001 - stop rather than commit past an unpublished answer
@@ -348,12 +350,12 @@ class Service:
             return
         finally:
             self.in_flight.requests -= len(served)
-            self.in_flight.questions -= sum(item.work.questions for _, item in served)
+            self.in_flight.questions -= sum(item.work.questions for item in served)
         published = time.perf_counter()
         metrics = self.metrics
         metrics.observe_stage("publish", published - started, len(served))  # delivered together
         errors: dict[str, int] = {}
-        for _, item in served:
+        for item in served:
             metrics.observe_stage("end_to_end", published - item.work.received)
             error = item.answer.error
             if error is not None:
@@ -366,5 +368,5 @@ class Service:
         for code, count in errors.items():
             metrics.count_answer(code, count)
         if self.tracing is not None:
-            for fetched, item in served:
-                self.tracing.request_served(fetched.record, item.work, item.answer, published)
+            for item in served:
+                self.tracing.request_served(item.work.record, item.work, item.answer, published)
