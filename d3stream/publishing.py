@@ -16,12 +16,14 @@ Publish and commit errors fall in three classes (``classify``), whatever the del
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
 
 import structlog
+from aiokafka.partitioner import DefaultPartitioner
 
 from .events import HEADERS
 from .limits import WorkerFatal
@@ -205,11 +207,9 @@ class RecordBatches:
 
     def _partition(self, key: bytes, partitions: tuple[list[int], list[int]]) -> int:
         every, available = partitions
-        if self._partitioner is not None:
-            return int(self._partitioner(key, every, available))
-        from aiokafka.partitioner import murmur2
-
-        return every[(murmur2(key) & 0x7FFFFFFF) % len(every)]
+        if self._partitioner is None or isinstance(self._partitioner, DefaultPartitioner):
+            return every[(murmur2(key) & 0x7FFFFFFF) % len(every)]  # what DefaultPartitioner does with a key
+        return int(self._partitioner(key, every, available))
 
     async def _pump(self, place: tuple[str, int]) -> None:
         """Send whatever queued for one partition, a batch at a time, until its queue is empty."""
@@ -255,6 +255,34 @@ class RecordBatches:
         """Wait for the pumps (a stopping producer fails what they still hold)."""
         if self._tasks:
             await asyncio.wait(list(self._tasks))
+
+
+_M = 0x5BD1E995  # murmur2's mixing constant
+_WORDS = struct.Struct("<I")
+
+
+def murmur2(key: bytes) -> int:
+    """Kafka's murmur2 hash of a record key (``org.apache.kafka.common.utils.Utils.murmur2``), the hash its
+    default partitioner places keyed records by: the same value as ``aiokafka.partitioner.murmur2``, in half
+    of the time (the key is read four bytes at a time, not byte by byte; tests/test_publishing.py compares them).
+    Partitioning answers costs one per answer, which made aiokafka's a few percent of a worker's time."""
+    length = len(key)
+    h = 0x9747B28C ^ length
+    body = length & ~3
+    for (k,) in _WORDS.iter_unpack(key[:body]):
+        k = (k * _M) & 0xFFFFFFFF
+        k ^= k >> 24
+        h = ((h * _M) & 0xFFFFFFFF) ^ ((k * _M) & 0xFFFFFFFF)
+    rest = length & 3
+    if rest == 3:
+        h ^= key[body + 2] << 16
+    if rest >= 2:
+        h ^= key[body + 1] << 8
+    if rest >= 1:
+        h = ((h ^ key[body]) * _M) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * _M) & 0xFFFFFFFF
+    return h ^ (h >> 15)
 
 
 def _settle_one(waiting: _Waiting, index: int, future: asyncio.Future[Any]) -> None:
