@@ -168,7 +168,7 @@ class RequestPipeline:
             elif outcome.images or outcome.videos:
                 with_media.append((work, outcome))
             else:
-                lane = PRIORITIES.index(outcome.priority) if self.settings.priority_lanes else 1
+                lane = work.scheduling.lane if self.settings.priority_lanes else 1
                 text.setdefault((self._hosted(work).name, lane), []).append((work, outcome))
         steps: list[Awaitable[None]] = []
         if refused:
@@ -279,12 +279,13 @@ class RequestPipeline:
     async def _answer_prepared(self, hosted: Hosted, items: list[tuple[RequestWork, Request]], on_served: OnServed,
                                decoded: Sequence[Media]) -> None:
         started = time.perf_counter()
-        outcomes = await self._prepare_all(hosted, [request for _, request in items], decoded)
+        outcomes = await self._prepare_all(hosted, items, decoded)
         seconds = time.perf_counter() - started
         refused: list[Served] = []
-        passing: list[tuple[PassItem, Request]] = []
+        passing: list[PassItem] = []
         self.metrics.observe_stage("prepare", seconds, len(items))  # the trips of the fetch took this long together
         prepare_ms = ms(seconds)
+        tokens = 0
         for (work, request), outcome in zip(items, outcomes, strict=True):
             work.prepare_at, work.timings.prepare = started, prepare_ms
             if isinstance(outcome, BaseException):
@@ -293,45 +294,47 @@ class RequestPipeline:
                 continue
             prepared, plan = outcome
             work.tokens = prepared.input_tokens
-            self.in_flight.tokens += work.tokens
-            passing.append((PassItem(work, prepared, work.position, plan,
-                                     scheduling=work.scheduling), request))
+            tokens += work.tokens
+            passing.append(PassItem(work, prepared, work.position, plan, scheduling=work.scheduling))
+        self.in_flight.tokens += tokens
         if refused:
             await on_served(refused)
         await self._run_within_quotas(hosted, passing, on_served)
 
-    async def _run_within_quotas(self, hosted: Hosted, passing: list[tuple[PassItem, Request]],
-                                 on_served: OnServed) -> None:
+    async def _run_within_quotas(self, hosted: Hosted, passing: list[PassItem], on_served: OnServed) -> None:
         """Run the requests' rows; a request whose tenant is over ``tenant_max_inflight_tokens`` is held
         first, until its tenant's answered requests make room (quotas.py; the others do not wait for it)."""
-        ready: list[tuple[PassItem, Request]] = []
-        held: list[tuple[PassItem, Request]] = []
-        for item, request in passing:
+        if not self.quotas.enabled:
+            if passing:
+                await self._run(hosted, passing, on_served)
+            return
+        ready: list[PassItem] = []
+        held: list[PassItem] = []
+        for item in passing:
             work = item.work
             taken = self.quotas.try_take(work.tenant or "", work.tokens)
             work.quota_tokens = work.tokens if taken else 0
-            (ready if taken else held).append((item, request))
+            (ready if taken else held).append(item)
         steps = [self._run(hosted, ready, on_served)] if ready else []
-        steps.extend(self._isolated([item.work], self._held(hosted, item, request, on_served), on_served)
-                     for item, request in held)
+        steps.extend(self._isolated([item.work], self._held(hosted, item, on_served), on_served) for item in held)
         await asyncio.gather(*steps)
 
-    async def _held(self, hosted: Hosted, item: PassItem, request: Request, on_served: OnServed) -> None:
+    async def _held(self, hosted: Hosted, item: PassItem, on_served: OnServed) -> None:
         work = item.work
         await self.quotas.take(work.tenant or "", work.tokens, (work.record.topic, work.record.partition))
         work.quota_tokens = work.tokens
-        await self._run(hosted, [(item, request)], on_served)
+        await self._run(hosted, [item], on_served)
 
-    async def _run(self, hosted: Hosted, passing: list[tuple[PassItem, Request]], on_served: OnServed) -> None:
-        requests = {id(item): request for item, request in passing}
-        async for done in hosted.passes.run([item for item, _ in passing]):
-            await on_served([self._answered(hosted, item, requests[id(item)]) for item in done])
+    async def _run(self, hosted: Hosted, passing: list[PassItem], on_served: OnServed) -> None:
+        async for done in hosted.passes.run(passing):
+            await on_served([self._answered(hosted, item) for item in done])
 
-    async def _prepare_all(self, hosted: Hosted, requests: list[Request],
+    async def _prepare_all(self, hosted: Hosted, items: list[tuple[RequestWork, Request]],
                            media: Sequence[Media]) -> list[tuple[Prepared, Any] | BaseException]:
         """Each request prepared (or what went wrong), in trips of ``PREPARE_CHUNK`` requests of one priority
         lane: a high-priority request's trip goes before a flood's backlog waiting on the prepare thread."""
-        lanes = [PRIORITIES.index(request.priority) if self.settings.priority_lanes else 1 for request in requests]
+        requests = [request for _, request in items]
+        lanes = [work.scheduling.lane if self.settings.priority_lanes else 1 for work, _ in items]
         order = sorted(range(len(requests)), key=lanes.__getitem__)
         chunks = [order[at:at + PREPARE_CHUNK] for at in range(0, len(order), PREPARE_CHUNK)]
 
@@ -340,6 +343,8 @@ class RequestPipeline:
 
         results = await asyncio.gather(*(self.prepare_thread.run(partial(trip, chunk), priority=lanes[chunk[0]])
                                          for chunk in chunks))
+        if order == list(range(len(order))):  # one lane (a fetch's text requests are grouped by lane): in order
+            return [outcome for prepared in results for outcome in prepared]
         outcomes: list[tuple[Prepared, Any] | BaseException] = [RuntimeError("not prepared")] * len(requests)
         for chunk, prepared in zip(chunks, results, strict=True):
             for index, outcome in zip(chunk, prepared, strict=True):
@@ -357,8 +362,10 @@ class RequestPipeline:
         except Exception as exc:  # noqa: BLE001 - handed back as this request's own error
             return exc
 
-    def _answered(self, hosted: Hosted, item: PassItem, request: Request) -> Served:
+    def _answered(self, hosted: Hosted, item: PassItem) -> Served:
         work = item.work
+        request = work.request
+        assert request is not None  # it rode a pass: it was decoded
         if item.expired is not None:
             return self._served(work, self._expired(work, request, item.expired, "could ride a forward pass"))
         try:
