@@ -169,7 +169,7 @@ def option_keys(question: Mapping[str, Any]) -> list[str]:
     if kind == "noul":
         return ["false", "true"]
     criteria = question.get("criteria")
-    if kind == "choice" and isinstance(criteria, Mapping) and criteria:
+    if kind == "choice" and (type(criteria) is dict or isinstance(criteria, Mapping)) and criteria:
         return list(criteria)
     return options(question)[0]  # raises, naming what is wrong
 

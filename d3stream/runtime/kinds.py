@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,14 +77,17 @@ def canonical_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
-def confidence(probabilities: Sequence[float]) -> float:
+def confidence(probabilities: Collection[float]) -> float:
     """One minus the normalized Shannon entropy of a distribution, clipped to [0, 1]."""
     count = len(probabilities)
     if count < 2:
         return 1.0
     log = math.log
     entropy = -sum([p * log(p) for p in probabilities if p > 0])
-    return max(0.0, min(1.0, 1.0 - entropy / math.log(count)))
+    return max(0.0, min(1.0, 1.0 - entropy / (_LOGS[count] if count < len(_LOGS) else log(count))))
+
+
+_LOGS = tuple(math.log(count) if count else 0.0 for count in range(64))  # log of small option counts, once
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ def _build_choice(question: Mapping[str, Any], instructions: Any, contract: Any)
 
 def _answer_choice(question: Question, probabilities: Sequence[float], contract: Any) -> dict[str, Any]:
     answer: dict[str, Any] = contract.to_answer(question.rendered, probabilities)
-    answer["confidence"] = confidence(list(answer["probabilities"].values()))
+    answer["confidence"] = confidence(answer["probabilities"].values())
     return answer
 
 
@@ -244,7 +247,8 @@ def _answer_score(question: Question, probabilities: Sequence[float], contract: 
         "score": sum([level * p for level, p in enumerate(shares)]),
         "probabilities": dict(zip(question.keys, shares, strict=True)),
         "confidence": confidence(shares),
-        "legend": {key: canonical_text(text) for key, text in zip(question.keys, question.descriptions, strict=True)},
+        "legend": {key: text if type(text) is str else canonical_text(text)
+                   for key, text in zip(question.keys, question.descriptions, strict=True)},
     }
 
 
