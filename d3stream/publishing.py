@@ -232,15 +232,23 @@ class RecordBatches:
 
     async def _send_batches(self, topic: str, partition: int, taken: list[_Queued]) -> None:
         batches: list[tuple[Any, list[_Queued]]] = []
-        builder, members = self.producer.create_batch(), list[_Queued]()
-        for queued in taken:
-            record = queued[0]
-            if builder.append(key=record.key, value=record.value, timestamp=None, headers=record.headers) is None:
-                batches.append((builder, members))
-                builder, members = self.producer.create_batch(), list[_Queued]()
-                builder.append(key=record.key, value=record.value, timestamp=None, headers=record.headers)
-            members.append(queued)
-        batches.append((builder, members))
+        try:
+            builder, members = self.producer.create_batch(), list[_Queued]()
+            for queued in taken:
+                record = queued[0]
+                if builder.append(key=record.key, value=record.value, timestamp=None, headers=record.headers) is None:
+                    batches.append((builder, members))
+                    builder, members = self.producer.create_batch(), list[_Queued]()
+                    builder.append(key=record.key, value=record.value, timestamp=None, headers=record.headers)
+                members.append(queued)
+            batches.append((builder, members))
+        except Exception as exc:  # noqa: BLE001 - nothing was handed over: each record fails, none waits forever
+            log.exception("records could not be put in a batch", topic=topic, partition=partition)
+            _settle_all(taken, exc)
+            return
+        except BaseException:
+            _settle_all(taken, asyncio.CancelledError())
+            raise
         for number, (builder, members) in enumerate(batches):
             builder.close()
             try:
@@ -250,11 +258,6 @@ class RecordBatches:
                     _settle_all(rest, exc)
                 return
             delivered.add_done_callback(partial(_settle_batch, members))
-
-    async def close(self) -> None:
-        """Wait for the pumps (a stopping producer fails what they still hold)."""
-        if self._tasks:
-            await asyncio.wait(list(self._tasks))
 
 
 _M = 0x5BD1E995  # murmur2's mixing constant
