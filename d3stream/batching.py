@@ -215,14 +215,10 @@ class BatchScheduler(Generic[T]):
     def finished(self, position: Any) -> None:
         """See ``expect``."""
 
-    async def submit_each(self, rows: Sequence[T]) -> list[tuple[Any, PassRecord] | BaseException]:
-        """Like ``submit``, but a row that fails alone gets its exception in its slot instead of raising."""
-        return list(await self.enqueue(rows))
-
     def enqueue(self, rows: Sequence[T], position: Any = None,
                 scheduling: Scheduling | None = None) -> asyncio.Future[list[Any]]:
-        """Queue one request's rows; the future gets every row's outcome (as ``submit_each`` returns them)
-        once the last of them is run (``position``, where the request was read, matters to source-ordered
+        """Queue one request's rows; the future gets every row's outcome (its result and pass record, or the
+        exception of a row that failed alone) once the last of them is run (``position``, where the request was read, matters to source-ordered
         schedulers only; ``scheduling`` is the request's lane and deadline)."""
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         self.enqueue_many([(rows, position, scheduling or DEFAULT_SCHEDULING)], lambda _, outcomes: _resolve(future, outcomes))
@@ -232,7 +228,7 @@ class BatchScheduler(Generic[T]):
                      settled: Callable[[int, list[Any]], Any]) -> None:
         """Queue the rows of several requests, each ``(rows, position, scheduling)``; ``settled(index, outcomes)``
         is called (on the event loop, as a pass finishes) once every row of request ``index`` is run, with one
-        outcome per row as ``submit_each`` returns them. No future and no task per request."""
+        outcome per row as ``enqueue``'s future gets them. No future and no task per request."""
         if self._closing:
             raise RuntimeError("the batch scheduler is closed")
         self.start()
@@ -412,7 +408,7 @@ class BatchScheduler(Generic[T]):
                 group[0].settle(exc)
                 return
             log.warning("pass failed; retrying each half", rows=len(group), error=f"{type(exc).__name__}: {exc}")
-            self._release_memory()
+            _release_memory()
             middle = len(group) // 2
             await self._run_pass(group[:middle])
             await self._run_pass(group[middle:])
@@ -438,12 +434,13 @@ class BatchScheduler(Generic[T]):
         for waiting, result in zip(group, results, strict=True):
             waiting.submission.settle(waiting.index, (result, record))
 
-    @staticmethod
-    def _release_memory() -> None:
-        try:
-            import torch
 
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:
-            pass
+def _release_memory() -> None:
+    """After a failed pass (out of memory, say): the device's cached blocks go back before the halves run."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
