@@ -221,14 +221,11 @@ class RecordBatches:
                 queue.clear()
                 await self._send_batches(topic, partition, taken)
         finally:
+            # Only a cancellation (the worker stopping) leaves records queued: they fail, none waits forever.
+            _settle_all(queue, asyncio.CancelledError())
+            queue.clear()
             self._pumps.discard(place)
-            if not queue:
-                self._queues.pop(place, None)
-            elif place not in self._pumps:  # a pump that failed leaves its successor the rest
-                self._pumps.add(place)
-                task = asyncio.get_running_loop().create_task(self._pump(place))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            self._queues.pop(place, None)
 
     async def _send_batches(self, topic: str, partition: int, taken: list[_Queued]) -> None:
         batches: list[tuple[Any, list[_Queued]]] = []
