@@ -115,7 +115,8 @@ class _Submission:
             self.done(self.outcomes)
 
 
-def _resolve(future: asyncio.Future[list[Any]], outcomes: list[Any]) -> None:
+def resolve(future: asyncio.Future[list[Any]], outcomes: list[Any]) -> None:
+    """Settle ``future`` with a request's row outcomes (an ``enqueue_many`` callback made into a future)."""
     if not future.done():
         future.set_result(outcomes)
 
@@ -218,10 +219,11 @@ class BatchScheduler(Generic[T]):
     def enqueue(self, rows: Sequence[T], position: Any = None,
                 scheduling: Scheduling | None = None) -> asyncio.Future[list[Any]]:
         """Queue one request's rows; the future gets every row's outcome (its result and pass record, or the
-        exception of a row that failed alone) once the last of them is run (``position``, where the request was read, matters to source-ordered
-        schedulers only; ``scheduling`` is the request's lane and deadline)."""
+        exception of a row that failed alone) once the last of them is run (``position``, where the request was
+        read, matters to source-ordered schedulers only; ``scheduling`` is the request's lane and deadline)."""
         future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        self.enqueue_many([(rows, position, scheduling or DEFAULT_SCHEDULING)], lambda _, outcomes: _resolve(future, outcomes))
+        self.enqueue_many([(rows, position, scheduling or DEFAULT_SCHEDULING)],
+                          lambda _, outcomes: resolve(future, outcomes))
         return future
 
     def enqueue_many(self, requests: Sequence[tuple[Sequence[T], Any, Scheduling]],

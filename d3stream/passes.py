@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import structlog
 
 from .answers import RequestWork, ms
-from .batching import BatchScheduler, PassRecord
+from .batching import BatchScheduler, PassRecord, resolve
 from .config import Settings
 from .events import BatchRecord
 from .metrics import Metrics
@@ -221,7 +221,7 @@ class Passes:
         submitted = time.perf_counter()
         future: asyncio.Future[list[Outcome]] = asyncio.get_running_loop().create_future()
         self.rows.enqueue_many([(item.prepared.rows, item.position, item.scheduling)],
-                               lambda _, outcomes: _resolve(future, outcomes))
+                               lambda _, outcomes: resolve(future, outcomes))
         self._take_outcomes(item, await future, submitted)
 
     def _take_outcomes(self, item: PassItem, outcomes: list[Outcome], submitted: float, now: float | None = None,
@@ -400,11 +400,6 @@ def _one_pass(outcomes: list[Outcome]) -> PassRecord | None:
         elif outcome[1] is not record:
             return None
     return record
-
-
-def _resolve(future: asyncio.Future[list[Outcome]], outcomes: list[Outcome]) -> None:
-    if not future.done():
-        future.set_result(outcomes)
 
 
 def _share(seconds: float, tokens: int, pass_tokens: int) -> float:
