@@ -165,7 +165,7 @@ class CommitInTransaction(_Counted):
         # Retriable transaction failures in a row, and when the partition's next attempt may start.
         self._failures: dict[Any, int] = {}
         self._retry_at: dict[Any, float] = {}
-        self._batches: dict[int, RecordBatches] = {}  # by id of the producer they send with
+        self._batches: dict[Any, RecordBatches] = {}  # each partition's producer's, made with it
 
     async def start(self) -> None:
         return None
@@ -174,6 +174,7 @@ class CommitInTransaction(_Counted):
         for producer in list(self._producers.values()):
             await quietly_stop(producer)
         self._producers.clear()
+        self._batches.clear()
 
     async def deliver(self, answered: Sequence[Answered]) -> None:
         for item in answered:
@@ -200,6 +201,7 @@ class CommitInTransaction(_Counted):
         producer = self._factory(partition)
         await producer.start()  # init_transactions: fences any older producer of this partition
         self._producers[partition] = producer
+        self._batches[partition] = RecordBatches(producer)
         return producer
 
     async def flush(self, partitions: Sequence[Any] | None = None) -> None:
@@ -263,7 +265,7 @@ class CommitInTransaction(_Counted):
         await producer.begin_transaction()
         try:
             flat = [(offset, index, record) for offset, records in ready for index, record in enumerate(records)]
-            failures = await self._batches_of(producer).send([record for *_, record in flat])
+            failures = await self._batches[partition].send([record for *_, record in flat])
             for position, error in sorted(failures, key=lambda failure: failure[0]):
                 if classify(error, transactional=True) != "record":
                     raise error
@@ -284,13 +286,6 @@ class CommitInTransaction(_Counted):
                     pass
             raise
 
-    def _batches_of(self, producer: Any) -> RecordBatches:
-        """The record batches of a partition's producer (kept while the producer is: its pumps are its own)."""
-        batches = self._batches.get(id(producer))
-        if batches is None or batches.producer is not producer:
-            batches = self._batches[id(producer)] = RecordBatches(producer)
-        return batches
-
     def _back_off(self, partition: Any, exc: BaseException, topic: str) -> None:
         """A retriable failure: the partition's next transaction waits, twice as long each time (bounded)."""
         failures = self._failures[partition] = self._failures.get(partition, 0) + 1
@@ -305,7 +300,7 @@ class CommitInTransaction(_Counted):
         self._creating.pop(partition, None)
         producer = self._producers.pop(partition, None)
         if producer is not None:
-            self._batches.pop(id(producer), None)
+            self._batches.pop(partition, None)
             await quietly_stop(producer)
 
     async def assigned(self, partitions: Sequence[Any]) -> None:

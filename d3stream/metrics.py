@@ -592,10 +592,9 @@ class Metrics:
             if len(self._cost_labels) < 4 * MAX_TENANT_LABELS:  # bounded: tenants past the limit are looked up
                 self._cost_labels[(tenant, model)] = labels
         seconds, prompt, padded = labels
-        device, tokens = self.device_seconds.totals, self.tokens.totals
-        device[seconds] = device.get(seconds, 0.0) + device_seconds
-        tokens[prompt] = tokens.get(prompt, 0.0) + prompt_tokens
-        tokens[padded] = tokens.get(padded, 0.0) + padded_tokens
+        self.device_seconds.inc(seconds, device_seconds)
+        self.tokens.inc(prompt, prompt_tokens)
+        self.tokens.inc(padded, padded_tokens)
 
     def count_shadow_request(self, live: str, shadow: str, *, errored: bool) -> None:
         """One request the shadow also answered (``errored``: its shadow answer is an error answer)."""
