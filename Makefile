@@ -29,7 +29,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy d3stream
 
 schemas: $(STAMP)
-	$(VENV)/bin/python -m d3stream.events
+	$(VENV)/bin/python -m d3stream.core.events
 
 clean:
 	rm -rf $(VENV) .pytest_cache

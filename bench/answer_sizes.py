@@ -12,7 +12,7 @@ import hashlib
 import json
 import random
 
-from d3stream.limits import compress
+from d3stream.kafka.limits import compress
 
 rng = random.Random(0)
 PROVENANCE = {

@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from d3stream.bench_service import _service_run, small_requests
-from d3stream.clients import produce
 from d3stream.config import Settings
 from d3stream.runtime import D3
 from d3stream.service import Service
+from d3stream.tools.bench_service import _service_run, small_requests
+from d3stream.tools.clients import produce
 
 CONFIGS: tuple[tuple[str, float | None], ...] = (("no shadow", None), ("shadow, share 1.0", 1.0),
                                                   ("shadow, share 0.25", 0.25))
@@ -92,7 +92,7 @@ async def _latencies(settings: Settings, live: Any, shadow: Any, records: list[t
 
 
 def measure(live_dir: Path, shadow_dir: Path, requests: int, threads: int | None, device: str | None) -> dict[str, Any]:
-    from d3stream.infra import KafkaBroker, ensure_jars
+    from d3stream.tools.infra import KafkaBroker, ensure_jars
 
     live = D3.from_pretrained(live_dir, device=device, model_name="live")
     shadow = D3.from_pretrained(shadow_dir, device=device, model_name="candidate")
@@ -143,13 +143,13 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    from d3stream.logs import configure_logging
+    from d3stream.ops.logs import configure_logging
 
     configure_logging("console", "warning")
     with tempfile.TemporaryDirectory() as folder:
         live_dir, shadow_dir = args.live, args.shadow
         if live_dir is None or shadow_dir is None:
-            from d3stream.runtime.checkpoint import build_checkpoint
+            from d3stream.tools.build_checkpoint import build_checkpoint
 
             live_dir = live_dir or Path(build_checkpoint(Path(folder) / "live", size="tiny", seed=0, vision=False))
             shadow_dir = shadow_dir or Path(build_checkpoint(Path(folder) / "shadow", size="tiny", seed=1, vision=False))

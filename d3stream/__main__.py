@@ -1,5 +1,5 @@
 """``python -m d3stream``: the same commands as the ``d3stream`` console script."""
 
-from .cli import main
+from d3stream.cli import main
 
 raise SystemExit(main())

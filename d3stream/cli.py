@@ -14,7 +14,7 @@ from typing import Any
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
-    from .runtime.checkpoint import build_checkpoint
+    from d3stream.tools.build_checkpoint import build_checkpoint
 
     out = build_checkpoint(
         Path(args.out),
@@ -33,7 +33,7 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _demo_task(args: argparse.Namespace) -> int:
-    from . import tasks
+    from d3stream.tools import tasks
 
     seed = tasks.HELDOUT_SEED if args.seed is None else args.seed
     examples = tasks.draw(seed, args.tickets, args.pictures, prefix="heldout" if args.seed is None else None)
@@ -41,7 +41,7 @@ def _demo_task(args: argparse.Namespace) -> int:
     print(requests)
     print(labels)
     if args.answer_with:
-        from .runtime import D3
+        from d3stream.runtime import D3
 
         for spec in args.answer_with:
             resolved = _local_checkpoint(spec)
@@ -57,9 +57,9 @@ def _local_checkpoint(spec: str) -> Any:
     """A ``--model`` / ``--answer-with`` value as a local directory (``checkpoints.ResolvedModel``); an
     ``s3://`` one is fetched with the object-storage settings of the environment or settings file
     (``D3STREAM_MODEL_ALLOWLIST``, ``D3STREAM_S3_ENDPOINT_URL``, ...). Exits with the reason otherwise."""
-    from .checkpoints import CheckpointError, parse_model_spec, resolve_model
-    from .config import load_settings
-    from .logs import configure_logging
+    from d3stream.config import load_settings
+    from d3stream.models.checkpoints import CheckpointError, parse_model_spec, resolve_model
+    from d3stream.ops.logs import configure_logging
 
     try:
         settings = load_settings({}) if parse_model_spec(spec).in_object_store else None
@@ -79,7 +79,7 @@ def _read_request(source: str) -> dict[str, Any]:
 
 
 def _decide(args: argparse.Namespace) -> int:
-    from .runtime import D3
+    from d3stream.runtime import D3
 
     request = _read_request(args.request)
     resolved = _local_checkpoint(args.model)
@@ -140,7 +140,7 @@ def _describe_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from d3stream import __version__
 
     parser = argparse.ArgumentParser(
         prog="d3stream",
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     decide.add_argument("--permutation-average", action="store_true", help="average choice options over both orders")
     decide.set_defaults(run=_decide)
 
-    from . import commands as service_commands
+    from d3stream import commands as service_commands
 
     service_commands.register(commands)
     _describe_commands(commands)

@@ -10,15 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any, get_args
 
-from .config import DeliveryMode
+from d3stream.config import DeliveryMode
 
 # The exit status of `d3stream serve` after a worker-fatal error (2 is a configuration error).
 WORKER_FATAL_EXIT = 3
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .config import load_settings
-    from .logs import configure_logging
+    from d3stream.config import load_settings
+    from d3stream.ops.logs import configure_logging
 
     try:
         settings = load_settings(args)
@@ -30,9 +30,9 @@ def _serve(args: argparse.Namespace) -> int:
         print("d3stream serve: no checkpoint: set --model (or --model-source), D3STREAM_MODEL or model = ... in the "
               "settings file", file=sys.stderr)
         return 2
-    from .checkpoints import CheckpointError
-    from .metrics import Metrics, serve_metrics
-    from .service import Service
+    from d3stream.models.checkpoints import CheckpointError
+    from d3stream.ops.metrics import Metrics, serve_metrics
+    from d3stream.service import Service
 
     # The endpoint comes up before the models are downloaded and loaded, so a liveness probe sees a live
     # process meanwhile.
@@ -53,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, service.stop)
         await service.run()
 
-    from .limits import WorkerFatal
+    from d3stream.kafka.limits import WorkerFatal
 
     try:
         asyncio.run(main())
@@ -76,15 +76,15 @@ def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
     the device together (``model_memory_bytes``) before any is loaded, then loaded (and warmed up with
     ``warmup``). With ``model_source`` its pointer's current checkpoint (and canary) come first, the default
     (rollout.py). CheckpointError / ValueError name what is wrong."""
-    from .checkpoints import (
+    from d3stream.core.shadow import parse_shadow
+    from d3stream.models.checkpoints import (
         check_models_fit,
         checkpoint_memory_bytes,
         model_name_for,
         parse_model_specs,
         resolve_model,
     )
-    from .runtime import D3
-    from .shadow import parse_shadow
+    from d3stream.runtime import D3
 
     specs = parse_model_specs(settings.model)  # a name given twice is refused before any download
     shadow = parse_shadow(settings.shadow) if settings.shadow else None
@@ -102,7 +102,7 @@ def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
                      device, settings.model_memory_bytes)
     models = []
     if settings.model_source:
-        from .rollout import load_source_models
+        from d3stream.models.rollout import load_source_models
 
         models.extend(load_source_models(settings, beside=[each.path for each in resolved]))
     for name, each in zip(names, resolved, strict=True):
@@ -125,8 +125,8 @@ def _cuda_available() -> bool:
 def _connection(command: str, args: argparse.Namespace) -> Any:
     """The Kafka connection settings of a client command (flags, environment, settings file); None after
     printing why they are unusable."""
-    from .config import load_settings
-    from .connection import check_connection
+    from d3stream.config import load_settings
+    from d3stream.kafka.connection import check_connection
 
     try:
         settings = load_settings(args)
@@ -139,7 +139,7 @@ def _connection(command: str, args: argparse.Namespace) -> Any:
 
 def _run_kafka(command: str, settings: Any, step: Any) -> int:
     """Run a client command's coroutine; a connection refusal prints the setting to change, exit status 2."""
-    from .connection import connecting
+    from d3stream.kafka.connection import connecting
 
     try:
         asyncio.run(connecting(settings, step))
@@ -152,8 +152,8 @@ def _run_kafka(command: str, settings: Any, step: Any) -> int:
 def _produce(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .clients import encode_line, produce, rewrite_media
-    from .connection import client_options
+    from d3stream.kafka.connection import client_options
+    from d3stream.tools.clients import encode_line, produce, rewrite_media
 
     settings = _connection("produce", args)
     if settings is None:
@@ -187,8 +187,8 @@ def _produce(args: argparse.Namespace) -> int:
 
 
 def _consume(args: argparse.Namespace) -> int:
-    from .clients import consume_answers
-    from .connection import client_options
+    from d3stream.kafka.connection import client_options
+    from d3stream.tools.clients import consume_answers
 
     settings = _connection("consume", args)
     if settings is None:
@@ -227,8 +227,8 @@ def _print_reevaluation(figures: dict) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-    from .logs import configure_logging
+    from d3stream.ops.logs import configure_logging
+    from d3stream.tools.demo import run_demo
 
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
     summary = asyncio.run(run_demo(progress=not args.json and sys.stderr.isatty(), timeout_s=args.timeout))
@@ -237,7 +237,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        from .tasks import showcase
+        from d3stream.tools.tasks import showcase
 
         texts = {e.id: e.request["state"]["text"] for e in showcase() if isinstance(e.request["state"], dict)}
         shown = [a for a in answers if not a["id"].startswith("heldout-")]
@@ -260,8 +260,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from .chaos import delivery_costs, iter_table, run_chaos
-    from .logs import configure_logging
+    from d3stream.ops.logs import configure_logging
+    from d3stream.tools.chaos import delivery_costs, iter_table, run_chaos
 
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
     if args.delivery_costs:
@@ -282,7 +282,7 @@ def _chaos(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print("\n".join(iter_table(report)))
-    from .commits import DELIVERY_MODES
+    from d3stream.kafka.commits import DELIVERY_MODES
 
     # Nothing may be lost in any mode; a transactional mode also promises no duplicates.
     promise_kept = report["lost"] == 0 and (not DELIVERY_MODES[args.mode].transactional or report["duplicated"] == 0)
@@ -297,7 +297,7 @@ def _env_default(name: str, fallback: str | None) -> str | None:
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add the service commands to the CLI's sub-command table."""
-    from .config import CONNECTION_FIELDS, add_arguments
+    from d3stream.config import CONNECTION_FIELDS, add_arguments
 
     serve = commands.add_parser("serve", help="run the service: answer requests from Kafka",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -341,7 +341,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     chaos.add_argument("--rate", type=float, default=100.0, help="arrival rate for the latency run of --delivery-costs")
     chaos.set_defaults(run=_chaos)
 
-    from . import bench, compare, replay
+    from d3stream.tools import bench, compare, replay
 
     bench.register(commands)
     compare.register(commands)

@@ -298,7 +298,7 @@ def _default_text(default: Any) -> str:
 
 
 # The settings of a connection to Kafka: every command that talks to Kafka takes these (and only serve and
-# replay take the rest). d3stream/connection.py turns them into aiokafka keyword arguments.
+# replay take the rest). d3stream/kafka/connection.py turns them into aiokafka keyword arguments.
 CONNECTION_FIELDS = (
     "bootstrap_servers",
     "client_id",
@@ -442,7 +442,7 @@ def check_settings(settings: Settings) -> Settings:
         raise ValueError(f"forward_headers may not name {', '.join(reserved)}: the answer sets it itself")
     if settings.forward_headers_max_bytes < 0:
         raise ValueError(f"forward_headers_max_bytes must be 0 (none) or more, got {settings.forward_headers_max_bytes}")
-    from .connection import check_connection
+    from d3stream.kafka.connection import check_connection
 
     check_connection(settings)
     return settings
@@ -455,7 +455,7 @@ def heartbeat_interval_ms(settings: Settings) -> int:
 
 
 def kafka_security(settings: Settings) -> dict[str, Any]:
-    """The aiokafka keyword arguments of the security settings (see d3stream/connection.py)."""
-    from .connection import security_options
+    """The aiokafka keyword arguments of the security settings (see d3stream/kafka/connection.py)."""
+    from d3stream.kafka.connection import security_options
 
     return security_options(settings)

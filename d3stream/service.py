@@ -30,28 +30,28 @@ from typing import TypeVar
 import structlog
 from aiokafka import AIOKafkaConsumer
 
-from . import __version__
-from .answers import AnswerBuilder, answer_identity, provenance_digest
-from .collector import tuned_collector
-from .commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
-from .config import Settings, check_settings
-from .connection import connecting
-from .consume import ConsumeLoop, Fetch, LiveRead, ReadPolicy, group_consumer
-from .decoding import ByteBudget, MediaDecoder
-from .events import ModelRecord, Worker
-from .limits import Limits, WorkerFatal, producer_compression
-from .metrics import Metrics
-from .offsets import OffsetTracker
-from .passes import Passes, RowScheduler, default_token_budget, model_thread
-from .pipeline import Hosted, RequestPipeline, Served
-from .publishing import Outgoing
-from .rollout import rollout_for
-from .runtime.cache import lent_media_caches
-from .seams import DecisionModel, InFlight
-from .shadow import shadow_hosted
-from .sinks import KafkaTopics, Sink, ensure_topics
-from .storage import MediaFetcher
-from .tracing import Tracing
+from d3stream import __version__
+from d3stream.config import Settings, check_settings
+from d3stream.core.answers import AnswerBuilder, answer_identity, provenance_digest
+from d3stream.core.decoding import ByteBudget, MediaDecoder
+from d3stream.core.events import ModelRecord, Worker
+from d3stream.core.passes import Passes, RowScheduler, default_token_budget, model_thread
+from d3stream.core.pipeline import Hosted, RequestPipeline, Served
+from d3stream.core.seams import DecisionModel, InFlight
+from d3stream.core.shadow import shadow_hosted
+from d3stream.core.storage import MediaFetcher
+from d3stream.kafka.commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
+from d3stream.kafka.connection import connecting
+from d3stream.kafka.consume import ConsumeLoop, Fetch, LiveRead, ReadPolicy, group_consumer
+from d3stream.kafka.limits import Limits, WorkerFatal, producer_compression
+from d3stream.kafka.offsets import OffsetTracker
+from d3stream.kafka.publishing import Outgoing
+from d3stream.kafka.sinks import KafkaTopics, Sink, ensure_topics
+from d3stream.models.rollout import rollout_for
+from d3stream.ops.collector import tuned_collector
+from d3stream.ops.metrics import Metrics
+from d3stream.ops.tracing import Tracing
+from d3stream.runtime.cache import lent_media_caches
 
 __all__ = ["OffsetTracker", "Service", "answer_identity", "default_token_budget"]
 
@@ -183,7 +183,7 @@ class Service:
         """A model loaded while serving (a swap's new checkpoint), with the limits every served model gets;
         the rollout hands it to the pipeline once its provenance is published."""
         if self.settings.media_cache_bytes > 0 and hasattr(model, "media_cache"):  # loaded for this worker alone
-            from .runtime.cache import MediaFeatureCache
+            from d3stream.runtime.cache import MediaFeatureCache
 
             model.media_cache = MediaFeatureCache(self.settings.media_cache_bytes,
                                                   on_lookup=self.metrics.count_media_cache)

@@ -1,4 +1,4 @@
-"""Cross-event batching (d3stream.batching): ``pack`` and the ``BatchScheduler``, with plain-Python passes."""
+"""Cross-event batching (d3stream.core.batching): ``pack`` and the ``BatchScheduler``, with plain-Python passes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from d3stream.batching import BatchScheduler, PassRecord, pack
-from d3stream.seams import DeadlineExceeded, Scheduling
+from d3stream.core.batching import BatchScheduler, PassRecord, pack
+from d3stream.core.seams import DeadlineExceeded, Scheduling
 
 
 @dataclass(eq=False)

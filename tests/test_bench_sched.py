@@ -1,9 +1,9 @@
-"""The plumbing of ``d3stream bench --scheduling`` (d3stream/bench_sched.py) with tiny counts: every figure
+"""The plumbing of ``d3stream bench --scheduling`` (d3stream/tools/bench_sched.py) with tiny counts: every figure
 is there and the expired burst costs no pass. No timing is asserted."""
 
 from __future__ import annotations
 
-from d3stream.bench_sched import STAGES, scheduling_bench, scheduling_markdown
+from d3stream.tools.bench_sched import STAGES, scheduling_bench, scheduling_markdown
 
 
 def test_the_scheduling_bench_reports_every_figure(qwen35_model):

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from d3stream.checkpoints import (
+from d3stream.cli import main
+from d3stream.models.checkpoints import (
     POINTER,
     Canary,
     CheckpointError,
@@ -21,7 +22,6 @@ from d3stream.checkpoints import (
     parse_model_specs,
     resolve_source,
 )
-from d3stream.cli import main
 from d3stream.runtime.package import MANIFEST, package_files, read_manifest, write_manifest
 from tests.model_fixtures import copy_checkpoint
 
@@ -58,16 +58,16 @@ def cached_copies(cache: Path) -> list[Path]:
 def _logging_restored(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Commands run in process set up logging on this test's captured stderr: put the previous set-up back
     afterwards, or later log calls of the session would write to a closed stream."""
-    import d3stream.logs
+    import d3stream.ops.logs
 
     restores = []
-    real = d3stream.logs.configure_logging
+    real = d3stream.ops.logs.configure_logging
 
     def configure(*args: Any, **kwargs: Any) -> Any:
         restores.append(real(*args, **kwargs))
         return restores[-1]
 
-    monkeypatch.setattr(d3stream.logs, "configure_logging", configure)
+    monkeypatch.setattr(d3stream.ops.logs, "configure_logging", configure)
     yield
     for restore in reversed(restores):
         restore()

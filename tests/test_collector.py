@@ -6,8 +6,8 @@ import gc
 
 import pytest
 
-from d3stream.collector import tuned_collector
 from d3stream.config import Settings, check_settings
+from d3stream.ops.collector import tuned_collector
 
 
 def test_the_start_up_heap_is_frozen_and_young_collections_spaced_out_until_the_last_worker_stops():
@@ -61,7 +61,7 @@ def test_a_serving_worker_runs_with_the_tuned_collector_and_hands_it_back(stack,
 def test_a_retired_models_cycles_frozen_with_the_start_up_heap_are_freed_at_its_drop():
     import weakref
 
-    from d3stream.collector import collect_released
+    from d3stream.ops.collector import collect_released
 
     class Weights:  # a model object that holds itself in a cycle
         def __init__(self):

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from d3stream.compare import (
+from d3stream.tools.compare import (
     Report,
     SourceError,
     TopicRange,
@@ -24,7 +24,7 @@ from d3stream.compare import (
     register,
     write_report,
 )
-from d3stream.infra import KafkaBroker
+from d3stream.tools.infra import KafkaBroker
 
 approx = pytest.approx
 

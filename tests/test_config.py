@@ -194,9 +194,9 @@ def test_serve_help_lists_every_setting():
 def _no_logging_setup(monkeypatch):
     """``serve`` configures structlog to print to the sys.stderr of the moment -- under capsys a file that is
     closed after the test, which would break every later log call of the session."""
-    import d3stream.logs
+    import d3stream.ops.logs
 
-    monkeypatch.setattr(d3stream.logs, "configure_logging", lambda *args, **kwargs: None)
+    monkeypatch.setattr(d3stream.ops.logs, "configure_logging", lambda *args, **kwargs: None)
 
 
 @pytest.mark.usefixtures("_no_logging_setup")

@@ -40,10 +40,10 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv_utils
 
-from d3stream.checkpoints import checkpoint_location
 from d3stream.commands import register
 from d3stream.config import CONFIG_ENV, FIELDS, Settings, env_name, load_settings
-from d3stream.metrics import STAGES, SWAP_OUTCOMES, Metrics, MetricsServer
+from d3stream.models.checkpoints import checkpoint_location
+from d3stream.ops.metrics import STAGES, SWAP_OUTCOMES, Metrics, MetricsServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -546,7 +546,7 @@ def test_probes_use_the_metrics_endpoint(rendered: list[dict]) -> None:
             probe = container[kind]
             assert probe["httpGet"]["path"] == path, kind
             assert port_of(probe) == settings.metrics_port, kind
-    # ... and d3stream.metrics answers those paths as the probes expect.
+    # ... and d3stream.ops.metrics answers those paths as the probes expect.
     assert _get(_probe_app(ready=False), "/healthz").startswith("200")
     assert _get(_probe_app(ready=False), "/readyz").startswith("503")
     assert _get(_probe_app(ready=True), "/readyz").startswith("200")

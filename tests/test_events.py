@@ -1,4 +1,4 @@
-"""The event contract (d3stream.events): checked-in schemas, request decoding, answer round trips, fuzzing."""
+"""The event contract (d3stream.core.events): checked-in schemas, request decoding, answer round trips, fuzzing."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from d3stream import events
-from d3stream.events import (
+from d3stream.core import events
+from d3stream.core.events import (
     ERROR_CODES,
     MAX_NESTING,
     Answer,
@@ -66,9 +66,9 @@ def _doc(**fields) -> bytes:
 @pytest.mark.parametrize("name", ["request", "answer", "dead-letter"])
 def test_checked_in_schema_matches_the_structs(name):
     path = SCHEMA_DIR / f"{name}.schema.json"
-    assert path.is_file(), f"{path} is missing; run `python -m d3stream.events`"
+    assert path.is_file(), f"{path} is missing; run `python -m d3stream.core.events`"
     generated = json.loads(json.dumps(json_schema(name)))
-    assert _schema(name) == generated, f"{path} drifted from d3stream.events; run `python -m d3stream.events`"
+    assert _schema(name) == generated, f"{path} drifted from d3stream.core.events; run `python -m d3stream.core.events`"
 
 
 @pytest.mark.parametrize("name", ["request", "answer", "dead-letter"])

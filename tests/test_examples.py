@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from d3stream.cli import main
-from d3stream.events import decode_request
+from d3stream.core.events import decode_request
 from tests.stream_helpers import Reader, assigned_and_ready, stop
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

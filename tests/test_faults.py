@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from d3stream.clients import produce
 from d3stream.service import Service
+from d3stream.tools.clients import produce
 from tests.fault_proxy import THREAD_PREFIX, FaultProxy
 from tests.media_makers import make_png
 from tests.stream_helpers import (

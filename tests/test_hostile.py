@@ -39,11 +39,18 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from d3stream.clients import produce
 from d3stream.config import Settings
-from d3stream.events import ERROR_CODES, EventError, Request, RequestLimits, decode_answer, decode_request
+from d3stream.core.events import (
+    ERROR_CODES,
+    EventError,
+    Request,
+    RequestLimits,
+    decode_answer,
+    decode_request,
+)
 from d3stream.runtime.questions import ERRORS as QUESTION_ERRORS
 from d3stream.service import Service
+from d3stream.tools.clients import produce
 from tests.fault_proxy import FaultProxy
 from tests.media_makers import make_jpeg, make_mp4, make_png, make_png_header_only
 from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, run, serve
@@ -569,7 +576,7 @@ def test_allowlist_urls_and_paths_are_refused_before_any_request_to_s3(stack, pr
 
 
 def test_no_secret_reaches_the_logs_or_the_topics(stack, proxy, qwen35_model, capfd):
-    from d3stream.logs import configure_logging
+    from d3stream.ops.logs import configure_logging
 
     secret_key = stack.store.secret_key  # in the environment (AWS_SECRET_ACCESS_KEY), as the stack fixture sets it
     sasl_password = "sasl-password-must-not-leak-3141"  # in the settings (unused with PLAINTEXT)
@@ -626,7 +633,7 @@ def sasl_broker(kafka_broker):
     """A second broker whose only client listener is SASL_PLAINTEXT with PLAIN users admin and d3worker.
 
     (It asks for ``kafka_broker`` only to share its skip-or-fail rule when java or the jars are missing.)"""
-    from d3stream.infra import KafkaBroker
+    from d3stream.tools.infra import KafkaBroker
 
     port, controller = _free_port(), _free_port()
     jaas = (

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from d3stream.infra import KafkaBroker, ObjectStore
+from d3stream.tools.infra import KafkaBroker, ObjectStore
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from d3stream.jobthread import JobThread
+from d3stream.core.jobthread import JobThread
 
 
 def test_jobs_run_in_order_on_one_thread_and_errors_stay_with_their_job():

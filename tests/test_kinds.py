@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from d3stream import compare, events
+from d3stream.core import events
+from d3stream.core.storage import MediaError, inline_media
 from d3stream.runtime import kinds
 from d3stream.runtime.questions import answer_object, normalize_question, reversed_question
-from d3stream.storage import MediaError, inline_media
+from d3stream.tools import compare
 
 PACKAGE = Path(kinds.__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from d3stream.config import Settings
-from d3stream.events import (
+from d3stream.core.events import (
     DEFAULT_LIMITS,
     Answer,
     BatchRecord,
@@ -33,7 +33,7 @@ from d3stream.events import (
     decode_request,
     encode,
 )
-from d3stream.metrics import Metrics, serve_metrics
+from d3stream.ops.metrics import Metrics, serve_metrics
 from tests.media_makers import make_png
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, committed, record, run, serve
 

@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import d3stream
-from d3stream.batching import PassRecord
 from d3stream.config import Settings
-from d3stream.metrics import ERROR_CODES, STAGES, Metrics, MetricsServer, serve_metrics
+from d3stream.core.batching import PassRecord
+from d3stream.ops.metrics import ERROR_CODES, STAGES, Metrics, MetricsServer, serve_metrics
 from tests.stream_helpers import scrape
 
 

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from d3stream.config import Settings, check_settings
-from d3stream.events import HEADERS
-from d3stream.replay import ReplayRange, run_replay
-from d3stream.tracing import Tracing, forwarded_headers, header_names, traces_url
+from d3stream.core.events import HEADERS
+from d3stream.ops.tracing import Tracing, forwarded_headers, header_names, traces_url
+from d3stream.tools.replay import ReplayRange, run_replay
 from tests.media_makers import make_png
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, Reader, read_all, record, run, serve
 
@@ -68,8 +68,8 @@ def test_header_and_tracing_settings_are_checked():
         check_settings(Settings(forward_headers_max_bytes=-1))
     assert Tracing.from_settings(Settings()) is None  # off by default: the service builds no spans at all
     # ... and never imports OpenTelemetry (checked in a fresh interpreter: this session may have imported it).
-    probe = ("import sys, d3stream.service, d3stream.replay; from d3stream.config import Settings; "
-             "from d3stream.tracing import Tracing; assert Tracing.from_settings(Settings()) is None; "
+    probe = ("import sys, d3stream.service, d3stream.tools.replay; from d3stream.config import Settings; "
+             "from d3stream.ops.tracing import Tracing; assert Tracing.from_settings(Settings()) is None; "
              "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -259,7 +259,7 @@ def test_serve_with_json_logs_and_otlp_writes_only_json_lines_and_exports_a_span
                                    start_new_session=True)
         try:
             async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
-                from d3stream.clients import produce
+                from d3stream.tools.clients import produce
 
                 await produce(stack.broker.bootstrap_servers, stack.requests, [record(r) for r in requests])
                 await reader.wait(lambda: len(reader.counts()) >= len(requests) or process.poll() is not None, 120,

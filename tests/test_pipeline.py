@@ -19,8 +19,8 @@ import msgspec
 import pytest
 
 from d3stream.config import Settings
-from d3stream.events import ERROR_CODES, decode_answer
-from d3stream.pipeline import Served
+from d3stream.core.events import ERROR_CODES, decode_answer
+from d3stream.core.pipeline import Served
 from d3stream.service import Service
 from tests.media_makers import make_png, make_png_header_only
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, close_to
@@ -190,8 +190,8 @@ def test_every_delivery_setting_value_is_a_registered_mode():
     """The ``delivery`` setting's values and the registry of (sink, commit policy) pairs stay in step."""
     from typing import get_args
 
-    from d3stream.commits import DELIVERY_MODES
     from d3stream.config import DeliveryMode
+    from d3stream.kafka.commits import DELIVERY_MODES
 
     kafka_modes = {name for name, mode in DELIVERY_MODES.items() if mode.kafka_sink}
     assert set(get_args(DeliveryMode)) == kafka_modes

@@ -14,7 +14,7 @@ import random
 from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import murmur2 as aiokafka_murmur2
 
-from d3stream.publishing import Outgoing, RecordBatches, murmur2
+from d3stream.kafka.publishing import Outgoing, RecordBatches, murmur2
 from tests.stream_helpers import read_all, run
 
 

@@ -1,4 +1,4 @@
-"""Tenant quotas (``tenant_max_inflight_tokens``, d3stream/quotas.py; docs/SCHEDULING.md): a flooding tenant's
+"""Tenant quotas (``tenant_max_inflight_tokens``, d3stream/core/quotas.py; docs/SCHEDULING.md): a flooding tenant's
 requests are held and its partitions paused while another tenant's requests, on other partitions, are
 answered; nothing is lost or answered twice, and the commits cover every record (exactly_once). And the same
 isolation from backpressure: at the in-flight limits only the partitions holding their share are paused.
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from d3stream.events import HEADERS
-from d3stream.quotas import TenantQuotas
-from d3stream.seams import InFlight
+from d3stream.core.events import HEADERS
+from d3stream.core.quotas import TenantQuotas
+from d3stream.core.seams import InFlight
 from tests.stream_helpers import Q_NOUL, committed, run, serve
 
 pytestmark = pytest.mark.timeout(300)

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from d3stream.chaos import count_topic
-from d3stream.clients import produce
 from d3stream.config import Settings
-from d3stream.replay import ReplayRange, parse_time, replay_drift, run_replay
 from d3stream.service import Service
+from d3stream.tools.chaos import count_topic
+from d3stream.tools.clients import produce
+from d3stream.tools.replay import ReplayRange, parse_time, replay_drift, run_replay
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -227,10 +227,10 @@ def _replay_cli(argv: list[str]) -> int:
 def test_replay_needs_a_target_and_refuses_the_live_answer_topic_unless_told(
     kafka_broker, request_topic, topic_names, qwen35_text_checkpoint, capsys, monkeypatch
 ):
-    import d3stream.logs
+    import d3stream.ops.logs
 
     # Logging set up in process would write to capsys's stream, closed after this test.
-    monkeypatch.setattr(d3stream.logs, "configure_logging", lambda *args, **kwargs: None)
+    monkeypatch.setattr(d3stream.ops.logs, "configure_logging", lambda *args, **kwargs: None)
     asyncio.run(produce(kafka_broker.bootstrap_servers, request_topic, records(6)))
     live = topic_names("live-answers")
     kafka_broker.create_topic(live, partitions=2)

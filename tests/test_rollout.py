@@ -1,4 +1,4 @@
-"""Rolling out models on a live stream (``model_source``, ``--canary``; d3stream/rollout.py), against a real
+"""Rolling out models on a live stream (``model_source``, ``--canary``; d3stream/models/rollout.py), against a real
 broker, a real S3 endpoint and tiny real checkpoints: a pointer changed mid-stream swaps the default model
 without losing, repeating or re-assigning anything; a tampered checkpoint is refused once and the old model
 keeps answering; the canary share splits requests by their id and follows the pointer; a checkpoint of
@@ -18,11 +18,10 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from d3stream.checkpoints import POINTER, checkpoint_memory_bytes
 from d3stream.cli import main as cli_main
-from d3stream.clients import produce
 from d3stream.config import Settings
-from d3stream.rollout import (
+from d3stream.models.checkpoints import POINTER, checkpoint_memory_bytes
+from d3stream.models.rollout import (
     RefusedCheckpoint,
     load_checkpoint,
     load_source_models,
@@ -32,6 +31,7 @@ from d3stream.rollout import (
 )
 from d3stream.runtime.package import MANIFEST, package_files, read_manifest, write_manifest
 from d3stream.service import Service
+from d3stream.tools.clients import produce
 from tests.model_fixtures import copy_checkpoint
 from tests.stream_helpers import Reader, assigned_and_ready, close_to, read_all, record, run, stop
 from tests.test_checkpoints import _logging_restored  # noqa: F401 - autouse: serve sets up logging in process

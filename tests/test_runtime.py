@@ -28,7 +28,7 @@ import pytest
 from d3stream.runtime import D3
 from d3stream.runtime.model import kernel_path
 from d3stream.runtime.package import write_manifest
-from d3stream.tasks import showcase
+from d3stream.tools.tasks import showcase
 from tests.media_makers import frames_array, noise_image
 from tests.model_fixtures import copy_checkpoint, device_for_tests, float32, load_model
 

@@ -1,7 +1,7 @@
 """Scale-out: a consumer group of real ``d3stream serve`` workers stays healthy while workers die and come back.
 
 * Two and three workers in one group (``exactly_once``), session timeouts of 6 s and 10 s, a paced stream, a
-  worker SIGKILLed and restarted mid-stream (``d3stream.scaleout.churn``): every request is answered exactly
+  worker SIGKILLed and restarted mid-stream (``d3stream.tools.scaleout.churn``): every request is answered exactly
   once, the group settles (every worker up, all partitions owned, one generation) within
   ``session_timeout + SETTLE_MARGIN_S`` of the kill, and a kill and restart cost at most
   ``MAX_REBALANCES_PER_CHANGE`` group generations. No tracebacks, no never-retrieved future exceptions.
@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from d3stream.config import Settings, check_settings, load_settings
-from d3stream.scaleout import churn, worker_settings
 from d3stream.service import Service
+from d3stream.tools.scaleout import churn, worker_settings
 from tests.stream_helpers import Q_NOUL, GatedModel, Reader, assigned_and_ready, record, run, stop
 
 pytestmark = pytest.mark.timeout(300)
@@ -126,7 +126,7 @@ def test_a_stuck_request_is_visible_and_makes_the_worker_unready(stack, qwen35_m
     request = {"id": "stuck-1", "state": "stuck", "questions": {"noul": Q_NOUL}}
 
     async def scenario():
-        from d3stream.clients import produce
+        from d3stream.tools.clients import produce
 
         service = Service(settings, gated)
         async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
@@ -175,7 +175,7 @@ def test_a_drain_longer_than_the_session_timeout_costs_one_rebalance_not_a_storm
     ids = {r["id"] for r in stuck}
 
     async def scenario():
-        from d3stream.clients import produce
+        from d3stream.tools.clients import produce
 
         bootstrap = stack.broker.bootstrap_servers
         first, second = Service(settings, gated), Service(settings, qwen35_model)
@@ -220,7 +220,7 @@ def test_a_drain_longer_than_the_session_timeout_costs_one_rebalance_not_a_storm
 
 
 def test_the_tracker_times_a_stall_from_the_arrival_of_work_to_the_next_commit(monkeypatch):
-    from d3stream import offsets
+    from d3stream.kafka import offsets
 
     clock = [1000.0]
     monkeypatch.setattr(offsets.time, "monotonic", lambda: clock[0])

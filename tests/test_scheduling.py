@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from d3stream.events import decode_answer
+from d3stream.core.events import decode_answer
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, committed, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)

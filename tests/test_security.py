@@ -24,7 +24,7 @@ import pytest
 
 from d3stream.cli import main
 from d3stream.config import load_settings
-from d3stream.connection import client_options, parse_kafka_options, security_options, token_provider
+from d3stream.kafka.connection import client_options, parse_kafka_options, security_options, token_provider
 from d3stream.service import Service
 
 from .stream_helpers import Q_NOUL, Reader, assigned_and_ready, run
@@ -96,7 +96,7 @@ def pki(tmp_path_factory) -> dict[str, Path]:
 def secured_broker(kafka_broker, pki):
     """A broker with PLAINTEXT (admin), SSL (client certificates required) and SASL_SSL (SCRAM-SHA-512,
     OAUTHBEARER) listeners. (It asks for ``kafka_broker`` only to share its skip-or-fail rule.)"""
-    from d3stream.infra import KafkaBroker
+    from d3stream.tools.infra import KafkaBroker
 
     plain, ssl_port, sasl_port, controller = (_free_port() for _ in range(4))
     unsecured = "org.apache.kafka.common.security.oauthbearer.internals.unsecured"
@@ -165,9 +165,9 @@ def _env(monkeypatch, connection: dict[str, Any]) -> None:
 def _no_logging_setup(monkeypatch):
     """``replay`` configures structlog onto the sys.stderr of the moment: under capsys a file closed after
     the test (see tests/test_config.py)."""
-    import d3stream.logs
+    import d3stream.ops.logs
 
-    monkeypatch.setattr(d3stream.logs, "configure_logging", lambda *args, **kwargs: None)
+    monkeypatch.setattr(d3stream.ops.logs, "configure_logging", lambda *args, **kwargs: None)
 
 
 def _topics(broker, prefix: str) -> dict[str, str]:

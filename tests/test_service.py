@@ -24,11 +24,11 @@ import jsonschema
 import pytest
 
 import d3stream
-from d3stream.clients import produce
 from d3stream.config import FIELDS
-from d3stream.events import decode_answer
+from d3stream.core.events import decode_answer
+from d3stream.core.storage import MediaError, MediaFetcher
 from d3stream.service import Service, answer_identity, provenance_digest
-from d3stream.storage import MediaError, MediaFetcher
+from d3stream.tools.clients import produce
 from tests.media_makers import data_url, make_jpeg, make_mp4, make_png, make_png_header_only
 from tests.stream_helpers import (
     Q_CHOICE,
@@ -644,7 +644,7 @@ def test_backpressure_bounds_inflight_requests(stack, qwen35_model):
 def test_backpressure_pauses_the_flooded_partitions_and_keeps_a_light_one_flowing_up_to_the_reserve():
     """At the limits, a partition holding its share of max_inflight_requests is paused, one below it is still
     read (a light interactive stream beside a flood), until the work passes the limits by RESERVE: then all."""
-    from d3stream.consume import RESERVE, backpressure_pauses
+    from d3stream.kafka.consume import RESERVE, backpressure_pauses
 
     flood_and_light = {"flood-0": 150, "flood-1": 104, "light": 2}  # share: 256 / 3 partitions
     assert backpressure_pauses(flood_and_light, 256, 20_000, 256, 262_144) == {"flood-0", "flood-1"}

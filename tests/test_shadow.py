@@ -1,4 +1,4 @@
-"""Shadow evaluation (``--shadow``, d3stream/shadow.py) on a real broker with two tiny real checkpoints: the
+"""Shadow evaluation (``--shadow``, d3stream/core/shadow.py) on a real broker with two tiny real checkpoints: the
 shadow's answers go to the shadow topic only and equal what the shadow model alone answers, a share of 0.5
 picks the same requests every time, the live comparison metrics move, ``d3stream compare`` reads the live and
 the shadow topics, and a worker SIGKILLed mid-stream loses and repeats nothing on either topic.
@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from d3stream.chaos import WorkerProcess, count_topic, worker_env
 from d3stream.cli import main as cli_main
-from d3stream.clients import produce
 from d3stream.config import load_settings
+from d3stream.core.shadow import chosen, parse_shadow, shadow_hosted
 from d3stream.service import provenance_digest
-from d3stream.shadow import chosen, parse_shadow, shadow_hosted
+from d3stream.tools.chaos import WorkerProcess, count_topic, worker_env
+from d3stream.tools.clients import produce
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, Reader, close_to, read_all, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)

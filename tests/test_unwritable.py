@@ -31,10 +31,10 @@ from typing import Any
 
 import pytest
 
-from d3stream.chaos import WorkerProcess, count_topic, worker_env
-from d3stream.clients import produce
 from d3stream.commands import WORKER_FATAL_EXIT
-from d3stream.limits import BROKER_DEFAULT_MAX_MESSAGE_BYTES
+from d3stream.kafka.limits import BROKER_DEFAULT_MAX_MESSAGE_BYTES
+from d3stream.tools.chaos import WorkerProcess, count_topic, worker_env
+from d3stream.tools.clients import produce
 from tests.stream_helpers import Q_NOUL, Reader, committed, read_all, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)
@@ -213,7 +213,7 @@ def authorizing_broker(kafka_broker):
     """A second broker with Kafka's StandardAuthorizer, which allows what no ACL names (so only the DENY ACLs a
     test adds apply; clients connect as User:ANONYMOUS). It asks for ``kafka_broker`` only to share its
     skip-or-fail rule when java or the jars are missing."""
-    from d3stream.infra import KafkaBroker
+    from d3stream.tools.infra import KafkaBroker
 
     extra = {"authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
              "allow.everyone.if.no.acl.found": "true"}
@@ -242,7 +242,7 @@ async def deny_writes(bootstrap: str, topic: str) -> None:
 def test_an_answer_topic_the_worker_may_not_write_to_stops_it_naming_the_topic(authorizing_broker, unique_name,
                                                                                 qwen35_text_model, mode):
     from d3stream.config import Settings
-    from d3stream.limits import WorkerFatal
+    from d3stream.kafka.limits import WorkerFatal
     from d3stream.service import Service
 
     broker, bootstrap = authorizing_broker, authorizing_broker.bootstrap_servers

@@ -5,6 +5,6 @@
     model.system_one(state="...", questions={"route": {"type": "choice", "criteria": {...}}})
 """
 
-from .model import D3, Prepared, Row
+from d3stream.runtime.model import D3, Prepared, Row
 
 __all__ = ["D3", "Prepared", "Row"]

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .kinds import IMAGE, MEDIA_KINDS, VIDEO, MediaKind, media_kind
+from d3stream.runtime.kinds import IMAGE, MEDIA_KINDS, VIDEO, MediaKind, media_kind
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 

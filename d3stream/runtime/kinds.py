@@ -29,8 +29,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import format as d3_format
-from . import media as media_io
+from d3stream.runtime import format as d3_format
+from d3stream.runtime import media as media_io
 
 # -- the question record and the helpers its types share ---------------------------------------------
 

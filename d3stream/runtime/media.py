@@ -22,7 +22,7 @@ short gaps between sampled frames; across longer ones the reader seeks, so the f
 ``VIDEO_MAX_FRAMES * VIDEO_SEEK_GAP`` whatever frame rate and length the container claims (a clip of
 120,000 samples at 1000 fps used to be decoded in full). Seeking still decodes from the previous
 keyframe inside FFmpeg, which a hostile file can put far back: callers that take bytes from outside run
-decoding with a deadline (the service: ``d3stream.decoding``).
+decoding with a deadline (the service: ``d3stream.core.decoding``).
 """
 
 from __future__ import annotations

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import format as builtin_format
-from . import media as media_io
-from .package import sha256_file, verify_package
-from .questions import (
+from d3stream.runtime import format as builtin_format
+from d3stream.runtime import media as media_io
+from d3stream.runtime.package import sha256_file, verify_package
+from d3stream.runtime.questions import (
     Question,
     answer_object,
     average_orders,
@@ -992,7 +992,7 @@ class D3:
         encoding up to summation order. With a ``MediaFeatureCache`` on ``self.media_cache`` each image and
         video is looked up first and only the misses are encoded (an image in two requests of the pass, once).
         """
-        from .cache import Entry, _tensor_bytes
+        from d3stream.runtime.cache import Entry, _tensor_bytes
 
         pending = list({id(m): m for m in medias if m.features is None}.values())
         if not pending:
@@ -1257,7 +1257,7 @@ class D3:
 
     def provenance(self) -> dict[str, Any]:
         """Everything that determines an answer: files, numerics, prompt, media contracts."""
-        from .. import __version__
+        from d3stream import __version__
 
         files = {
             name: sha256_file(self.root / name)

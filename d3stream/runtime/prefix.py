@@ -42,8 +42,8 @@ from typing import Any
 
 import structlog
 
-from ..batching import pack
-from .model import D3, Prepared, RequestMedia, Row, sdpa_backends
+from d3stream.core.batching import pack
+from d3stream.runtime.model import D3, Prepared, RequestMedia, Row, sdpa_backends
 
 log = structlog.get_logger(__name__)
 

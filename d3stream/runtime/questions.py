@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import format as d3_format
-from .kinds import (
+from d3stream.runtime import format as d3_format
+from d3stream.runtime.kinds import (
     QUESTION_TYPE_NAMES,
     SCORE_LEVELS,
     Question,

@@ -1,0 +1,379 @@
+"""Decoding a request's media for the service: off the prepare thread, within a budget, with a deadline.
+
+Three rules for media from outside (``runtime.media`` reads the bytes; this module decides where and how
+long):
+
+* **Budget before work.** Image sizes come from their headers and every video's sampled frames from its
+  header, and are spent against the request's ``MediaBudget`` (``max_media_pixels``,
+  ``max_video_frames``) before anything is decoded; an image is counted once per reference, since the
+  processor resizes each reference on its own, but decoded once however often it is named.
+* **Not on the prepare thread.** Images decode on their own thread and videos in a worker process, so a
+  text-only request never waits behind a decode.
+* **A deadline for every decode** (``media_decode_timeout_s``). Videos run in a worker process (spawned,
+  not forked: the parent runs torch and asyncio threads) that is killed and replaced when its job runs
+  past the deadline: FFmpeg seeks from the previous keyframe, which a hostile file can put 100,000 frames
+  back, and a thread could not be stopped. Images stay in a thread: their decode is bounded by the
+  16-megapixel header check (about 0.1 s for the largest), a process hop would double it (the decoded
+  pixels are pickled back), and the deadline still answers the request in time; the thread then finishes
+  the bounded decode on its own.
+
+A decode past its deadline raises ``DecodeTimeout`` (a ``ValueError``: the service answers
+``media_unreadable``); a budget overrun raises ``runtime.media.MediaBudgetExceeded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from d3stream.runtime import media as media_io
+
+log = structlog.get_logger(__name__)
+
+# The directory d3stream is imported from, so the decoding process imports this same copy.
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class DecodeTimeout(ValueError):
+    """A decode that ran past its deadline and was abandoned."""
+
+
+class DecodeCrashed(ValueError):
+    """The decoding process ended in the middle of a job (a crash in FFmpeg, or killed from outside)."""
+
+
+@dataclass
+class DecodedMedia:
+    """A request's decoded images and videos, one per reference, in request order."""
+
+    images: list[Any]
+    videos: list[media_io.Video]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of decoded pixels (a media object named twice counts once)."""
+        seen: dict[int, int] = {}
+        for image in self.images:
+            seen[id(image)] = image.width * image.height * len(image.getbands())
+        for video in self.videos:
+            seen[id(video)] = int(video.frames.nbytes)
+        return sum(seen.values())
+
+
+def decode_videos(datas: Sequence[bytes], budget: media_io.MediaBudget, labels: Sequence[str]) -> list[media_io.Video]:
+    """Strictly decode videos against one budget (runs in the decoding process)."""
+    videos = []
+    for data, label in zip(datas, labels, strict=True):
+        try:
+            videos.append(media_io.checked_video_bytes(data, budget, label))
+        except media_io.MediaBudgetExceeded:
+            raise
+        except ValueError as exc:
+            raise ValueError(f"{label}: {exc}") from exc
+    return videos
+
+
+# -------------------------------------------------------------------------------------- worker process
+
+
+def _serve_jobs(connection: Any) -> None:
+    """The decoding process: run (function, args) jobs sent over ``connection`` until it closes."""
+    import cv2  # noqa: F401 - imported once here, not inside the first job's deadline
+
+    while True:
+        try:
+            message = connection.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            function, args = pickle.loads(message)
+            outcome: tuple[str, Any] = ("ok", function(*args))
+        except media_io.MediaBudgetExceeded as exc:
+            outcome = ("budget", str(exc))
+        except ValueError as exc:
+            outcome = ("unreadable", str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the request, the process goes on
+            outcome = ("unreadable", f"the media could not be decoded ({media_io.reason(exc)})")
+        connection.send(outcome)
+
+
+class _Slot:
+    """One decoding process and the parent's end of its socket; started on first use, replaced when killed.
+
+    A plain ``python -m d3stream.core.decoding <fd>`` child, not a ``multiprocessing`` one: spawn and
+    forkserver re-import the parent's main module (a script, a test runner), fork would copy torch's
+    and asyncio's threads mid-state."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.process: subprocess.Popen | None = None
+        self.connection: Connection | None = None
+
+    def ensure_started(self) -> Connection:
+        """The connection to this slot's process, started first when there is none (or it ended)."""
+        if self.process is not None and self.process.poll() is None and self.connection is not None:
+            return self.connection
+        self.kill()
+        parent, child = socket.socketpair()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "d3stream.core.decoding", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))},
+            )
+        finally:
+            child.close()
+        self.connection = Connection(parent.detach())
+        return self.connection
+
+    def kill(self) -> None:
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process.wait(5)
+            self.process = None
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
+
+
+class ProcessDecoder:
+    """Runs decode jobs in ``processes`` worker processes; a job past its deadline has its process killed
+    and replaced. Blocking waits run in threads of their own, never on the event loop."""
+
+    def __init__(self, processes: int = 1, timeout_s: float = 10.0, setting: str = "media_decode_timeout_s"):
+        self.timeout_s = timeout_s
+        self.setting = setting
+        self._idle: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        self._all = [_Slot(f"d3stream-decode-{number}") for number in range(max(1, processes))]
+        for slot in self._all:
+            self._idle.put(slot)
+        self._slots = max(1, processes)
+        self._waiters = ThreadPoolExecutor(max_workers=self._slots, thread_name_prefix="d3stream-decode-wait")
+        self._closed = threading.Event()
+        self.busy = 0  # jobs running now (read by tests and metrics)
+        self.abandoned = 0  # jobs killed at their deadline
+
+    async def run(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)`` in a worker process within the deadline; its ValueError is re-raised here."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._waiters, self._call, function, args)
+
+    def _call(self, function: Callable[..., Any], args: tuple) -> Any:
+        slot = self._idle.get()
+        self.busy += 1
+        try:
+            if self._closed.is_set():
+                raise DecodeCrashed("the worker is shutting down")
+            connection = slot.ensure_started()
+            try:
+                connection.send((function, args))
+                finished = connection.poll(self.timeout_s)
+                if finished:
+                    kind, value = connection.recv()
+            except (EOFError, OSError) as exc:
+                slot.kill()
+                raise DecodeCrashed(f"the decoding process ended during the decode ({type(exc).__name__})") from exc
+            if not finished:
+                slot.kill()
+                self.abandoned += 1
+                log.warning("decode abandoned at its deadline", timeout_s=self.timeout_s)
+                raise DecodeTimeout(
+                    f"decoding took longer than {self.timeout_s:g} s and was abandoned (setting: {self.setting})"
+                )
+        finally:
+            self.busy -= 1
+            self._idle.put(slot)
+        if kind == "ok":
+            return value
+        if kind == "budget":
+            raise media_io.MediaBudgetExceeded(value)
+        raise ValueError(value)
+
+    def warm(self) -> None:
+        """Start the processes now (spawning one takes a second), so the first video does not wait."""
+        slots = [self._idle.get() for _ in range(self._slots)]
+        try:
+            for slot in slots:
+                slot.ensure_started()
+        finally:
+            for slot in slots:
+                self._idle.put(slot)
+
+    def close(self) -> None:
+        """Kill the processes; a job still waiting fails with DecodeCrashed."""
+        self._closed.set()
+        for slot in self._all:  # a busy one too: its waiter sees the end of the pipe and cleans up
+            process = slot.process
+            if process is not None and process.poll() is None:
+                process.kill()
+        slots = []
+        while True:
+            try:
+                slots.append(self._idle.get_nowait())
+            except queue.Empty:
+                break
+        for slot in slots:
+            slot.kill()
+            self._idle.put(slot)
+        self._waiters.shutdown(wait=True, cancel_futures=True)
+
+
+class MediaDecoder:
+    """A request's media: header checks against its budget, images on a thread, videos in a process,
+    each reference decoded once, every decode under ``timeout_s``."""
+
+    def __init__(self, *, timeout_s: float, processes: int = 1, max_pixels: int | None = None,
+                 max_video_frames: int | None = None):
+        self.timeout_s = timeout_s
+        self.max_pixels = max_pixels
+        self.max_video_frames = max_video_frames
+        self._images = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-decode-images")
+        self.processes = ProcessDecoder(processes, timeout_s)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> MediaDecoder:
+        """A decoder with a worker's deadline, processes and per-request pixel and frame budgets."""
+        return cls(timeout_s=settings.media_decode_timeout_s, processes=settings.media_decode_processes,
+                   max_pixels=settings.max_media_pixels, max_video_frames=settings.max_video_frames)
+
+    def budget(self) -> media_io.MediaBudget:
+        return media_io.MediaBudget(pixels=self.max_pixels, frames=self.max_video_frames)
+
+    def image_pixels(self, images: Sequence[bytes]) -> list[int]:
+        """Pixels of each image from its header (strict checks; nothing decoded)."""
+        sizes = []
+        for number, data in enumerate(images):
+            try:
+                width, height = media_io.image_header(data)
+            except ValueError as exc:
+                raise ValueError(f"images[{number}]: {exc}") from exc
+            sizes.append(width * height)
+        return sizes
+
+    def estimate(self, image_pixels: Sequence[int], videos: int) -> int:
+        """Decoded bytes a request's media may reach, from its image headers and the budget left for its
+        videos: what it holds of the in-flight media budget while it decodes."""
+        pixels = sum(image_pixels)
+        if videos:
+            video_pixels = media_io.VIDEO_MAX_FRAMES * media_io.MAX_VIDEO_SOURCE_PIXELS * videos
+            if self.max_pixels is not None:
+                video_pixels = min(video_pixels, max(0, self.max_pixels - pixels))
+            pixels += video_pixels
+        return 3 * pixels
+
+    async def decode(self, images: Sequence[bytes], videos: Sequence[bytes],
+                     reserve: Callable[[int], Awaitable[Any]] | None = None) -> DecodedMedia:
+        """Decode one request's media (one entry per reference; equal bytes are decoded once).
+
+        Image headers are read and the budget spent first; then ``reserve(bytes)`` is awaited with the
+        decoded size the media may reach (the service's in-flight media budget), then videos and images
+        are decoded. ValueError (or MediaBudgetExceeded, or DecodeTimeout) names the reference."""
+        budget = self.budget()
+        loop = asyncio.get_running_loop()
+        image_pixels = await loop.run_in_executor(self._images, self.image_pixels, images) if images else []
+        for number, pixels in enumerate(image_pixels):
+            budget.spend(f"images[{number}]", pixels)
+        if reserve is not None:
+            await reserve(self.estimate(image_pixels, len(videos)))
+        decoded_videos: list[media_io.Video] = []
+        if videos:
+            distinct = _distinct(videos)
+            labels = [f"videos[{first}]" for first in distinct.values()]
+            result = await self.processes.run(decode_videos, list(distinct), budget, labels)
+            by_content = dict(zip(distinct, result, strict=True))
+            decoded_videos = [by_content[data] for data in videos]
+        decoded_images: list[Any] = []
+        if images:
+            distinct = _distinct(images)
+            job = loop.run_in_executor(self._images, _decode_images, list(distinct), list(distinct.values()))
+            try:
+                result = await asyncio.wait_for(asyncio.shield(job), self.timeout_s)
+            except TimeoutError:
+                raise DecodeTimeout(
+                    f"decoding the images took longer than {self.timeout_s:g} s and was abandoned "
+                    f"(setting: {self.processes.setting})"
+                ) from None
+            by_content = dict(zip(distinct, result, strict=True))
+            decoded_images = [by_content[data] for data in images]
+        return DecodedMedia(decoded_images, decoded_videos)
+
+    def warm(self) -> None:
+        self.processes.warm()
+
+    def close(self) -> None:
+        self.processes.close()
+        self._images.shutdown(wait=True, cancel_futures=True)
+
+
+class ByteBudget:
+    """Bytes of decoded media the worker holds at once (``max_inflight_media_bytes``): a request waits for
+    its share before it decodes and holds it until it is answered. A share larger than the whole budget
+    is cut to it, so one large request still runs, alone."""
+
+    def __init__(self, capacity: int):
+        self.capacity = max(1, int(capacity))
+        self.used = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    @property
+    def full(self) -> bool:
+        return self.used >= self.capacity
+
+    async def acquire(self, amount: int) -> int:
+        """Wait until ``amount`` (cut to the capacity) fits beside what is held; returns what was taken."""
+        amount = min(max(0, int(amount)), self.capacity)
+        while self.used and self.used + amount > self.capacity:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        self.used += amount
+        return amount
+
+    def release(self, amount: int) -> None:
+        self.used = max(0, self.used - int(amount))
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+def _distinct(items: Sequence[bytes]) -> dict[bytes, int]:
+    """Each distinct content -> the number of the first reference that holds it."""
+    first: dict[bytes, int] = {}
+    for number, data in enumerate(items):
+        first.setdefault(data, number)
+    return first
+
+
+def _decode_images(datas: list[bytes], numbers: list[int]) -> list[Any]:
+    decoded = []
+    for data, number in zip(datas, numbers, strict=True):
+        try:
+            decoded.append(media_io.checked_image_bytes(data))
+        except ValueError as exc:
+            raise ValueError(f"images[{number}]: {exc}") from exc
+    return decoded
+
+
+if __name__ == "__main__":  # the decoding process: python -m d3stream.core.decoding <socket fd>
+    _serve_jobs(Connection(int(sys.argv[1])))

@@ -1,0 +1,407 @@
+"""Forward passes for prepared requests: the row scheduler, shared-prefix reuse, and what each request rode in.
+
+Rows (question prompts) of many requests are packed into passes by a ``RowScheduler``: the token-budget
+``batching.BatchScheduler`` when serving, or a replay's ``OrderedPasses`` whose passes depend only on the
+source order (replay.py). A request with two or more rows on a causal checkpoint is first *planned*
+(``runtime.prefix.PrefixRunner.plan``: where its shared prefix ends) and then goes, whole, to a second
+scheduler whose calls run ``PrefixRunner.run_requests``: prefix passes fill each request's cache, suffix
+passes answer rows of many requests from their caches. Both schedulers share one model thread, so passes
+never run side by side on the device. If a shared-prefix call fails, the request's rows run as full prompts.
+
+A pass that fails is split and retried by the scheduler; a row failing alone fails only its question
+(``invalid_model_output``). Each request gets the record of the passes that carried it (its provenance's
+``batch``) and its queueing and forward time, and its share of each pass's device time, by tokens
+(provenance ``cost``; docs/SCHEDULING.md). A request whose deadline passes before its rows ride a pass
+is marked ``expired`` (the pipeline answers it ``deadline_exceeded``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import structlog
+
+from d3stream.config import Settings
+from d3stream.core.answers import RequestWork, ms
+from d3stream.core.batching import BatchScheduler, PassRecord, resolve
+from d3stream.core.events import BatchRecord
+from d3stream.core.seams import DEFAULT_SCHEDULING, DeadlineExceeded, DecisionModel, Position, Scheduling
+from d3stream.ops.metrics import Metrics
+from d3stream.runtime.model import Prepared, Row
+
+if TYPE_CHECKING:
+    from d3stream.runtime.model import D3
+
+log = structlog.get_logger(__name__)
+
+Outcome = tuple[Any, PassRecord] | BaseException
+
+
+def model_thread() -> ThreadPoolExecutor:
+    """The one thread every pass of a device runs on."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
+
+
+def default_token_budget(device: str) -> int:
+    """Padded tokens per pass: a GPU keeps gaining up to ~16k, a CPU saturates at 1-4k."""
+    return 16_384 if str(device).startswith("cuda") else 4_096
+
+
+class RowScheduler(Protocol):
+    """Packs rows of many requests into passes of the model; one outcome per row."""
+
+    @property
+    def passes_run(self) -> int:
+        """Passes run so far."""
+        ...
+
+    def expect(self, positions: Sequence[Position]) -> None:
+        """Requests were read at ``positions`` (a source-ordered scheduler keeps their places)."""
+        ...
+
+    def finished(self, position: Position) -> None:
+        """The request read at ``position`` is answered; if it submitted no rows it holds nothing back."""
+        ...
+
+    def enqueue_many(self, requests: Sequence[tuple[Sequence[Row], Position, Scheduling]],
+                     settled: Callable[[int, list[Outcome]], Any]) -> None:
+        """Queue the rows of several requests, each ``(rows, position, scheduling)``; ``settled(index, outcomes)``
+        is called on the event loop once every row of request ``index`` has run, with each row's
+        (probabilities, pass record), or the exception of a row that failed alone. ``scheduling`` (lane,
+        deadline) may be ignored; a scheduler that honours a deadline settles the rows it drops with
+        ``seams.DeadlineExceeded``. ``settled`` must not raise."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(eq=False)
+class PassItem:
+    """One prepared request on its way through the passes."""
+
+    work: RequestWork
+    prepared: Prepared
+    position: Position
+    plan: Any = None  # its shared-prefix plan, if it has one
+    probabilities: dict[Row, list[float]] = field(default_factory=dict)
+    scheduling: Scheduling = DEFAULT_SCHEDULING
+    expired: DeadlineExceeded | None = None  # its deadline passed before a pass carried all its rows
+
+
+class Passes:
+    """The model side of a worker: one model thread, the row scheduler and the shared-prefix scheduler."""
+
+    def __init__(self, settings: Settings, model: DecisionModel, metrics: Metrics,
+                 scheduler: RowScheduler | None = None, *, executor: ThreadPoolExecutor | None = None):
+        self.metrics = metrics
+        self.budget = settings.max_batch_tokens or default_token_budget(str(model.device))
+        # Passes while high-priority traffic is about: short, so a high request waits for little (SCHEDULING.md).
+        lane_budget = self.budget // 16 if settings.lane_pass_tokens is None else settings.lane_pass_tokens
+        # One model thread for both schedulers: passes never run side by side on the device. A worker serving
+        # several models hands every model's Passes the same one (it shuts it down itself).
+        self._owns_executor = executor is None
+        self.executor = executor or model_thread()
+        self.rows: RowScheduler = scheduler or BatchScheduler(
+            model.forward,
+            length=lambda row: row.length,
+            max_batch_rows=settings.max_batch_rows,
+            max_batch_tokens=self.budget,
+            linger_ms=settings.linger_ms,
+            executor=self.executor,
+            on_pass=metrics.observe_pass_record,
+            lanes=settings.priority_lanes,
+            lane_ageing_ms=settings.lane_ageing_ms,
+            lane_pass_tokens=lane_budget,
+        )
+        self.prefix_runner: Any = self._prefix_runner(settings, model) if scheduler is None else None
+        self.prefix_scheduler: BatchScheduler | None = None
+        self._call_passes: list[Any] = []  # the runner's passes during the current call (model thread only)
+        if self.prefix_runner is not None:
+            self.prefix_scheduler = BatchScheduler(
+                self._run_shared_prefix,
+                length=lambda plan: plan.length + sum(plan.suffix_length(row) for row in plan.rows),
+                max_batch_rows=settings.max_batch_rows,
+                # A call packs its own passes under the budget; a few passes' worth per call keeps the
+                # full-prompt scheduler's turn on the model thread near.
+                max_batch_tokens=4 * self.budget,
+                linger_ms=settings.linger_ms,
+                executor=self.executor,
+                lanes=settings.priority_lanes,
+                lane_ageing_ms=settings.lane_ageing_ms,
+                lane_pass_tokens=lane_budget,  # a call of this budget runs passes within it too
+            )
+
+    def provenance(self) -> dict[str, Any]:
+        """What answers depend on besides the model: the prefix reuse policy, when it is on."""
+        return self.prefix_runner.provenance() if self.prefix_runner is not None else {}
+
+    async def close(self) -> None:
+        await self.rows.close()
+        if self.prefix_scheduler is not None:
+            await self.prefix_scheduler.close()
+        if self._owns_executor:
+            self.executor.shutdown(wait=True)
+
+    # ---------------------------------------------------------------------------------- planning
+
+    def plan(self, prepared: Prepared) -> Any:
+        """The shared-prefix plan of a prepared request, or None (runs on the prepare thread)."""
+        runner = self.prefix_runner
+        if runner is None or len(prepared.rows) < runner.min_rows:
+            return None
+        plan = runner.plan(prepared)
+        if plan is not None:
+            self.metrics.count_prefix_request("shared")
+        return plan
+
+    # ------------------------------------------------------------------------------------ running
+
+    async def run(self, items: Sequence[PassItem]) -> AsyncIterator[list[PassItem]]:
+        """Answer every row of ``items``, yielding the requests whose rows are all answered, a pass at a time
+        (a request does not wait for the last pass of its fetch). Full-prompt rows are queued in one submission,
+        without a future or a task per request; a request with a shared-prefix plan runs on that scheduler."""
+        submitted = time.perf_counter()
+        # Requests settled since the last look, with their rows' outcomes (None: a shared-prefix run, done), and a
+        # wake-up for when there are none (lighter than a Queue: a pass settles dozens of requests at once).
+        finished: list[tuple[PassItem, list[Outcome] | None]] = []
+        settled = asyncio.Event()
+        plain = [item for item in items if item.plan is None]
+        shared = [item for item in items if item.plan is not None]
+
+        def arrived(index: int, outcomes: list[Outcome]) -> None:
+            finished.append((plain[index], outcomes))
+            settled.set()
+
+        def ran(item: PassItem, task: asyncio.Future[None]) -> None:
+            finished.append((item, None))
+            settled.set()
+
+        for item in items:
+            item.work.submitted_at = submitted
+        if plain:
+            self.rows.enqueue_many([(item.prepared.rows, item.position, item.scheduling) for item in plain], arrived)
+        tasks = []
+        for item in shared:
+            task = asyncio.ensure_future(self._run_shared(item))
+            task.add_done_callback(partial(ran, item))
+            tasks.append(task)
+        left = len(items)
+        while left:
+            if not finished:
+                settled.clear()
+                await settled.wait()
+            done = finished[:]
+            finished.clear()
+            left -= len(done)
+            chunk = []
+            # Requests settled by one pass spent the same time in it and before it: observed once, with a count.
+            times: dict[tuple[float, float], int] = {}
+            now = time.perf_counter()
+            for item, outcomes in done:
+                if outcomes is not None:
+                    self._take_outcomes(item, outcomes, submitted, now, times)
+                chunk.append(item)
+            for (forward, queued), count in times.items():
+                self.metrics.observe_stage("forward", forward, count)
+                self.metrics.observe_stage("queued", queued, count)
+            for task in tasks:
+                if task.done():
+                    task.result()  # a shared-prefix run's own fault is the caller's
+            tasks = [task for task in tasks if not task.done()]
+            yield chunk
+
+    async def _run_rows(self, item: PassItem) -> None:
+        """One request's rows as full prompts (the fallback of a failed shared-prefix call)."""
+        submitted = time.perf_counter()
+        future: asyncio.Future[list[Outcome]] = asyncio.get_running_loop().create_future()
+        self.rows.enqueue_many([(item.prepared.rows, item.position, item.scheduling)],
+                               lambda _, outcomes: resolve(future, outcomes))
+        self._take_outcomes(item, await future, submitted)
+
+    def _take_outcomes(self, item: PassItem, outcomes: list[Outcome], submitted: float, now: float | None = None,
+                       times: dict[tuple[float, float], int] | None = None) -> None:
+        """A request's probabilities from its rows' outcomes; a row whose pass failed alone fails its question,
+        a row dropped at its deadline expires the request. ``now`` and ``times``: as for ``_account``."""
+        prepared = item.prepared
+        rows = prepared.rows
+        record = _one_pass(outcomes)
+        if record is not None:  # the common case: every row answered, all in one pass
+            answered = cast("list[tuple[Any, PassRecord]]", outcomes)
+            item.probabilities = {row: result for row, (result, _) in zip(rows, answered, strict=True)}
+            work = item.work
+            work.device_seconds += _share(record.seconds, sum(row.length for row in rows), record.real_tokens)
+            work.padded_tokens += len(rows) * (record.padded_tokens // max(record.rows, 1))
+            self._account(work, submitted, [record], now, times)
+            return
+        probabilities = item.probabilities
+        mine: dict[int, tuple[PassRecord, list[int]]] = {}  # per pass: its record, the lengths of our rows in it
+        failed = False
+        for row, outcome in zip(rows, outcomes, strict=True):
+            if type(outcome) is tuple:
+                result, record = outcome
+                probabilities[row] = result
+                seen = mine.get(id(record))
+                if seen is None:
+                    mine[id(record)] = (record, [row.length])
+                else:
+                    seen[1].append(row.length)
+            elif isinstance(outcome, DeadlineExceeded):
+                item.expired = outcome
+            else:
+                failed = True
+                question = prepared.questions[row.key]
+                prepared.errors[row.key] = {
+                    "type": question.kind,
+                    "error": "invalid_model_output",
+                    "message": f"the forward pass failed for this question: {type(outcome).__name__}: {outcome}",
+                }
+        if failed:
+            prepared.rows = [row for row in rows if row.key not in prepared.errors]
+        work = item.work
+        for record, lengths in mine.values():
+            work.device_seconds += _share(record.seconds, sum(lengths), record.real_tokens)
+            work.padded_tokens += len(lengths) * (record.padded_tokens // max(record.rows, 1))
+        self._account(work, submitted, [record for record, _ in mine.values()], now, times)
+
+    async def _run_shared(self, item: PassItem) -> None:
+        """A multi-question request on its shared prefix; if that fails, its rows run as full prompts."""
+        assert self.prefix_scheduler is not None
+        plan = item.plan
+        submitted = item.work.submitted_at = time.perf_counter()
+        try:
+            [((probabilities, passes), _)] = await self.prefix_scheduler.submit([plan], item.scheduling)
+        except DeadlineExceeded as exc:
+            item.expired = exc
+            return
+        except Exception as exc:  # noqa: BLE001 - the full-prompt path splits and reports row failures
+            log.warning("shared-prefix run failed; running full prompts", error=f"{type(exc).__name__}: {exc}")
+            await self._run_rows(item)
+            return
+        # Shared only if each row's answer came from a suffix pass (a failed check re-answers from full prompts).
+        answered_by = {row: info.kind for info in passes if info.kind in ("suffix", "full") for row in info.done}
+        reused = bool(answered_by) and all(kind == "suffix" for kind in answered_by.values())
+        self._share_prefix_passes(item, passes)
+        self._account(item.work, submitted, passes, shared_prefix=reused,
+                      saved_tokens=(len(plan.rows) - 1) * plan.length if reused else 0)
+        item.probabilities = probabilities
+
+    @staticmethod
+    def _share_prefix_passes(item: PassItem, passes: Sequence[Any]) -> None:
+        """The request's share of the shared-prefix runner's passes, by the tokens it ran in each: its prefix
+        in a prefix pass, its rows' suffixes (or whole prompts) in the passes that answered them. Exact-replay
+        check passes are not attributed to any request (docs/SCHEDULING.md)."""
+        plan, work = item.plan, item.work
+        rows = set(plan.rows)
+        for info in passes:
+            if info.kind == "prefix":
+                tokens, count = (plan.length, 1) if plan in info.prefixes else (0, 0)
+            else:
+                answered = [row for row in info.done if row in rows]
+                count = len(answered)
+                tokens = sum(plan.suffix_length(row) if info.kind == "suffix" else row.length for row in answered)
+            work.device_seconds += _share(info.seconds, tokens, info.real_tokens)
+            work.padded_tokens += count * (info.padded_tokens // max(info.rows, 1))
+
+    def _account(self, work: RequestWork, submitted: float, passes: Sequence[Any], now: float | None = None,
+                 times: dict[tuple[float, float], int] | None = None, **batch: Any) -> None:
+        """The request's forward and queueing time and its batch record, from the passes that carried it
+        (``PassRecord`` or the prefix runner's ``PassInfo``: both have rows, tokens and seconds), as of ``now``
+        (default: now). With ``times`` its (forward, queued) seconds are counted there, for the caller to
+        observe together with those of the other requests it settles at once; else they are observed here."""
+        if len(passes) == 1 and not batch:  # the common case: the pass's own record, shared by its requests
+            [only] = passes
+            forward = only.seconds
+            work.batch = only.batch if type(only) is PassRecord else BatchRecord(
+                passes=1, rows=only.rows, real_tokens=only.real_tokens, padded_tokens=only.padded_tokens)
+        else:
+            forward = sum(record.seconds for record in passes)
+            work.batch = BatchRecord(
+                passes=len(passes),
+                rows=sum(record.rows for record in passes),
+                real_tokens=sum(record.real_tokens for record in passes),
+                padded_tokens=sum(record.padded_tokens for record in passes),
+                **batch,
+            )
+        queued = max(0.0, (time.perf_counter() if now is None else now) - submitted - forward)
+        work.timings.forward = ms(forward)
+        work.timings.queued = ms(queued)
+        if times is None:
+            self.metrics.observe_stage("forward", forward)
+            self.metrics.observe_stage("queued", queued)
+        else:
+            key = (forward, queued)
+            times[key] = times.get(key, 0) + 1
+
+    # ------------------------------------------------------------------------- shared-prefix reuse
+
+    @staticmethod
+    def _reuse_wanted(settings: Settings, model: DecisionModel) -> bool:
+        if settings.prefix_reuse == "off":
+            return False
+        if model.attention_mode == "causal":
+            return True
+        if settings.prefix_reuse == "on":
+            raise ValueError(
+                f"prefix_reuse=on needs a causal checkpoint; {model.model_name} uses attention_mode="
+                f"{model.attention_mode!r}, where the prefix reads the question. Set prefix_reuse to auto or off."
+            )
+        return False
+
+    def _prefix_runner(self, settings: Settings, model: DecisionModel) -> Any:
+        if not self._reuse_wanted(settings, model):
+            return None
+        from d3stream.runtime.prefix import PrefixRunner
+
+        def checked(check: Any) -> None:
+            self.metrics.observe_prefix_check(check.passed, self.prefix_runner.max_abs_dp)
+
+        # The runner reaches into the backbone: a causal model here is a D3 (or a test's wrapper of one).
+        return PrefixRunner(
+            cast("D3", model),
+            max_batch_tokens=self.budget,
+            max_batch_rows=settings.max_batch_rows,
+            verify_every=settings.prefix_verify_every,
+            tolerance=settings.prefix_tolerance,
+            on_pass=self._runner_pass,
+            on_check=checked,
+            on_fallback=lambda reason, prepared: self.metrics.count_prefix_request(reason),
+        )
+
+    def _runner_pass(self, info: Any) -> None:
+        self._call_passes.append(info)
+        self.metrics.observe_pass_record(info)
+
+    def _run_shared_prefix(self, plans: list[Any]) -> list[tuple[dict[Row, list[float]], list[Any]]]:
+        """One call of the prefix runner on the model thread: each request's probabilities, and the passes
+        that answered its rows (for its provenance)."""
+        self._call_passes = []
+        results = self.prefix_runner.run_requests(plans)
+        passes = self._call_passes
+        return [
+            (result, [info for info in passes if plan in info.prefixes or any(row in result for row in info.done)])
+            for plan, result in zip(plans, results, strict=True)
+        ]
+
+
+def _one_pass(outcomes: list[Outcome]) -> PassRecord | None:
+    """The pass that answered every row, when they all rode the same one (None otherwise)."""
+    record = None
+    for outcome in outcomes:
+        if not isinstance(outcome, tuple):
+            return None
+        if record is None:
+            record = outcome[1]
+        elif outcome[1] is not record:
+            return None
+    return record
+
+
+def _share(seconds: float, tokens: int, pass_tokens: int) -> float:
+    """A pass's device time attributed to ``tokens`` of its ``pass_tokens`` real tokens."""
+    return seconds * tokens / pass_tokens if pass_tokens > 0 else 0.0

@@ -1,0 +1,360 @@
+"""Commit policies: when a consumed offset is committed, and the delivery modes they make with a sink.
+
+An offset may be committed only together with, or after, the answers for it *and for every earlier offset of
+its partition* (``offsets.OffsetTracker``). Two policies do that:
+
+* ``CommitInTransaction`` (delivery ``exactly_once``, the default): consume-transform-produce in Kafka
+  transactions. Answers (and dead letters) wait in memory until every earlier offset of their partition is
+  answered too; then one transaction publishes them and commits the partition's offset
+  (``send_offsets_to_transaction``). Readers with ``isolation_level=read_committed`` see each answer exactly
+  once, whatever crashes. Each input partition has its own transactional producer whose ``transactional.id``
+  is derived from the group, topic and partition, so when a partition moves to another worker (or a restarted
+  one), the new owner's producer fences the old one: a zombie's late commit fails instead of duplicating
+  answers. (aiokafka has no consumer-group-generation fencing, KIP-447, so partition-scoped ids are the way.)
+  Cost: answers become visible at commit time, every ``commit_interval_ms``.
+* ``CommitAfterWrite`` (delivery ``at_least_once``, and replays into a file): the sink writes each answer as
+  soon as it is ready; an offset is committed once the answers for it and every earlier offset are
+  acknowledged (a file: fsynced). After a crash the uncommitted requests are answered again: the duplicate
+  carries the same key and the same deterministic ``answer_id``, so downstream can drop it.
+
+A delivery mode is a registered (sink, commit policy) pair (``DELIVERY_MODES``); adding one touches only
+this table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+from aiokafka.structs import TopicPartition
+
+from d3stream.kafka.offsets import OffsetTracker
+from d3stream.kafka.publishing import (
+    MAX_TXN_BACKOFF_S,
+    PUBLISH_BACKOFF_S,
+    Outgoing,
+    RecordBatches,
+    classify,
+    fatal,
+    quietly_stop,
+    replaced,
+    retrieved,
+)
+from d3stream.kafka.sinks import JsonLinesFile, KafkaTopics, Sink
+from d3stream.ops.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Answered:
+    """The records to publish for one consumed offset (its answer, maybe a dead letter before it)."""
+
+    partition: TopicPartition
+    offset: int
+    records: list[Outgoing]
+    epoch: int | None = None  # the assignment of the partition the request was read in
+
+
+class CommitPolicy(Protocol):
+    """When consumed offsets are committed, given the answers handed to ``deliver``."""
+
+    # Whether a newly assigned partition must wait for ``assigned`` before it is read (consume.py settles it).
+    settles_assignments: bool
+    commits: int
+    aborts: int
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def deliver(self, answered: Sequence[Answered]) -> None:
+        """Take the answers of these offsets; they count as done for the tracker once this returns."""
+        ...
+
+    async def flush(self, partitions: Sequence[TopicPartition] | None = None) -> None:
+        """Commit what can be committed (of ``partitions``, or all): the periodic commit, a revocation, the end."""
+        ...
+
+    async def assigned(self, partitions: Sequence[TopicPartition]) -> None: ...
+
+    async def revoked(self, partitions: Sequence[TopicPartition]) -> None: ...
+
+
+class _Counted:
+    """What both policies share: whose offsets they commit and what they count."""
+
+    def __init__(self, *, consumer: Any, tracker: OffsetTracker, group_id: str, metrics: Metrics | None = None):
+        self.consumer = consumer
+        self.tracker = tracker
+        self.group_id = group_id
+        self.metrics = metrics
+        self.commits = 0
+        self.aborts = 0
+
+    def _counted_commit(self, ok: bool = True) -> None:
+        if ok:
+            self.commits += 1
+        if self.metrics is not None:
+            self.metrics.count_commit(ok=ok)
+
+
+class CommitAfterWrite(_Counted):
+    """The sink writes each answer at once; offsets are committed behind its acknowledgements."""
+
+    settles_assignments = False
+
+    def __init__(self, sink: Sink, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.sink = sink
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def deliver(self, answered: Sequence[Answered]) -> None:
+        await self.sink.write([record for item in answered for record in item.records])
+        for item in answered:
+            self.tracker.done(item.partition, item.offset, item.epoch)
+
+    async def flush(self, partitions: Sequence[TopicPartition] | None = None) -> None:
+        from aiokafka.errors import KafkaError
+
+        await self.sink.flush()
+        offsets = self.tracker.committable(partitions)
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+        except KafkaError as exc:  # a rebalance in progress: the next owner starts from the last commit
+            if classify(exc, transactional=False) == "worker":
+                raise fatal(None, exc, f"committing offsets of group {self.group_id!r}") from exc
+            log.warning("commit failed", error=f"{type(exc).__name__}: {exc}")
+            self._counted_commit(ok=False)
+            return
+        self.tracker.committed(offsets)
+        self._counted_commit()
+
+    async def assigned(self, partitions: Sequence[TopicPartition]) -> None:
+        return None
+
+    async def revoked(self, partitions: Sequence[TopicPartition]) -> None:
+        return None
+
+
+class CommitInTransaction(_Counted):
+    """Answers and offsets of each partition commit together, in transactions fenced per partition."""
+
+    # The consume loop holds a newly assigned partition until ``assigned`` returned (the previous owner's
+    # last transaction is then complete) and re-reads its committed offset: see consume.py.
+    settles_assignments = True
+
+    def __init__(self, *, producer_factory: Callable[[TopicPartition], Any], **kwargs: Any):
+        super().__init__(**kwargs)
+        self._factory = producer_factory
+        self._producers: dict[Any, Any] = {}
+        self._pending: dict[Any, dict[int, list[Outgoing]]] = {}
+        self._lock = asyncio.Lock()
+        self._creating: dict[Any, asyncio.Future] = {}
+        # Retriable transaction failures in a row, and when the partition's next attempt may start.
+        self._failures: dict[Any, int] = {}
+        self._retry_at: dict[Any, float] = {}
+        self._batches: dict[Any, RecordBatches] = {}  # each partition's producer's, made with it
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        for producer in list(self._producers.values()):
+            await quietly_stop(producer)
+        self._producers.clear()
+        self._batches.clear()
+
+    async def deliver(self, answered: Sequence[Answered]) -> None:
+        for item in answered:
+            if not self.tracker.owns(item.partition, item.epoch):
+                continue  # revoked while this request ran: the new owner answers it, in its own transaction
+            self._pending.setdefault(item.partition, {})[item.offset] = item.records
+            self.tracker.done(item.partition, item.offset, item.epoch)
+
+    async def _producer(self, partition: Any) -> Any:
+        # One creation per partition even when a flush and the rebalance callback ask at once: a second
+        # producer with the same transactional id would fence the first, i.e. this worker itself.
+        creating = self._creating.get(partition)
+        if creating is None:
+            creating = self._creating[partition] = asyncio.ensure_future(self._create_producer(partition))
+            creating.add_done_callback(retrieved)  # a caller cancelled meanwhile (a bounded revocation) reads none
+        try:
+            return await asyncio.shield(creating)
+        except BaseException:
+            if self._creating.get(partition) is creating and creating.done():
+                self._creating.pop(partition, None)
+            raise
+
+    async def _create_producer(self, partition: Any) -> Any:
+        producer = self._factory(partition)
+        await producer.start()  # init_transactions: fences any older producer of this partition
+        self._producers[partition] = producer
+        self._batches[partition] = RecordBatches(producer)
+        return producer
+
+    async def flush(self, partitions: Sequence[Any] | None = None) -> None:
+        async with self._lock:
+            # Each partition has its own producer: their transactions commit side by side.
+            # Named partitions (a revocation, the shutdown) are tried now; the periodic flush backs off.
+            await asyncio.gather(
+                *(self._commit_partition(partition, point, now=partitions is not None)
+                  for partition, point in self.tracker.committable(partitions).items())
+            )
+
+    async def _commit_partition(self, partition: TopicPartition, point: int, *, now: bool = False) -> None:
+        """One transaction: the partition's answers below ``point`` and its offset, or what its failure means
+        (fenced: the partition moved; refused records: replaced, tried again; retriable: back off; else fatal)."""
+        from aiokafka.errors import KafkaError, ProducerFenced
+
+        if not now and time.monotonic() < self._retry_at.get(partition, 0.0):
+            return  # backing off after a failed transaction
+        pending = self._pending.get(partition, {})
+        ready = sorted(offset for offset in pending if offset < point)
+        started = time.perf_counter()
+        refused: list[tuple[int, int, BaseException]] = []  # (offset, index, error) of records refused as too large
+        try:
+            await self._transaction(partition, point, [(offset, pending[offset]) for offset in ready], refused)
+        except ProducerFenced:
+            # Expected for a previous owner after a rebalance: its uncommitted answers are the new owner's to give.
+            log.info("fenced: another worker owns this partition now", partition=str(partition))
+            await self._discard(partition)
+            self.tracker.forget([partition])
+            self._pending.pop(partition, None)
+            self._failures.pop(partition, None)
+            self._retry_at.pop(partition, None)
+            return
+        except KafkaError as exc:
+            await self._discard(partition)  # a fresh producer next time; nothing was committed
+            if refused:
+                # Record-fatal: those records are replaced by smaller ones, and the transaction is tried again
+                # at the next flush, without backoff (what it holds changed).
+                for offset, index, error in refused:
+                    pending[offset][index] = replaced(pending[offset][index], error)
+                return
+            if classify(exc, transactional=True) == "worker":
+                topics = sorted({record.topic for offset in ready for record in pending[offset]})
+                raise fatal(None, exc, f"the transaction of partition {partition} (topics {topics})") from exc
+            self._back_off(partition, exc, next((r.topic for o in ready for r in pending[o]), partition.topic))
+            return
+        self._failures.pop(partition, None)
+        self._retry_at.pop(partition, None)
+        for offset in ready:
+            pending.pop(offset, None)
+        self.tracker.committed({partition: point})
+        self._counted_commit()
+        log.debug("committed", partition=str(partition), offset=point, answers=len(ready),
+                  ms=round((time.perf_counter() - started) * 1e3, 1))
+
+    async def _transaction(self, partition: TopicPartition, point: int, ready: list[tuple[int, list[Outgoing]]],
+                           refused: list[tuple[int, int, BaseException]]) -> None:
+        """Publish ``ready``'s records and commit ``point`` in one transaction; aborted on any failure, with the
+        records refused as too large noted in ``refused`` (and the first of them raised)."""
+        producer = await self._producer(partition)
+        await producer.begin_transaction()
+        try:
+            flat = [(offset, index, record) for offset, records in ready for index, record in enumerate(records)]
+            failures = await self._batches[partition].send([record for *_, record in flat])
+            for position, error in sorted(failures, key=lambda failure: failure[0]):
+                if classify(error, transactional=True) != "record":
+                    raise error
+                offset, index, _ = flat[position]
+                refused.append((offset, index, error))
+            if refused:
+                raise refused[0][2]
+            await producer.send_offsets_to_transaction({partition: point}, self.group_id)
+            await producer.commit_transaction()
+        except BaseException:
+            self.aborts += 1
+            if self.metrics is not None:
+                self.metrics.count_transaction_abort()
+            if producer._txn_manager.is_in_transaction():  # noqa: SLF001 - aiokafka has no public check
+                try:
+                    await producer.abort_transaction()
+                except Exception:  # noqa: BLE001 - the producer is replaced below anyway
+                    pass
+            raise
+
+    def _back_off(self, partition: Any, exc: BaseException, topic: str) -> None:
+        """A retriable failure: the partition's next transaction waits, twice as long each time (bounded)."""
+        failures = self._failures[partition] = self._failures.get(partition, 0) + 1
+        delay = min(MAX_TXN_BACKOFF_S, PUBLISH_BACKOFF_S[0] * 2 ** (failures - 1))
+        self._retry_at[partition] = time.monotonic() + delay
+        if self.metrics is not None:
+            self.metrics.count_publish_retry(topic)
+        log.warning("transaction failed; will retry", partition=str(partition), attempt=failures,
+                    retry_in_s=round(delay, 1), error=f"{type(exc).__name__}: {exc}")
+
+    async def _discard(self, partition: Any) -> None:
+        self._creating.pop(partition, None)
+        producer = self._producers.pop(partition, None)
+        if producer is not None:
+            self._batches.pop(partition, None)
+            await quietly_stop(producer)
+
+    async def assigned(self, partitions: Sequence[Any]) -> None:
+        for partition in partitions:
+            try:
+                await self._producer(partition)
+            except Exception as exc:  # noqa: BLE001 - retried lazily at the first commit
+                log.warning("transactional producer not ready", partition=str(partition), error=str(exc))
+
+    async def revoked(self, partitions: Sequence[Any]) -> None:
+        for partition in partitions:
+            self._pending.pop(partition, None)
+            await self._discard(partition)
+
+
+# ---------------------------------------------------------------------------------------- the modes
+
+
+@dataclass(frozen=True)
+class DeliveryMode:
+    """A sink and a commit policy that together keep one promise (the ``delivery`` setting names one)."""
+
+    name: str
+    promise: str
+    kafka_sink: bool  # answers go to the answer topic (else to a file named by the caller)
+    transactional: bool  # offsets commit in the answers' transaction
+
+
+DELIVERY_MODES: dict[str, DeliveryMode] = {
+    mode.name: mode
+    for mode in (
+        DeliveryMode("exactly_once", "answers and offsets commit in one Kafka transaction", True, True),
+        DeliveryMode("at_least_once", "answers published at once, offsets committed behind the acknowledgements",
+                     True, False),
+        DeliveryMode("jsonl_file", "answers appended to a JSON-lines file, offsets committed after each fsync",
+                     False, False),
+    )
+}
+
+
+def delivery_for(mode: DeliveryMode, *, sink: Sink, consumer: Any, tracker: OffsetTracker, group_id: str,
+                 metrics: Metrics | None) -> CommitPolicy:
+    """The commit policy of ``mode`` over ``sink`` (a transactional mode needs Kafka topics to write to)."""
+    common: dict[str, Any] = {"consumer": consumer, "tracker": tracker, "group_id": group_id, "metrics": metrics}
+    if not mode.transactional:
+        return CommitAfterWrite(sink, **common)
+    if not isinstance(sink, KafkaTopics):
+        raise ValueError(f"delivery {mode.name} commits in Kafka transactions: its answers must go to a topic")
+    return CommitInTransaction(producer_factory=sink.new_producer, **common)
+
+
+def sink_for(mode: DeliveryMode, *, kafka: Callable[[], KafkaTopics], file: Any = None) -> Sink:
+    if mode.kafka_sink:
+        return kafka()
+    if file is None:
+        raise ValueError(f"delivery {mode.name} writes answers to a file: name it (replay --out)")
+    return JsonLinesFile(file)

@@ -1,0 +1,485 @@
+"""The consume loop: read records from Kafka under a read policy, hand them on a fetch at a time, commit.
+
+``ConsumeLoop.run`` subscribes (or assigns) through its ``ReadPolicy`` -- the live stream from the committed
+offsets on (``LiveRead``), or a replay's fixed range (replay.py) -- and then, until it is stopped or the
+policy says the work is finished:
+
+* **fetches** records (``getmany``, at most as many as there is room for) and hands each fetch to the
+  handler as one task (the request pipeline answers it and delivers through the commit policy);
+* applies **backpressure**: at ``max_inflight_requests`` requests, ``max_inflight_tokens`` prompt tokens or
+  a full media budget the partitions holding their share of the in-flight work are paused (all of them past
+  the limits plus ``RESERVE``, or with a full media budget), and resumed once the work drains below 80 % of
+  all three, so memory stays bounded however fast producers publish, and a light stream on partitions of its
+  own is not held behind a flood on others (``backpressure_pauses``; docs/SCHEDULING.md);
+* **commits** every ``commit_interval_ms`` (beside the loop: a transaction's round trips must not stall
+  fetching) and reports lag and stalls;
+* on **shutdown** (``stop()``: SIGTERM/SIGINT) stops fetching, finishes what is in flight for up to
+  ``shutdown_timeout_s``, commits and returns; after a worker-fatal error it commits nothing more.
+
+Rebalance (``_Rebalance``): before partitions are taken away, their in-flight work gets ``rebalance_drain_s`` to
+finish and their finished offsets are committed, all within ``rebalance_timeout_ms`` (a member still revoking
+when the group's rebalance times out is dropped and starts another rebalance). Work that finishes later is
+abandoned (``exactly_once``: never committed, the new owner answers it; ``at_least_once``: published, not
+committed). Newly assigned partitions stay paused until they are *settled*: when the commit policy
+``settles_assignments`` (``exactly_once``), the partition's transactional producer is initialised first (which
+waits until the previous owner's last transaction is complete) and only then is the committed offset read and
+sought to. aiokafka reads committed offsets on assignment without ``require_stable`` (KIP-447), so without
+this a new owner could start from the offset before the previous owner's last commit and answer those
+requests a second time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from d3stream.config import Settings, heartbeat_interval_ms
+from d3stream.core.decoding import ByteBudget
+from d3stream.core.quotas import TenantQuotas
+from d3stream.core.seams import InFlight, InputRecord
+from d3stream.kafka.commits import CommitPolicy
+from d3stream.kafka.connection import client_options
+from d3stream.kafka.limits import WorkerFatal
+from d3stream.kafka.offsets import OffsetTracker
+from d3stream.ops.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+# Partitions resume once in-flight work falls below this share of every limit.
+RESUME_AT = 0.8
+# Under backpressure, partitions below their share keep being read until the work passes the limits by this much.
+RESERVE = 0.125
+
+K = TypeVar("K")
+
+
+def backpressure_pauses(in_flight: Mapping[K, int], requests: int, tokens: int, max_requests: int,
+                        max_tokens: int) -> set[K]:
+    """Under backpressure, which partitions to pause: each holding its share of ``max_requests`` (the limit over
+    the assigned partitions) or more of the in-flight requests, so a flood's partitions stop while a light
+    stream's keep flowing; every one once ``requests`` or ``tokens`` pass the limits by ``RESERVE``."""
+    over = requests >= max_requests * (1 + RESERVE) or tokens >= max_tokens * (1 + RESERVE)
+    share = max_requests / max(len(in_flight), 1)
+    return {partition for partition, count in in_flight.items() if over or count >= share}
+
+
+
+def group_consumer(settings: Settings) -> AIOKafkaConsumer:
+    """The worker's consumer-group member: committed offsets are the commit policy's (no auto-commit), and it
+    reads committed records only (answers of an aborted transaction never count as requests)."""
+    return AIOKafkaConsumer(**client_options(
+        settings,
+        "consumer",
+        client_id=settings.client_id,
+        group_id=settings.group_id,
+        group_instance_id=settings.group_instance_id,
+        session_timeout_ms=settings.session_timeout_ms,
+        rebalance_timeout_ms=settings.rebalance_timeout_ms,
+        heartbeat_interval_ms=heartbeat_interval_ms(settings),
+        # A JoinGroup waits on the broker for the whole rebalance: its request must outlast it.
+        request_timeout_ms=max(40_000, settings.rebalance_timeout_ms + 5_000),
+        enable_auto_commit=False,
+        auto_offset_reset=settings.auto_offset_reset,
+        isolation_level="read_committed",
+    ))
+
+@dataclass
+class Fetch:
+    """The records of one ``getmany`` handed on by the consume loop, and for each partition they came from,
+    the partition and the assignment (epoch) they were read in."""
+
+    records: list[ConsumerRecord]
+    partitions: dict[tuple[str, int], tuple[TopicPartition, int]]
+
+    def origin(self, record: InputRecord) -> tuple[TopicPartition, int]:
+        """The partition and assignment epoch ``record`` was read in."""
+        return self.partitions[(record.topic, record.partition)]
+
+
+Handler = Callable[[Fetch], Coroutine[Any, Any, None]]
+
+
+class ReadPolicy(Protocol):
+    """What to read and when the work is finished."""
+
+    async def subscribe(self, consumer: AIOKafkaConsumer, listener: ConsumerRebalanceListener) -> bool:
+        """Subscribe (True: partitions were assigned by hand, the consumer holds them already)."""
+        ...
+
+    async def assigned(self, consumer: AIOKafkaConsumer, partitions: Sequence[TopicPartition],
+                       settling: Sequence[TopicPartition]) -> None:
+        """Partitions were assigned (``settling`` ones are positioned once settled, by ``start_position``)."""
+        ...
+
+    def start_position(self, partition: TopicPartition, committed: int | None) -> int | None:
+        """Where a settled partition is read from; None: leave it where aiokafka put it."""
+        ...
+
+    def accept(self, record: ConsumerRecord) -> bool:
+        """Whether a fetched record is served."""
+        ...
+
+    async def finished(self, consumer: AIOKafkaConsumer, in_flight: int) -> bool:
+        """Whether the work is complete without a stop request."""
+        ...
+
+
+class LiveRead:
+    """The live stream: the request topics, from the group's committed offsets on, until stopped."""
+
+    def __init__(self, topics: Sequence[str]):
+        self.topics = list(topics)
+
+    async def subscribe(self, consumer: AIOKafkaConsumer, listener: ConsumerRebalanceListener) -> bool:
+        consumer.subscribe(self.topics, listener=listener)
+        return False
+
+    async def assigned(self, consumer: AIOKafkaConsumer, partitions: Sequence[TopicPartition],
+                       settling: Sequence[TopicPartition]) -> None:
+        return None
+
+    def start_position(self, partition: TopicPartition, committed: int | None) -> int | None:
+        return committed
+
+    def accept(self, record: ConsumerRecord) -> bool:
+        return True
+
+    async def finished(self, consumer: AIOKafkaConsumer, in_flight: int) -> bool:
+        return False
+
+
+class ConsumeLoop:
+    """One consumer group member's loop (see the module's docstring)."""
+
+    def __init__(self, settings: Settings, consumer: AIOKafkaConsumer, *, commits: CommitPolicy,
+                 tracker: OffsetTracker, read: ReadPolicy, handler: Handler, in_flight: InFlight,
+                 media_budget: ByteBudget, metrics: Metrics, quotas: TenantQuotas | None = None):
+        self.settings = settings
+        self.consumer = consumer
+        self.commits = commits
+        self.tracker = tracker
+        self.read = read
+        self.handler = handler
+        self.in_flight = in_flight
+        self.media_budget = media_budget
+        self.metrics = metrics
+        self.quotas = quotas
+        # Partitions paused because a request of theirs is held by its tenant's quota (quotas.py).
+        self.quota_paused: set[TopicPartition] = set()
+        self.stopping = asyncio.Event()
+        self.fatal: WorkerFatal | None = None  # why the worker stopped by itself, if it did
+        self.joined = False  # the consumer has an assignment
+        self.paused = False  # backpressure is on (until the work drains)
+        self.pressure_paused: set[TopicPartition] = set()  # the partitions backpressure paused
+        self.stalled: list[str] = []  # partitions whose commit point has not moved for stall_unready_s
+        self.tasks: set[asyncio.Task[None]] = set()
+        # Assigned partitions not yet positioned at their stable committed offset (kept paused meanwhile),
+        # and the first offset of any record that arrived for one anyway (read again once settled).
+        self.settling: dict[TopicPartition, asyncio.Task[None]] = {}
+        self._skipped_while_settling: dict[TopicPartition, int] = {}
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def fail(self, exc: WorkerFatal) -> None:
+        """A worker-fatal publish or commit error: stop; ``run`` raises it once everything is closed."""
+        if self.fatal is None:
+            log.error("stopping: publishing cannot go on", error=str(exc))
+            self.fatal = exc
+        self.stopping.set()
+
+    async def guarded(self, step: Awaitable[None]) -> None:
+        """Run a flush; a worker-fatal error stops the worker instead of ending the calling task."""
+        try:
+            await step
+        except WorkerFatal as exc:
+            self.fail(exc)
+
+    # ----------------------------------------------------------------------------------- the loop
+
+    async def run(self) -> None:
+        """Subscribe, consume until stopped or finished, then drain and commit (nothing after a fatal error)."""
+        if await self.read.subscribe(self.consumer, _Rebalance(self)):
+            self.joined = True
+        try:
+            await self._consume()
+            if self.fatal is None:  # after a worker-fatal error nothing more can be published
+                await self.drain(self.settings.shutdown_timeout_s)
+                await self.guarded(self.commits.flush(self.tracker.partitions()))
+            if self.fatal is not None:  # requests still in flight stay uncommitted: served again later
+                await self._cancel_tasks()
+        finally:
+            await self.stop_settling(list(self.settling))
+
+    async def _consume(self) -> None:
+        settings = self.settings
+        next_commit = time.monotonic() + settings.commit_interval_ms / 1000
+        flushing: asyncio.Task[None] | None = None
+        while not self.stopping.is_set():
+            room = max(1, self._room())
+            batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
+            fetched = self._take(batches)
+            if fetched.records:
+                self.in_flight.requests += len(fetched.records)
+                task = asyncio.create_task(self.handler(fetched))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+            self._apply_backpressure()
+            self._apply_quotas()
+            self.metrics.set_in_flight(self.in_flight.requests, self.in_flight.questions, self.in_flight.tokens)
+            self.metrics.set_paused(self.paused)
+            if time.monotonic() >= next_commit and (flushing is None or flushing.done()):
+                flushing = asyncio.create_task(self._flush_and_report())
+                next_commit = time.monotonic() + settings.commit_interval_ms / 1000
+            if await self.read.finished(self.consumer, self.tracker.in_flight()):
+                break
+        if flushing is not None:
+            await flushing
+
+    def _take(self, batches: dict[TopicPartition, list[ConsumerRecord]]) -> Fetch:
+        """The fetched records to serve, tracked under their partitions' assignments."""
+        fetched = Fetch([], {})
+        accept = self.read.accept
+        for partition, records in batches.items():
+            if partition in self.settling:  # not positioned yet: read again once it is
+                if records:
+                    skipped = self._skipped_while_settling
+                    skipped[partition] = min(skipped.get(partition, records[0].offset), records[0].offset)
+                continue
+            accepted = [record for record in records if accept(record)]
+            if accepted:
+                epoch = self.tracker.add_all(partition, [record.offset for record in accepted])
+                fetched.partitions[(partition.topic, partition.partition)] = (partition, epoch)
+                fetched.records += accepted
+        return fetched
+
+    async def _cancel_tasks(self) -> None:
+        tasks = [task for task in self.tasks if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    async def drain(self, timeout: float, partitions: Sequence[TopicPartition] | None = None) -> None:
+        """Wait until the in-flight work (of ``partitions``, or all) is answered, or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while self.tracker.in_flight(partitions) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if partitions is None and self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=max(0.0, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------------------------- backpressure
+
+    def _room(self) -> int:
+        """How many records one fetch may bring: up to ``max_inflight_requests`` in flight, and under
+        backpressure up to its ``RESERVE`` for the partitions still read (only those below their share are).
+        Without the reserve here a fetch past the limit would bring one record at a time: a pipeline trip per
+        record, which cost a quarter of the Kafka path's throughput (bench --kafka)."""
+        limit = self.settings.max_inflight_requests
+        if self.paused:
+            limit = int(limit * (1 + RESERVE))
+        return limit - self.in_flight.requests + self.in_flight.held_requests
+
+    def _apply_backpressure(self) -> None:
+        settings, work = self.settings, self.in_flight
+        # Requests held by a tenant quota are bounded by their partitions' pause, not by these limits.
+        requests, tokens = work.requests - work.held_requests, work.tokens - work.held_tokens
+        full = (
+            requests >= settings.max_inflight_requests
+            or tokens >= settings.max_inflight_tokens
+            or self.media_budget.full
+        )
+        drained = (
+            requests < RESUME_AT * settings.max_inflight_requests
+            and tokens < RESUME_AT * settings.max_inflight_tokens
+            and self.media_budget.used < RESUME_AT * self.media_budget.capacity
+        )
+        assignment = self.consumer.assignment()
+        if self.paused and drained:
+            self.consumer.resume(*(p for p in assignment if p not in self.settling and p not in self.quota_paused))
+            self.paused = False
+            self.pressure_paused = set()
+            log.debug("resumed", requests=work.requests, tokens=work.tokens)
+        elif (full or self.paused) and assignment:
+            if not self.paused:
+                log.debug("paused", requests=work.requests, tokens=work.tokens)
+            self.paused = True
+            # Re-evaluated while it lasts: a partition reaching its share is paused too.
+            pause = set(assignment) if self.media_budget.full else backpressure_pauses(
+                {p: self.tracker.in_flight([p]) for p in assignment}, requests, tokens,
+                settings.max_inflight_requests, settings.max_inflight_tokens)
+            newly = pause - self.pressure_paused
+            if newly:
+                self.consumer.pause(*newly)
+                self.pressure_paused |= newly
+
+    def _apply_quotas(self) -> None:
+        """Pause the partitions with a request held by its tenant's quota; resume those whose held requests
+        went on (unless backpressure or settling holds them). Other partitions are not touched."""
+        if self.quotas is None or not self.quotas.enabled:
+            return
+        assignment = self.consumer.assignment()
+        held = {TopicPartition(topic, partition) for topic, partition in self.quotas.held_partitions()} & assignment
+        newly = held - self.quota_paused
+        if newly:
+            self.consumer.pause(*newly)
+            log.debug("tenant over its quota: partitions paused", partitions=sorted(str(p) for p in newly))
+        released = self.quota_paused - held
+        self.quota_paused = held
+        if released and not self.paused:
+            self.consumer.resume(*(p for p in released if p in assignment and p not in self.settling))
+        self.metrics.set_quota_held(self.quotas.held_tenants(), self.in_flight.held_requests, len(held),
+                                    self.quotas.held_total)
+
+    # ------------------------------------------------------------------------- commits and lag
+
+    async def _flush_and_report(self) -> None:
+        await self.guarded(self.commits.flush())
+        await self._report_lag()
+
+    async def _report_lag(self) -> None:
+        """Per partition: read lag (behind the position), committed lag (behind the commit point), the oldest
+        unanswered request, and how long the commit point has stood still with work waiting; a stall longer
+        than ``stall_unready_s`` makes the worker unready."""
+        now = time.monotonic()
+        limit = self.settings.stall_unready_s
+        stalled = []
+        for partition in self.consumer.assignment():
+            oldest, stalled_s = self.tracker.stall(partition, now)
+            if limit and stalled_s >= limit:
+                stalled.append(f"{partition.topic}-{partition.partition}")
+            end = self.consumer.last_stable_offset(partition) or self.consumer.highwater(partition)
+            if end is None:
+                continue
+            try:
+                position = await self.consumer.position(partition)
+            except Exception:  # noqa: BLE001 - a partition moving away mid-call; next round reports it
+                continue
+            self.metrics.set_read_lag(partition.topic, partition.partition, max(0, end - position))
+            base = self.tracker.commit_base(partition)
+            self.metrics.set_partition_progress(
+                partition.topic,
+                partition.partition,
+                committed_lag=end - (position if base is None else base),
+                oldest_unanswered_s=oldest,
+                stalled_s=stalled_s,
+            )
+        if stalled and stalled != self.stalled:
+            log.warning("no progress: committed offsets stand still with work waiting; not ready",
+                        partitions=stalled, stall_unready_s=limit)
+        self.stalled = stalled
+
+    # ---------------------------------------------------------------------------------- settling
+
+    def begin_settling(self, partitions: list[TopicPartition]) -> None:
+        """Hold newly assigned partitions paused until the commit policy is ready for them and they are read
+        from their stable committed offset (runs outside the rebalance callback, which must not block)."""
+        if not partitions:
+            return
+        self.consumer.pause(*partitions)
+        task = asyncio.create_task(self._settle(partitions))
+        for partition in partitions:
+            self.settling[partition] = task
+
+    async def _settle(self, partitions: list[TopicPartition]) -> None:
+        try:
+            await self.commits.assigned(partitions)
+            for partition in partitions:
+                if partition not in self.consumer.assignment():
+                    continue
+                skipped = self._skipped_while_settling.pop(partition, None)
+                try:
+                    position = self.read.start_position(partition, await self.consumer.committed(partition))
+                except Exception as exc:  # noqa: BLE001 - then from where aiokafka positioned it, or what was skipped
+                    log.warning("committed offset not re-read", partition=str(partition), error=str(exc))
+                    position = None
+                if position is None:
+                    position = skipped
+                if position is not None:
+                    self.consumer.seek(partition, position)
+        finally:
+            assignment = self.consumer.assignment()
+            settled = [p for p in partitions if self.settling.get(p) is asyncio.current_task()]
+            for partition in settled:
+                self.settling.pop(partition, None)
+            if not self.paused:
+                self.consumer.resume(*(p for p in settled if p in assignment and p not in self.quota_paused))
+            log.debug("partitions settled", partitions=[f"{p.topic}-{p.partition}" for p in settled])
+
+    async def stop_settling(self, partitions: list[TopicPartition]) -> None:
+        tasks = {self.settling.pop(p) for p in partitions if p in self.settling}
+        for partition in partitions:
+            self._skipped_while_settling.pop(partition, None)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """Finish and commit revoked partitions' work before they move to another worker."""
+
+    def __init__(self, loop: ConsumeLoop):
+        self.loop = loop
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        """Drain, commit and let go, all within the rebalance timeout: the member rejoins only when this
+        returns, and one that rejoins too late is dropped and starts another rebalance."""
+        revoked = list(revoked)
+        if not revoked:
+            return
+        loop = self.loop
+        settings = loop.settings
+        started = time.monotonic()
+        # What is left of the rebalance timeout after the drain; a second of it stays for the rejoin itself.
+        deadline = started + settings.rebalance_timeout_ms / 1000 - 1.0
+        await loop.stop_settling(revoked)
+        await loop.drain(settings.rebalance_drain_s, revoked)
+        abandoned = loop.tracker.in_flight(revoked)
+        committed = await _within(loop.guarded(loop.commits.flush(revoked)), deadline,
+                                  "final commit of revoked partitions")
+        await _within(loop.commits.revoked(revoked), deadline, "closing revoked partitions' producers")
+        loop.tracker.forget(revoked)  # from here on, late answers of these partitions are not committed
+        loop.metrics.forget_partitions([(p.topic, p.partition) for p in revoked])
+        loop.metrics.count_revoked(len(revoked), abandoned)
+        loop.paused = False  # a new assignment starts unpaused
+        loop.pressure_paused = set()
+        loop.quota_paused.difference_update(revoked)
+        log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked],
+                 abandoned=abandoned, committed=committed, seconds=round(time.monotonic() - started, 3))
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        assigned = list(assigned)
+        loop = self.loop
+        if loop.commits.settles_assignments:
+            loop.begin_settling(assigned)  # commits.assigned runs there, outside this callback
+        else:
+            await loop.commits.assigned(assigned)
+        await loop.read.assigned(loop.consumer, assigned, list(loop.settling))
+        loop.joined = True
+        generation = getattr(getattr(loop.consumer, "_coordinator", None), "generation", None)
+        loop.metrics.count_rebalance(generation, len(assigned), len(loop.consumer.assignment()))
+        log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned],
+                 generation=generation)
+
+
+async def _within(step: Awaitable[Any], deadline: float, what: str) -> bool:
+    """Run a revocation step until ``deadline`` (monotonic); past it, leave it behind and say so. A step cut
+    short loses nothing: an unfinished transaction is aborted (or completed) by the new owner's producer, and
+    an uncommitted offset is answered by the new owner."""
+    task = asyncio.ensure_future(step)
+    done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
+    if task in done:
+        task.result()
+        return True
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    log.warning(f"{what} did not finish within the rebalance timeout; left to the new owner")
+    return False

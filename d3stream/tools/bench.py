@@ -1,0 +1,1116 @@
+"""``d3stream bench``: the reference per-request path against d3stream's batching, on one machine, in one run.
+
+Workloads are synthetic but shaped like real traffic, drawn from a seed:
+
+* ``small``: many small requests, 1-3 questions each, prompts of about 50-400 tokens;
+* ``long-state``: a state of about 2,000 tokens asked 10 questions;
+* ``images``: 1-4 images of mixed sizes per request, drawn from a pool (so images repeat across requests);
+* ``mixed``: the three above plus medium requests, interleaved.
+
+Every workload runs through three paths on the same model and the same prepared requests:
+
+* **a** the reference path: one request at a time, ``batch_size`` (8) questions per pass, padded to the
+  longest (``D3.run``);
+* **b** cross-event token-budget batching: the rows of all requests packed (``batching.pack``) into passes
+  of at most ``max_batch_tokens`` padded tokens, then ``D3.forward``; with the media-feature cache;
+* **c** b with shared-prefix reuse (``runtime/prefix.py``; causal checkpoints only).
+
+Throughput is measured with every request available at once (questions/s, input tokens/s, real / padded
+tokens). ``--repeat N`` runs N interleaved rounds of a, b, c; every pass then counts at its fastest of the N
+(as each shape of the calibration sweep does), plus the least time any round spent between passes, which
+filters bursts of load from other processes on a shared machine (the latency runs are repeated too, and
+each path reports its run with the lowest mean latency). Latency is measured under a Poisson arrival process: arrivals are replayed on a virtual clock
+while the passes really run, and the clock advances by each pass's measured duration (a: one request at a
+time, first come first served; b and c: the service's scheduler rule, i.e. collect for ``linger_ms`` after
+the oldest waiting request or until a pass is full, then run everything waiting). A question's latency is
+the time from its request's arrival until the whole request is answered (the service publishes one answer
+per request). The rate defaults to 70 % of what path a sustains on that workload.
+
+A calibration sweep of batch shapes (rows x length, no padding) runs first: its best tokens/s is the
+device's saturated forward throughput (``b_over_peak`` compares b with it), and ``--calibrate`` widens the
+sweep and prints the ``max_batch_tokens`` to give the service (the smallest budget within 5 % of the best).
+
+``--variant buckets`` / ``--variant media_per_request`` add ``b_buckets`` / ``b_media_per_request``: path b
+with padded widths rounded to length buckets, or with each request's images encoded on their own instead of
+all of a pass's together (throughput only; ``b_<variant>_over_b`` and ``b_<variant>_max_abs_dp`` compare).
+
+``max_abs_dp`` is the largest |Δp| between c's and b's probabilities over every question (prefix reuse
+against full prompts). Peak memory: resident set size sampled during each path, and on CUDA
+``torch.cuda.max_memory_allocated``. Model FLOPs: 2 x non-embedding parameters x tokens run + 4 x
+full-attention layers x heads x head_dim x scored (query, key) pairs (vision tower not counted).
+
+``python -m d3stream.tools.bench`` works as well as ``d3stream bench`` (``register`` adds it to the CLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = ("small", "long-state", "images", "mixed")
+# Default request counts per workload (CPU, CUDA); --requests overrides, --scale multiplies.
+DEFAULT_REQUESTS = {
+    "small": (300, 1500),
+    "long-state": (16, 48),
+    "images": (40, 120),
+    "mixed": (120, 400),
+}
+H200_BF16_PEAK_TFLOPS = 989.0
+REFERENCE_BATCH_SIZE = 8
+DEFAULT_RATE_SHARE = 0.7
+# ``--variant NAME``: path b run once more with one runtime choice flipped, throughput and |Δp| beside b
+# (named ``b_NAME`` in the report), so a choice is kept only when the same run shows it pays.
+VARIANTS = {
+    "buckets": "with padded widths rounded to length buckets (D3.pad_buckets)",
+    "media_per_request": "with each request's media encoded on its own (D3.media_batch_patches = 0)",
+}
+
+_WORDS = (
+    "robot corridor junction package delivery sensor battery door left right stop wait route blocked open "
+    "closed customer ticket card charged twice refund account order shipped late early warehouse shelf box "
+    "forklift driver camera signal light red green yellow traffic lane vehicle pedestrian crossing speed "
+    "limit weather rain snow fog visibility temperature pressure valve pump alarm level high low normal "
+    "status report error warning update firmware version network latency packet server client request "
+    "response timeout retry queue worker shift manager team meeting schedule priority urgent routine "
+    "inspection maintenance repair replace part supplier invoice payment balance credit debit transfer "
+    "approved rejected pending review score risk fraud suspicious normal pattern history previous current "
+    "next step plan goal target position distance meters seconds minutes hours north south east west "
+    "floor room kitchen office entrance exit stairs elevator window table chair screen message email "
+    "phone call voice text image photo video frame object person animal cat dog bird tree building street"
+).split()
+
+
+# ------------------------------------------------------------------------------------------ workloads
+
+
+@dataclass
+class Request:
+    state: Any
+    questions: dict[str, Any]
+    images: list[Any] = field(default_factory=list)
+    kind: str = ""
+
+
+class _Text:
+    """Seeded filler text of about a given number of tokens."""
+
+    def __init__(self, rng: Any, tokenizer: Any):
+        import numpy as np
+
+        self.rng = np.random.default_rng(12345)  # a sample of the generator's own text sets tokens per word
+        sample = self.words(4000)
+        self.tokens_per_word = len(tokenizer(sample, add_special_tokens=False)["input_ids"]) / 4000
+        self.rng = rng
+
+    def words(self, count: int) -> str:
+        picked = self.rng.choice(len(_WORDS), size=max(1, count))
+        out: list[str] = []
+        for number, index in enumerate(picked):
+            word = _WORDS[index]
+            out.append(word.capitalize() if number == 0 or out[-1].endswith(".") else word)
+            if self.rng.random() < 0.08:
+                out[-1] += "."
+            elif self.rng.random() < 0.05:
+                out[-1] += f" {int(self.rng.integers(0, 1000))}"
+        return " ".join(out) + "."
+
+    def tokens(self, count: int) -> str:
+        return self.words(max(1, round(count / self.tokens_per_word)))
+
+
+def _question(rng: Any, text: _Text) -> dict[str, Any]:
+    kind = rng.choice(["choice", "choice", "noul", "score"])
+    if kind == "noul":
+        return {"type": "noul", "instructions": text.words(int(rng.integers(4, 12))).rstrip(".") + "?"}
+    if kind == "score":
+        levels = int(rng.integers(3, 6))
+        return {"type": "score", "instructions": text.words(int(rng.integers(4, 10))),
+                "criteria": [f"level {n}" for n in range(levels)]}
+    count = int(rng.integers(2, 7))
+    keys = [str(_WORDS[i]) for i in rng.choice(len(_WORDS), size=count, replace=False)]
+    criteria = {key: (text.words(int(rng.integers(1, 8))) if rng.random() < 0.8 else "") for key in keys}
+    question: dict[str, Any] = {"type": "choice", "criteria": criteria}
+    if rng.random() < 0.6:
+        question["instructions"] = text.words(int(rng.integers(4, 14))).rstrip(".") + "?"
+    return question
+
+
+def _questions(rng: Any, text: _Text, count: int) -> dict[str, Any]:
+    return {f"q{n}": _question(rng, text) for n in range(count)}
+
+
+def _image_pool(rng: Any, count: int) -> list[Any]:
+    import numpy as np
+    from PIL import Image
+
+    sizes = [(224, 224), (320, 240), (448, 336), (512, 512), (640, 480), (800, 600), (1024, 768), (1280, 720)]
+    pool = []
+    for number in range(count):
+        width, height = sizes[number % len(sizes)]
+        x = np.linspace(0, 1, width)[None, :, None]
+        y = np.linspace(0, 1, height)[:, None, None]
+        colour = rng.random(3)[None, None, :]
+        pixels = (255 * (0.5 * x * colour + 0.3 * y + 0.2 * rng.random((height, width, 3)))).clip(0, 255)
+        pool.append(Image.fromarray(pixels.astype("uint8"), "RGB"))
+    return pool
+
+
+def make_workload(name: str, count: int, seed: int, tokenizer: Any, *, images_supported: bool = True) -> list[Request]:
+    """``count`` requests of workload ``name``, a deterministic function of ``seed``."""
+    import numpy as np
+
+    rng = np.random.default_rng([seed, WORKLOADS.index(name)])
+    text = _Text(rng, tokenizer)
+    pool = _image_pool(rng, 10) if name in ("images", "mixed") and images_supported else []
+
+    def small() -> Request:
+        # The prompt template and a question take about 70-130 tokens; the state fills the rest.
+        return Request(text.tokens(int(rng.integers(0, 300))), _questions(rng, text, int(rng.integers(1, 4))),
+                       kind="small")
+
+    def long_state(tokens: int = 2000, questions: int = 10) -> Request:
+        return Request(text.tokens(tokens), _questions(rng, text, questions), kind="long-state")
+
+    def with_images() -> Request:
+        picked = [pool[int(i)] for i in rng.integers(0, len(pool), size=int(rng.integers(1, 5)))]
+        return Request(text.tokens(int(rng.integers(10, 120))), _questions(rng, text, int(rng.integers(1, 4))),
+                       picked, kind="images")
+
+    requests: list[Request] = []
+    for _ in range(count):
+        if name == "small":
+            requests.append(small())
+        elif name == "long-state":
+            requests.append(long_state())
+        elif name == "images":
+            requests.append(with_images())
+        else:
+            draw = rng.random()
+            if draw < 0.55:
+                requests.append(small())
+            elif draw < 0.65:
+                requests.append(long_state())
+            elif draw < 0.85 and pool:
+                requests.append(with_images())
+            else:
+                requests.append(long_state(int(rng.integers(300, 800)), int(rng.integers(3, 7))))
+                requests[-1].kind = "medium"
+    return requests
+
+
+# ---------------------------------------------------------------------------------------- measuring
+
+
+class PeakMemory:
+    """Peak resident set size (sampled every few ms) and, on CUDA, peak allocated device memory."""
+
+    def __init__(self, torch: Any, device: Any, interval: float = 0.005):
+        self.torch, self.device, self.interval = torch, device, interval
+        self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakMemory:
+        import psutil
+
+        process = psutil.Process()
+        self.peak_rss = process.memory_info().rss
+        if self.device.type == "cuda":
+            self.torch.cuda.reset_peak_memory_stats(self.device)
+
+        def sample() -> None:
+            while not self._stop.wait(self.interval):
+                self.peak_rss = max(self.peak_rss, process.memory_info().rss)
+
+        self._thread = threading.Thread(target=sample, name="bench-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        import psutil
+
+        self.peak_rss = max(self.peak_rss, psutil.Process().memory_info().rss)
+
+    def figures(self) -> dict[str, Any]:
+        cuda = None
+        if self.device.type == "cuda":
+            cuda = round(self.torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
+        return {"peak_rss_mb": round(self.peak_rss / 2**20, 1), "peak_cuda_mb": cuda}
+
+
+@dataclass
+class Pass:
+    kind: str
+    rows: int
+    real: int
+    padded: int
+    seconds: float
+    pairs: int
+
+
+@dataclass
+class Tally:
+    """Passes of one throughput run."""
+
+    passes: list[Pass] = field(default_factory=list)
+
+    def add(self, kind: str, lengths: Sequence[int], seconds: float, pairs: int | None = None,
+            width: int | None = None) -> None:
+        """One pass of rows of ``lengths``, padded to ``width`` (default: the longest)."""
+        lengths = list(lengths)
+        if pairs is None:
+            pairs = sum(n * (n + 1) // 2 for n in lengths)
+        width = max(lengths) if width is None else width
+        self.passes.append(Pass(kind, len(lengths), sum(lengths), len(lengths) * width, seconds, pairs))
+
+    @property
+    def real(self) -> int:
+        return sum(p.real for p in self.passes)
+
+    @property
+    def padded(self) -> int:
+        return sum(p.padded for p in self.passes)
+
+    @property
+    def pairs(self) -> int:
+        return sum(p.pairs for p in self.passes)
+
+
+def best_seconds(tallies: Sequence[Tally], walls: Sequence[float]) -> float:
+    """Seconds of a path measured in several rounds: each pass at its fastest plus the least time any round
+    spent between passes; the fastest wall time when the rounds did not run the same passes."""
+    shapes = [[(p.kind, p.rows, p.real) for p in tally.passes] for tally in tallies]
+    if len(tallies) == 1 or any(shape != shapes[0] for shape in shapes):
+        return min(walls)
+    passes = sum(min(tally.passes[i].seconds for tally in tallies) for i in range(len(shapes[0])))
+    between = min(wall - sum(p.seconds for p in tally.passes) for wall, tally in zip(walls, tallies, strict=True))
+    return passes + max(0.0, between)
+
+
+def length_peak(calibration: dict[str, Any], lengths: Sequence[int]) -> float:
+    """Best tokens/s of the sweep among shapes whose row length is nearest (in ratio) the mean of ``lengths``."""
+    mean = statistics.fmean(lengths)
+    swept = {shape["length"] for shape in calibration["sweep"]}
+    nearest = min(swept, key=lambda length: abs(math.log(length / mean)))
+    return max(shape["tokens_per_s"] for shape in calibration["sweep"] if shape["length"] == nearest)
+
+
+@contextlib.contextmanager
+def variant_of_b(model: Any, variant: str) -> Iterator[None]:
+    """Path b's runtime choice ``variant`` (``VARIANTS``) flipped on ``model`` for the duration."""
+    saved = model.pad_buckets, model.media_batch_patches
+    if variant == "buckets":
+        model.pad_buckets = True
+    elif variant == "media_per_request":
+        model.media_batch_patches = 0
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    try:
+        yield
+    finally:
+        model.pad_buckets, model.media_batch_patches = saved
+
+
+def _reset_media(prepared: Sequence[Any]) -> None:
+    for request in prepared:
+        if request.media is not None:
+            request.media.features = None
+
+
+def percentile(values: Sequence[float], share: float) -> float | None:
+    """Nearest-rank percentile (``share`` in 0..1) of ``values``."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(share * len(ordered)))
+    return ordered[rank - 1]
+
+
+class Flops:
+    """Model FLOP estimates of the checkpoint's text backbone."""
+
+    def __init__(self, model: Any):
+        backbone = model.backbone
+        text = backbone.config.get_text_config()
+        language = getattr(backbone, "language_model", backbone)
+        embedding = language.get_input_embeddings().weight.numel()
+        self.parameters = sum(p.numel() for p in language.parameters()) - embedding + model.readout.numel()
+        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        full_layers = sum(kind == "full_attention" for kind in types)
+        self.attention_per_pair = 4 * full_layers * text.num_attention_heads * text.head_dim
+
+    def __call__(self, tokens: int, pairs: int) -> float:
+        return 2.0 * self.parameters * tokens + self.attention_per_pair * pairs
+
+
+# ------------------------------------------------------------------------------------------- paths
+
+
+class Bench:
+    """One model, one device: runs the workloads and the calibration sweep."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_batch_tokens: int,
+        max_batch_rows: int = 64,
+        linger_ms: float = 5.0,
+        verify_every: int = 0,
+        peak_tflops: float | None = None,
+        progress: bool = True,
+        repeat: int = 1,
+        variants: Sequence[str] = (),
+    ):
+        self.model = model
+        self.torch = model.torch
+        self.max_batch_tokens = int(max_batch_tokens)
+        self.max_batch_rows = int(max_batch_rows)
+        self.linger = linger_ms / 1000.0
+        self.linger_ms = linger_ms
+        self.verify_every = verify_every
+        self.peak_tflops = peak_tflops
+        self.progress = progress
+        self.repeat = max(1, int(repeat))
+        unknown = set(variants) - set(VARIANTS)
+        if unknown:
+            raise ValueError(f"unknown --variant {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
+        self.variants = tuple(variants)
+        self.flops = Flops(model)
+        self._bar: Any = None
+
+    def _tick(self, rows: int) -> None:
+        if self._bar is not None:
+            self._bar.update(rows)
+
+    def _timed_forward(self, rows: list[Any]) -> tuple[list[list[float]], float]:
+        started = time.perf_counter()
+        values = self.model.forward(rows)  # reads the probabilities back: the device is synchronised
+        return values, time.perf_counter() - started
+
+    # ---------------------------------------------------------------------------- calibration
+
+    def calibrate(self, *, sweep: str = "default", seconds_per_shape: float = 0.4) -> dict[str, Any]:
+        """Tokens/s of unpadded passes over a grid of rows x length; the best is the saturated throughput.
+
+        ``sweep``: ``quick`` (4 shapes, for tests), ``default`` or ``wide`` (``--calibrate``).
+        """
+        from d3stream.runtime.model import Row
+
+        cuda = self.model.device.type == "cuda"
+        if sweep == "quick":
+            lengths, budgets, seconds_per_shape = (128, 512), (1024, 4096), 0.0
+        elif cuda:
+            lengths = (256, 512, 1024, 2048, 4096) if sweep == "wide" else (256, 1024, 2048)
+            budgets = (4096, 8192, 16384, 32768, 65536, 131072) if sweep == "wide" else (4096, 16384, 65536)
+        elif sweep == "wide":
+            lengths = (64, 128, 256, 512, 1024, 2048, 4096)
+            budgets = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+        else:
+            lengths = (128, 256, 512, 1024, 2048)
+            budgets = (512, 1024, 2048, 4096, 8192, 16384)
+        ids = self.model.token_ids
+        # Budgets are padded tokens per pass, as the service counts them; rows stay within max_batch_rows.
+        shapes = sorted({(max(1, budget // length), length) for budget in budgets for length in lengths
+                         if length <= budget and budget // length <= self.max_batch_rows})
+        sweep = []
+        for rows, length in shapes:
+            batch = [Row("calibrate", [ids[(r * 7 + j) % len(ids)] for j in range(length)], 2) for r in range(rows)]
+            self.model.forward(batch)  # warm-up: kernel selection for this shape
+            times = []
+            spent = 0.0
+            while len(times) < 2 or (spent < seconds_per_shape and len(times) < 5):
+                _, seconds = self._timed_forward(batch)
+                times.append(seconds)
+                spent += seconds
+            best = min(times)
+            sweep.append({"rows": rows, "length": length, "tokens": rows * length,
+                          "tokens_per_s": round(rows * length / best, 1), "seconds": round(best, 5)})
+            self._tick(1)
+        peak = max(sweep, key=lambda s: s["tokens_per_s"])
+        by_budget: dict[int, float] = {}
+        for shape in sweep:
+            by_budget[shape["tokens"]] = max(by_budget.get(shape["tokens"], 0.0), shape["tokens_per_s"])
+        recommended = min(t for t, rate in by_budget.items() if rate >= 0.95 * peak["tokens_per_s"])
+        return {
+            "peak_tokens_per_s": peak["tokens_per_s"],
+            "best_shape": [peak["rows"], peak["length"]],
+            "max_batch_tokens": recommended,
+            "sweep": sweep,
+        }
+
+    # ------------------------------------------------------------------------------- throughput
+
+    def run_a(self, prepared: Sequence[Any], tally: Tally) -> dict[Any, list[float]]:
+        results: dict[Any, list[float]] = {}
+        for request in prepared:
+            for rows in self.model.passes(request):
+                values, seconds = self._timed_forward(rows)
+                results.update(zip(rows, values, strict=True))
+                tally.add("reference", [row.length for row in rows], seconds)
+                self._tick(len(rows))
+        return results
+
+    def run_b(self, prepared: Sequence[Any], tally: Tally) -> dict[Any, list[float]]:
+        from d3stream.core.batching import pack
+        from d3stream.runtime.model import bucketed_width
+
+        rows = [row for request in prepared for row in request.rows]
+        results: dict[Any, list[float]] = {}
+        for group in pack(rows, lambda row: row.length, self.max_batch_rows, self.max_batch_tokens):
+            values, seconds = self._timed_forward(group)
+            results.update(zip(group, values, strict=True))
+            lengths = [row.length for row in group]
+            width = bucketed_width(max(lengths)) if self.model.pad_buckets else max(lengths)
+            tally.add("batch", lengths, seconds, width=width)
+            self._tick(len(group))
+        return results
+
+    def runner(self, tally: Tally | None = None, on_pass: Callable[[Any], None] | None = None) -> Any:
+        from d3stream.runtime.prefix import PrefixRunner
+
+        def record(info: Any) -> None:
+            if tally is not None:
+                tally.passes.append(Pass(info.kind, info.rows, info.real_tokens, info.padded_tokens, info.seconds,
+                                         info.attention_pairs))
+            if info.kind in ("suffix", "full"):
+                self._tick(info.rows)
+            if on_pass is not None:
+                on_pass(info)
+
+        return PrefixRunner(self.model, max_batch_tokens=self.max_batch_tokens, max_batch_rows=self.max_batch_rows,
+                            verify_every=self.verify_every, on_pass=record)
+
+    # ---------------------------------------------------------------------------------- latency
+
+    def latency_a(self, prepared: Sequence[Any], arrivals: Sequence[float]) -> list[float]:
+        """Completion time of each request: one at a time, in arrival order (the reference server)."""
+        clock, done = 0.0, []
+        for request, arrival in zip(prepared, arrivals, strict=True):
+            clock = max(clock, arrival)
+            started = time.perf_counter()
+            self.model.run(request)
+            clock += time.perf_counter() - started
+            done.append(clock)
+            self._tick(len(request.rows))
+        return done
+
+    def _schedule(self, prepared: Sequence[Any], arrivals: Sequence[float],
+                  execute: Callable[[list[int], Callable[[int, float], None]], None]) -> list[float]:
+        """The service's batch scheduler on a virtual clock; ``execute`` really runs the waiting requests.
+
+        ``execute(requests, finished)`` calls ``finished(request, elapsed)`` as each request's last row is
+        answered, ``elapsed`` measured from the start of the call.
+        """
+        count = len(prepared)
+        done = [0.0] * count
+        waiting: list[int] = []
+        clock = 0.0
+        following = 0  # next request to arrive
+
+        def admit() -> None:
+            nonlocal following
+            while following < count and arrivals[following] <= clock:
+                waiting.append(following)
+                following += 1
+
+        def full() -> bool:
+            rows = sum(len(prepared[i].rows) for i in waiting)
+            tokens = sum(prepared[i].input_tokens for i in waiting)
+            return rows >= self.max_batch_rows or tokens >= self.max_batch_tokens
+
+        while following < count or waiting:
+            if not waiting:
+                clock = max(clock, arrivals[following])
+                admit()
+            deadline = arrivals[waiting[0]] + self.linger
+            while not full() and clock < deadline:
+                if following < count and arrivals[following] <= deadline:
+                    clock = max(clock, arrivals[following])
+                    admit()
+                else:
+                    clock = deadline
+            taken, waiting = waiting, []
+            start = clock
+
+            def finished(request: int, elapsed: float, start: float = start) -> None:
+                done[request] = start + elapsed
+
+            began = time.perf_counter()
+            execute(taken, finished)
+            clock = start + (time.perf_counter() - began)
+            admit()
+        return done
+
+    def latency_b(self, prepared: Sequence[Any], arrivals: Sequence[float]) -> list[float]:
+        from d3stream.core.batching import pack
+
+        def execute(taken: list[int], finished: Callable[[int, float], None]) -> None:
+            began = time.perf_counter()
+            owner = {row: i for i in taken for row in prepared[i].rows}
+            left = {i: len(prepared[i].rows) for i in taken}
+            rows = [row for i in taken for row in prepared[i].rows]
+            for group in pack(rows, lambda row: row.length, self.max_batch_rows, self.max_batch_tokens):
+                self.model.forward(group)
+                self._tick(len(group))
+                for row in group:
+                    left[owner[row]] -= 1
+                    if left[owner[row]] == 0:
+                        finished(owner[row], time.perf_counter() - began)
+
+        return self._schedule(prepared, arrivals, execute)
+
+    def latency_c(self, prepared: Sequence[Any], arrivals: Sequence[float]) -> list[float]:
+        def execute(taken: list[int], finished: Callable[[int, float], None]) -> None:
+            began = time.perf_counter()
+            owner = {row: i for i in taken for row in prepared[i].rows}
+            left = {i: len(prepared[i].rows) for i in taken}
+
+            def on_pass(info: Any) -> None:
+                for row in info.done:
+                    left[owner[row]] -= 1
+                    if left[owner[row]] == 0:
+                        finished(owner[row], time.perf_counter() - began)
+
+            self.runner(on_pass=on_pass).run([prepared[i] for i in taken])
+
+        return self._schedule(prepared, arrivals, execute)
+
+    # ------------------------------------------------------------------------------ one workload
+
+    def figures(self, tally: Tally, seconds: float, prepared: Sequence[Any], memory: PeakMemory | None) -> dict[str, Any]:
+        questions = sum(len(request.rows) for request in prepared)
+        tokens = sum(request.input_tokens for request in prepared)
+        flops = self.flops(tally.real, tally.pairs)
+        tflops = flops / seconds / 1e12
+        return {
+            "seconds": round(seconds, 4),
+            "questions": questions,
+            "questions_per_s": round(questions / seconds, 2),
+            "requests_per_s": round(len(prepared) / seconds, 3),
+            "input_tokens_per_s": round(tokens / seconds, 1),
+            "computed_tokens_per_s": round(tally.real / seconds, 1),
+            "real_tokens": tally.real,
+            "padded_tokens": tally.padded,
+            "real_over_padded": round(tally.real / tally.padded, 4) if tally.padded else None,
+            "passes": len(tally.passes),
+            "model_tflops_per_s": round(tflops, 4),
+            "mfu": round(tflops / self.peak_tflops, 4) if self.peak_tflops else None,
+            **(memory.figures() if memory is not None else {"peak_rss_mb": None, "peak_cuda_mb": None}),
+        }
+
+    def workload(self, name: str, requests: list[Request], *, seed: int, rate: float | None,
+                 peak: dict[str, Any]) -> dict[str, Any]:
+        import numpy as np
+
+        from d3stream.runtime.cache import MediaFeatureCache
+        from d3stream.runtime.prefix import PrefixReuseUnavailable, check_supported
+
+        model = self.model
+        prepared = [model.prepare(r.state, r.questions, r.images or None) for r in requests]
+        lengths = [row.length for request in prepared for row in request.rows]
+        rows = len(lengths)
+        try:
+            check_supported(model)
+            causal = True
+        except PrefixReuseUnavailable:
+            causal = False
+        paths = ("a", "b", "c") if causal else ("a", "b")
+        paths += tuple(f"b_{variant}" for variant in self.variants)  # throughput only, beside b
+
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=rows * 2 * self.repeat * len(paths), desc=f"bench {name}", unit="q", file=sys.stderr,
+                         disable=not self.progress, leave=False)
+        # Warm-up (not timed): every path on a few requests, so kernel selection is not measured.
+        few = prepared[: max(2, len(prepared) // 20)]
+        saved_bar, self._bar = self._bar, None
+        self.run_a(few, Tally())
+        _reset_media(few)
+        self.run_b(few, Tally())
+        _reset_media(few)
+        for variant in self.variants:
+            with variant_of_b(model, variant):
+                self.run_b(few, Tally())
+            _reset_media(few)
+        if causal:
+            self.runner().run(few)
+            _reset_media(few)
+        self._bar = saved_bar
+
+        out: dict[str, Any] = {}
+        results: dict[str, dict[Any, list[float]]] = {}
+        tallies: dict[str, list[Tally]] = {path: [] for path in paths}
+        walls: dict[str, list[float]] = {path: [] for path in paths}
+        peaks: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
+        # Rounds interleave the paths (a, b, c, a, b, c, ...). The passes of a path are the same in every round,
+        # so each pass keeps its fastest time (as the calibration sweep keeps each shape's), which filters
+        # bursts of load from elsewhere on the machine; see ``best_seconds``.
+        for _ in range(self.repeat):
+            for path in paths:
+                tally = Tally()
+                model.media_cache = None if path == "a" else MediaFeatureCache()
+                _reset_media(prepared)
+                with PeakMemory(self.torch, model.device) as memory:
+                    started = time.perf_counter()
+                    if path == "a":
+                        results[path] = self.run_a(prepared, tally)
+                    elif path == "b":
+                        results[path] = self.run_b(prepared, tally)
+                    elif path.startswith("b_"):
+                        with variant_of_b(model, path[2:]):
+                            results[path] = self.run_b(prepared, tally)
+                    else:
+                        runner = self.runner(tally)
+                        results[path] = runner.run(prepared)
+                    model.synchronize()
+                    walls[path].append(time.perf_counter() - started)
+                tallies[path].append(tally)
+                peaks[path].append(memory.figures())
+                if path == "c":
+                    prefix_report = runner.report()
+                media = None if model.media_cache is None else model.media_cache.stats()
+                out[path] = {"media_cache": media}
+        for path in paths:
+            seconds = best_seconds(tallies[path], walls[path])
+            figures = self.figures(tallies[path][-1], seconds, prepared, None)
+            for key in ("peak_rss_mb", "peak_cuda_mb"):
+                values = [peak[key] for peak in peaks[path] if peak[key] is not None]
+                figures[key] = max(values) if values else None
+            figures["round_seconds"] = [round(wall, 4) for wall in walls[path]]
+            out[path] = {**figures, **out[path]}
+            if path == "c":
+                out[path]["prefix"] = prefix_report
+
+        # Latency under Poisson arrivals at the same rate for every path.
+        rps = rate if rate is not None else DEFAULT_RATE_SHARE * out["a"]["requests_per_s"]
+        gaps = np.random.default_rng([seed, 7, WORKLOADS.index(name)]).exponential(1.0 / rps, size=len(prepared))
+        arrivals = np.cumsum(gaps).tolist()
+        # Like the throughput rounds, the simulations run ``repeat`` times interleaved; each path reports the
+        # run with the lowest mean latency (the one least disturbed by other load on the machine).
+        for _ in range(self.repeat):
+            for path in (p for p in paths if not p.startswith("b_")):
+                model.media_cache = None if path == "a" else MediaFeatureCache()
+                _reset_media(prepared)
+                simulate = {"a": self.latency_a, "b": self.latency_b, "c": self.latency_c}[path]
+                with PeakMemory(self.torch, model.device) as memory:
+                    done = simulate(prepared, arrivals)
+                waits = []
+                for request, arrival, finish in zip(prepared, arrivals, done, strict=True):
+                    waits += [1000.0 * (finish - arrival)] * len(request.rows)
+                latency = {
+                    "rate_rps": round(rps, 3),
+                    "linger_ms": self.linger_ms,
+                    "p50_ms": round(percentile(waits, 0.50), 2),
+                    "p99_ms": round(percentile(waits, 0.99), 2),
+                    "mean_ms": round(statistics.fmean(waits), 2),
+                    "runs": self.repeat,
+                }
+                previous = out[path].get("latency")
+                if previous is None or latency["mean_ms"] < previous["mean_ms"]:
+                    out[path]["latency"] = latency
+                for key, value in memory.figures().items():
+                    if value is not None:
+                        out[path][key] = max(out[path][key] or 0, value)
+        model.media_cache = None
+        self._bar.close()
+        self._bar = None
+
+        images = sum(len(r.images) for r in requests)
+        entry: dict[str, Any] = {
+            "workload": {
+                "requests": len(prepared),
+                "questions": rows,
+                "input_tokens": sum(lengths),
+                "prompt_tokens": {"min": min(lengths), "p50": int(statistics.median(lengths)), "max": max(lengths)},
+                "images": images,
+                "seed": seed,
+            },
+            **out,
+            "b_over_a": round(out["b"]["questions_per_s"] / out["a"]["questions_per_s"], 3),
+            "b_over_peak": round(out["b"]["computed_tokens_per_s"] / peak["peak_tokens_per_s"], 3),
+            # b against the best sweep shape whose rows are about as long as this workload's (a fairer peak
+            # for long prompts, which cost more per token than the short rows the overall peak is usually at)
+            "b_over_peak_at_length": round(out["b"]["computed_tokens_per_s"] / length_peak(peak, lengths), 3),
+            "c_over_b": round(out["c"]["questions_per_s"] / out["b"]["questions_per_s"], 3) if causal else None,
+            "real_over_padded": out["b"]["real_over_padded"],
+            "max_abs_dp": None,
+        }
+        if causal:
+            entry["max_abs_dp"] = round(max(
+                max(abs(x - y) for x, y in zip(results["b"][row], results["c"][row], strict=True))
+                for request in prepared for row in request.rows
+            ), 6)
+        for variant in self.variants:
+            figures = out[f"b_{variant}"]
+            entry[f"b_{variant}_over_b"] = round(figures["questions_per_s"] / out["b"]["questions_per_s"], 3)
+            entry[f"b_{variant}_max_abs_dp"] = round(max(
+                max(abs(x - y) for x, y in zip(results["b"][row], results[f"b_{variant}"][row], strict=True))
+                for request in prepared for row in request.rows
+            ), 6)
+        entry["setup"] = {
+            "device": str(model.device),
+            "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+            "repeat": self.repeat,
+            "threads": self.torch.get_num_threads(),
+            "parameters": model.parameter_count(),
+            "flop_parameters": self.flops.parameters,
+            "max_batch_tokens": self.max_batch_tokens,
+            "max_batch_rows": self.max_batch_rows,
+            "reference_batch_size": model.batch_size,
+            "verify_every": self.verify_every,
+            "peak_tflops": self.peak_tflops,
+            "media_batch_patches": model.media_batch_patches,
+            "pad_buckets": model.pad_buckets,
+        }
+        entry["calibration"] = {k: peak[k] for k in ("peak_tokens_per_s", "best_shape", "max_batch_tokens")}
+        return entry
+
+
+# ----------------------------------------------------------------------------------- kernel check
+
+# Largest |Δp| the bound kernels may differ by from the reference PyTorch path (the test suite's tolerance for
+# a question batched against alone: both are BF16 sums in another order).
+KERNEL_TOLERANCE = 1e-2
+
+
+def kernel_check(model: Any, *, tickets: int = 60, pictures: int = 20) -> dict[str, Any]:
+    """The held-out requests of the demo task (``tasks.heldout``) answered with the kernels transformers bound
+    and again with its reference PyTorch code (``reference_kernels``), same weights, same process: the
+    largest |Δp| of any question and whether it is within ``KERNEL_TOLERANCE``. Run before timing anything:
+    a fast kernel that answers differently is a defect, not a speed-up."""
+    from d3stream.runtime.model import reference_kernels
+    from d3stream.tools.tasks import heldout
+
+    examples = heldout(tickets, pictures if model.image_unavailable is None else 0)
+    started = time.perf_counter()
+    bound = [model.system_one(**_request_args(example.request)) for example in examples]
+    bound_seconds = time.perf_counter() - started
+    with reference_kernels():
+        started = time.perf_counter()
+        reference = [model.system_one(**_request_args(example.request)) for example in examples]
+        reference_seconds = time.perf_counter() - started
+    worst = 0.0
+    questions = 0
+    for fast, slow in zip(bound, reference, strict=True):
+        for key, answer in fast["answers"].items():
+            other = slow["answers"][key]
+            if "probabilities" not in answer or "probabilities" not in other:
+                continue
+            questions += 1
+            worst = max(worst, max(abs(answer["probabilities"][k] - other["probabilities"][k])
+                                   for k in answer["probabilities"]))
+    return {
+        "kernels": model.kernel_record(),
+        "requests": len(examples),
+        "questions": questions,
+        "max_abs_dp": round(worst, 6),
+        "tolerance": KERNEL_TOLERANCE,
+        "passed": worst <= KERNEL_TOLERANCE,
+        "bound_seconds": round(bound_seconds, 3),
+        "reference_seconds": round(reference_seconds, 3),
+    }
+
+
+def _request_args(request: dict[str, Any]) -> dict[str, Any]:
+    return {"state": request["state"], "questions": request["questions"], "images": request.get("images")}
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+
+def markdown(report: dict[str, Any], calibration: dict[str, Any] | None = None) -> str:
+    """The report as Markdown tables."""
+    out = io.StringIO()
+    names = {"a": "a reference (per request, batch 8)", "b": "b token-budget batching", "c": "c b + prefix reuse",
+             **{f"b_{variant}": f"b {text}" for variant, text in VARIANTS.items()}}
+    out.write("| workload | path | questions/s | input tokens/s | real ÷ padded | p50 ms | p99 ms | peak RSS MB |"
+              " MFU |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+    for workload, entry in report.items():
+        for path in names:
+            figures = entry.get(path)
+            if not figures:
+                continue
+            latency = figures.get("latency") or {}
+            mfu = figures.get("mfu")
+            cuda = f" (GPU {figures['peak_cuda_mb']:.0f})" if figures.get("peak_cuda_mb") is not None else ""
+            out.write(
+                f"| {workload} | {names[path]} | {figures['questions_per_s']:,.1f} | "
+                f"{figures['input_tokens_per_s']:,.0f} | {figures['real_over_padded']:.3f} | "
+                f"{latency.get('p50_ms', float('nan')):,.1f} | {latency.get('p99_ms', float('nan')):,.1f} | "
+                f"{figures['peak_rss_mb']:,.0f}{cuda} | {'-' if mfu is None else f'{100 * mfu:.1f} %'} |\n"
+            )
+    out.write("\n| workload | b ÷ a | b ÷ peak | b ÷ peak at its row length | c ÷ b | real ÷ padded (b) | "
+              "max abs Δp (c vs b) | arrival rate req/s |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
+    for workload, entry in report.items():
+        def show(value: Any, digits: int = 2) -> str:
+            return "-" if value is None else f"{value:.{digits}f}"
+
+        delta = entry["max_abs_dp"]
+        out.write(f"| {workload} | {show(entry['b_over_a'])} | {show(entry['b_over_peak'])} | "
+                  f"{show(entry.get('b_over_peak_at_length'))} | {show(entry['c_over_b'])} | "
+                  f"{show(entry['real_over_padded'], 3)} | "
+                  f"{'-' if delta is None else format(delta, '.1e')} | {entry['a']['latency']['rate_rps']:.2f} |\n")
+    variants = [v for v in VARIANTS if any(f"b_{v}_over_b" in entry for entry in report.values())]
+    if variants:
+        out.write("\n| workload | variant of b | ÷ b (questions/s) | max abs Δp vs b |\n|---|---|---:|---:|\n")
+        for workload, entry in report.items():
+            for variant in variants:
+                if f"b_{variant}_over_b" in entry:
+                    out.write(f"| {workload} | {VARIANTS[variant]} | {entry[f'b_{variant}_over_b']:.3f} | "
+                              f"{entry[f'b_{variant}_max_abs_dp']:.1e} |\n")
+    first = next(iter(report.values()), None)
+    if first is not None:
+        setup, peak = first["setup"], first["calibration"]
+        out.write(
+            f"\nDevice {setup['device']}, {setup['threads']} threads, {setup['parameters']:,} parameters; "
+            f"max_batch_tokens {setup['max_batch_tokens']}, max_batch_rows {setup['max_batch_rows']}; "
+            f"saturated forward throughput {peak['peak_tokens_per_s']:,.0f} tokens/s at "
+            f"{peak['best_shape'][0]} x {peak['best_shape'][1]}.\n"
+        )
+    if calibration is not None:
+        out.write("\n| rows | length | tokens | tokens/s |\n|---:|---:|---:|---:|\n")
+        for shape in calibration["sweep"]:
+            out.write(f"| {shape['rows']} | {shape['length']} | {shape['tokens']} | {shape['tokens_per_s']:,.0f} |\n")
+        out.write(f"\nRecommended `--max-batch-tokens {calibration['max_batch_tokens']}` (the smallest budget within "
+                  f"5 % of the best, {calibration['peak_tokens_per_s']:,.0f} tokens/s).\n")
+    return out.getvalue()
+
+
+# ---------------------------------------------------------------------------------------- command
+
+
+def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load the model, calibrate, run the chosen workloads; returns (report keyed by workload, calibration)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run_bench(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    import torch
+
+    from d3stream.runtime import D3
+
+    try:
+        from d3stream.service import default_token_budget
+    except ImportError:  # a bare GPU image without the Kafka client: the service's rule, restated
+
+        def default_token_budget(device: str) -> int:
+            return 16_384 if str(device).startswith("cuda") else 4_096
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("d3stream bench: --device cuda but torch sees no CUDA device")
+    if args.checkpoint:
+        root = Path(args.checkpoint)
+    else:
+        from d3stream.tools.demo import demo_checkpoint
+
+        root = demo_checkpoint(progress=args.progress)
+    model = D3.from_pretrained(root, device=device, batch_size=REFERENCE_BATCH_SIZE, verify="none")
+    cuda = model.device.type == "cuda"
+    peak_tflops = args.peak_tflops if args.peak_tflops is not None else (H200_BF16_PEAK_TFLOPS if cuda else None)
+    budget = args.max_batch_tokens or default_token_budget(str(model.device))
+    bench = Bench(model, max_batch_tokens=budget, max_batch_rows=args.max_batch_rows, linger_ms=args.linger_ms,
+                  verify_every=args.verify_every, peak_tflops=peak_tflops, progress=args.progress,
+                  repeat=args.repeat, variants=args.variants)
+
+    from tqdm import tqdm
+
+    bench._bar = tqdm(desc="calibrate", unit="shape", file=sys.stderr, disable=not args.progress, leave=False)
+    calibration = bench.calibrate(sweep="wide" if args.calibrate else args.sweep)
+    bench._bar.close()
+    bench._bar = None
+    if args.calibrate and not args.max_batch_tokens:
+        bench.max_batch_tokens = calibration["max_batch_tokens"]
+
+    names = WORKLOADS if args.workload == "all" else (args.workload,)
+    report: dict[str, Any] = {}
+    for name in names:
+        count = args.requests or max(2, round(DEFAULT_REQUESTS[name][1 if cuda else 0] * args.scale))
+        requests = make_workload(name, count, args.seed, model.tokenizer,
+                                 images_supported=model.image_unavailable is None)
+        report[name] = bench.workload(name, requests, seed=args.seed, rate=args.rate, peak=calibration)
+        report[name]["setup"]["checkpoint"] = str(root)
+        report[name]["setup"]["kernels"] = model.kernel_record()
+        if args.out:  # after every workload, so a run stopped early still leaves what it measured
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report, calibration
+
+
+def _run_service_bench(args: argparse.Namespace) -> int:
+    """``--kafka`` / ``--soak``: the service-level benchmarks (``bench_service.py``) on the embedded broker."""
+    from tqdm import tqdm
+
+    from d3stream.ops.logs import configure_logging
+    from d3stream.tools import bench_service
+
+    configure_logging(level="warning")  # a line per commit would drown the figures
+    report: dict[str, Any] = {}
+    tables: list[str] = []
+    if args.kafka:
+        with tqdm(total=4, desc="kafka", unit="run", file=sys.stderr, disable=not args.progress) as bar:
+            started: list[str] = []
+
+            def step(name: str) -> None:  # called as each run starts: the previous one is done
+                bar.update(1 if started else 0)
+                started.append(name)
+                bar.set_postfix_str(name)
+
+            report["kafka"] = bench_service.kafka_overhead(args.kafka, progress=step)
+            bar.update(bar.total - bar.n)
+        tables.append(bench_service.kafka_markdown(report["kafka"]))
+    if args.soak:
+        if args.checkpoint:
+            root = Path(args.checkpoint)
+        else:
+            from d3stream.tools.demo import demo_checkpoint
+
+            root = demo_checkpoint(progress=args.progress)
+        with tqdm(total=args.soak, desc="soak", unit="req", file=sys.stderr, disable=not args.progress) as bar:
+            def tick(answered: int) -> None:
+                bar.update(answered - bar.n)
+
+            report["soak"] = bench_service.rss_soak(root, args.soak, threads=args.threads or 1, tick=tick)
+        soak = report["soak"]
+        tables.append(
+            f"RSS soak, {soak['requests']:,} requests ({soak['events_per_s']:,.0f}/s): "
+            f"{soak['rss_mb_first_tenth']:,.0f} MB after the first tenth, {soak['rss_mb_halfway']:,.0f} MB halfway, "
+            f"{soak['rss_mb_at_end']:,.0f} MB at the end: second half {soak['growth_second_half']:+.1%} "
+            f"({'flat' if soak['flat_within_5pct'] else 'NOT flat'} within 5 %), since the first tenth "
+            f"{soak['growth_since_first_tenth']:+.1%}."
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("\n\n".join(tables))
+    return 0
+
+
+def _run_scheduling_bench(args: argparse.Namespace) -> int:
+    """``--scheduling``: lanes, expired requests and tenant quotas over the pipeline (``bench_sched.py``)."""
+    from d3stream.ops.logs import configure_logging
+    from d3stream.tools import bench_sched
+
+    configure_logging(level="warning")
+    if args.checkpoint:
+        root = Path(args.checkpoint)
+    else:
+        from d3stream.tools.demo import demo_checkpoint
+
+        root = demo_checkpoint(progress=args.progress)
+    report = bench_sched.scheduling_bench(root, seconds=args.scheduling, threads=args.threads or 1)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(report) if args.json else bench_sched.scheduling_markdown(report), end="" if not args.json else "\n")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.scheduling:
+        return _run_scheduling_bench(args)
+    if args.kafka or args.soak:
+        return _run_service_bench(args)
+    report, calibration = run_bench(args)
+    table = markdown(report, calibration if args.calibrate else None)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if args.markdown:
+        Path(args.markdown).write_text(table, encoding="utf-8")
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(table, end="")
+    if args.calibrate:
+        print(f"best max_batch_tokens for {report[next(iter(report))]['setup']['device']}: "
+              f"{calibration['max_batch_tokens']} (serve with --max-batch-tokens {calibration['max_batch_tokens']})",
+              file=sys.stderr)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all")
+    parser.add_argument("--json", action="store_true", help="print one JSON object keyed by workload name")
+    parser.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (default: the tiny demo checkpoint)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="sweep more batch shapes, print the best max_batch_tokens for the device and use it")
+    parser.add_argument("--sweep", choices=("quick", "default"), default="default",
+                        help="calibration grid without --calibrate (quick: 4 shapes, for smoke tests)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per workload (default: per workload)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the default request counts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="throughput rounds per path, interleaved; each path reports its fastest round")
+    parser.add_argument("--rate", type=float, default=None,
+                        help=f"arrival rate in requests/s (default: {DEFAULT_RATE_SHARE:.0%}% of what path a sustains)")
+    parser.add_argument("--linger-ms", type=float, default=5.0, help="scheduler linger for paths b and c")
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help="padded tokens per pass for b and c (default: the service's default for the device)")
+    parser.add_argument("--max-batch-rows", type=int, default=64)
+    parser.add_argument("--verify-every", type=int, default=0,
+                        help="path c: also run every Nth question from scratch (exact-replay check)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help=f"device peak for MFU (default on CUDA: H200 bf16 dense, {H200_BF16_PEAK_TFLOPS:g})")
+    parser.add_argument("--variant", dest="variants", action="append", choices=tuple(VARIANTS), default=[],
+                        help="also run path b this way, throughput side by side with b (repeatable): "
+                        + "; ".join(f"{name}: {text}" for name, text in VARIANTS.items()))
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--kafka", type=int, nargs="?", const=20_000, default=0, metavar="N",
+                        help="instead: the Kafka path with a null model against raw aiokafka consume->produce, on "
+                        "an embedded broker, N requests (default 20,000)")
+    parser.add_argument("--soak", type=int, nargs="?", const=100_000, default=0, metavar="N",
+                        help="instead: serve N small requests (default 100,000) with the checkpoint and report "
+                        "whether the resident set size stays flat")
+    parser.add_argument("--scheduling", type=float, nargs="?", const=6.0, default=0.0, metavar="SECONDS",
+                        help="instead: priority lanes, expired requests and tenant quotas over the request pipeline "
+                        "(no broker), streams of SECONDS (default 6) on the checkpoint; docs/SCHEDULING.md")
+    parser.add_argument("--out", metavar="FILE", help="also write the JSON report here")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the Markdown tables here")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    parser.set_defaults(progress=sys.stderr.isatty())
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add the ``bench`` sub-command to the CLI's sub-command table."""
+    parser = commands.add_parser(
+        "bench",
+        help="benchmark the reference per-request path against token-budget batching and prefix reuse",
+        description=__doc__.split("\n\n")[0],
+    )
+    add_arguments(parser)
+    parser.set_defaults(run=_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="d3stream bench", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return _run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

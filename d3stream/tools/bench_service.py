@@ -1,0 +1,388 @@
+"""Service-level benchmarks on the embedded broker: the Kafka path's overhead, and memory over a long soak.
+
+``d3stream bench --kafka``: how much of a broker's consume -> produce rate the d3stream service keeps when
+the model costs nothing. The same requests are read from one topic and answered into another by
+
+* **raw**: a plain aiokafka loop (``getmany``, parse the JSON, send an answer-sized record per request,
+  wait for the acknowledgements, commit) -- the fastest a Python consumer-producer goes on this broker;
+* **d3stream**: ``Service`` with ``NullModel``, a stand-in that validates the questions and returns uniform
+  probabilities without running anything, so what remains is d3stream's own path: decoding, validation,
+  the batch scheduler, answer building with provenance, delivery and commits.
+
+Both run in the two delivery modes side by side (raw at-least-once against d3stream ``at_least_once``; raw
+transactional, one transaction per fetched batch, against d3stream ``exactly_once``), in one run, on the
+same broker. The clock starts when the consumer holds its partitions and stops when every answer is
+published and its offset committed. Unmeasured raw passes warm the broker first, and the four paths take
+turns for a few rounds, each keeping its best: on a 2-core machine single runs vary by a third or more.
+
+``d3stream bench --soak N``: the service with the tiny random checkpoint answers N small requests (fed in
+chunks, so backpressure holds the in-flight work bounded); the resident set size is sampled after every
+chunk. "Flat" means the last tenth of the samples averages within 5 % of the samples around the middle
+of the soak: a leak grows with every request, warm-up (allocator arenas, first batch shapes) levels off.
+The growth since the first tenth is reported too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from d3stream.config import DeliveryMode, Settings
+from d3stream.kafka.commits import DELIVERY_MODES
+from d3stream.runtime.model import Prepared, Row
+from d3stream.runtime.questions import normalize_question, question_error, require_json
+
+log = structlog.get_logger(__name__)
+
+QUESTIONS = (
+    {"type": "noul", "instructions": "Is the request urgent?"},
+    {"type": "choice", "criteria": {"approve": "approve it", "reject": "reject it", "escalate": "ask a person"}},
+    {"type": "score", "criteria": ["none", "low", "medium", "high"]},
+)
+NULL_ROW_TOKENS = 64  # what each question counts for the token budgets (nothing is run)
+_NULL_IDS = [0] * NULL_ROW_TOKENS  # every row's prompt (never read: shared, as nothing runs it)
+# The raw loop's records are as large as d3stream's answers to these requests (about 1,050 bytes measured),
+# and neither side compresses: the ratio then measures per-request work, not bytes or a codec.
+RAW_PADDING = 970
+
+
+class NullModel:
+    """A model stand-in for the Kafka benchmark: validates questions, answers uniform probabilities."""
+
+    model_name = "null-model"
+    device = "cpu"
+    attention_mode = "noncausal"  # no shared-prefix reuse: there is nothing to reuse
+    image_unavailable = video_unavailable = "the null model takes no media"
+    media_cache = None
+
+    def limit_prompt_tokens(self, limit: int | None) -> None:
+        return None
+
+    def kernel_record(self) -> dict[str, str]:
+        return {}
+
+    def limit_request_tokens(self, limit: int | None) -> None:
+        return None
+
+    def request_may_exceed_tokens(self, record_bytes: int, questions: int) -> bool:
+        return False
+
+    def check_request_tokens(self, state: Any, questions: Any, *, permutation_average: bool | None = None) -> None:
+        return None
+
+    def provenance(self) -> dict[str, Any]:
+        return {"kind": "null", "runtime": "d3stream-bench-null", "policy": "uniform probabilities, no model"}
+
+    def load_images(self, items: Sequence[Any], strict: bool = True) -> list[Any]:
+        if items:
+            raise ValueError("the null model takes no media")
+        return []
+
+    load_videos = load_images
+
+    def prepare(self, state: Any, questions: dict[str, Any], **_: Any) -> Prepared:
+        require_json(state, "state")
+        if not isinstance(questions, dict) or not questions:
+            raise ValueError("questions must be a nonempty mapping of question IDs to questions")
+        prepared = Prepared(keys=list(questions), model_name=self.model_name)
+        for key, question in questions.items():
+            try:
+                normalized = normalize_question(question)
+            except ValueError as exc:
+                prepared.errors[key] = question_error(question, "invalid_question", str(exc))
+                continue
+            prepared.questions[key] = normalized
+            prepared.rows.append(Row(key, _NULL_IDS, normalized.option_count))
+        return prepared
+
+    def forward(self, rows: Sequence[Row]) -> list[list[float]]:
+        return [[1.0 / row.options] * row.options for row in rows]
+
+
+def small_requests(count: int, seed: int = 0) -> list[tuple[bytes, bytes]]:
+    """``count`` small text requests (1-3 questions, a sentence or two of state) as (key, value) records."""
+    rng = random.Random(seed)
+    records = []
+    for n in range(count):
+        chosen = rng.sample(range(len(QUESTIONS)), rng.randint(1, 3))
+        rid = f"bench-{seed}-{n:07d}"
+        request = {
+            "id": rid,
+            "state": f"Ticket {n}: customer reports item {rng.randint(1, 10**6)} arrived {rng.choice(['late', 'damaged', 'early'])}.",
+            "questions": {f"q{i}": QUESTIONS[i] for i in chosen},
+        }
+        records.append((rid.encode(), json.dumps(request).encode()))
+    return records
+
+
+# ----------------------------------------------------------------------------------- kafka overhead
+
+
+async def _raw_loop(bootstrap: str, source: str, sink: str, group: str, count: int, transactional: bool) -> float:
+    """Consume ``count`` requests and publish one answer-sized record each; seconds from assignment to done."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
+                                auto_offset_reset="earliest", isolation_level="read_committed")
+    options: dict[str, Any] = {"transactional_id": f"{group}-raw"} if transactional else {}
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=2,
+                                **options)
+    await producer.start()
+    await consumer.start()
+    try:
+        done = 0
+        started: float | None = None
+        while done < count:
+            batches = await consumer.getmany(timeout_ms=200, max_records=2000)
+            if not batches:
+                continue
+            if started is None:
+                started = time.perf_counter()
+            offsets = {}
+            if transactional:
+                await producer.begin_transaction()
+            sends = []
+            for partition, records in batches.items():
+                for record in records:
+                    request = json.loads(record.value)
+                    answer = json.dumps({"id": request["id"], "answers": {k: {"p": 0.5} for k in request["questions"]},
+                                         "padding": "x" * RAW_PADDING}).encode()
+                    sends.append(await producer.send(sink, answer, key=record.key))
+                offsets[partition] = records[-1].offset + 1
+                done += len(records)
+            await asyncio.gather(*sends)
+            if transactional:
+                await producer.send_offsets_to_transaction(offsets, group)
+                await producer.commit_transaction()
+            else:
+                await consumer.commit(offsets)
+        return time.perf_counter() - (started or time.perf_counter())
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
+def _finished(service: Any) -> int:
+    """Requests the service has answered (an error answer counts)."""
+    return service.counts["answered"] + service.counts["errors"]
+
+
+async def _until_finished(service: Any, task: asyncio.Task, count: int, poll_s: float) -> None:
+    """Until the service has answered ``count`` requests; what it raised if it stopped first."""
+    while _finished(service) < count:
+        if task.done():
+            task.result()
+            raise RuntimeError("the service stopped before answering every request")
+        await asyncio.sleep(poll_s)
+
+
+async def _service_run(settings: Settings, model: Any, count: int, **service_options: Any) -> tuple[float, Any]:
+    """Serve until ``count`` requests are answered and committed; seconds from assignment to done.
+    ``service_options`` go to ``Service`` (e.g. ``shadow``: bench/shadow_cost.py)."""
+    from d3stream.service import Service
+
+    service = Service(settings, model, **service_options)
+    task = asyncio.create_task(service.run())
+    try:
+        while not service.joined:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.002)
+        started = time.perf_counter()
+        await _until_finished(service, task, count, 0.002)
+        assert service.delivery is not None  # the service is running
+        await service.delivery.flush()
+        while service.tracker.committable():  # a flush already under way may still be finishing
+            await asyncio.sleep(0.002)
+            await service.delivery.flush()
+        seconds = time.perf_counter() - started
+    finally:
+        service.stop()
+        await asyncio.wait_for(task, 120)
+    return seconds, service
+
+
+def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: Any = None, prefix: str = "bench",
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The raw-versus-d3stream comparison on ``broker`` (an ``infra.KafkaBroker``; default: a fresh one,
+    started and stopped here), on topics named ``<prefix>.*``; figures as one dict.
+
+    Two unmeasured raw passes (plain, then transactional) warm the broker first: the first pass of each kind
+    on a fresh broker runs at half to two thirds of the later ones, which flattered whichever path came
+    second. Then the four paths run ``rounds`` times in turn, and each path's figure is its best round."""
+    if broker is None:
+        from d3stream.tools.infra import KafkaBroker, ensure_jars
+
+        ensure_jars()
+        with KafkaBroker(partitions=4) as broker:
+            return kafka_overhead(count, rounds=rounds, broker=broker, prefix=prefix, progress=progress)
+    from d3stream.tools.clients import produce
+
+    bootstrap = broker.bootstrap_servers
+    topics = {name: f"{prefix}.{name}" for name in ("requests", "warm-up", "raw-out", "answers", "dlq", "prov")}
+    for topic in topics.values():
+        broker.create_topic(topic, 4, exist_ok=True)
+    asyncio.run(produce(bootstrap, topics["requests"], small_requests(count)))
+    if progress is not None:
+        progress("warm-up")
+    for transactional in (False, True):  # the broker's code paths of both modes
+        asyncio.run(_raw_loop(bootstrap, topics["requests"], topics["warm-up"], f"{prefix}-warm-up-{transactional}",
+                              count, transactional))
+    report: dict[str, Any] = {"requests": count, "partitions": 4, "rounds": rounds, "topics": topics}
+    runs: tuple[tuple[str, bool, DeliveryMode], ...] = (  # (name, the raw loop?, delivery mode)
+        ("raw_at_least_once", True, "at_least_once"),
+        ("d3stream_at_least_once", False, "at_least_once"),
+        ("raw_transactional", True, "exactly_once"),
+        ("d3stream_exactly_once", False, "exactly_once"),
+    )
+    for round_number in range(rounds):
+        for name, raw, mode in runs:
+            if progress is not None:
+                progress(f"{name} ({round_number + 1}/{rounds})")
+            seconds = _one_kafka_run(raw, mode, bootstrap, topics, f"{prefix}-{name}-{round_number}", count)
+            figures = {"seconds": round(seconds, 3), "events_per_s": round(count / seconds, 1)}
+            report.setdefault("by_round", {}).setdefault(name, []).append(figures["events_per_s"])
+            if name not in report or figures["events_per_s"] > report[name]["events_per_s"]:
+                report[name] = figures
+    report["at_least_once_ratio"] = round(
+        report["d3stream_at_least_once"]["events_per_s"] / report["raw_at_least_once"]["events_per_s"], 3)
+    report["exactly_once_ratio"] = round(
+        report["d3stream_exactly_once"]["events_per_s"] / report["raw_transactional"]["events_per_s"], 3)
+    return report
+
+
+def _one_kafka_run(raw: bool, mode: DeliveryMode, bootstrap: str, topics: dict[str, str], group: str,
+                   count: int) -> float:
+    """Seconds one path (the raw loop, transactional for ``exactly_once``; or d3stream in ``mode``) takes to
+    answer ``count`` requests from the start, as consumer group ``group``."""
+    if raw:
+        return asyncio.run(_raw_loop(bootstrap, topics["requests"], topics["raw-out"], group, count,
+                                     DELIVERY_MODES[mode].transactional))
+    settings = Settings(
+        bootstrap_servers=bootstrap, request_topics=[topics["requests"]], answer_topic=topics["answers"],
+        dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"], group_id=group, client_id=group,
+        delivery=mode, metrics_port=None, create_topics=False, log_level="warning",
+        max_inflight_requests=4096, commit_interval_ms=100, linger_ms=2, compression="none",
+    )
+    seconds, _ = asyncio.run(_service_run(settings, NullModel(), count))
+    return seconds
+
+
+def kafka_markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"Kafka path with a null model, {report['requests']:,} small requests, {report['partitions']} partitions, "
+        f"best of {report['rounds']} rounds after warm-up passes:",
+        "",
+        "| path | seconds | events/s |",
+        "|---|---:|---:|",
+    ]
+    for name in ("raw_at_least_once", "d3stream_at_least_once", "raw_transactional", "d3stream_exactly_once"):
+        figures = report[name]
+        lines.append(f"| {name.replace('_', ' ')} | {figures['seconds']:.2f} | {figures['events_per_s']:,.0f} |")
+    lines += [
+        "",
+        f"d3stream ÷ raw: at_least_once {report['at_least_once_ratio']:.2f}, "
+        f"exactly_once ÷ raw transactional {report['exactly_once_ratio']:.2f} (target ≥ 0.5).",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- RSS soak
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+async def _soak(settings: Settings, model: Any, bootstrap: str, total: int, chunk: int,
+                tick: Callable[[int], None] | None) -> list[tuple[int, int]]:
+    from d3stream.service import Service
+    from d3stream.tools.clients import produce
+
+    service = Service(settings, model)
+    task = asyncio.create_task(service.run())
+    samples: list[tuple[int, int]] = []
+    try:
+        sent = 0
+        while sent < total:
+            size = min(chunk, total - sent)
+            await produce(bootstrap, settings.request_topics[0], small_requests(size, seed=sent))
+            sent += size
+            # Keep at most two chunks ahead of the service, so the topic is never drained dry for long.
+            await _until_finished(service, task, sent - chunk, 0.05)
+            answered = _finished(service)
+            samples.append((answered, _rss_bytes()))
+            if tick is not None:
+                tick(answered)
+        await _until_finished(service, task, total, 0.05)
+        samples.append((total, _rss_bytes()))
+    finally:
+        service.stop()
+        await asyncio.wait_for(task, 300)
+    return samples
+
+
+def rss_soak(model: Any, total: int = 100_000, *, chunk: int = 2_000, threads: int | None = 1,
+             broker: Any = None, prefix: str = "soak",
+             tick: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Answer ``total`` small requests with ``model`` (a loaded D3, or a checkpoint path) on ``broker`` (an
+    ``infra.KafkaBroker``; default: a fresh one); RSS samples and the verdict."""
+    if not hasattr(model, "forward"):
+        from d3stream.runtime.model import D3
+
+        model = D3.from_pretrained(Path(model), device="cpu")
+    if broker is None:
+        from d3stream.tools.infra import KafkaBroker, ensure_jars
+
+        ensure_jars()
+        with KafkaBroker(partitions=4) as broker:
+            return rss_soak(model, total, chunk=chunk, threads=threads, broker=broker, prefix=prefix, tick=tick)
+    bootstrap = broker.bootstrap_servers
+    topics = {name: f"{prefix}.{name}" for name in ("requests", "answers", "dlq", "prov")}
+    for topic in topics.values():
+        broker.create_topic(topic, 4, exist_ok=True)
+    settings = Settings(
+        bootstrap_servers=bootstrap, request_topics=[topics["requests"]], answer_topic=topics["answers"],
+        dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"], group_id=f"{prefix}-soak",
+        client_id=f"{prefix}-soak", metrics_port=None, create_topics=False, log_level="warning",
+        torch_threads=threads,
+    )
+    started = time.perf_counter()
+    samples = asyncio.run(_soak(settings, model, bootstrap, total, chunk, tick))
+    return soak_verdict(samples, total, time.perf_counter() - started)
+
+
+def soak_verdict(samples: list[tuple[int, int]], total: int, seconds: float) -> dict[str, Any]:
+    """Whether RSS stayed flat. A leak grows with every request; warm-up (allocator arenas, new batch
+    shapes) levels off. So the verdict compares the second half of the soak: the last tenth of the samples
+    against the samples around the middle. The growth since the first tenth is reported beside it."""
+    values = [rss for _, rss in samples]
+    tenth = max(1, len(values) // 10)
+    middle = len(values) // 2
+    early = statistics.mean(values[tenth: 2 * tenth] or values[-tenth:])
+    halfway = statistics.mean(values[max(0, middle - tenth // 2): middle + max(1, tenth // 2)])
+    final = statistics.mean(values[-tenth:])
+    second_half = final / halfway - 1.0
+    return {
+        "requests": total,
+        "seconds": round(seconds, 1),
+        "events_per_s": round(total / seconds, 1),
+        "rss_mb_first_tenth": round(early / 2**20, 1),
+        "rss_mb_halfway": round(halfway / 2**20, 1),
+        "rss_mb_at_end": round(final / 2**20, 1),
+        "rss_mb_max": round(max(values) / 2**20, 1),
+        "growth_since_first_tenth": round(final / early - 1.0, 4),
+        "growth_second_half": round(second_half, 4),
+        "flat_within_5pct": abs(second_half) <= 0.05,
+        "samples": [(answered, round(rss / 2**20, 1)) for answered, rss in samples],
+    }

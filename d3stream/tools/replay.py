@@ -1,0 +1,570 @@
+"""Replay: run a range of an old request topic through a checkpoint, as a resumable, parallel job.
+
+``d3stream replay`` reads a range of a request topic (by offsets or by timestamps, all or selected
+partitions) and answers it with the same media path, batching and delivery as ``serve``; the answers go
+to a target topic or a JSON-lines file and carry the replay id in their provenance, so a replayed
+answer is never taken for a live one.
+
+* **Resumable**: the replay id names a consumer group (``<group_id>-replay-<replay id>``) whose commits
+  record progress. A killed replay started again with the same id continues where it stopped; into a
+  topic with ``exactly_once`` delivery nothing is answered twice.
+* **Parallel**: several replay workers with the same id split the partitions through that group.
+A replay is the serving machinery with another read policy (``RangeRead``: a fixed range, finished at its
+end) and, into a file, another sink; nothing of ``serve`` is overridden.
+
+* **Deterministic** (``--deterministic``): passes are cut from each partition's rows in source order,
+  ``rows_per_pass`` at a time, never from timing, so a replay of the same model over the same requests
+  reproduces itself bit for bit (with either worker count, since passes never span partitions).
+* **Drift** (``--compare-with``): the replayed answers are compared with recorded ones (the exact-replay
+  check: replaying the live model over its own requests must reproduce its answers within bf16 tolerance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from d3stream.config import Settings
+from d3stream.core.batching import PassRecord
+from d3stream.core.passes import Outcome
+from d3stream.core.seams import DecisionModel, Position, Scheduling
+from d3stream.kafka.connection import client_options, connecting
+from d3stream.ops.metrics import Metrics
+from d3stream.runtime.model import Row
+from d3stream.service import Service
+
+log = structlog.get_logger(__name__)
+
+
+# ------------------------------------------------------------------------------------------ the range
+
+
+@dataclass
+class ReplayRange:
+    """What to replay: a topic, optionally some partitions, and where to start and stop."""
+
+    topic: str
+    partitions: list[int] | None = None
+    start_offset: int | None = None
+    end_offset: int | None = None  # exclusive
+    start_time: int | None = None  # epoch milliseconds, inclusive
+    end_time: int | None = None  # epoch milliseconds, exclusive
+
+
+def parse_time(text: str | None) -> int | None:
+    """ISO 8601 (``2026-11-29T10:00:00Z``) or epoch milliseconds -> epoch milliseconds."""
+    if text is None:
+        return None
+    if text.isdigit():
+        return int(text)
+    moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return int(moment.timestamp() * 1000)
+
+
+async def resolve_bounds(consumer: Any, plan: ReplayRange) -> dict[Any, tuple[int, int]]:
+    """[start, end) offsets of every partition of the range, fixed when the replay starts."""
+    from aiokafka import TopicPartition
+
+    known = consumer.partitions_for_topic(plan.topic)
+    if not known:
+        await consumer._client.force_metadata_update()  # noqa: SLF001 - a fresh client knows no topics yet
+        known = consumer.partitions_for_topic(plan.topic)
+    if not known:
+        raise ValueError(f"topic {plan.topic!r} does not exist (setting: --from-topic)")
+    chosen = sorted(known) if plan.partitions is None else sorted(set(plan.partitions) & set(known))
+    if plan.partitions is not None and len(chosen) != len(set(plan.partitions)):
+        missing = sorted(set(plan.partitions) - set(known))
+        raise ValueError(f"topic {plan.topic!r} has no partition(s) {missing} (setting: --partitions)")
+    partitions = [TopicPartition(plan.topic, number) for number in chosen]
+    firsts = await consumer.beginning_offsets(partitions)
+    lasts = await consumer.end_offsets(partitions)
+
+    async def by_time(moment: int | None, fallback: dict[Any, int]) -> dict[Any, int]:
+        if moment is None:
+            return fallback
+        found = await consumer.offsets_for_times({p: moment for p in partitions})
+        return {p: (found[p].offset if found.get(p) is not None else lasts[p]) for p in partitions}
+
+    starts = await by_time(plan.start_time, firsts)
+    ends = await by_time(plan.end_time, lasts)
+    bounds = {}
+    for partition in partitions:
+        start = max(starts[partition], plan.start_offset or 0, firsts[partition])
+        end = min(ends[partition], lasts[partition] if plan.end_offset is None else plan.end_offset)
+        bounds[partition] = (start, max(start, end))
+    return bounds
+
+
+# ------------------------------------------------------------------------------------ ordered passes
+
+
+@dataclass
+class _Slot:
+    offset: int
+    rows: list[Row] | None = None  # None while the request is not prepared yet
+    futures: list[asyncio.Future[Any]] = field(default_factory=list)
+
+
+PartitionKey = tuple[str, int]
+
+
+def _settled_with(settled: Callable[[int, list[Outcome]], Any], number: int, done: asyncio.Future[Any]) -> None:
+    settled(number, list(done.result()))
+
+
+class OrderedPasses:
+    """A row scheduler whose passes depend only on the source order: per partition, rows in offset order,
+    ``rows_per_pass`` at a time (the last pass of a partition takes what is left)."""
+
+    def __init__(self, run: Callable[[list[Row]], list[list[float]]], rows_per_pass: int,
+                 executor: Executor | None = None, on_pass: Callable[[PassRecord], None] | None = None):
+        self._run = run
+        self.rows_per_pass = rows_per_pass
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
+        self._on_pass = on_pass
+        self._queues: dict[PartitionKey, deque[_Slot]] = {}
+        self._ready: dict[PartitionKey, list[tuple[tuple[Row, int], asyncio.Future[Any]]]] = {}
+        self._closed: set[PartitionKey] = set()
+        self._lock = asyncio.Lock()
+        self._running: set[asyncio.Task[None]] = set()
+        self.passes: list[list[tuple[PartitionKey, int]]] = []  # (partition, offset) of each row, per pass
+
+    @property
+    def passes_run(self) -> int:
+        return len(self.passes)
+
+    def expect(self, positions: Sequence[Position]) -> None:
+        for topic, partition, offset in positions:
+            self._queues.setdefault((topic, partition), deque()).append(_Slot(offset))
+
+    def finished(self, position: Position) -> None:
+        """The request of ``position`` is answered; if it never submitted rows it holds nothing back."""
+        topic, partition, offset = position
+        for slot in self._queues.get((topic, partition), ()):
+            if slot.offset == offset and slot.rows is None:
+                slot.rows = []
+        self._advance((topic, partition))
+
+    def close_partition(self, partition: TopicPartition) -> None:
+        """The partition's range is fully fetched: its last, partial pass may run."""
+        key = (partition.topic, partition.partition)
+        self._closed.add(key)
+        self._advance(key)
+
+    def enqueue_many(self, requests: Sequence[tuple[Sequence[Row], Position, Scheduling]],
+                     settled: Callable[[int, list[Outcome]], Any]) -> None:
+        """Each request's rows placed by ``enqueue``; ``settled`` once a request's rows have all run."""
+        for number, (rows, position, _) in enumerate(requests):
+            done = self.enqueue(rows, position)
+            done.add_done_callback(partial(_settled_with, settled, number))
+
+    def enqueue(self, rows: Sequence[Row], position: Position,
+                scheduling: Scheduling | None = None) -> asyncio.Future[list[Outcome]]:
+        """Fill the request's place in its partition's order; its passes run once every earlier request of the
+        partition is placed (or answered without rows). ``scheduling`` is ignored: passes follow the source
+        order only (and replays do not honour deadlines)."""
+        topic, partition, offset = position
+        slot = next(s for s in self._queues[(topic, partition)] if s.offset == offset)
+        loop = asyncio.get_running_loop()
+        slot.futures = [loop.create_future() for _ in rows]
+        slot.rows = list(rows)
+        self._advance((topic, partition))
+        return asyncio.gather(*slot.futures, return_exceptions=True)
+
+    def _advance(self, partition: PartitionKey) -> None:
+        queue = self._queues.get(partition, deque())
+        ready = self._ready.setdefault(partition, [])
+        while queue and queue[0].rows is not None:
+            slot = queue.popleft()
+            ready += [((row, slot.offset), future) for row, future in zip(slot.rows or [], slot.futures, strict=True)]
+        while len(ready) >= self.rows_per_pass:
+            self._launch(partition, ready[: self.rows_per_pass])
+            del ready[: self.rows_per_pass]
+        if ready and not queue and partition in self._closed:
+            self._launch(partition, list(ready))
+            ready.clear()
+
+    def _launch(self, partition: PartitionKey, group: list[tuple[tuple[Row, int], asyncio.Future[Any]]]) -> None:
+        self.passes.append([(partition, offset) for (_, offset), _ in group])
+        task = asyncio.get_running_loop().create_task(self._run_pass(group))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run_pass(self, group: list[tuple[tuple[Row, int], asyncio.Future[Any]]]) -> None:
+        rows = [row for (row, _), _ in group]
+        loop = asyncio.get_running_loop()
+        async with self._lock:  # one pass at a time on the model thread
+            started = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(self._executor, self._run, rows)
+            except Exception as exc:  # noqa: BLE001 - deterministic mode does not re-split: the pass fails whole
+                for _, future in group:
+                    if not future.done():
+                        future.set_exception(exc)
+                return
+        lengths = [row.length for row in rows]
+        record = PassRecord(len(rows), sum(lengths), len(rows) * max(lengths), time.perf_counter() - started)
+        if self._on_pass is not None:
+            self._on_pass(record)
+        for (_, future), result in zip(group, results, strict=True):
+            if not future.done():
+                future.set_result((result, record))
+
+    async def close(self) -> None:
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+
+
+# ------------------------------------------------------------------------------------- the read policy
+
+
+def written_sources(path: Path) -> set[tuple[str, int, int]]:
+    """(topic, partition, offset) of every answer a replay file already holds."""
+    sources: set[tuple[str, int, int]] = set()
+    if not path.is_file():
+        return sources
+    with open(path, "rb") as handle:
+        for line in handle:
+            try:
+                source = json.loads(line)["source"]
+                sources.add((source["topic"], int(source["partition"]), int(source["offset"])))
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line from a crash: that request is answered again
+    return sources
+
+
+class RangeRead:
+    """A replay's read policy: a fixed range of one topic (from the replay group's commits on), finished once
+    every partition's position reached the range's end and nothing is in flight.
+
+    On resume into a file, records whose answers the file already holds are skipped, so the file gets each
+    request once even though the group's commit may lag the file by a flush interval."""
+
+    def __init__(self, plan: ReplayRange, *, out_file: Path | None = None,
+                 on_partition_read: Callable[[TopicPartition], None] | None = None):
+        self.plan = plan
+        self.bounds: dict[TopicPartition, tuple[int, int]] = {}
+        self._skip = written_sources(out_file) if out_file else set()
+        self._positions_done: set[TopicPartition] = set()
+        self._on_partition_read = on_partition_read
+
+    async def subscribe(self, consumer: AIOKafkaConsumer, listener: ConsumerRebalanceListener) -> bool:
+        self.bounds = await resolve_bounds(consumer, self.plan)
+        if self.plan.partitions is None:
+            consumer.subscribe([self.plan.topic], listener=listener)
+            return False
+        partitions = list(self.bounds)
+        consumer.assign(partitions)
+        await self.assigned(consumer, partitions, [])
+        return True
+
+    async def assigned(self, consumer: AIOKafkaConsumer, partitions: Sequence[TopicPartition],
+                       settling: Sequence[TopicPartition]) -> None:
+        for partition in partitions:
+            # A settling partition (exactly_once) is positioned once settled, through start_position; a
+            # committed offset read here could predate the previous owner's last transaction.
+            if partition not in settling:
+                committed = await consumer.committed(partition)
+                consumer.seek(partition, self.start_position(partition, committed))
+            self._positions_done.discard(partition)
+
+    def start_position(self, partition: TopicPartition, committed: int | None) -> int:
+        start, _ = self.bounds.get(partition, (0, 0))
+        return max(start, committed or 0)
+
+    def accept(self, record: ConsumerRecord) -> bool:
+        start, end = self.bounds.get(TopicPartition(record.topic, record.partition), (0, 0))
+        return start <= record.offset < end and (record.topic, record.partition, record.offset) not in self._skip
+
+    async def finished(self, consumer: AIOKafkaConsumer, in_flight: int) -> bool:
+        assignment = consumer.assignment()
+        if not assignment:
+            return False
+        for partition in assignment:
+            if partition in self._positions_done:
+                continue
+            _, end = self.bounds.get(partition, (0, 0))
+            if await consumer.position(partition) >= end:
+                self._positions_done.add(partition)
+                consumer.pause(partition)
+                if self._on_partition_read is not None:
+                    self._on_partition_read(partition)
+        return all(p in self._positions_done for p in assignment) and in_flight == 0
+
+
+def _replay_settings(settings: Settings, plan: ReplayRange, replay_id: str, out_file: Path | None,
+                     deterministic: bool = False) -> Settings:
+    import msgspec
+
+    changes: dict[str, Any] = {
+        "request_topics": [plan.topic],
+        "group_id": f"{settings.group_id}-replay-{replay_id}",
+        "transactional_id_prefix": f"{settings.transactional_id_prefix}-replay-{replay_id}",
+        "auto_offset_reset": "earliest",
+        "honor_deadlines": False,  # a replay reads old requests on purpose: their deadlines have long passed
+    }
+    if deterministic:  # passes cut in source order only: no second scheduler for shared prefixes
+        changes["prefix_reuse"] = "off"
+        # Passes wait for every earlier offset: a request held by its tenant's quota could wait on a later one.
+        changes["tenant_max_inflight_tokens"] = 0
+    if out_file is not None:
+        changes["create_topics"] = False  # answers go to the file: no topic of the replay's own to create
+    return msgspec.structs.replace(settings, **changes)
+
+
+async def plan_total(settings: Settings, plan: ReplayRange) -> int:
+    """How many records the range holds (for the progress bar)."""
+    consumer = AIOKafkaConsumer(**client_options(settings, "consumer", client_id=settings.client_id, group_id=None))
+    try:
+        await connecting(settings, consumer.start())
+        return sum(end - start for start, end in (await resolve_bounds(consumer, plan)).values())
+    finally:
+        await consumer.stop()
+
+
+async def run_replay(
+    settings: Settings,
+    model: DecisionModel,
+    plan: ReplayRange,
+    *,
+    replay_id: str,
+    out_file: Path | None = None,
+    deterministic: bool = False,
+    rows_per_pass: int = 8,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Run (or resume) one replay worker to the end of its range; returns its summary.
+
+    The replay is a ``Service`` with a ``RangeRead`` policy (and ``OrderedPasses`` when deterministic), writing
+    to its target topic or, with ``out_file``, to a JSON-lines file."""
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    total = await plan_total(settings, plan)
+    settings = _replay_settings(settings, plan, replay_id, out_file, deterministic)
+    metrics = Metrics()
+    ordered = (OrderedPasses(model.forward, rows_per_pass, on_pass=metrics.observe_pass_record)
+               if deterministic else None)
+    read = RangeRead(plan, out_file=out_file, on_partition_read=ordered.close_partition if ordered else None)
+    service = Service(settings, model, metrics=metrics, read=read, scheduler=ordered, answer_file=out_file,
+                      replay_id=replay_id)
+    bar = tqdm(total=total, desc=f"replay {replay_id}", unit="req", disable=not progress, dynamic_ncols=True)
+
+    def replayed() -> int:
+        return service.counts["answered"] + service.counts["errors"]
+
+    async def show_progress() -> None:
+        while True:
+            bar.update(replayed() - bar.n)
+            await asyncio.sleep(0.2)
+
+    showing = asyncio.create_task(show_progress())
+    try:
+        await service.run()
+    finally:
+        showing.cancel()
+        bar.update(replayed() - bar.n)
+        bar.close()
+    return {
+        "replay_id": replay_id,
+        "topic": plan.topic,
+        "range_records": total,
+        "replayed": replayed(),
+        "answered": service.counts["answered"],
+        "errors": service.counts["errors"],
+        "dead_letters": service.counts["dead_letters"],
+        "passes": service.scheduler.passes_run,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+
+def register(commands: Any) -> None:
+    """Add ``d3stream replay`` to the CLI."""
+    from d3stream.config import add_arguments
+
+    replay = commands.add_parser(
+        "replay",
+        help="answer a range of a request topic with a checkpoint (resumable, parallel, optionally deterministic)",
+    )
+    replay.add_argument("--from-topic", required=True, help="request topic to replay")
+    replay.add_argument("--replay-id", required=True, help="names the replay: resume and split work by reusing it")
+    replay.add_argument("--partitions", default=None, help="comma-separated partition numbers (default: all)")
+    replay.add_argument("--start-offset", type=int, default=None, help="first offset of every partition")
+    replay.add_argument("--end-offset", type=int, default=None, help="offset to stop before, every partition")
+    replay.add_argument("--start-time", default=None, help="ISO 8601 time or epoch ms: first request at or after it")
+    replay.add_argument("--end-time", default=None, help="ISO 8601 time or epoch ms: stop before requests from then")
+    # Required, with no default: a replay written into the live answer topic by accident would mix its
+    # answers into what downstream consumers take for the live model's.
+    target = replay.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to-topic", default=None,
+                        help="topic for the replayed answers (never the live answer_topic, unless "
+                        "--allow-live-answer-topic)")
+    target.add_argument("--out", default=None, help="JSON-lines file for the replayed answers instead of a topic")
+    replay.add_argument("--allow-live-answer-topic", action="store_true",
+                        help="let --to-topic name the live answer topic (the answer_topic setting)")
+    replay.add_argument("--deterministic", action="store_true",
+                        help="passes cut from source order, --rows-per-pass rows each: bit-reproducible")
+    replay.add_argument("--rows-per-pass", type=int, default=8)
+    replay.add_argument("--compare-with", default=None,
+                        help="recorded answers (JSONL file or kafka:TOPIC) to measure the replay's drift against")
+    replay.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_arguments(replay)
+    replay.set_defaults(run=_replay_command)
+
+
+def live_topic_refusal(
+    to_topic: str | None, answer_topic: str, *, allowed: bool, request_topics: Sequence[str] = ()
+) -> str | None:
+    """Why a replay may not write to ``to_topic`` (None: it may).
+
+    The live answer topic (``answer_topic``) is what downstream consumers read as the live model's answers;
+    replayed answers there (another checkpoint, old requests) would be taken for live ones. A request topic
+    (the replayed one, or ``request_topics``) is never a target: workers would read the answers as requests."""
+    if to_topic is not None and to_topic in request_topics:
+        return (
+            f"--to-topic {to_topic!r} is a request topic (--from-topic or the request_topics setting): workers "
+            "would read the replayed answers as requests. Name an answer topic of its own, or write to a file "
+            "with --out"
+        )
+    if to_topic is None or to_topic != answer_topic or allowed:
+        return None
+    return (
+        f"--to-topic {to_topic!r} is the live answer topic (the answer_topic setting): replayed answers would "
+        "mix with the live ones downstream reads. Name another topic, write to a file with --out, or pass "
+        "--allow-live-answer-topic if this is what you mean"
+    )
+
+
+class _Refused(Exception):
+    """A replay that cannot start or finish as asked; the message (naming what to change) is printed after
+    ``d3stream replay:`` and the command exits with status 2."""
+
+
+def _replay_command(args: Any) -> int:
+    import sys
+
+    try:
+        settings, checkpoint = _command_settings(args)
+        plan = _command_range(args)
+        model = _load_checkpoint(checkpoint, settings)
+        summary = _run_command(args, settings, model, plan)
+    except _Refused as exc:
+        print(f"d3stream replay: {exc}", file=sys.stderr)
+        return 2
+    _print_summary(summary, as_json=args.json)
+    return 0
+
+
+def _command_settings(args: Any) -> tuple[Settings, str]:
+    """The replay's settings (with --to-topic as its answer topic) and its one checkpoint; logging is
+    configured. A target that is a live or request topic, or a --model other than one, is refused."""
+    from d3stream.config import load_settings
+    from d3stream.ops.logs import configure_logging
+
+    try:
+        settings = load_settings(args)
+    except ValueError as exc:
+        raise _Refused(str(exc)) from exc
+    configure_logging(settings.log_format, "warning" if settings.log_level == "info" else settings.log_level)
+    refusal = live_topic_refusal(args.to_topic, settings.answer_topic, allowed=args.allow_live_answer_topic,
+                                 request_topics=[args.from_topic, *settings.request_topics])
+    if refusal:
+        raise _Refused(refusal)
+    if not settings.model:
+        raise _Refused("no checkpoint: set --model or D3STREAM_MODEL")
+    if len(settings.model) > 1:  # a replay answers a range with one model; compare two replays to compare models
+        raise _Refused(f"--model names {len(settings.model)} checkpoints; a replay runs one (replay once per "
+                       "model and compare the answer sets)")
+    [checkpoint] = settings.model
+    if args.to_topic:
+        import msgspec
+
+        settings = msgspec.structs.replace(settings, answer_topic=args.to_topic)
+    return settings, checkpoint
+
+
+def _command_range(args: Any) -> ReplayRange:
+    """The range the flags name: the topic, its partitions (default: all), and offset or time bounds."""
+    return ReplayRange(
+        topic=args.from_topic,
+        partitions=[int(p) for p in args.partitions.split(",")] if args.partitions else None,
+        start_offset=args.start_offset,
+        end_offset=args.end_offset,
+        start_time=parse_time(args.start_time),
+        end_time=parse_time(args.end_time),
+    )
+
+
+def _load_checkpoint(checkpoint: str, settings: Settings) -> DecisionModel:
+    """The checkpoint the replay runs, resolved (a path, or a name in a model source) and loaded."""
+    from d3stream.models.checkpoints import CheckpointError, model_name_for, resolve_model
+    from d3stream.runtime import D3
+
+    try:
+        resolved = resolve_model(checkpoint, settings)
+        model_name = model_name_for(resolved, settings.model_name)
+    except CheckpointError as exc:
+        raise _Refused(str(exc)) from exc
+    return D3.from_pretrained(resolved.path, device=settings.device, verify=settings.verify,
+                              model_name=model_name, permutation_average=settings.permutation_average)
+
+
+def _run_command(args: Any, settings: Settings, model: DecisionModel, plan: ReplayRange) -> dict[str, Any]:
+    """Replay the range into the --to-topic or --out target; the summary, with the drift from recorded
+    answers under ``drift`` when --compare-with names them."""
+    import sys
+
+    out = Path(args.out) if args.out else None
+    try:
+        summary = asyncio.run(run_replay(settings, model, plan, replay_id=args.replay_id, out_file=out,
+                                         deterministic=args.deterministic, rows_per_pass=args.rows_per_pass,
+                                         progress=not args.json and sys.stderr.isatty()))
+    except (ValueError, ConnectionError) as exc:
+        raise _Refused(str(exc)) from exc
+    if args.compare_with:
+        from d3stream.tools.compare import SourceError
+
+        try:
+            summary["drift"] = replay_drift(args.compare_with,
+                                            str(out) if out else f"kafka:{settings.answer_topic}", settings)
+        except (OSError, ValueError, SourceError) as exc:
+            raise _Refused(f"--compare-with: {exc}") from exc
+    return summary
+
+
+def _print_summary(summary: dict[str, Any], *, as_json: bool) -> None:
+    """One JSON object (--json), or one aligned line per field."""
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            print(f"{key:<16}{json.dumps(value) if isinstance(value, dict) else value}")
+
+
+def replay_drift(recorded: str, replayed: str, settings: Settings) -> dict[str, Any]:
+    """How far the replayed answers are from the recorded ones (joined by request and question id); a
+    ``kafka:`` source is read through the same connection settings as the replay."""
+    from d3stream.tools import compare
+
+    report = compare.compare(
+        compare.load_answers(recorded, settings=settings),
+        compare.load_answers(replayed, settings=settings),
+    )
+    headline = report.headline()
+    return {key: headline.get(key) for key in ("joined", "only_a", "only_b", "agreement", "mean_abs_dp", "max_abs_dp")}

@@ -1,0 +1,210 @@
+"""Fit a freshly built tiny checkpoint on the synthetic demo task (``d3stream.tools.tasks``), offline, on a CPU.
+
+``train_demo(root, steps=..., seed=...)`` turns the random-weight checkpoint in ``root`` (written by
+``build_checkpoint``) into one whose answers follow the requests: route a ticket to its team, say whether
+it asks for a refund, how urgent it is, and whether a picture holds a red square.
+
+Only what must change is trained: the last decoder layer, the final norm and the readout. The frozen
+layers below are run once per training batch, through the runtime's own ``prepare`` and ``left_padded``
+(so the prompts, padding and positions are exactly what serving uses), and the input of the last layer
+is kept; every step then runs one layer forward and backward. In a random tiny model the last position's
+state hardly depends on the earlier tokens, so a readout alone could not tell tickets apart: the last
+layer's attention is what learns to look back at the words (and image patches) that decide.
+
+Training is FP32 on one thread (deterministic for a seed, and polite on a shared CPU); the trained layer
+is stored in BF16 like the rest of the backbone, the readout in FP32, and the manifest is rewritten, so
+the result is an ordinary checkpoint that any D3 runtime loads and verifies.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from d3stream.runtime.kinds import question_type
+from d3stream.runtime.package import read_manifest, write_manifest
+from d3stream.tools import tasks
+
+DEFAULT_STEPS = 1000
+# Bump when the task or the training changes what the same arguments produce (the demo's cache key).
+TRAIN_BUILD = 1
+TRAIN_TICKETS = 800
+TRAIN_PICTURES = 160
+BATCH_ROWS = 32
+LEARNING_RATE = 3e-3
+
+
+@dataclass
+class _Batch:
+    hidden: Any  # [rows, width, hidden] FP32 input of the last layer
+    layer_kwargs: dict[str, Any]  # its keyword arguments (positions, mask), floats in FP32
+    targets: Any  # [rows] index of the labelled option
+    invalid: Any  # [rows, MAX_OPTIONS] True past each row's option count
+
+
+def _option_index(question: Any, label: Any) -> int:
+    """The code index of a label (the choice key, true/false, the score level), read as ``compare --labels``
+    reads labels."""
+    kind = question_type(question.kind)
+    key = kind.label_key(label) if kind is not None else None
+    if key is None:
+        raise ValueError(f"the label {label!r} names no option of a {question.kind} question")
+    return question.keys.index(key)
+
+
+def _labelled_rows(model: Any, examples: Sequence[tasks.Example]) -> list[tuple[Any, int]]:
+    rows = []
+    for example in examples:
+        request = example.request
+        prepared = model.prepare(request["state"], request["questions"], request.get("images"))
+        if prepared.errors:
+            raise RuntimeError(f"training request {example.id} has question errors: {prepared.errors}")
+        for row in prepared.rows:
+            rows.append((row, _option_index(prepared.questions[row.key], example.labels[row.key])))
+    return rows
+
+
+def _to_fp32(value: Any, torch: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().float() if value.is_floating_point() else value.detach()
+    if isinstance(value, tuple):
+        return tuple(_to_fp32(item, torch) for item in value)
+    return value
+
+
+def _cache_batches(model: Any, rows: list[tuple[Any, int]], layer: Any) -> list[_Batch]:
+    """Run the frozen backbone over every batch once, keeping the last layer's inputs."""
+    torch = model.torch
+    captured: dict[str, Any] = {}
+
+    def capture(_module: Any, args: tuple, kwargs: dict) -> None:
+        captured["hidden"] = args[0] if args else kwargs["hidden_states"]
+        captured["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+
+    handle = layer.register_forward_pre_hook(capture, with_kwargs=True)
+    batches = []
+    try:
+        for start in range(0, len(rows), BATCH_ROWS):
+            chunk = rows[start : start + BATCH_ROWS]
+            with torch.inference_mode():
+                model.forward([row for row, _ in chunk])
+            options = torch.as_tensor([row.options for row, _ in chunk])[:, None]
+            batches.append(
+                _Batch(
+                    hidden=captured["hidden"].clone().float(),
+                    layer_kwargs={k: _to_fp32(v, torch) for k, v in captured["kwargs"].items()},
+                    targets=torch.as_tensor([target for _, target in chunk]),
+                    invalid=torch.arange(model.contract.MAX_OPTIONS)[None] >= options,
+                )
+            )
+    finally:
+        handle.remove()
+    return batches
+
+
+def _loss(layer: Any, norm: Any, readout: Any, batch: _Batch, torch: Any) -> tuple[Any, Any]:
+    output = layer(batch.hidden, **batch.layer_kwargs)
+    output = output[0] if isinstance(output, tuple) else output
+    logits = norm(output)[:, -1] @ readout.T
+    logits = logits.masked_fill(batch.invalid, float("-inf"))
+    loss = torch.nn.functional.cross_entropy(logits, batch.targets)
+    return loss, (logits.argmax(-1) == batch.targets).float().mean()
+
+
+def train_demo(
+    root: str | Path,
+    *,
+    steps: int = DEFAULT_STEPS,
+    seed: int = 0,
+    tickets: int = TRAIN_TICKETS,
+    pictures: int | None = None,
+    model_name: str | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> dict[str, Any]:
+    """Train the checkpoint in ``root`` in place on ``tasks.draw(tasks.TRAIN_SEED, ...)`` and reseal it.
+
+    Returns what was done (``steps``, ``rows``, ``train_accuracy`` of the last epoch, ``seconds``);
+    ``on_step(step, loss)`` reports progress. ``pictures`` defaults to ``TRAIN_PICTURES`` (0 for a
+    checkpoint without a vision tower).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from d3stream.runtime.model import D3
+
+    if steps < 0:
+        raise ValueError(f"steps must be 0 or more, got {steps}")
+    root = Path(root)
+    started = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # determinism for a seed, and a fair share of a shared CPU
+    try:
+        model = D3(root, device="cpu")
+        if pictures is None:
+            pictures = TRAIN_PICTURES if model.image_unavailable is None else 0
+        language = model.backbone.language_model
+        last = len(language.layers) - 1
+        rows = _labelled_rows(model, tasks.draw(tasks.TRAIN_SEED, tickets, pictures, prefix="train"))
+        random.Random(seed).shuffle(rows)
+        batches = _cache_batches(model, rows, language.layers[last])
+
+        torch.manual_seed(seed)
+        layer = copy.deepcopy(language.layers[last]).float().train().requires_grad_(True)
+        norm = copy.deepcopy(language.norm).float().requires_grad_(True)
+        readout = torch.nn.Parameter(model.readout.detach().clone().float())
+        parameters = [*layer.parameters(), *norm.parameters(), readout]
+        optimizer = torch.optim.AdamW(parameters, lr=LEARNING_RATE, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / max(steps, 1))
+        order = random.Random(seed + 1)
+        sequence: list[int] = []
+        correct: list[float] = []
+        for step in range(steps):
+            if not sequence:
+                sequence = list(range(len(batches)))
+                order.shuffle(sequence)
+                correct = []
+            loss, accuracy = _loss(layer, norm, readout, batches[sequence.pop()], torch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            correct.append(float(accuracy))
+            if on_step is not None:
+                on_step(step, float(loss.detach()))
+
+        weights = load_file(str(root / "model.safetensors"))
+        trained = {f"language_model.layers.{last}.{name}": tensor for name, tensor in layer.state_dict().items()}
+        trained |= {f"language_model.norm.{name}": tensor for name, tensor in norm.state_dict().items()}
+        # A tensor the file does not hold would be ignored at load time (with only a warning): refuse instead.
+        unknown = sorted(set(trained) - set(weights))
+        if unknown:
+            raise RuntimeError(f"model.safetensors has no tensors named {', '.join(unknown)} to replace")
+        for name, tensor in trained.items():
+            weights[name] = tensor.detach().to(weights[name].dtype).contiguous()
+        (root / "model.safetensors").unlink()
+        save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
+        save_file({"weight": readout.detach().float().contiguous()}, str(root / "readout.safetensors"))
+    finally:
+        torch.set_num_threads(threads)
+
+    report = {
+        "task": "demo",
+        "steps": steps,
+        "seed": seed,
+        "tickets": tickets,
+        "pictures": pictures,
+        "rows": len(rows),
+        "trained": [f"language_model.layers.{last}", "language_model.norm", "readout"],
+    }
+    manifest = read_manifest(root) or {}
+    identity = {k: v for k, v in (manifest.get("identity") or {}).items() if k != "model_sha256"}
+    identity["trained"] = report
+    write_manifest(root, model_name=model_name or manifest.get("model_name"), repo_id=manifest.get("repo_id"),
+                   identity=identity)
+    return {**report, "train_accuracy": sum(correct) / len(correct) if correct else None,
+            "seconds": round(time.perf_counter() - started, 1)}
