@@ -26,6 +26,7 @@ test: lint
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check d3stream tests
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy d3stream
 
 schemas: $(STAMP)

@@ -18,10 +18,12 @@ WORKER_FATAL_EXIT = 3
 
 def _serve(args: argparse.Namespace) -> int:
     from d3stream.config import load_settings
+    from d3stream.kafka.connection import check_connection
     from d3stream.ops.logs import configure_logging
 
     try:
         settings = load_settings(args)
+        check_connection(settings)
     except ValueError as exc:
         print(f"d3stream serve: {exc}", file=sys.stderr)
         return 2
@@ -76,7 +78,6 @@ def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
     the device together (``model_memory_bytes``) before any is loaded, then loaded (and warmed up with
     ``warmup``). With ``model_source`` its pointer's current checkpoint (and canary) come first, the default
     (rollout.py). CheckpointError / ValueError name what is wrong."""
-    from d3stream.core.shadow import parse_shadow
     from d3stream.models.checkpoints import (
         check_models_fit,
         checkpoint_memory_bytes,
@@ -84,6 +85,7 @@ def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
         parse_model_specs,
         resolve_model,
     )
+    from d3stream.models.shadow import parse_shadow
     from d3stream.runtime import D3
 
     specs = parse_model_specs(settings.model)  # a name given twice is refused before any download

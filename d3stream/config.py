@@ -442,20 +442,20 @@ def check_settings(settings: Settings) -> Settings:
         raise ValueError(f"forward_headers may not name {', '.join(reserved)}: the answer sets it itself")
     if settings.forward_headers_max_bytes < 0:
         raise ValueError(f"forward_headers_max_bytes must be 0 (none) or more, got {settings.forward_headers_max_bytes}")
-    from d3stream.kafka.connection import check_connection
-
-    check_connection(settings)
     return settings
 
+
+# Where d3stream keeps what it builds or downloads (tokenizers, demo checkpoints, downloaded models).
+CACHE_ENV = "D3STREAM_CACHE"
+
+
+def cache_root() -> Path:
+    """``$D3STREAM_CACHE`` or ``~/.cache/d3stream``."""
+    configured = os.environ.get(CACHE_ENV)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "d3stream"
 
 def heartbeat_interval_ms(settings: Settings) -> int:
     """aiokafka's 3 s heartbeat, or a third of a shorter session timeout, so one late heartbeat does not
     drop a healthy worker from the group."""
     return min(3000, settings.session_timeout_ms // 3)
 
-
-def kafka_security(settings: Settings) -> dict[str, Any]:
-    """The aiokafka keyword arguments of the security settings (see d3stream/kafka/connection.py)."""
-    from d3stream.kafka.connection import security_options
-
-    return security_options(settings)

@@ -35,19 +35,19 @@ from d3stream.config import Settings, check_settings
 from d3stream.core.answers import AnswerBuilder, answer_identity, provenance_digest
 from d3stream.core.decoding import ByteBudget, MediaDecoder
 from d3stream.core.events import ModelRecord, Worker
+from d3stream.core.outgoing import Outgoing
 from d3stream.core.passes import Passes, RowScheduler, default_token_budget, model_thread
 from d3stream.core.pipeline import Hosted, RequestPipeline, Served
 from d3stream.core.seams import DecisionModel, InFlight
-from d3stream.core.shadow import shadow_hosted
 from d3stream.core.storage import MediaFetcher
 from d3stream.kafka.commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
-from d3stream.kafka.connection import connecting
+from d3stream.kafka.connection import check_connection, connecting
 from d3stream.kafka.consume import ConsumeLoop, Fetch, LiveRead, ReadPolicy, group_consumer
 from d3stream.kafka.limits import Limits, WorkerFatal, producer_compression
 from d3stream.kafka.offsets import OffsetTracker
-from d3stream.kafka.publishing import Outgoing
 from d3stream.kafka.sinks import KafkaTopics, Sink, ensure_topics
 from d3stream.models.rollout import rollout_for
+from d3stream.models.shadow import shadow_hosted
 from d3stream.ops.collector import tuned_collector
 from d3stream.ops.metrics import Metrics
 from d3stream.ops.tracing import Tracing
@@ -91,6 +91,7 @@ class Service:
                  scheduler: RowScheduler | None = None, answer_file: Path | None = None,
                  replay_id: str | None = None, shadow: DecisionModel | None = None):
         self.settings = settings = check_settings(settings)
+        check_connection(settings)
         self.models = models = _served_models(model, settings, scheduler)
         self.model = models[0]
         self.metrics = metrics or Metrics()
@@ -146,7 +147,7 @@ class Service:
             self.settings,
             model_record=ModelRecord(name=model.model_name, runtime=provenance.get("runtime", ""),
                                      provenance_sha256=digest),
-            worker=self.worker, limits=self.limits, metrics=self.metrics, replay_id=replay_id,
+            worker=self.worker, fit=self.limits.fit, metrics=self.metrics, replay_id=replay_id,
         )
         return Hosted(model, passes, answers, provenance, digest)
 

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from d3stream.core.batching import BatchScheduler, PassRecord, pack
+from d3stream.core.batching import BatchScheduler, PassRecord
 from d3stream.core.seams import DeadlineExceeded, Scheduling
+from d3stream.runtime.packing import pack
 
 
 @dataclass(eq=False)

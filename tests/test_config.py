@@ -19,9 +19,9 @@ from d3stream.config import (
     add_arguments,
     env_name,
     flag_name,
-    kafka_security,
     load_settings,
 )
+from d3stream.kafka.connection import security_options
 
 
 @pytest.fixture(autouse=True)
@@ -213,14 +213,14 @@ def test_serve_without_a_model_exits_2(capsys):
 
 
 def test_kafka_security_options():
-    assert kafka_security(Settings()) == {"security_protocol": "PLAINTEXT"}
+    assert security_options(Settings()) == {"security_protocol": "PLAINTEXT"}
     with pytest.raises(ValueError, match="sasl_mechanism"):
-        kafka_security(Settings(security_protocol="SASL_PLAINTEXT"))
-    options = kafka_security(
+        security_options(Settings(security_protocol="SASL_PLAINTEXT"))
+    options = security_options(
         Settings(security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN", sasl_username="u", sasl_password="p")
     )
     assert options["sasl_plain_username"] == "u" and options["sasl_plain_password"] == "p"
-    assert "ssl_context" in kafka_security(Settings(security_protocol="SSL"))
+    assert "ssl_context" in security_options(Settings(security_protocol="SSL"))
 
 
 def test_settings_refuse_unknown_fields():

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from d3stream.core import events
+from d3stream.core import agreement, events
 from d3stream.core.storage import MediaError, inline_media
 from d3stream.runtime import kinds
 from d3stream.runtime.questions import answer_object, normalize_question, reversed_question
-from d3stream.tools import compare
 
 PACKAGE = Path(kinds.__file__).resolve().parents[1]
 
@@ -49,11 +48,11 @@ def test_a_question_type_round_trips_through_answer_compare_and_labels(name: str
     validated = normalize_question(question)
     answer = answer_object(validated, probabilities)
     assert answer["type"] == name
-    slot = compare.parse_slot(answer)
+    slot = agreement.parse_slot(answer)
     assert slot is not None and slot.type == name
     best = validated.keys[max(range(len(probabilities)), key=probabilities.__getitem__)]
     assert slot.decision == best
-    assert compare._label_key(slot, label) == best
+    assert agreement.label_key(slot, label) == best
     assert slot.probabilities == pytest.approx(dict(zip(validated.keys, probabilities, strict=True)))
     # Only choice options may be shown in reverse: a score's levels are ordered, a noul's are fixed.
     assert (reversed_question(validated) is not None) == kinds.question_type(name).permutable
@@ -63,7 +62,7 @@ def test_unknown_types_are_refused_naming_the_registry() -> None:
     with pytest.raises(ValueError, match=r"unsupported question type 'rank' \(choice, noul or score\)"):
         normalize_question({"type": "rank"})
     assert kinds.question_type(["choice"]) is None  # a request's type may be any JSON value
-    assert compare.parse_slot({"type": "rank", "probabilities": {"a": 1.0}}) is None
+    assert agreement.parse_slot({"type": "rank", "probabilities": {"a": 1.0}}) is None
     with pytest.raises(ValueError, match="image or video"):
         kinds.media_kind("audio")
 

@@ -24,7 +24,13 @@ import pytest
 
 from d3stream.cli import main
 from d3stream.config import load_settings
-from d3stream.kafka.connection import client_options, parse_kafka_options, security_options, token_provider
+from d3stream.kafka.connection import (
+    check_connection,
+    client_options,
+    parse_kafka_options,
+    security_options,
+    token_provider,
+)
 from d3stream.service import Service
 
 from .stream_helpers import Q_NOUL, Reader, assigned_and_ready, run
@@ -340,8 +346,8 @@ def test_kafka_options_reach_the_clients_that_take_them_and_unknown_keys_are_ref
         parse_kafka_options(["sasl_plain_password=x"])
     with pytest.raises(ValueError, match="must be int"):
         parse_kafka_options(["request_timeout_ms=soon"])
-    with pytest.raises(ValueError, match="kafka_options"):  # refused when the settings load: exit 2 before work
-        load_settings({"kafka_options": ["no_such_option=1"]}, environ={})
+    with pytest.raises(ValueError, match="kafka_options"):  # refused as the command starts: exit 2 before work
+        check_connection(load_settings({"kafka_options": ["no_such_option=1"]}, environ={}))
 
 
 def test_connection_settings_that_cannot_work_are_refused_by_name():
@@ -354,7 +360,7 @@ def test_connection_settings_that_cannot_work_are_refused_by_name():
         ({"D3STREAM_SECURITY_PROTOCOL": "SSL", "D3STREAM_SSL_KEYFILE": "/k.pem"}, "ssl_certfile"),
     ]:
         with pytest.raises(ValueError, match=setting):
-            load_settings({}, environ=environ)
+            check_connection(load_settings({}, environ=environ))
 
 
 def test_a_client_key_that_does_not_load_names_ssl_key_password(pki):

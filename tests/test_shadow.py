@@ -16,7 +16,8 @@ import pytest
 
 from d3stream.cli import main as cli_main
 from d3stream.config import load_settings
-from d3stream.core.shadow import chosen, parse_shadow, shadow_hosted
+from d3stream.core.shadow import chosen
+from d3stream.models.shadow import parse_shadow, shadow_hosted
 from d3stream.service import provenance_digest
 from d3stream.tools.chaos import WorkerProcess, count_topic, worker_env
 from d3stream.tools.clients import produce

@@ -15,6 +15,7 @@ import shutil
 
 import pytest
 
+from d3stream.core import agreement
 from d3stream.runtime.package import package_files, sha256_file, verify_package
 from d3stream.tools import compare, tasks
 from d3stream.tools.build_checkpoint import build_checkpoint
@@ -52,7 +53,7 @@ def test_every_question_of_the_task_is_learned(heldout_report):
     correct: dict[str, list[bool]] = {}
     expected = {(r["id"], r["question"]): r["answer"] for r in tasks.label_records(tasks.heldout())}
     for question in heldout_report.joined:
-        key = compare._label_key(question.b, expected[(question.request_id, question.question_id)])
+        key = agreement.label_key(question.b, expected[(question.request_id, question.question_id)])
         correct.setdefault(question.question_id, []).append(question.b.decision == key)
     accuracy = {name: sum(values) / len(values) for name, values in correct.items()}
     assert accuracy.keys() == PER_QUESTION_ACCURACY.keys()

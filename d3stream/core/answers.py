@@ -38,10 +38,9 @@ from d3stream.core.events import (
     Worker,
     encode,
 )
+from d3stream.core.outgoing import Outgoing, RecordFit
 from d3stream.core.seams import DEFAULT_SCHEDULING, InputRecord, Position, Scheduling
 from d3stream.core.storage import FetchedMedia
-from d3stream.kafka.limits import Limits
-from d3stream.kafka.publishing import Outgoing
 from d3stream.ops.metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -98,12 +97,12 @@ class RequestWork:
 class AnswerBuilder:
     """Builds a worker's answer events and dead letters, sized to fit their topics."""
 
-    def __init__(self, settings: Settings, *, model_record: ModelRecord, worker: Worker, limits: Limits,
+    def __init__(self, settings: Settings, *, model_record: ModelRecord, worker: Worker, fit: RecordFit,
                  metrics: Metrics, replay_id: str | None = None):
         self.settings = settings
         self.model_record = model_record
         self.worker = worker
-        self.limits = limits
+        self.fit = fit  # whether a record fits its topic (the sink's limits)
         self.metrics = metrics
         self.replay_id = replay_id
         self.dead_letters = 0
@@ -177,7 +176,7 @@ class AnswerBuilder:
         bare = msgspec.structs.replace(letter, value="", value_truncated=bool(raw))
         value = encode(letter)
         headers = work.headers
-        if not self.limits.fit(topic, key, value, headers).fits:
+        if not self.fit(topic, key, value, headers).fits:
             value = encode(bare)
         return Outgoing(topic, key, value, kind="dead_letter", headers=headers,
                         replacement=lambda cause: Outgoing(topic, key, encode(bare), kind="dead_letter",
@@ -190,7 +189,7 @@ class AnswerBuilder:
         headers = work.headers
         value = encode(answer)
         key = answer.id.encode()
-        fit = self.limits.fit(topic, key, value, headers)
+        fit = self.fit(topic, key, value, headers)
         if fit.fits:
             return answer, Outgoing(topic, key, value, headers=headers, replacement=partial(self._refused, work, answer))
         smaller = self._too_large(work, answer, fit.reason)
@@ -213,7 +212,7 @@ class AnswerBuilder:
         smaller = self.error(work, "answer_too_large", message, request_id=answer.id)
         smaller.answer_id = answer.answer_id
         for shrink in (_without_media, _without_id):
-            if self.limits.fit(self.settings.answer_topic, smaller.id.encode(), encode(smaller), work.headers).fits:
+            if self.fit(self.settings.answer_topic, smaller.id.encode(), encode(smaller), work.headers).fits:
                 break
             smaller = shrink(smaller, work.source)
         return smaller

@@ -72,24 +72,6 @@ class PassRecord:
                                                       padded_tokens=self.padded_tokens))
 
 
-def pack(items: Sequence[T], length: Callable[[T], int], max_rows: int, max_tokens: int) -> list[list[T]]:
-    """Passes of at most ``max_rows`` items and ``max_tokens`` padded tokens, similar lengths together."""
-    ordered = sorted(items, key=length, reverse=True)
-    passes: list[list[T]] = []
-    current: list[T] = []
-    longest = 0
-    for item in ordered:
-        size = length(item)
-        if current and (len(current) >= max_rows or (len(current) + 1) * max(longest, size) > max_tokens):
-            passes.append(current)
-            current, longest = [], 0
-        current.append(item)
-        longest = max(longest, size)
-    if current:
-        passes.append(current)
-    return passes
-
-
 _UNSET: Any = object()
 
 

@@ -56,12 +56,12 @@ from d3stream.core.events import (
 )
 from d3stream.core.jobthread import JobThread
 from d3stream.core.media_stage import MediaStage
+from d3stream.core.outgoing import Outgoing
 from d3stream.core.passes import Passes, PassItem
 from d3stream.core.quotas import TenantQuotas
 from d3stream.core.seams import DeadlineExceeded, DecisionModel, InFlight, InputRecord, Scheduling
 from d3stream.core.shadow import Shadow
 from d3stream.core.storage import MediaFetcher
-from d3stream.kafka.publishing import Outgoing
 from d3stream.ops.metrics import Metrics
 from d3stream.ops.tracing import forwarded_headers, header_names
 from d3stream.runtime.media import reason

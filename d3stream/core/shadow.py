@@ -28,7 +28,7 @@ What keeps it out of the live path:
 
 Live comparison (``Metrics.count_shadow_*``): per (live model, shadow model, question type) the compared
 questions, how many agree on the top choice, the sum and maximum of |dp| over their options, and the
-shadow's answered / errored counts, measured with ``compare.join_slots``, so the figures are the ones
+shadow's answered / errored counts, measured with ``agreement.join_slots``, so the figures are the ones
 ``d3stream compare`` gives for the same answers.
 """
 
@@ -38,7 +38,6 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -46,17 +45,16 @@ import msgspec
 import structlog
 
 from d3stream.config import Settings
+from d3stream.core.agreement import join_slots, parse_slot
 from d3stream.core.answers import AnswerBuilder, RequestWork, answer_identity
 from d3stream.core.events import PRIORITIES, Answer, Request
 from d3stream.core.jobthread import JobThread
+from d3stream.core.outgoing import Outgoing
 from d3stream.core.passes import PassItem
 from d3stream.core.seams import Scheduling
-from d3stream.kafka.publishing import Outgoing
-from d3stream.models.checkpoints import MODEL_NAME, CheckpointError, parse_model_spec
 from d3stream.ops.metrics import Metrics
 from d3stream.runtime.media import reason
 from d3stream.runtime.model import Prepared
-from d3stream.tools.compare import join_slots, parse_slot
 
 log = structlog.get_logger(__name__)
 
@@ -80,25 +78,6 @@ def chosen(request_id: str, share: float) -> bool:
     return int.from_bytes(digest[:8], "big") < share * 2.0**64
 
 
-@dataclass(frozen=True)
-class ShadowSpec:
-    """A ``--shadow`` value: the name its answers carry and where its checkpoint is (None: a served model)."""
-
-    name: str
-    location: str | None
-
-
-def parse_shadow(text: str) -> ShadowSpec:
-    """``NAME=PATH`` (a checkpoint directory or s3:// prefix) or ``NAME`` (a served model)."""
-    spec = parse_model_spec(text)
-    if spec.name is not None:
-        return ShadowSpec(spec.name, spec.location)
-    if MODEL_NAME.fullmatch(spec.location):
-        return ShadowSpec(spec.location, None)
-    raise CheckpointError(f"--shadow {text!r}: give NAME=PATH for a checkpoint of its own, or the NAME of a "
-                          "served model (setting: shadow)")
-
-
 OnServed = Callable[[list[Any]], Awaitable[None]]  # pipeline.OnServed: a list of pipeline.Served
 # A request's decoded media (images, videos), or None for a text-only request (pipeline.Media).
 Media = tuple[list[Any], list[Any]] | None
@@ -118,7 +97,7 @@ class Shadow:
         live: AnswerBuilder = hosted.answers
         # Its answers are fitted to the shadow topic's message limit, and name the shadow model.
         self.answers = AnswerBuilder(msgspec.structs.replace(settings, answer_topic=self.topic),
-                                     model_record=live.model_record, worker=live.worker, limits=live.limits,
+                                     model_record=live.model_record, worker=live.worker, fit=live.fit,
                                      metrics=metrics, replay_id=live.replay_id)
 
     def following(self, live: Any, items: Sequence[tuple[RequestWork, Request]], media: Sequence[Media],
@@ -276,25 +255,3 @@ def as_shadow(record: Outgoing) -> Outgoing:
     if replacement is not None:
         record.replacement = lambda cause: as_shadow(replacement(cause))
     return record
-
-
-def shadow_hosted(settings: Settings, served: Sequence[Any], own: Any | None) -> Any | None:
-    """The served model (``pipeline.Hosted``) that is the shadow: ``own`` (a shadow checkpoint of its own,
-    hosted by the caller), or the served model ``shadow`` names; None without a shadow. ValueError names the
-    setting when ``shadow`` names neither."""
-    if own is not None:
-        if any(each.name == own.name for each in served):
-            raise ValueError(f"--shadow {settings.shadow!r}: a served model has the name {own.name!r}; give the "
-                             "shadow another NAME, or --shadow NAME alone to shadow with the served model")
-        return own
-    if not settings.shadow:
-        return None
-    spec = parse_shadow(settings.shadow)
-    if spec.location is not None:
-        raise ValueError(f"--shadow {settings.shadow!r}: its checkpoint was not loaded (d3stream serve loads it)")
-    for each in served:
-        if each.name == spec.name:
-            return each
-    names = ", ".join(repr(each.name) for each in served)
-    raise ValueError(f"--shadow {spec.name!r}: not a served model (this worker serves {names}); give NAME=PATH "
-                     "for a checkpoint of its own (setting: shadow)")

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import structlog
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from d3stream.core.events import HEADERS
+from d3stream.core.outgoing import Fit
 
 log = structlog.get_logger(__name__)
 
@@ -41,16 +42,6 @@ class WorkerFatal(RuntimeError):
     """Publishing or committing cannot succeed however often it is retried (no permission, a missing
     topic, a limit that not even an error answer fits): the worker stops and exits non-zero. The message
     names the topic, the cause and the knob to turn."""
-
-
-class Fit(NamedTuple):
-    """How large a record is, and whether it fits its topic."""
-
-    fits: bool
-    uncompressed: int  # the record as the producer sizes it (aiokafka's estimate, before compression)
-    on_wire: int  # what the broker counts: the compressed batch (the uncompressed one without compression)
-    limit: int  # the topic's max.message.bytes
-    reason: str = ""  # why it does not fit, naming the limit and its knob
 
 
 @dataclass

@@ -25,8 +25,7 @@ from typing import Any, Literal
 import structlog
 from aiokafka.partitioner import DefaultPartitioner
 
-from d3stream.core.events import HEADERS
-from d3stream.core.seams import RecordKind
+from d3stream.core.outgoing import Outgoing
 from d3stream.kafka.limits import WorkerFatal
 
 log = structlog.get_logger(__name__)
@@ -76,21 +75,6 @@ def fatal(record: Outgoing | None, exc: BaseException, what: str = "publishing")
         "RecordTooLargeError": "not even the smallest replacement fits: raise max_request_size",
     }.get(type(exc).__name__, "see the cause")
     return WorkerFatal(f"{what}{topic} failed and cannot succeed by retrying: {type(exc).__name__}: {exc}; {hint}")
-
-
-@dataclass
-class Outgoing:
-    """A record to publish because of one consumed offset (its answer, maybe a dead letter)."""
-
-    topic: str
-    key: bytes | None
-    value: bytes
-    kind: RecordKind = "answer"  # what it is, for a sink that is not a set of topics (a file keeps answers)
-    # content-type and d3stream-schema, and the request headers an answer carries back (tracing.py).
-    headers: list[tuple[str, bytes]] = field(default_factory=lambda: HEADERS, repr=False)
-    # What to publish instead when this record is refused as too large (the refusal's text as argument);
-    # None: nothing smaller exists, and a refusal is worker-fatal.
-    replacement: Callable[[str], Outgoing] | None = field(default=None, repr=False, compare=False)
 
 
 def replaced(record: Outgoing, exc: BaseException) -> Outgoing:

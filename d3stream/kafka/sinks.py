@@ -19,10 +19,11 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 from d3stream.config import Settings
+from d3stream.core.outgoing import Outgoing
 from d3stream.core.shadow import shadow_topic
 from d3stream.kafka.connection import client_options
 from d3stream.kafka.limits import Limits, read_topic_limits
-from d3stream.kafka.publishing import Outgoing, RecordBatches, quietly_stop, send_with_retries
+from d3stream.kafka.publishing import RecordBatches, quietly_stop, send_with_retries
 from d3stream.ops.metrics import Metrics
 
 log = structlog.get_logger(__name__)

@@ -38,6 +38,7 @@ from typing import Any
 
 import structlog
 
+from d3stream.config import cache_root
 from d3stream.core.storage import Allowlist, MediaError, S3Location, parse_s3_reference, s3_client
 from d3stream.runtime.package import MANIFEST, MANIFEST_SCHEMA
 
@@ -131,8 +132,6 @@ class ObjectStoreAccess:
 
 def default_cache_dir() -> Path:
     """``$D3STREAM_CACHE/models``, by default ``~/.cache/d3stream/models``."""
-    from d3stream.tools.build_checkpoint import cache_root
-
     return cache_root() / "models"
 
 

@@ -1257,7 +1257,11 @@ class D3:
 
     def provenance(self) -> dict[str, Any]:
         """Everything that determines an answer: files, numerics, prompt, media contracts."""
-        from d3stream import __version__
+        from importlib.metadata import version
+
+        # The distribution's version, read from its metadata: the runtime names d3stream without importing
+        # anything of it outside runtime/.
+        __version__ = version("d3stream")
 
         files = {
             name: sha256_file(self.root / name)

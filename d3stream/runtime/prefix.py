@@ -42,8 +42,8 @@ from typing import Any
 
 import structlog
 
-from d3stream.core.batching import pack
 from d3stream.runtime.model import D3, Prepared, RequestMedia, Row, sdpa_backends
+from d3stream.runtime.packing import pack
 
 log = structlog.get_logger(__name__)
 

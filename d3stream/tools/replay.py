@@ -475,10 +475,12 @@ def _command_settings(args: Any) -> tuple[Settings, str]:
     """The replay's settings (with --to-topic as its answer topic) and its one checkpoint; logging is
     configured. A target that is a live or request topic, or a --model other than one, is refused."""
     from d3stream.config import load_settings
+    from d3stream.kafka.connection import check_connection
     from d3stream.ops.logs import configure_logging
 
     try:
         settings = load_settings(args)
+        check_connection(settings)
     except ValueError as exc:
         raise _Refused(str(exc)) from exc
     configure_logging(settings.log_format, "warning" if settings.log_level == "info" else settings.log_level)

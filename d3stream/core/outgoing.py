@@ -1,0 +1,49 @@
+"""What the core hands to a sink: records to publish, and whether a record fits the topic it goes to.
+
+The core builds every record a request ends in (its answer, a dead letter, a shadow answer) and sizes it
+before anything is sent, so that a record too large for its topic is replaced by a smaller one instead
+of being refused forever. How large is too large is the broker's business: the core asks a ``RecordFit``
+(``d3stream.kafka.limits.Limits.fit`` reads the topics' limits from the broker) and never imports Kafka.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from d3stream.core.events import HEADERS
+from d3stream.core.seams import RecordKind
+
+
+@dataclass
+class Outgoing:
+    """A record to publish because of one consumed offset (its answer, maybe a dead letter)."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+    kind: RecordKind = "answer"  # what it is, for a sink that is not a set of topics (a file keeps answers)
+    # content-type and d3stream-schema, and the request headers an answer carries back (ops/tracing.py).
+    headers: list[tuple[str, bytes]] = field(default_factory=lambda: HEADERS, repr=False)
+    # What to publish instead when this record is refused as too large (the refusal's text as argument);
+    # None: nothing smaller exists, and a refusal is worker-fatal.
+    replacement: Callable[[str], Outgoing] | None = field(default=None, repr=False, compare=False)
+
+
+class Fit(NamedTuple):
+    """How large a record is, and whether it fits its topic."""
+
+    fits: bool
+    uncompressed: int  # the record as the producer sizes it (before compression)
+    on_wire: int  # what the broker counts: the compressed batch (the uncompressed one without compression)
+    limit: int  # the topic's max.message.bytes
+    reason: str = ""  # why it does not fit, naming the limit and its knob
+
+
+class RecordFit(Protocol):
+    """Whether a record of this topic, key, value and headers fits what the topic accepts."""
+
+    def __call__(self, topic: str, key: bytes | None, value: bytes,
+                 headers: Sequence[tuple[str, bytes]] = HEADERS) -> Fit: ...
+
