@@ -6,12 +6,12 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install lint schemas clean
+.PHONY: demo test install lint schemas clean constraints
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --upgrade pip
-	$(VENV)/bin/pip install -e '.[test]'
+	$(VENV)/bin/pip install -c constraints.txt -e '.[test]'
 	@command -v java >/dev/null || { echo "Java 17+ is needed for the local Kafka and S3 servers (apt-get install openjdk-17-jre-headless)"; exit 1; }
 	@command -v mvn >/dev/null || { echo "Maven is needed to fetch the Kafka and S3Proxy jars (apt-get install maven)"; exit 1; }
 	touch $(STAMP)
@@ -31,6 +31,17 @@ lint: $(STAMP)
 
 schemas: $(STAMP)
 	$(VENV)/bin/python -m d3stream.core.events
+
+# constraints.txt anew: the newest versions pyproject.toml allows, resolved in a scratch venv. Run make test
+# after it and commit both files.
+constraints:
+	rm -rf .venv-refresh
+	$(PYTHON) -m venv .venv-refresh
+	.venv-refresh/bin/pip install --upgrade pip
+	.venv-refresh/bin/pip install '.[test]'
+	{ sed -n '1,3p' constraints.txt; .venv-refresh/bin/pip freeze --exclude-editable | grep -v '^d3stream'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf .venv-refresh
 
 clean:
 	rm -rf $(VENV) .pytest_cache
