@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install lint schemas clean constraints
+.PHONY: demo test test-fast install lint schemas clean constraints
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: $(STAMP)
 
 test: lint
 	D3STREAM_REQUIRE_INFRA=1 $(VENV)/bin/python -m pytest -q
+
+# The quick loop: the tests that need no JVM (no Kafka broker or S3 store) and start no other Python process.
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not infra and not subprocess"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check d3stream tests

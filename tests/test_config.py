@@ -179,6 +179,7 @@ def test_every_setting_has_help_and_a_flag():
             assert "--no-" + name.replace("_", "-") in options
 
 
+@pytest.mark.subprocess
 def test_serve_help_lists_every_setting():
     result = subprocess.run(
         [sys.executable, "-m", "d3stream", "serve", "--help"], capture_output=True, text=True, timeout=60

@@ -61,6 +61,7 @@ def test_forwarded_headers_take_the_allowed_names_once_within_the_byte_bound():
     assert forwarded_headers(None, names, 4096) == [] and forwarded_headers(incoming, names, 0) == []
 
 
+@pytest.mark.subprocess
 def test_header_and_tracing_settings_are_checked():
     with pytest.raises(ValueError, match="forward_headers may not name content-type"):
         check_settings(Settings(forward_headers=["content-type"]))
