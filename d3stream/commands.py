@@ -48,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
         return 2
+    _log_kernel_notice([*models, *([shadow] if shadow is not None else [])])
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -70,6 +71,19 @@ def _serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
     return 0
+
+
+def _log_kernel_notice(models: list[Any]) -> None:
+    """Say once, at ``info``, when the models run transformers' reference Gated DeltaNet kernels: the logging
+    set-up puts transformers' own warnings about it at ``debug`` (ops/logs.py)."""
+    import structlog
+
+    from d3stream.ops.logs import kernel_notice
+
+    notices = dict.fromkeys(kernel_notice(model.kernel_record(), str(model.device)) for model in models)
+    for notice in notices:
+        if notice:
+            structlog.get_logger("d3stream.serve").info(notice)
 
 
 def _load_models(settings: Any) -> tuple[list[Any], Any | None]:

@@ -164,21 +164,30 @@ async def run_demo(
     ``trained`` and ``baseline`` default to the cached demo checkpoints (built on first use); ``stack``, a
     running ``(KafkaBroker, ObjectStore)``, to a fresh ``infra.local_stack`` for the run.
     """
-    from contextlib import nullcontext
+    from contextlib import ExitStack
 
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     from d3stream.tools.infra import local_stack
 
     started = time.perf_counter()
-    status = tqdm(total=6, desc="demo: starting", disable=not progress, file=sys.stderr, leave=False)
-    with local_stack(progress=progress) if stack is None else nullcontext(stack) as (broker, store):
+    with ExitStack() as scope:
+        if progress:
+            # While the bars are drawn, log lines go through tqdm.write: printed above the bars, which are
+            # redrawn below them, instead of a line torn in two by the next refresh.
+            scope.enter_context(logging_redirect_tqdm())
+        status = scope.enter_context(
+            tqdm(total=6, desc="demo: starting Kafka and the S3 store", disable=not progress, file=sys.stderr,
+                 leave=False)
+        )
+        broker, store = stack or scope.enter_context(local_stack(progress=progress))
         status.set_description("demo: checkpoints (the first run trains one: about a minute)")
         status.update()
         baseline_path = baseline or demo_checkpoint(progress=False)
         trained_path = trained or trained_checkpoint(progress=False)
         summary = await _serve_and_reevaluate(broker, store, trained_path, baseline_path, status, progress, timeout_s)
-        status.close()
+        status.close()  # gone before the servers stop (they take a few seconds), so the answers follow at once
     return {**summary, "seconds": round(time.perf_counter() - started, 2)}
 
 
@@ -190,6 +199,7 @@ async def _serve_and_reevaluate(
     from tqdm import tqdm
 
     from d3stream.config import Settings
+    from d3stream.ops.logs import kernel_notice
     from d3stream.runtime import D3
     from d3stream.service import Service
     from d3stream.tools.clients import consume_answers, produce
@@ -197,6 +207,9 @@ async def _serve_and_reevaluate(
     from d3stream.tools.replay import ReplayRange, run_replay
 
     model = D3.from_pretrained(trained)
+    notice = kernel_notice(model.kernel_record(), str(model.device))
+    if notice and progress:
+        tqdm.write(notice, file=sys.stderr)  # once, above the bars (transformers' own warnings are at debug)
     status.set_description("demo: media")
     status.update()
     store.create_bucket(DEMO_BUCKET)

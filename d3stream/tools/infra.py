@@ -5,7 +5,7 @@ reproduce (transactions and ``read_committed``, consumer-group rebalances, a bro
 running consumer, S3 ETags and range reads). So tests start the actual programs:
 
 * **Kafka** 4.x in KRaft mode (one JVM acting as broker and controller), built from the Maven Central jars
-  listed in ``d3stream/jvm/pom.xml`` -- no tarball download, no Docker.
+  listed in ``d3stream/tools/jvm/pom.xml`` -- no tarball download, no Docker.
 * **S3Proxy** (same pom, its self-contained jar) with the jclouds ``filesystem`` backend, so objects are
   ordinary files in a temporary folder and survive a stop/start of the server.
 
@@ -17,6 +17,10 @@ stopped by PID (SIGTERM, then SIGKILL after a grace period). Ports are picked on
 Requirements: ``java`` (17+) and, the first time only, ``mvn`` plus network access to Maven Central.
 :func:`ensure_jars` resolves the jars once into ``$D3STREAM_CACHE`` (default ``~/.cache/d3stream/jvm``),
 in a sub-folder named after the pom's hash, so editing a version in the pom re-resolves by itself.
+
+Tool output never goes to the terminal: Maven writes to ``maven.log`` in that sub-folder, each server to
+its own log file, and an :class:`InfraError` carries the log's path and tail when a step fails -- a run
+that works reads clean, one that does not says where to look.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -60,7 +65,7 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 POM_PATH = Path(__file__).parent / "jvm" / "pom.xml"
-"""The Maven pom naming the Kafka and S3Proxy jars (a data file; ``d3stream/jvm`` is not a package)."""
+"""The Maven pom naming the Kafka and S3Proxy jars (a data file; ``d3stream/tools/jvm`` is not a package)."""
 
 _T = TypeVar("_T")
 
@@ -125,6 +130,11 @@ def ensure_jars(progress: bool = False) -> Path:
     folder may be read-only). A marker file records success, so later calls cost one ``stat``; a file
     lock keeps parallel test processes from resolving into the same folder at once. The plugin version is
     pinned so the result does not depend on what the local Maven repository happens to hold.
+
+    Maven's output (a screen of ``[INFO]`` lines) goes to ``maven.log`` in the cache folder, never to the
+    terminal: a failure raises :class:`InfraError` with the log's tail and path, which is the only time
+    anyone needs to read it. With ``progress`` one line says that the jars are being fetched and where
+    Maven's output is (a first run waits on the network here, and should know why).
     """
     cache = _cache_dir()
     lib = cache / "lib"
@@ -142,27 +152,27 @@ def ensure_jars(progress: bool = False) -> Path:
         shutil.copyfile(POM_PATH, cache / "pom.xml")
         staging = cache / "lib.partial"
         shutil.rmtree(staging, ignore_errors=True)
+        log_path = cache / "maven.log"
         cmd = [
             mvn,
-            "-B",
-            *([] if progress else ["-q"]),
+            "-B",  # batch mode: no colours and no download progress meter in the log file
             "-f",
             str(cache / "pom.xml"),
             "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies",
             f"-DoutputDirectory={staging}",
         ]
-        log.info("jars.resolving", cache=str(cache))
+        if progress:
+            _notice(f"fetching the Kafka and S3Proxy jars with Maven (once; its output goes to {log_path})")
+        log.info("jars.resolving", cache=str(cache), log=str(log_path))
         started = time.monotonic()
-        proc = subprocess.run(
-            cmd,
-            cwd=cache,
-            stdout=None if progress else subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        with open(log_path, "w") as out:
+            out.write(f"===== d3stream: {' '.join(cmd)}\n")
+            out.flush()
+            proc = subprocess.run(cmd, cwd=cache, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         if proc.returncode != 0:
             raise InfraError(
-                f"Maven could not resolve {POM_PATH} (exit {proc.returncode}):\n{(proc.stdout or '')[-4000:]}"
+                f"Maven could not resolve {POM_PATH} (exit {proc.returncode}); its log {log_path} ends:\n"
+                f"{_tail(log_path, 4000)}"
             )
         shutil.rmtree(lib, ignore_errors=True)
         staging.rename(lib)
@@ -171,6 +181,14 @@ def ensure_jars(progress: bool = False) -> Path:
         marker.write_text("\n".join(sorted(p.name for p in lib.glob("*.jar"))) + "\n")
         log.info("jars.resolved", cache=str(cache), seconds=round(time.monotonic() - started, 1))
     return lib
+
+
+def _notice(text: str) -> None:
+    """One line for the person at the terminal, through ``tqdm.write`` so that a progress bar drawn at the
+    time (the demo's) is redrawn below it instead of being torn."""
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stderr)
 
 
 def _s3proxy_jar(lib: Path) -> Path:
@@ -593,12 +611,12 @@ class KafkaBroker(_LocalServer):
             f"--config={props_path}",
             *self.format_arguments,
         ]
-        proc = subprocess.run(cmd, cwd=self.workdir, capture_output=True, text=True, timeout=120)
-        with open(self.log_path, "a") as f:
-            f.write(proc.stdout + proc.stderr)
+        with open(self.log_path, "a") as out:
+            proc = subprocess.run(cmd, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=120)
         if proc.returncode != 0:
             raise InfraError(
-                f"kafka-storage format failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}"
+                f"kafka-storage format failed (exit {proc.returncode}); log {self.log_path}:\n{_tail(self.log_path)}"
             )
 
     def _ready(self) -> bool:
@@ -820,8 +838,8 @@ def local_stack(
     """Start a Kafka broker and an S3 store, yield them, stop both (for ``d3stream demo``).
 
     With ``workdir`` the data lives in ``workdir/kafka`` and ``workdir/s3`` and is kept afterwards;
-    without, both use temporary folders that are deleted on exit. ``progress`` shows Maven's output
-    during the one-time jar download, which takes a while on a first run.
+    without, both use temporary folders that are deleted on exit. ``progress`` says so in one line when the
+    one-time jar download runs, which takes a while on a first run (Maven's output goes to a log file).
     """
     ensure_jars(progress=progress)
     with contextlib.ExitStack() as stack:
