@@ -159,3 +159,18 @@ def test_log_lines_go_above_a_progress_bar_and_keep_their_levels(logging_at, cap
     lines = _lines(capsys.readouterr().err)
     # The redirect keeps the filter: the starting coordinator stays below the demo's level, a warning shows.
     assert [line["event"] for line in lines] == ["a real warning"]
+
+
+def test_serve_says_once_that_its_models_run_reference_kernels(logging_at, capsys):
+    from d3stream.commands import _log_kernel_notice
+
+    class Model:  # what the notice reads of a D3
+        device = "cpu"
+
+        def kernel_record(self) -> dict[str, str]:
+            return {"path": "reference", "torch_chunk_gated_delta_rule": "torch-reference"}
+
+    logging_at("info")  # serve's default level
+    _log_kernel_notice([Model(), Model()])  # two models in one process: the kernels are the process's, said once
+    (line,) = _lines(capsys.readouterr().err)
+    assert line["level"] == "info" and "docs/GPU.md" in str(line["event"])

@@ -171,11 +171,12 @@ def kernel_notice(kernels: Mapping[str, str], device: str) -> str | None:
     if path not in ("reference", "mixed"):
         return None
     which = "reference" if path == "reference" else "partly reference"
+    # One short line (it should fit a terminal): where the model runs, what that means, where to read on.
     if device == "cpu":
-        return (f"The model runs on the CPU, with transformers' {which} kernels for its Gated DeltaNet layers: "
-                "correct, but slower than the fast kernels, which need a CUDA GPU (docs/GPU.md).")
-    return (f"The model runs on {device} with transformers' {which} kernels for its Gated DeltaNet layers: "
-            "correct, but slower; docs/GPU.md says how to install the fast ones.")
+        return (f"The model runs on the CPU with transformers' {which} kernels (correct, slower); "
+                "the fast ones need a CUDA GPU: docs/GPU.md")
+    return (f"The model runs on {device} with transformers' {which} kernels (correct, slower); "
+            "docs/GPU.md says how to install the fast ones")
 
 
 def _snapshot() -> Callable[[], None]:
