@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -138,6 +139,24 @@ def close_to(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
                 assert actual["choice"] == expected["choice"], label
 
 
+class SlowModel:
+    """The real model, with ``forward`` slowed down by ``delay_s`` so in-flight work piles up (or a stream lasts
+    long enough to be interrupted); ``forward_calls`` counts the passes."""
+
+    def __init__(self, model: Any, delay_s: float):
+        self._model = model
+        self.delay_s = delay_s
+        self.forward_calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def forward(self, rows):
+        self.forward_calls += 1
+        time.sleep(self.delay_s)
+        return self._model.forward(rows)
+
+
 class GatedModel:
     """The real model, whose forward passes wait while the gate is closed (a worker stuck in a long pass)."""
 
@@ -154,6 +173,14 @@ class GatedModel:
         if not self.gate.wait(120):
             raise RuntimeError("the test never opened the gate")
         return self._model.forward(rows)
+
+
+def free_port() -> int:
+    """A port free right now on 127.0.0.1 (the OS picks it): for a second broker's listeners, a metrics
+    endpoint, or an address nobody listens on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def record(request: dict[str, Any]) -> tuple[bytes, bytes]:

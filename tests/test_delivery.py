@@ -43,6 +43,7 @@ from tests.stream_helpers import (
     Q_SCORE,
     GatedModel,
     Reader,
+    SlowModel,
     assigned_and_ready,
     committed,
     read_all,
@@ -52,21 +53,6 @@ from tests.stream_helpers import (
 )
 
 pytestmark = pytest.mark.timeout(300)
-
-
-class SlowModel:
-    """The real model, with ``forward`` slowed down so a stream lasts long enough to be interrupted."""
-
-    def __init__(self, model: Any, delay_s: float):
-        self._model = model
-        self.delay_s = delay_s
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def forward(self, rows):
-        time.sleep(self.delay_s)
-        return self._model.forward(rows)
 
 
 # ====================================================================================== crash cycles

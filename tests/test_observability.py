@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from d3stream.core.events import HEADERS
 from d3stream.ops.tracing import Tracing, forwarded_headers, header_names, traces_url
 from d3stream.tools.replay import ReplayRange, run_replay
 from tests.media_makers import make_png
-from tests.stream_helpers import Q_CHOICE, Q_NOUL, Reader, read_all, record, run, serve
+from tests.stream_helpers import Q_CHOICE, Q_NOUL, Reader, free_port, read_all, record, run, serve
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -185,12 +184,6 @@ def test_request_headers_travel_to_the_answer_and_each_request_is_a_span_with_it
 
 
 # ------------------------------------------------------------------------------------------ JSON logs
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class Collector:

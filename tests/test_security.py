@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -33,18 +32,12 @@ from d3stream.kafka.connection import (
 )
 from d3stream.service import Service
 
-from .stream_helpers import Q_NOUL, Reader, assigned_and_ready, run
+from .stream_helpers import Q_NOUL, Reader, assigned_and_ready, free_port, run
 
 trustme = pytest.importorskip("trustme")
 
 SCRAM_USER, SCRAM_PASSWORD = "d3worker", "scram-secret-2718"
 KEY_PASSWORD = "client-key-password"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _b64url(document: dict[str, Any]) -> str:
@@ -104,7 +97,7 @@ def secured_broker(kafka_broker, pki):
     OAUTHBEARER) listeners. (It asks for ``kafka_broker`` only to share its skip-or-fail rule.)"""
     from d3stream.tools.infra import KafkaBroker
 
-    plain, ssl_port, sasl_port, controller = (_free_port() for _ in range(4))
+    plain, ssl_port, sasl_port, controller = (free_port() for _ in range(4))
     unsecured = "org.apache.kafka.common.security.oauthbearer.internals.unsecured"
     extra = {
         "listeners": f"PLAINTEXT://127.0.0.1:{plain},SSL://127.0.0.1:{ssl_port},SASL_SSL://127.0.0.1:{sasl_port},"

@@ -35,6 +35,7 @@ from tests.stream_helpers import (
     Q_NOUL,
     Q_SCORE,
     Reader,
+    SlowModel,
     close_to,
     committed,
     read_all,
@@ -50,25 +51,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------------- helpers
-
-
-class SlowModel:
-    """The real model, with ``forward`` slowed down so in-flight work piles up."""
-
-    def __init__(self, model: Any, delay_s: float):
-        self._model = model
-        self.delay_s = delay_s
-        self.forward_calls = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def forward(self, rows):
-        self.forward_calls += 1
-        time.sleep(self.delay_s)
-        return self._model.forward(rows)
-
-
 
 
 ANSWER_VALIDATOR = jsonschema.Draft202012Validator(json.loads((REPO / "schemas" / "answer.schema.json").read_text()))
