@@ -18,6 +18,7 @@ record; ``run`` raises it and ``d3stream serve`` exits with status 3.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -37,7 +38,8 @@ from d3stream.core.decoding import ByteBudget, MediaDecoder
 from d3stream.core.events import ModelRecord, Worker
 from d3stream.core.outgoing import Outgoing
 from d3stream.core.passes import Passes, RowScheduler, default_token_budget, model_thread
-from d3stream.core.pipeline import Hosted, RequestPipeline, Served
+from d3stream.core.pipeline import Hosted, RequestPipeline
+from d3stream.core.record import RequestRecord
 from d3stream.core.seams import DecisionModel, InFlight
 from d3stream.core.storage import MediaFetcher
 from d3stream.kafka.commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
@@ -320,29 +322,27 @@ class Service:
     # ------------------------------------------------------------------------------ one fetch
 
     async def _serve_fetch(self, fetched: Fetch) -> None:
-        """The consume loop's handler: the pipeline answers the fetch, and each answer is delivered."""
+        """The consume loop's handler: the pipeline answers the fetch, and each group of answers is delivered
+        as it is ready (beside the pipeline's further work, not after it)."""
+        deliveries = [asyncio.ensure_future(self._deliver(fetched, answered))
+                      async for answered in self.pipeline.answer(fetched.records)]
+        await asyncio.gather(*deliveries)
 
-        async def deliver(served: list[Served]) -> None:
-            await self._deliver(fetched, served)
-
-        await self.pipeline.serve(fetched.records, deliver)
-
-    async def _deliver(self, fetched: Fetch, served: list[Served]) -> None:
+    async def _deliver(self, fetched: Fetch, records: list[RequestRecord]) -> None:
         """Hand answers to the commit policy; count and trace them. Never raises: a worker-fatal error stops
         the worker (the offsets stay uncommitted), any other stops it too and is logged."""
         assert self.delivery is not None and self.loop is not None
         started = time.perf_counter()
         answered = []
-        for item in served:
-            work = item.work
-            work.publish_at = started
-            partition, epoch = fetched.origin(work.record)
-            answered.append(Answered(partition, work.source.offset, item.records, epoch))
+        for record in records:
+            record.publish_at = started
+            partition, epoch = fetched.origin(record.input)
+            answered.append(Answered(partition, record.source.offset, record.records, epoch))
         try:
             await self.delivery.deliver(answered)
         except WorkerFatal as exc:
             log.error("answers could not be published; their offsets stay uncommitted",
-                      offsets=[item.work.source.offset for item in served][:20], error=str(exc))
+                      offsets=[record.source.offset for record in records][:20], error=str(exc))
             self.loop.fail(exc)
             return
         except Exception:  # noqa: BLE001 - stop rather than commit past an unpublished answer
@@ -350,24 +350,25 @@ class Service:
             self.loop.stop()
             return
         finally:
-            self.in_flight.requests -= len(served)
-            self.in_flight.questions -= sum(item.work.questions for item in served)
+            self.in_flight.requests -= len(records)
+            self.in_flight.questions -= sum(record.questions for record in records)
         published = time.perf_counter()
         metrics = self.metrics
-        metrics.observe_stage("publish", published - started, len(served))  # delivered together
+        metrics.observe_stage("publish", published - started, len(records))  # delivered together
         errors: dict[str, int] = {}
-        for item in served:
-            metrics.observe_stage("end_to_end", published - item.work.received)
-            error = item.answer.error
+        for record in records:
+            metrics.observe_stage("end_to_end", published - record.received)
+            assert record.answer is not None  # the pipeline hands on answered requests only
+            error = record.answer.error
             if error is not None:
                 errors[error.code] = errors.get(error.code, 0) + 1
         failed = sum(errors.values())
-        self._answered += len(served) - failed
+        self._answered += len(records) - failed
         self._errors += failed
-        if len(served) > failed:
-            metrics.count_answer(None, len(served) - failed)
+        if len(records) > failed:
+            metrics.count_answer(None, len(records) - failed)
         for code, count in errors.items():
             metrics.count_answer(code, count)
         if self.tracing is not None:
-            for item in served:
-                self.tracing.request_served(item.work.record, item.work, item.answer, published)
+            for record in records:
+                self.tracing.request_served(record.input, record, record.answer, published)

@@ -377,10 +377,11 @@ def record_path(qwen35_text_model):
                                key=key, value=value, headers=())
         delivered: list[tuple[Any, int, list[Any]]] = []
 
-        async def on_served(served):
-            delivered.extend(("requests-0", s.work.source.offset, s.records) for s in served)
+        async def answer() -> None:
+            async for answered in service.pipeline.answer([item]):
+                delivered.extend(("requests-0", s.source.offset, s.records) for s in answered)
 
-        future = asyncio.run_coroutine_threadsafe(service.pipeline.serve([item], on_served), loop)
+        future = asyncio.run_coroutine_threadsafe(answer(), loop)
         future.result(timeout=60)
         return delivered
 

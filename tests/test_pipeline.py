@@ -20,7 +20,7 @@ import pytest
 
 from d3stream.config import Settings
 from d3stream.core.events import ERROR_CODES, decode_answer
-from d3stream.core.pipeline import Served
+from d3stream.core.record import RequestRecord
 from d3stream.service import Service
 from tests.media_makers import make_png, make_png_header_only
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, close_to
@@ -43,12 +43,12 @@ def data_url(kind: str, payload: bytes) -> str:
 
 
 class Recorder:
-    """What the pipeline hands to delivery, call by call."""
+    """What the pipeline hands to delivery, group by group."""
 
     def __init__(self) -> None:
-        self.calls: list[list[Served]] = []
+        self.calls: list[list[RequestRecord]] = []
 
-    async def __call__(self, served: list[Served]) -> None:
+    async def __call__(self, served: list[RequestRecord]) -> None:
         self.calls.append(served)
 
     @property
@@ -61,7 +61,8 @@ def serve(service: Service, batch: list[SimpleNamespace], recorder: Recorder | N
 
     async def go() -> None:
         try:
-            await service.pipeline.serve(batch, recorder)
+            async for answered in service.pipeline.answer(batch):
+                await recorder(answered)
         finally:
             await service.passes.close()
 
@@ -118,7 +119,7 @@ def test_the_error_table_without_a_broker(pipeline_service):
     assert set(codes.values()) - {None} <= set(ERROR_CODES)
     # Every record was answered exactly once; only the two undecodable ones were also dead-lettered.
     served = [s for call in recorder.calls for s in call]
-    assert sorted(s.work.source.offset for s in served) == list(range(len(batch)))
+    assert sorted(s.source.offset for s in served) == list(range(len(batch)))
     dead = {s.answer.id for s in served if any(r.kind == "dead_letter" for r in s.records)}
     assert dead == {"e-undecodable", "e-tombstone"}
     assert "max_media_references" in recorder.answers["e-too-many"].error.message
@@ -303,7 +304,7 @@ def test_a_high_request_of_a_flooded_fetch_does_not_wait_for_the_flood_to_be_pre
     seen_at_first_answer = []
 
     class First(Recorder):
-        async def __call__(self, served: list[Served]) -> None:
+        async def __call__(self, served: list[RequestRecord]) -> None:
             if not self.calls:
                 seen_at_first_answer.append(model.low_prepared)
             await super().__call__(served)

@@ -1,5 +1,5 @@
-"""The media stage of the request pipeline: a request's images and videos fetched and decoded, or the error
-answer that ends the request.
+"""The media stage of the request pipeline: a request's images and videos fetched and decoded, or the refusal
+that ends the request (the pipeline answers it).
 
 Limits come first: the number of references before any fetch (``max_media_references``), whether the model
 takes the kind at all, then objects sized with HEAD by the fetcher (``storage.py``: allowlist, strict size
@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from d3stream.config import Settings
-from d3stream.core.answers import AnswerBuilder, RequestWork, media_record, ms
+from d3stream.core.answers import media_record, ms
 from d3stream.core.decoding import ByteBudget, MediaDecoder
-from d3stream.core.events import Answer, Request
+from d3stream.core.record import Refusal, RequestRecord
 from d3stream.core.seams import DecisionModel
 from d3stream.core.storage import MediaError, MediaFetcher
 from d3stream.ops.metrics import Metrics
@@ -36,51 +35,49 @@ class MediaStage:
         self.media_budget = media_budget
         self.metrics = metrics
 
-    async def load(self, model: DecisionModel, answers: AnswerBuilder, work: RequestWork,
-                   request: Request) -> tuple[list[Any], list[Any]] | Answer:
-        """Fetch and decode a request's media, or the error answer that ends it. The reference count is
-        checked before any fetch, pixel and frame totals (from headers) before any decode; identical
+    async def load(self, model: DecisionModel, record: RequestRecord) -> Refusal | None:
+        """Fetch and decode a request's media into ``record.decoded``, or the refusal that ends it. The reference
+        count is checked before any fetch, pixel and frame totals (from headers) before any decode; identical
         references are fetched and decoded once."""
         settings = self.settings
+        request = record.request
+        assert request is not None  # admitted: decoded
         references = len(request.images) + len(request.videos)
         if references > settings.max_media_references:
-            return answers.error(
-                work, "invalid_request",
-                f"the request names {references:,} images and videos; at most {settings.max_media_references:,} "
-                "are accepted (setting: max_media_references)",
-                request=request,
-            )
+            return Refusal("invalid_request",
+                           f"the request names {references:,} images and videos; at most "
+                           f"{settings.max_media_references:,} are accepted (setting: max_media_references)")
         for kind in MEDIA_KINDS:
             unavailable = kind.unavailable(model)
             if kind.references(request) and unavailable is not None:
-                return answers.error(work, "media_unreadable",
-                                          f"{kind.name} inputs are not available: {unavailable}", request=request)
+                return Refusal("media_unreadable", f"{kind.name} inputs are not available: {unavailable}")
         try:
-            started = work.fetch_at = time.perf_counter()
+            started = record.fetch_at = time.perf_counter()
             images, videos = await asyncio.gather(
                 *(self.fetcher.fetch_all(kind.references(request), kind.name) for kind in (IMAGE, VIDEO)))
-            work.timings.fetch = ms(time.perf_counter() - started)
+            record.timings.fetch = ms(time.perf_counter() - started)
             self.metrics.observe_stage("fetch", time.perf_counter() - started)
-            work.media = [media_record(item) for item in (*images, *videos)]
+            record.media = [media_record(item) for item in (*images, *videos)]
             fetched = {id(item): len(item.data) for item in (*images, *videos)}  # a repeated reference once
             self.metrics.add_media_bytes(sum(fetched.values()))
         except MediaError as exc:
-            return answers.error(work, exc.code, exc.message, request=request)
+            return Refusal(exc.code, exc.message)
 
         async def reserve(estimate: int) -> None:
-            work.media_bytes = await self.media_budget.acquire(estimate)
+            record.media_bytes = await self.media_budget.acquire(estimate)
 
         try:
-            started = work.decode_at = time.perf_counter()
+            started = record.decode_at = time.perf_counter()
             decoded = await self.decoder.decode([i.data for i in images], [v.data for v in videos], reserve)
-            work.timings.decode = ms(time.perf_counter() - started)
+            record.timings.decode = ms(time.perf_counter() - started)
             self.metrics.observe_stage("decode", time.perf_counter() - started)
         except MediaBudgetExceeded as exc:
-            return answers.error(work, "invalid_request", str(exc), request=request)
+            return Refusal("invalid_request", str(exc))
         except ValueError as exc:
-            return answers.error(work, "media_unreadable", str(exc), request=request)
+            return Refusal("media_unreadable", str(exc))
         held = decoded.nbytes
-        if held < work.media_bytes:  # keep what the media really take, give the rest of the estimate back
-            self.media_budget.release(work.media_bytes - held)
-            work.media_bytes = held
-        return decoded.images, decoded.videos
+        if held < record.media_bytes:  # keep what the media really take, give the rest of the estimate back
+            self.media_budget.release(record.media_bytes - held)
+            record.media_bytes = held
+        record.decoded = (decoded.images, decoded.videos)
+        return None

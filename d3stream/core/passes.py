@@ -21,17 +21,17 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
 
 from d3stream.config import Settings
-from d3stream.core.answers import RequestWork, ms
+from d3stream.core.answers import ms
 from d3stream.core.batching import BatchScheduler, PassRecord, resolve
 from d3stream.core.events import BatchRecord
-from d3stream.core.seams import DEFAULT_SCHEDULING, DeadlineExceeded, DecisionModel, Position, Scheduling
+from d3stream.core.record import RequestRecord
+from d3stream.core.seams import DeadlineExceeded, DecisionModel, Position, Scheduling
 from d3stream.ops.metrics import Metrics
 from d3stream.runtime.model import Prepared, Row
 
@@ -79,19 +79,6 @@ class RowScheduler(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-@dataclass(eq=False)
-class PassItem:
-    """One prepared request on its way through the passes."""
-
-    work: RequestWork
-    prepared: Prepared
-    position: Position
-    plan: Any = None  # its shared-prefix plan, if it has one
-    probabilities: dict[Row, list[float]] = field(default_factory=dict)
-    scheduling: Scheduling = DEFAULT_SCHEDULING
-    expired: DeadlineExceeded | None = None  # its deadline passed before a pass carried all its rows
 
 
 class Passes:
@@ -162,14 +149,14 @@ class Passes:
 
     # ------------------------------------------------------------------------------------ running
 
-    async def run(self, items: Sequence[PassItem]) -> AsyncIterator[list[PassItem]]:
+    async def run(self, items: Sequence[RequestRecord]) -> AsyncIterator[list[RequestRecord]]:
         """Answer every row of ``items``, yielding the requests whose rows are all answered, a pass at a time
         (a request does not wait for the last pass of its fetch). Full-prompt rows are queued in one submission,
         without a future or a task per request; a request with a shared-prefix plan runs on that scheduler."""
         submitted = time.perf_counter()
         # Requests settled since the last look, with their rows' outcomes (None: a shared-prefix run, done), and a
         # wake-up for when there are none (lighter than a Queue: a pass settles dozens of requests at once).
-        finished: list[tuple[PassItem, list[Outcome] | None]] = []
+        finished: list[tuple[RequestRecord, list[Outcome] | None]] = []
         settled = asyncio.Event()
         plain = [item for item in items if item.plan is None]
         shared = [item for item in items if item.plan is not None]
@@ -178,14 +165,14 @@ class Passes:
             finished.append((plain[index], outcomes))
             settled.set()
 
-        def ran(item: PassItem, task: asyncio.Future[None]) -> None:
+        def ran(item: RequestRecord, task: asyncio.Future[None]) -> None:
             finished.append((item, None))
             settled.set()
 
         for item in items:
-            item.work.submitted_at = submitted
+            item.submitted_at = submitted
         if plain:
-            self.rows.enqueue_many([(item.prepared.rows, item.position, item.scheduling) for item in plain], arrived)
+            self.rows.enqueue_many([(_rows(item), item.position, item.scheduling) for item in plain], arrived)
         tasks = []
         for item in shared:
             task = asyncio.ensure_future(self._run_shared(item))
@@ -216,28 +203,28 @@ class Passes:
             tasks = [task for task in tasks if not task.done()]
             yield chunk
 
-    async def _run_rows(self, item: PassItem) -> None:
+    async def _run_rows(self, item: RequestRecord) -> None:
         """One request's rows as full prompts (the fallback of a failed shared-prefix call)."""
         submitted = time.perf_counter()
         future: asyncio.Future[list[Outcome]] = asyncio.get_running_loop().create_future()
-        self.rows.enqueue_many([(item.prepared.rows, item.position, item.scheduling)],
+        self.rows.enqueue_many([(_rows(item), item.position, item.scheduling)],
                                lambda _, outcomes: resolve(future, outcomes))
         self._take_outcomes(item, await future, submitted)
 
-    def _take_outcomes(self, item: PassItem, outcomes: list[Outcome], submitted: float, now: float | None = None,
+    def _take_outcomes(self, item: RequestRecord, outcomes: list[Outcome], submitted: float, now: float | None = None,
                        times: dict[tuple[float, float], int] | None = None) -> None:
         """A request's probabilities from its rows' outcomes; a row whose pass failed alone fails its question,
         a row dropped at its deadline expires the request. ``now`` and ``times``: as for ``_account``."""
         prepared = item.prepared
+        assert prepared is not None  # it rode the passes: it was prepared
         rows = prepared.rows
         record = _one_pass(outcomes)
         if record is not None:  # the common case: every row answered, all in one pass
             answered = cast("list[tuple[Any, PassRecord]]", outcomes)
             item.probabilities = {row: result for row, (result, _) in zip(rows, answered, strict=True)}
-            work = item.work
-            work.device_seconds += _share(record.seconds, sum(row.length for row in rows), record.real_tokens)
-            work.padded_tokens += len(rows) * (record.padded_tokens // max(record.rows, 1))
-            self._account(work, submitted, [record], now, times)
+            item.device_seconds += _share(record.seconds, sum(row.length for row in rows), record.real_tokens)
+            item.padded_tokens += len(rows) * (record.padded_tokens // max(record.rows, 1))
+            self._account(item, submitted, [record], now, times)
             return
         probabilities = item.probabilities
         mine: dict[int, tuple[PassRecord, list[int]]] = {}  # per pass: its record, the lengths of our rows in it
@@ -263,17 +250,16 @@ class Passes:
                 }
         if failed:
             prepared.rows = [row for row in rows if row.key not in prepared.errors]
-        work = item.work
         for record, lengths in mine.values():
-            work.device_seconds += _share(record.seconds, sum(lengths), record.real_tokens)
-            work.padded_tokens += len(lengths) * (record.padded_tokens // max(record.rows, 1))
-        self._account(work, submitted, [record for record, _ in mine.values()], now, times)
+            item.device_seconds += _share(record.seconds, sum(lengths), record.real_tokens)
+            item.padded_tokens += len(lengths) * (record.padded_tokens // max(record.rows, 1))
+        self._account(item, submitted, [record for record, _ in mine.values()], now, times)
 
-    async def _run_shared(self, item: PassItem) -> None:
+    async def _run_shared(self, item: RequestRecord) -> None:
         """A multi-question request on its shared prefix; if that fails, its rows run as full prompts."""
         assert self.prefix_scheduler is not None
         plan = item.plan
-        submitted = item.work.submitted_at = time.perf_counter()
+        submitted = item.submitted_at = time.perf_counter()
         try:
             [((probabilities, passes), _)] = await self.prefix_scheduler.submit([plan], item.scheduling)
         except DeadlineExceeded as exc:
@@ -287,16 +273,16 @@ class Passes:
         answered_by = {row: info.kind for info in passes if info.kind in ("suffix", "full") for row in info.done}
         reused = bool(answered_by) and all(kind == "suffix" for kind in answered_by.values())
         self._share_prefix_passes(item, passes)
-        self._account(item.work, submitted, passes, shared_prefix=reused,
+        self._account(item, submitted, passes, shared_prefix=reused,
                       saved_tokens=(len(plan.rows) - 1) * plan.length if reused else 0)
         item.probabilities = probabilities
 
     @staticmethod
-    def _share_prefix_passes(item: PassItem, passes: Sequence[Any]) -> None:
+    def _share_prefix_passes(item: RequestRecord, passes: Sequence[Any]) -> None:
         """The request's share of the shared-prefix runner's passes, by the tokens it ran in each: its prefix
         in a prefix pass, its rows' suffixes (or whole prompts) in the passes that answered them. Exact-replay
         check passes are not attributed to any request (docs/SCHEDULING.md)."""
-        plan, work = item.plan, item.work
+        plan = item.plan
         rows = set(plan.rows)
         for info in passes:
             if info.kind == "prefix":
@@ -305,10 +291,10 @@ class Passes:
                 answered = [row for row in info.done if row in rows]
                 count = len(answered)
                 tokens = sum(plan.suffix_length(row) if info.kind == "suffix" else row.length for row in answered)
-            work.device_seconds += _share(info.seconds, tokens, info.real_tokens)
-            work.padded_tokens += count * (info.padded_tokens // max(info.rows, 1))
+            item.device_seconds += _share(info.seconds, tokens, info.real_tokens)
+            item.padded_tokens += count * (info.padded_tokens // max(info.rows, 1))
 
-    def _account(self, work: RequestWork, submitted: float, passes: Sequence[Any], now: float | None = None,
+    def _account(self, item: RequestRecord, submitted: float, passes: Sequence[Any], now: float | None = None,
                  times: dict[tuple[float, float], int] | None = None, **batch: Any) -> None:
         """The request's forward and queueing time and its batch record, from the passes that carried it
         (``PassRecord`` or the prefix runner's ``PassInfo``: both have rows, tokens and seconds), as of ``now``
@@ -317,11 +303,11 @@ class Passes:
         if len(passes) == 1 and not batch:  # the common case: the pass's own record, shared by its requests
             [only] = passes
             forward = only.seconds
-            work.batch = only.batch if type(only) is PassRecord else BatchRecord(
+            item.batch = only.batch if type(only) is PassRecord else BatchRecord(
                 passes=1, rows=only.rows, real_tokens=only.real_tokens, padded_tokens=only.padded_tokens)
         else:
             forward = sum(record.seconds for record in passes)
-            work.batch = BatchRecord(
+            item.batch = BatchRecord(
                 passes=len(passes),
                 rows=sum(record.rows for record in passes),
                 real_tokens=sum(record.real_tokens for record in passes),
@@ -329,8 +315,8 @@ class Passes:
                 **batch,
             )
         queued = max(0.0, (time.perf_counter() if now is None else now) - submitted - forward)
-        work.timings.forward = ms(forward)
-        work.timings.queued = ms(queued)
+        item.timings.forward = ms(forward)
+        item.timings.queued = ms(queued)
         if times is None:
             self.metrics.observe_stage("forward", forward)
             self.metrics.observe_stage("queued", queued)
@@ -387,6 +373,12 @@ class Passes:
             (result, [info for info in passes if plan in info.prefixes or any(row in result for row in info.done)])
             for plan, result in zip(plans, results, strict=True)
         ]
+
+
+def _rows(record: RequestRecord) -> list[Row]:
+    prepared = record.prepared
+    assert prepared is not None  # only prepared requests are handed to the passes
+    return prepared.rows
 
 
 def _one_pass(outcomes: list[Outcome]) -> PassRecord | None:

@@ -1,7 +1,8 @@
 """The request pipeline: the records of one fetch in, one answer event per record out. No Kafka in it.
 
-``RequestPipeline.serve`` takes any list of records (``seams.InputRecord``: topic, partition, offset, key,
-value, headers) and walks them through the stages:
+``RequestPipeline.answer`` takes any list of records (``seams.InputRecord``: topic, partition, offset, key,
+value, headers), makes each one ``record.RequestRecord`` (the one object a request travels in) and walks
+them through the stages:
 
 1. **event**: bytes -> ``Request`` (``events.decode_request``), or an error answer (``undecodable_event``,
    also dead-lettered; ``invalid_request``; ``model_not_served``; ``deadline_exceeded`` when its deadline
@@ -25,8 +26,10 @@ live answer; each is delivered with its shadow answer as one more record.
 
 The fetch is processed as a batch where that saves work (its text-only requests of one priority lane share
 prepare trips and one submission to the scheduler; lanes apart, so a high one does not wait for a flood's), while failures stay per request: whatever goes wrong with one record ends
-as that record's error answer, never as its neighbours'. Answers are handed to ``on_served`` as they are
-ready (all text-only answers of the fetch together, a media request's on its own).
+as that record's error answer, never as its neighbours'. A stage that ends a request returns a
+``Refusal``, and the pipeline answers it in one place (``_refused``). The answered requests are yielded as
+they are ready (all text-only answers of a pass together, a media request's on its own): each step is an
+async generator, and ``streams.Streams`` reads the steps of a fetch side by side.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -42,7 +45,7 @@ from typing import Any
 import structlog
 
 from d3stream.config import Settings
-from d3stream.core.answers import AnswerBuilder, RequestWork, answer_identity, ms
+from d3stream.core.answers import AnswerBuilder, answer_identity, ms
 from d3stream.core.decoding import ByteBudget, MediaDecoder
 from d3stream.core.events import (
     HEADERS,
@@ -56,16 +59,17 @@ from d3stream.core.events import (
 )
 from d3stream.core.jobthread import JobThread
 from d3stream.core.media_stage import MediaStage
-from d3stream.core.outgoing import Outgoing
-from d3stream.core.passes import Passes, PassItem
+from d3stream.core.passes import Passes
 from d3stream.core.quotas import TenantQuotas
+from d3stream.core.record import Refusal, RequestRecord
 from d3stream.core.seams import DeadlineExceeded, DecisionModel, InFlight, InputRecord, Scheduling
 from d3stream.core.shadow import Shadow
 from d3stream.core.storage import MediaFetcher
+from d3stream.core.streams import Streams
 from d3stream.ops.metrics import Metrics
 from d3stream.ops.tracing import forwarded_headers, header_names
+from d3stream.runtime import Prepared
 from d3stream.runtime.media import reason
-from d3stream.runtime.model import Prepared
 
 log = structlog.get_logger(__name__)
 
@@ -73,20 +77,6 @@ log = structlog.get_logger(__name__)
 # Requests prepared per trip to the prepare thread: few trips per fetch, and an urgent request waits for at
 # most one trip of a flood's backlog (jobs of a higher priority lane go first: jobthread.py).
 PREPARE_CHUNK = 16
-
-
-@dataclass(eq=False)
-class Served:
-    """A record's answer event and everything published for it (dead letters first, the answer last)."""
-
-    work: RequestWork
-    answer: Answer
-    records: list[Outgoing]
-
-
-OnServed = Callable[[list[Served]], Awaitable[None]]
-# A request's decoded media (images, videos), or None for a text-only request.
-Media = tuple[list[Any], list[Any]] | None
 
 
 @dataclass(eq=False)
@@ -104,6 +94,9 @@ class Hosted:
     @property
     def name(self) -> str:
         return self.model.model_name
+
+
+Answered = AsyncIterator[list[RequestRecord]]  # a step's answered requests, as they are ready
 
 
 class RequestPipeline:
@@ -159,211 +152,217 @@ class RequestPipeline:
         del self.routed[name]
         return self.hosted.pop(name, None)
 
-    async def serve(self, records: Sequence[InputRecord], on_served: OnServed) -> None:
-        """Answer every record; ``on_served`` receives each answer once (it must not raise)."""
-        works = [self._begin(record) for record in records]
-        positions = [work.position for work in works]
+    async def answer(self, inputs: Sequence[InputRecord]) -> Answered:
+        """Answer every record: yields lists of answered requests as they are ready, each request once."""
+        records = [self._begin(each) for each in inputs]
+        positions = [record.position for record in records]
         for each in self.hosted.values():
             each.passes.rows.expect(positions)
-        refused: list[Served] = []
+        refused: list[RequestRecord] = []
         # Text-only requests by model and lane: a lane's requests are prepared and submitted without waiting for
         # a lower lane's (a high request read with a flood does not wait for the whole fetch to be prepared).
-        text: dict[tuple[str, int], list[tuple[RequestWork, Request]]] = {}
-        with_media: list[tuple[RequestWork, Request]] = []
-        for work in works:
-            outcome = self._admit(work)
-            if isinstance(outcome, Answer):
-                refused.append(self._served(work, outcome))
-            elif outcome.images or outcome.videos:
-                with_media.append((work, outcome))
+        text: dict[tuple[str, int], list[RequestRecord]] = {}
+        with_media: list[RequestRecord] = []
+        for record in records:
+            request = self._admit(record)
+            if isinstance(request, Refusal):
+                refused.append(self._refused(record, request))
+            elif request.images or request.videos:
+                with_media.append(record)
             else:
-                lane = work.scheduling.lane if self.settings.priority_lanes else 1
-                text.setdefault((self._hosted(work).name, lane), []).append((work, outcome))
-        steps: list[Awaitable[None]] = []
+                lane = record.scheduling.lane if self.settings.priority_lanes else 1
+                text.setdefault((self._hosted(record).name, lane), []).append(record)
+        steps: Streams[list[RequestRecord]] = Streams()
+        for (name, _), group in text.items():  # a few prepare trips and one submission per model and lane
+            steps.add(self._isolated(group, self._answer_all(self.hosted[name], group)))
+        for record in with_media:
+            steps.add(self._isolated([record], self._answer_with_media(record)))
         if refused:
-            steps.append(on_served(refused))
-        for (name, _), items in text.items():  # a few prepare trips and one submission per model and lane
-            steps.append(self._isolated([work for work, _ in items],
-                                        self._answer_all(self.hosted[name], items, on_served), on_served))
-        for work, request in with_media:
-            steps.append(self._isolated([work], self._serve_with_media(work, request, on_served), on_served))
-        await asyncio.gather(*steps)
+            yield refused
+        async for answered in steps:
+            yield answered
 
-    async def _isolated(self, works: list[RequestWork], step: Awaitable[None], on_served: OnServed) -> None:
-        """Run ``step``; a fault of this worker still gets each of its requests not yet answered an answer."""
+    async def _isolated(self, records: list[RequestRecord], step: Answered) -> Answered:
+        """The answers of ``step``; a fault of this worker still gets each of its requests not yet answered an
+        answer."""
         try:
-            await step
+            async for answered in step:
+                yield answered
         except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
-            log.exception("request failed", offsets=[work.source.offset for work in works][:20])
-            left = [work for work in works if not work.finished]
-            await on_served([self._served(work, self._hosted(work).answers.error(
-                work, "internal_error", reason(exc), request=work.request)) for work in left])
+            log.exception("request failed", offsets=[record.source.offset for record in records][:20])
+            failed = Refusal("internal_error", reason(exc))
+            yield [self._refused(record, failed) for record in records if not record.finished]
 
     # ------------------------------------------------------------------------------------ stages
 
-    def _hosted(self, work: RequestWork) -> Hosted:
+    def _hosted(self, record: RequestRecord) -> Hosted:
         """The model a request was routed to (the default before routing)."""
-        return self.default if work.model is None else self.hosted[work.model]
+        return self.default if record.model is None else self.hosted[record.model]
 
-    def _begin(self, record: InputRecord) -> RequestWork:
-        topic, partition, offset = record.topic, record.partition, record.offset
-        work = RequestWork(record, Source(topic=topic, partition=partition, offset=offset, timestamp=record.timestamp),
-                           time.perf_counter(), (topic, partition, offset))
-        if record.headers:
-            forwarded = forwarded_headers(record.headers, self._forwarded_names,
+    def _begin(self, read: InputRecord) -> RequestRecord:
+        record = RequestRecord(read, Source(topic=read.topic, partition=read.partition, offset=read.offset,
+                                            timestamp=read.timestamp), time.perf_counter())
+        if read.headers:
+            forwarded = forwarded_headers(read.headers, self._forwarded_names,
                                           self.settings.forward_headers_max_bytes)
             if forwarded:
-                work.headers = [*HEADERS, *forwarded]
-        return work
+                record.headers = [*HEADERS, *forwarded]
+        return record
 
-    def _admit(self, work: RequestWork) -> Request | Answer:
-        """The decoded request, or the error answer that ends it here."""
-        record = work.record
+    def _admit(self, record: RequestRecord) -> Request | Refusal:
+        """The request decoded and routed (``record.request``, ``record.model``), or the refusal that ends it."""
+        read = record.input
         try:
-            request = decode_request(record.value, record.key, self.request_limits)
+            request = decode_request(read.value, read.key, self.request_limits)
         except EventError as exc:
             if exc.code == "undecodable_event":
-                work.extra.append(self.answers.dead_letter(work, str(exc)))
-            return self.answers.error(work, exc.code, str(exc), request_id=exc.request_id)
-        work.request = request
-        work.tenant = request_tenant(self.settings, record, request)
-        scheduling = work.scheduling = request_scheduling(self.settings, record, request)
+                record.records.append(self.answers.dead_letter(record, str(exc)))
+            return Refusal(exc.code, str(exc), request_id=exc.request_id)
+        record.request = request
+        record.tenant = request_tenant(self.settings, read, request)
+        scheduling = record.scheduling = request_scheduling(self.settings, read, request)
         if scheduling.deadline is not None and time.time() > scheduling.deadline:
-            return self._expired(work, request, DeadlineExceeded(time.time() - scheduling.deadline), "was read")
+            return _expired(DeadlineExceeded(time.time() - scheduling.deadline), "was read")
         if request.model is not None:
             hosted = self.routes.get(request.model)
         else:
             hosted = self.default if self.route_default is None else self.route_default(request)
         if hosted is None:
             served = ", ".join(repr(name) for name in self.routes)
-            return self.answers.error(work, "model_not_served",
-                                      f"this worker serves {served}, not {request.model!r}", request=request)
-        work.model = hosted.name
+            return Refusal("model_not_served", f"this worker serves {served}, not {request.model!r}")
+        record.model = hosted.name
         self.routed[hosted.name] += 1
-        work.questions = len(request.questions)
-        self.in_flight.questions += work.questions
+        record.questions = len(request.questions)
+        self.in_flight.questions += record.questions
         return request
 
-    def _expired(self, work: RequestWork, request: Request, late: DeadlineExceeded, when: str) -> Answer:
-        return self._hosted(work).answers.error(
-            work, "deadline_exceeded",
-            f"the request's deadline had passed {late.late_ms:,} ms before it {when}; it was not run "
-            "(fields deadline / ttl_ms; honor_deadlines)",
-            request=request, late_ms=late.late_ms)
-
-    async def _serve_with_media(self, work: RequestWork, request: Request, on_served: OnServed) -> None:
+    async def _answer_with_media(self, record: RequestRecord) -> Answered:
         """A request naming images or videos: refused early if certainly too long, its media fetched and
         decoded, then prepared and answered like the text-only ones."""
-        hosted = self._hosted(work)
-        media = await self._over_token_limit(hosted, work, request) or await self.media.load(hosted.model, hosted.answers, work, request)
-        if isinstance(media, Answer):
-            await on_served([self._served(work, media)])
+        hosted = self._hosted(record)
+        refusal = await self._over_token_limit(hosted, record) or await self.media.load(hosted.model, record)
+        if refusal is not None:
+            yield [self._refused(record, refusal)]
             return
-        await self._answer_all(hosted, [(work, request)], on_served, [media])
+        async for answered in self._answer_all(hosted, [record]):
+            yield answered
 
-    async def _over_token_limit(self, hosted: Hosted, work: RequestWork, request: Request) -> Answer | None:
+    async def _over_token_limit(self, hosted: Hosted, record: RequestRecord) -> Refusal | None:
         """Refuse a request certainly over max_request_tokens before fetching its media."""
-        model = hosted.model
-        if not model.request_may_exceed_tokens(len(work.record.value or b""), len(request.questions)):
+        model, request = hosted.model, record.request
+        assert request is not None  # admitted: decoded
+        if not model.request_may_exceed_tokens(len(record.input.value or b""), len(request.questions)):
             return None
         try:
             await self.prepare_thread.run(lambda: model.check_request_tokens(
                 request.state, request.questions, permutation_average=request.permutation_average))
         except ValueError as exc:
-            return hosted.answers.error(work, "invalid_request", str(exc), request=request)
+            return Refusal("invalid_request", str(exc))
         return None
 
-    async def _answer_all(self, hosted: Hosted, items: list[tuple[RequestWork, Request]], on_served: OnServed,
-                          media: Sequence[Media] | None = None) -> None:
+    async def _answer_all(self, hosted: Hosted, records: list[RequestRecord]) -> Answered:
         """Prepare every request (all routed to ``hosted``) on the prepare thread, a few trips for a whole fetch,
-        run their rows together on that model's passes, answer them."""
-        decoded = media or [None] * len(items)
-        following = self.shadow.following(hosted, items, decoded, on_served) if self.shadow else None
-        try:
-            await self._answer_prepared(hosted, items, following or on_served, decoded)
-        finally:
-            if following is not None:  # the shadowed requests are delivered with their shadow answers
-                await following.finished()
+        run their rows together on that model's passes, answer them. With a shadow, the chosen requests are
+        answered by it too and handed on with their shadow answers."""
+        shadow = self.shadow
+        if shadow is None or shadow.name == hosted.name:
+            async for answered in self._answer_prepared(hosted, records):
+                yield answered
+            return
+        steps: Streams[list[RequestRecord]] = Streams()
+        steps.add(self._answer_prepared(hosted, records))
+        async for answered in steps:
+            now, later = shadow.split(answered)
+            if later:  # its own step: the live answers of later passes are not held up behind this shadow work
+                steps.add(shadow.answer(hosted.name, later))
+            if now:
+                yield now
 
-    async def _answer_prepared(self, hosted: Hosted, items: list[tuple[RequestWork, Request]], on_served: OnServed,
-                               decoded: Sequence[Media]) -> None:
+    async def _answer_prepared(self, hosted: Hosted, records: list[RequestRecord]) -> Answered:
         started = time.perf_counter()
-        outcomes = await self._prepare_all(hosted, items, decoded)
+        outcomes = await self._prepare_all(hosted, records)
         seconds = time.perf_counter() - started
-        refused: list[Served] = []
-        passing: list[PassItem] = []
-        self.metrics.observe_stage("prepare", seconds, len(items))  # the trips of the fetch took this long together
+        refused: list[RequestRecord] = []
+        passing: list[RequestRecord] = []
+        self.metrics.observe_stage("prepare", seconds, len(records))  # the trips of the fetch took this long together
         prepare_ms = ms(seconds)
         tokens = 0
-        for (work, request), outcome in zip(items, outcomes, strict=True):
-            work.prepare_at, work.timings.prepare = started, prepare_ms
+        for record, outcome in zip(records, outcomes, strict=True):
+            record.prepare_at, record.timings.prepare = started, prepare_ms
             if isinstance(outcome, BaseException):
                 code = "invalid_request" if isinstance(outcome, ValueError) else "internal_error"
-                refused.append(self._served(work, hosted.answers.error(work, code, reason(outcome), request=request)))
+                refused.append(self._refused(record, Refusal(code, reason(outcome))))
                 continue
-            prepared, plan = outcome
-            work.tokens = prepared.input_tokens
-            tokens += work.tokens
-            passing.append(PassItem(work, prepared, work.position, plan, scheduling=work.scheduling))
+            prepared, record.plan = outcome
+            record.prepared = prepared
+            record.tokens = prepared.input_tokens
+            tokens += record.tokens
+            passing.append(record)
         self.in_flight.tokens += tokens
         if refused:
-            await on_served(refused)
-        await self._run_within_quotas(hosted, passing, on_served)
+            yield refused
+        async for answered in self._run_within_quotas(hosted, passing):
+            yield answered
 
-    async def _run_within_quotas(self, hosted: Hosted, passing: list[PassItem], on_served: OnServed) -> None:
+    async def _run_within_quotas(self, hosted: Hosted, passing: list[RequestRecord]) -> Answered:
         """Run the requests' rows; a request whose tenant is over ``tenant_max_inflight_tokens`` is held
         first, until its tenant's answered requests make room (quotas.py; the others do not wait for it)."""
         if not self.quotas.enabled:
             if passing:
-                await self._run(hosted, passing, on_served)
+                async for answered in self._run(hosted, passing):
+                    yield answered
             return
-        ready: list[PassItem] = []
-        held: list[PassItem] = []
-        for item in passing:
-            work = item.work
-            taken = self.quotas.try_take(work.tenant or "", work.tokens)
-            work.quota_tokens = work.tokens if taken else 0
-            (ready if taken else held).append(item)
-        steps = [self._run(hosted, ready, on_served)] if ready else []
-        steps.extend(self._isolated([item.work], self._held(hosted, item, on_served), on_served) for item in held)
-        await asyncio.gather(*steps)
+        ready: list[RequestRecord] = []
+        held: list[RequestRecord] = []
+        for record in passing:
+            taken = self.quotas.try_take(record.tenant or "", record.tokens)
+            record.quota_tokens = record.tokens if taken else 0
+            (ready if taken else held).append(record)
+        steps: Streams[list[RequestRecord]] = Streams()
+        if ready:
+            steps.add(self._run(hosted, ready))
+        for record in held:
+            steps.add(self._isolated([record], self._held(hosted, record)))
+        async for answered in steps:
+            yield answered
 
-    async def _held(self, hosted: Hosted, item: PassItem, on_served: OnServed) -> None:
-        work = item.work
-        await self.quotas.take(work.tenant or "", work.tokens, (work.record.topic, work.record.partition))
-        work.quota_tokens = work.tokens
-        await self._run(hosted, [item], on_served)
+    async def _held(self, hosted: Hosted, record: RequestRecord) -> Answered:
+        await self.quotas.take(record.tenant or "", record.tokens, (record.source.topic, record.source.partition))
+        record.quota_tokens = record.tokens
+        async for answered in self._run(hosted, [record]):
+            yield answered
 
-    async def _run(self, hosted: Hosted, passing: list[PassItem], on_served: OnServed) -> None:
+    async def _run(self, hosted: Hosted, passing: list[RequestRecord]) -> Answered:
         async for done in hosted.passes.run(passing):
-            await on_served([self._answered(hosted, item) for item in done])
+            yield [self._answered(hosted, record) for record in done]
 
-    async def _prepare_all(self, hosted: Hosted, items: list[tuple[RequestWork, Request]],
-                           media: Sequence[Media]) -> list[tuple[Prepared, Any] | BaseException]:
+    async def _prepare_all(self, hosted: Hosted,
+                           records: list[RequestRecord]) -> list[tuple[Prepared, Any] | BaseException]:
         """Each request prepared (or what went wrong), in trips of ``PREPARE_CHUNK`` requests of one priority
         lane: a high-priority request's trip goes before a flood's backlog waiting on the prepare thread."""
-        requests = [request for _, request in items]
-        lanes = [work.scheduling.lane if self.settings.priority_lanes else 1 for work, _ in items]
-        order = sorted(range(len(requests)), key=lanes.__getitem__)
+        lanes = [record.scheduling.lane if self.settings.priority_lanes else 1 for record in records]
+        order = sorted(range(len(records)), key=lanes.__getitem__)
         chunks = [order[at:at + PREPARE_CHUNK] for at in range(0, len(order), PREPARE_CHUNK)]
 
         def trip(chunk: list[int]) -> list[tuple[Prepared, Any] | BaseException]:
-            return [self._prepare(hosted, requests[index], media[index]) for index in chunk]
+            return [self._prepare(hosted, records[index]) for index in chunk]
 
         results = await asyncio.gather(*(self.prepare_thread.run(partial(trip, chunk), priority=lanes[chunk[0]])
                                          for chunk in chunks))
         if order == list(range(len(order))):  # one lane (a fetch's text requests are grouped by lane): in order
             return [outcome for prepared in results for outcome in prepared]
-        outcomes: list[tuple[Prepared, Any] | BaseException] = [RuntimeError("not prepared")] * len(requests)
+        outcomes: list[tuple[Prepared, Any] | BaseException] = [RuntimeError("not prepared")] * len(records)
         for chunk, prepared in zip(chunks, results, strict=True):
             for index, outcome in zip(chunk, prepared, strict=True):
                 outcomes[index] = outcome
         return outcomes
 
     @staticmethod
-    def _prepare(hosted: Hosted, request: Request, media: Media) -> tuple[Prepared, Any] | BaseException:
+    def _prepare(hosted: Hosted, record: RequestRecord) -> tuple[Prepared, Any] | BaseException:
         """On the prepare thread: the prepared request and its shared-prefix plan, or what went wrong."""
-        images, videos = media if media is not None else ([], [])
+        request = record.request
+        assert request is not None  # admitted: decoded
+        images, videos = record.decoded if record.decoded is not None else ([], [])
         try:
             prepared = hosted.model.prepare(request.state, request.questions, decoded_images=images,
                                             decoded_videos=videos, permutation_average=request.permutation_average)
@@ -371,41 +370,52 @@ class RequestPipeline:
         except Exception as exc:  # noqa: BLE001 - handed back as this request's own error
             return exc
 
-    def _answered(self, hosted: Hosted, item: PassItem) -> Served:
-        work = item.work
-        request = work.request
-        assert request is not None  # it rode a pass: it was decoded
-        if item.expired is not None:
-            return self._served(work, self._expired(work, request, item.expired, "could ride a forward pass"))
+    def _answered(self, hosted: Hosted, record: RequestRecord) -> RequestRecord:
+        if record.expired is not None:
+            return self._refused(record, _expired(record.expired, "could ride a forward pass"))
+        prepared = record.prepared
+        assert prepared is not None  # it rode a pass: it was prepared
         try:
-            response = item.prepared.answers(item.probabilities)
-            answer = hosted.answers.answered(work, request, response)
+            answer = hosted.answers.answered(record, prepared.answers(record.probabilities))
         except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
-            log.exception("answer not built", offset=work.source.offset)
-            answer = hosted.answers.error(work, "internal_error", reason(exc), request=request)
-        return self._served(work, answer)
+            log.exception("answer not built", offset=record.source.offset)
+            answer = hosted.answers.error(record, "internal_error", reason(exc), request=record.request)
+        return self._finish(record, answer)
 
-    def _served(self, work: RequestWork, answer: Answer) -> Served:
-        """The request's final answer event (with its id and size settled) and the records to publish."""
-        if work.model is not None and not work.finished:
-            self.routed[work.model] -= 1
-        work.finished = True
-        self.in_flight.tokens -= work.tokens
-        if work.quota_tokens:
-            self.quotas.give_back(work.tenant or "", work.quota_tokens)
-            work.quota_tokens = 0
-        if work.media_bytes:
-            self.media_budget.release(work.media_bytes)
-        position = work.position
+    def _refused(self, record: RequestRecord, refusal: Refusal) -> RequestRecord:
+        """A request a stage refused, answered with its error answer (by its model, the default before routing)."""
+        return self._finish(record, self._hosted(record).answers.refused(record, refusal))
+
+    def _finish(self, record: RequestRecord, answer: Answer) -> RequestRecord:
+        """The request's final answer event (with its id and size settled) among its records to publish; what
+        it held in flight is given back."""
+        if record.model is not None and not record.finished:
+            self.routed[record.model] -= 1
+        record.finished = True
+        self.in_flight.tokens -= record.tokens
+        if record.quota_tokens:
+            self.quotas.give_back(record.tenant or "", record.quota_tokens)
+            record.quota_tokens = 0
+        if record.media_bytes:
+            self.media_budget.release(record.media_bytes)
+        position = record.position
         for each in self.hosted.values():
             each.passes.rows.finished(position)
-        hosted = self._hosted(work)
-        if work.tenant is not None:
-            self.metrics.count_cost(work.tenant, hosted.name, work.device_seconds, work.tokens, work.padded_tokens)
-        work.timings.total = ms(time.perf_counter() - work.received)
+        hosted = self._hosted(record)
+        if record.tenant is not None:
+            self.metrics.count_cost(record.tenant, hosted.name, record.device_seconds, record.tokens,
+                                    record.padded_tokens)
+        record.timings.total = ms(time.perf_counter() - record.received)
         answer.answer_id = answer_identity(answer, hosted.provenance_sha256)  # deterministic per model
-        answer, outgoing = hosted.answers.fitted(work, answer)
-        return Served(work, answer, [*work.extra, outgoing])
+        record.answer, outgoing = hosted.answers.fitted(record, answer)
+        record.records.append(outgoing)
+        return record
+
+
+def _expired(late: DeadlineExceeded, when: str) -> Refusal:
+    return Refusal("deadline_exceeded",
+                   f"the request's deadline had passed {late.late_ms:,} ms before it {when}; it was not run "
+                   "(fields deadline / ttl_ms; honor_deadlines)", late_ms=late.late_ms)
 
 
 def request_tenant(settings: Settings, record: InputRecord, request: Request) -> str:

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from d3stream.runtime.model import Prepared, Row
+from d3stream.runtime import Prepared, Row
 
 # ------------------------------------------------------------------------------------------- records
 
@@ -61,13 +61,23 @@ def position_of(record: InputRecord) -> Position:
 class DecisionModel(Protocol):
     """What the service needs of a model (``runtime.model.D3`` is one; so is the benchmark's null model)."""
 
-    model_name: str
-    device: Any
-    # "causal" lets a request's questions share one prefix pass (runtime/prefix.py); anything else does not.
-    attention_mode: str
-    # Why image or video inputs cannot be answered (None: they can).
-    image_unavailable: str | None
-    video_unavailable: str | None
+    # Read-only here: a plain attribute or a property satisfies each.
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def device(self) -> Any: ...
+    @property
+    def attention_mode(self) -> str:
+        """"causal" lets a request's questions share one prefix pass (runtime/prefix.py); anything else does not."""
+        ...
+    @property
+    def image_unavailable(self) -> str | None:
+        """Why image inputs cannot be answered (None: they can)."""
+        ...
+    @property
+    def video_unavailable(self) -> str | None:
+        """Why video inputs cannot be answered (None: they can)."""
+        ...
 
     def provenance(self) -> dict[str, Any]: ...
 

@@ -11,7 +11,7 @@ What keeps it out of the live path:
 
 * **Its answers go to ``shadow_topic`` only** (default ``<answer_topic>.shadow``): ordinary answer events that
   name the shadow model, with its own provenance record on the provenance topic, published as an extra record
-  (kind ``"shadow"``) of the request's ``Served``. So with ``exactly_once`` they commit in the same
+  (kind ``"shadow"``) of the request's record. So with ``exactly_once`` they commit in the same
   transaction as the live answer of the same request, and a crash loses or repeats neither. The JSON-lines
   file sink keeps live answers only.
 * **A shadow error never changes the live answer**: whatever fails on the shadow's side (prepare, a pass, an
@@ -34,10 +34,9 @@ shadow's answered / errored counts, measured with ``agreement.join_slots``, so t
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
@@ -46,15 +45,15 @@ import structlog
 
 from d3stream.config import Settings
 from d3stream.core.agreement import join_slots, parse_slot
-from d3stream.core.answers import AnswerBuilder, RequestWork, answer_identity
-from d3stream.core.events import PRIORITIES, Answer, Request
+from d3stream.core.answers import AnswerBuilder, answer_identity
+from d3stream.core.events import Answer
 from d3stream.core.jobthread import JobThread
 from d3stream.core.outgoing import Outgoing
-from d3stream.core.passes import PassItem
+from d3stream.core.record import RequestRecord
 from d3stream.core.seams import Scheduling
 from d3stream.ops.metrics import Metrics
+from d3stream.runtime import Prepared
 from d3stream.runtime.media import reason
-from d3stream.runtime.model import Prepared
 
 log = structlog.get_logger(__name__)
 
@@ -78,11 +77,6 @@ def chosen(request_id: str, share: float) -> bool:
     return int.from_bytes(digest[:8], "big") < share * 2.0**64
 
 
-OnServed = Callable[[list[Any]], Awaitable[None]]  # pipeline.OnServed: a list of pipeline.Served
-# A request's decoded media (images, videos), or None for a text-only request (pipeline.Media).
-Media = tuple[list[Any], list[Any]] | None
-
-
 class Shadow:
     """The shadow of one worker: its model's passes, an answer builder for the shadow topic, the share."""
 
@@ -100,70 +94,79 @@ class Shadow:
                                      model_record=live.model_record, worker=live.worker, fit=live.fit,
                                      metrics=metrics, replay_id=live.replay_id)
 
-    def following(self, live: Any, items: Sequence[tuple[RequestWork, Request]], media: Sequence[Media],
-                  on_served: OnServed) -> Following | None:
-        """The ``on_served`` of requests routed to ``live`` that also sends the chosen ones to the shadow;
-        None when the shadow is that model itself."""
-        if live.name == self.name:
-            return None
-        return Following(self, live.name, {id(work): (request, each) for (work, request), each
-                                           in zip(items, media, strict=True)}, on_served)
+    def split(self, answered: list[RequestRecord]) -> tuple[list[RequestRecord], list[RequestRecord]]:
+        """Which answered requests go on now, and which the shadow answers first (``answer``): the chosen
+        ones the live model answered. A refusal or a live error goes on at once: the shadow compares answers."""
+        now: list[RequestRecord] = []
+        later: list[RequestRecord] = []
+        for record in answered:
+            request, answer = record.request, record.answer
+            if (record.shadowed or request is None or answer is None or answer.error is not None
+                    or not chosen(request.id, self.share)):
+                now.append(record)
+            else:
+                later.append(record)
+        return now, later
 
-    async def answer(self, live: str, pending: list[tuple[Any, Request, Media]], on_served: OnServed) -> None:
-        """Answer ``pending`` (live ``Served``, its request, its media) with the shadow; each live Served is
-        delivered once its shadow record is attached to it. Never raises: a failure is a shadow error answer."""
-        works = [self._work(served.work, request) for served, request, _ in pending]
-        left = dict(enumerate(pending))
+    async def answer(self, live: str, pending: list[RequestRecord]) -> AsyncIterator[list[RequestRecord]]:
+        """Answer ``pending`` (requests ``live`` answered) with the shadow: each is yielded once its shadow
+        record is among its records. Never raises: a failure is a shadow error answer."""
+        own = [self._own(record) for record in pending]
         try:
-            lanes = [self._lane(request) for _, request, _ in pending]
-            prepared = await self.prepare_thread.run(
-                partial(self._prepare_all, [(request, media) for _, request, media in pending]), priority=min(lanes))
-            items: list[PassItem] = []
+            lanes = [self._lane(record) for record in pending]
+            prepared = await self.prepare_thread.run(partial(self._prepare_all, pending), priority=min(lanes))
+            passing: list[RequestRecord] = []
             index_of: dict[int, int] = {}
-            ready: list[int] = []
+            ready: list[RequestRecord] = []
             for index, outcome in enumerate(prepared):
                 if isinstance(outcome, BaseException):
                     code = "invalid_request" if isinstance(outcome, ValueError) else "internal_error"
-                    self._attach(live, pending[index], works[index],
-                                 self.answers.error(works[index], code, reason(outcome), request=pending[index][1]))
-                    ready.append(index)
+                    self._attach(live, pending[index], own[index],
+                                 self.answers.error(own[index], code, reason(outcome), request=own[index].request))
+                    ready.append(pending[index])
                     continue
-                prepared_request, plan = outcome
-                works[index].tokens = prepared_request.input_tokens
-                item = PassItem(works[index], prepared_request, works[index].position, plan,
-                                scheduling=Scheduling(lane=lanes[index], deadline=None))  # never late
-                index_of[id(item)] = index
-                items.append(item)
-            await self._deliver(ready, left, on_served)
-            async for done in self.hosted.passes.run(items):
-                finished = [index_of[id(item)] for item in done]
-                for item, index in zip(done, finished, strict=True):
-                    self._attach(live, pending[index], item.work, self._answered(item, pending[index][1]))
-                await self._deliver(finished, left, on_served)
+                record = own[index]
+                record.prepared, record.plan = outcome
+                record.tokens = record.prepared.input_tokens
+                record.scheduling = Scheduling(lane=lanes[index], deadline=None)  # never late
+                index_of[id(record)] = index
+                passing.append(record)
+            if ready:
+                yield ready
+            async for done in self.hosted.passes.run(passing):
+                finished = []
+                for record in done:
+                    index = index_of[id(record)]
+                    self._attach(live, pending[index], record, self._answered(record))
+                    finished.append(pending[index])
+                yield finished
         except Exception as exc:  # noqa: BLE001 - a shadow fault is the shadow's error answer, never the live one's
+            left = [index for index, record in enumerate(pending) if not record.shadowed]
             log.exception("shadow answers failed", shadow=self.name, requests=len(left))
-            for index in list(left):
-                self._attach(live, pending[index], works[index],
-                             self.answers.error(works[index], "internal_error", reason(exc), request=pending[index][1]))
-            await self._deliver(list(left), left, on_served)
+            for index in left:
+                self._attach(live, pending[index], own[index],
+                             self.answers.error(own[index], "internal_error", reason(exc), request=own[index].request))
+            yield [pending[index] for index in left]
 
     # ------------------------------------------------------------------------------------ steps
 
-    def _lane(self, request: Request) -> int:
+    def _lane(self, record: RequestRecord) -> int:
         """The request's priority lane (``priority_lanes=false``: the middle one, as for its live rows)."""
-        return PRIORITIES.index(request.priority) if self.lanes else 1
+        return record.scheduling.lane if self.lanes else 1
 
-    def _work(self, live: RequestWork, request: Request) -> RequestWork:
+    def _own(self, live: RequestRecord) -> RequestRecord:
         """The shadow answer's own record of the request (its passes, timings, cost), read where the live one was."""
-        return RequestWork(record=live.record, source=live.source, received=time.perf_counter(), position=live.position,
-                           request=request,
-                           model=self.name, headers=live.headers, tenant=live.tenant, media=live.media)
+        return RequestRecord(input=live.input, source=live.source, received=time.perf_counter(), headers=live.headers,
+                             request=live.request, model=self.name, tenant=live.tenant, media=live.media,
+                             decoded=live.decoded)
 
-    def _prepare_all(self, pending: list[tuple[Request, Media]]) -> list[tuple[Prepared, Any] | BaseException]:
+    def _prepare_all(self, pending: list[RequestRecord]) -> list[tuple[Prepared, Any] | BaseException]:
         """On the prepare thread (in its requests' lane): each request prepared for the shadow model, or what went wrong."""
         outcomes: list[tuple[Prepared, Any] | BaseException] = []
-        for request, media in pending:
-            images, videos = media if media is not None else ([], [])
+        for record in pending:
+            request = record.request
+            assert request is not None  # the live model answered it
+            images, videos = record.decoded if record.decoded is not None else ([], [])
             try:
                 prepared = self.hosted.model.prepare(request.state, request.questions, decoded_images=images,
                                                      decoded_videos=videos,
@@ -173,28 +176,24 @@ class Shadow:
                 outcomes.append(exc)
         return outcomes
 
-    def _answered(self, item: PassItem, request: Request) -> Answer:
+    def _answered(self, record: RequestRecord) -> Answer:
         try:
-            if item.expired is not None:
+            if record.expired is not None:
                 raise RuntimeError("the shadow's rows were dropped at a deadline")
-            return self.answers.answered(item.work, request, item.prepared.answers(item.probabilities))
+            assert record.prepared is not None  # it rode the shadow's passes
+            return self.answers.answered(record, record.prepared.answers(record.probabilities))
         except Exception as exc:  # noqa: BLE001 - the shadow's own error answer
-            log.exception("shadow answer not built", offset=item.work.source.offset)
-            return self.answers.error(item.work, "internal_error", reason(exc), request=request)
+            log.exception("shadow answer not built", offset=record.source.offset)
+            return self.answers.error(record, "internal_error", reason(exc), request=record.request)
 
-    def _attach(self, live: str, pending: tuple[Any, Request, Media], work: RequestWork, answer: Answer) -> None:
-        """The shadow answer as the last record of the live request's Served (one transaction), and measured."""
-        served = pending[0]
+    def _attach(self, live: str, record: RequestRecord, own: RequestRecord, answer: Answer) -> None:
+        """The shadow answer as the last record of the live request (one transaction), and measured."""
         answer.answer_id = answer_identity(answer, self.hosted.provenance_sha256)
-        answer, outgoing = self.answers.fitted(work, answer)
-        served.records.append(as_shadow(outgoing))
-        self.observe(live, served.answer, answer)
-
-    @staticmethod
-    async def _deliver(indices: list[int], left: dict[int, tuple[Any, Request, Media]], on_served: OnServed) -> None:
-        served = [left.pop(index)[0] for index in indices if index in left]
-        if served:
-            await on_served(served)
+        answer, outgoing = self.answers.fitted(own, answer)
+        record.records.append(as_shadow(outgoing))
+        record.shadowed = True
+        assert record.answer is not None  # the live answer is there: it is what the shadow follows
+        self.observe(live, record.answer, answer)
 
     def observe(self, live_name: str, live: Answer, shadow: Answer) -> None:
         """The live comparison metrics of one request (``d3stream compare``'s decision and |dp|)."""
@@ -213,39 +212,6 @@ class Shadow:
             joined = join_slots(live.id, question_id, slot, other)
             metrics.count_shadow_question(live_name, self.name, slot.type, agree=joined.agree,
                                           abs_dps=joined.deltas.values())
-
-
-class Following:
-    """An ``on_served`` that delivers what is not shadowed at once and hands the chosen requests' live answers
-    to the shadow, which delivers each with its shadow answer (``finished`` waits for those)."""
-
-    def __init__(self, shadow: Shadow, live: str, requests: dict[int, tuple[Request, Media]], on_served: OnServed):
-        self.shadow = shadow
-        self.live = live
-        self.requests = requests
-        self.on_served = on_served
-        self._tasks: list[asyncio.Future[None]] = []
-
-    async def __call__(self, served: list[Any]) -> None:
-        now: list[Any] = []
-        later: list[tuple[Any, Request, Media]] = []
-        for each in served:
-            known = self.requests.get(id(each.work))
-            if known is None or each.answer.error is not None or not chosen(known[0].id, self.shadow.share):
-                now.append(each)  # refused or failed live: the shadow compares answers, not refusals
-            else:
-                later.append((each, *known))
-        if later:
-            # Its own task: the live answers of later passes are not held up behind this shadow work.
-            self._tasks.append(asyncio.ensure_future(self.shadow.answer(self.live, later, self.on_served)))
-        if now:
-            await self.on_served(now)
-
-    async def finished(self) -> None:
-        """Until every shadowed request of this step is delivered."""
-        while self._tasks:
-            tasks, self._tasks = self._tasks, []
-            await asyncio.gather(*tasks)
 
 
 def as_shadow(record: Outgoing) -> Outgoing:

@@ -1,0 +1,103 @@
+"""The request record: one typed object per request, from the fetch that read it to the sink that takes its
+answer.
+
+A record read from a topic becomes a ``RequestRecord`` once, when the pipeline takes it, and every stage
+works on that same object: where it was read (``source``, once), what admission made of it (the decoded
+request, its model, tenant, lane and what it holds in flight), what the passes made of it (its prepared
+rows, their probabilities, the passes that carried it) and, at the end, its answer event and the records to
+publish for it. Nothing re-wraps it on the way, so what a stage learns is simply there for the next one.
+
+A stage that ends a request early does not build an answer itself: it returns a ``Refusal`` (an error code
+and a message), and the pipeline turns every refusal into an error answer in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from d3stream.core.events import (
+    HEADERS,
+    Answer,
+    BatchRecord,
+    Cost,
+    MediaRecord,
+    Request,
+    Source,
+    Timings,
+)
+from d3stream.core.outgoing import Outgoing
+from d3stream.core.seams import DEFAULT_SCHEDULING, DeadlineExceeded, InputRecord, Position, Scheduling
+from d3stream.runtime import Prepared, Row
+
+# A request's decoded media (images, videos), or None for a text-only request.
+Media = tuple[list[Any], list[Any]] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a stage ends a request without the model's answer: the error answer's code and message."""
+
+    code: str
+    message: str
+    request_id: str | None = None  # the id an undecodable record still names, if any
+    late_ms: int | None = None  # deadline_exceeded: how late it was
+
+
+@dataclass(slots=True, eq=False)
+class RequestRecord:
+    """One request on its way through a worker (see the module's docstring)."""
+
+    # -- where it was read, and its bytes
+    input: InputRecord  # key, value and headers as read (any object with ``seams.InputRecord``'s attributes)
+    source: Source  # topic, partition, offset and timestamp: what its answer names as its source
+    received: float  # perf_counter when the pipeline took it
+    headers: list[tuple[str, bytes]] = field(default_factory=lambda: HEADERS)  # of its answer and dead letter
+
+    # -- admission: the decoded request, where it goes, what it holds in flight
+    request: Request | None = None  # once decoded: even a worker fault is answered under its id
+    model: str | None = None  # the served model it was routed to (None: not routed; the default's records)
+    tenant: str | None = None  # who its cost counts for (None: not a request; it has no cost)
+    scheduling: Scheduling = DEFAULT_SCHEDULING  # its lane and deadline, once decoded
+    questions: int = 0
+    media: list[MediaRecord] = field(default_factory=list)  # the objects read for it (provenance)
+    decoded: Media = None  # its decoded images and videos
+    media_bytes: int = 0  # held of the in-flight media budget
+    tokens: int = 0  # its prompt tokens, once prepared
+    quota_tokens: int = 0  # taken of its tenant's quota (tenant_max_inflight_tokens), given back when answered
+
+    # -- the passes
+    prepared: Prepared | None = None
+    plan: Any = None  # its shared-prefix plan (runtime.prefix), if it has one
+    probabilities: dict[Row, list[float]] = field(default_factory=dict)
+    expired: DeadlineExceeded | None = None  # its deadline passed before a pass carried all its rows
+    batch: BatchRecord = field(default_factory=BatchRecord)
+    device_seconds: float = 0.0  # its share of the passes' device time, by tokens
+    padded_tokens: int = 0
+
+    # -- when each stage started (perf_counter; 0: not reached) and how long it took: spans and provenance
+    timings: Timings = field(default_factory=Timings)
+    fetch_at: float = 0.0
+    decode_at: float = 0.0
+    prepare_at: float = 0.0
+    submitted_at: float = 0.0
+    publish_at: float = 0.0
+
+    # -- the outcome: its answer event and what is published for it (dead letters first, the answer, a shadow's)
+    answer: Answer | None = None
+    records: list[Outgoing] = field(default_factory=list)
+    finished: bool = False  # its answer event is built (whatever happens next, it gets no second one)
+    shadowed: bool = False  # its shadow answer is among its records (core/shadow.py)
+
+    @property
+    def position(self) -> Position:
+        """Where it was read: (topic, partition, offset), what source-ordered schedulers keep places by."""
+        source = self.source
+        return (source.topic, source.partition, source.offset)
+
+    def cost(self) -> Cost | None:
+        """Its cost record, once the request is decoded (a record that is no request has no tenant)."""
+        if self.tenant is None:
+            return None
+        return Cost(tenant=self.tenant, prompt_tokens=self.tokens, padded_tokens=self.padded_tokens,
+                    device_seconds=self.device_seconds, media_bytes=sum(media.bytes for media in self.media))
