@@ -31,7 +31,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from d3stream.core.agreement import (
     ECE_BINS,
@@ -46,6 +46,12 @@ from d3stream.core.agreement import (
     parse_slot,
 )
 from d3stream.runtime.kinds import QUESTION_TYPE_NAMES
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from matplotlib.figure import Figure
+
+    from d3stream.config import Settings
 
 DEFAULT_TOP = 10
 DEFAULT_OUT = "compare-report"
@@ -74,12 +80,11 @@ class AnswerSet(dict[str, dict[str, Any]]):
         self.invalid = invalid
 
 
-def records_to_answers(records: Iterable[Any], source: str = "") -> AnswerSet:
+def records_to_answers(records: Iterable[object], source: str = "") -> AnswerSet:
     """The answer records by id: a later record of an id replaces an earlier one (and is counted)."""
     answers = AnswerSet(source)
     for record in records:
-        request_id = record.get("id") if isinstance(record, dict) else None
-        if not isinstance(request_id, str) or not request_id:
+        if not isinstance(record, dict) or not isinstance(request_id := record.get("id"), str) or not request_id:
             answers.invalid += 1
             continue
         if request_id in answers:
@@ -132,13 +137,13 @@ def parse_source(source: str | Path) -> TopicRange | Path:
     return TopicRange(topic, start, end)
 
 
-def read_jsonl(path: Path) -> list[Any]:
+def read_jsonl(path: Path) -> list[object]:
     """The JSON documents of a JSON-lines file (blank lines skipped); ValueError names a bad line."""
     if str(path) == "-":
         lines = sys.stdin.read().splitlines()
     else:
         lines = path.read_text(encoding="utf-8").splitlines()
-    documents = []
+    documents: list[object] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -149,7 +154,7 @@ def read_jsonl(path: Path) -> list[Any]:
     return documents
 
 
-def _decode_value(value: bytes | None) -> Any:
+def _decode_value(value: bytes | None) -> object:
     if value is None:
         return None
     try:
@@ -158,21 +163,91 @@ def _decode_value(value: bytes | None) -> Any:
         return None
 
 
+async def _start(consumer: AIOKafkaConsumer, source: TopicRange, bootstrap_servers: str, timeout_s: float,
+                 settings: Settings | None) -> None:
+    """Start ``consumer``; SourceError names the cluster (and, given the settings, the setting to change)."""
+    from aiokafka.errors import KafkaError
+
+    try:
+        await asyncio.wait_for(consumer.start(), timeout_s)
+    except (KafkaError, TimeoutError, OSError) as exc:
+        await consumer.stop()
+        hint = ""
+        if settings is not None:  # the connection settings: find which of them to change
+            from d3stream.kafka.connection import explain_failure
+
+            hint = f" ({await explain_failure(settings, exc)})"
+        raise SourceError(f"{source}: cannot reach the Kafka cluster at {bootstrap_servers}{hint}: {exc!r}") from exc
+
+
+async def _partitions(consumer: AIOKafkaConsumer, source: TopicRange, bootstrap_servers: str, deadline: float,
+                      timeout_s: float) -> list[TopicPartition]:
+    """Every partition of the source's topic, in order; SourceError when there is no such topic."""
+    from aiokafka import TopicPartition
+
+    if source.topic not in await consumer.topics():
+        raise SourceError(f"{source}: no topic {source.topic!r} at {bootstrap_servers}")
+    # Assigning partition 0 (every topic has one) makes the client track the topic's metadata;
+    # ``topics()`` fetched it into a throwaway copy only.
+    consumer.assign([TopicPartition(source.topic, 0)])
+    while (partitions := consumer.partitions_for_topic(source.topic)) is None:
+        if time.monotonic() > deadline:
+            raise SourceError(f"{source}: no partition metadata within {timeout_s:g} s")
+        await asyncio.sleep(0.05)
+    return [TopicPartition(source.topic, partition) for partition in sorted(partitions)]
+
+
+async def _seek_range(consumer: AIOKafkaConsumer, source: TopicRange,
+                      tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+    """Each partition with records in the range positioned at its start; the offset to stop at, by partition.
+    The partitions without any are paused."""
+    consumer.assign(tps)
+    beginnings = await consumer.beginning_offsets(tps)
+    ends = await consumer.end_offsets(tps)
+    stops: dict[TopicPartition, int] = {}
+    for tp in tps:
+        start = max(beginnings[tp], source.start or 0)
+        stop = ends[tp] if source.end is None else min(ends[tp], source.end)
+        if start < stop:
+            consumer.seek(tp, start)
+            stops[tp] = stop
+    consumer.pause(*[tp for tp in tps if tp not in stops])
+    return stops
+
+
+async def _read_to_stops(consumer: AIOKafkaConsumer, source: TopicRange, stops: dict[TopicPartition, int],
+                         deadline: float, timeout_s: float) -> list[object]:
+    """The decoded values of every partition up to its stop offset (``stops`` is emptied as they get there)."""
+    values: list[object] = []
+    while stops:
+        if time.monotonic() > deadline:
+            raise SourceError(f"{source}: not read to its end offsets within {timeout_s:g} s")
+        batches = await consumer.getmany(*stops, timeout_ms=500)
+        for tp, records in batches.items():
+            values.extend(_decode_value(r.value) for r in records if tp in stops and r.offset < stops[tp])
+        for tp in list(stops):
+            # The position, not the last record: transaction markers and aborted records are skipped.
+            if await consumer.position(tp) >= stops[tp]:
+                consumer.pause(tp)
+                del stops[tp]
+    return values
+
+
 async def read_topic(
     bootstrap_servers: str,
     source: TopicRange,
     *,
     timeout_s: float = 60.0,
-    security: Mapping[str, Any] | None = None,
-    settings: Any = None,
-) -> list[Any]:
+    security: Mapping[str, object] | None = None,
+    settings: Settings | None = None,
+) -> list[object]:
     """The decoded values (None for a value that is not JSON) of a topic range, committed records only.
 
     A plain consumer without a group reads every partition from ``START`` (or its beginning) to ``END``
     or its end offset at the time of the call, so it terminates on a live topic; records of one
     partition come in offset order (the records of one key share a partition).
     """
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import AIOKafkaConsumer
     from aiokafka.errors import KafkaError
 
     consumer = AIOKafkaConsumer(**{
@@ -184,55 +259,15 @@ async def read_topic(
         **dict(security or {}),
     })
     deadline = time.monotonic() + timeout_s
+    await _start(consumer, source, bootstrap_servers, timeout_s, settings)
     try:
-        await asyncio.wait_for(consumer.start(), timeout_s)
-    except (KafkaError, TimeoutError, OSError) as exc:
-        await consumer.stop()
-        hint = ""
-        if settings is not None:  # the connection settings: find which of them to change
-            from d3stream.kafka.connection import explain_failure
-
-            hint = f" ({await explain_failure(settings, exc)})"
-        raise SourceError(f"{source}: cannot reach the Kafka cluster at {bootstrap_servers}{hint}: {exc!r}") from exc
-    values: list[Any] = []
-    try:
-        if source.topic not in await consumer.topics():
-            raise SourceError(f"{source}: no topic {source.topic!r} at {bootstrap_servers}")
-        # Assigning partition 0 (every topic has one) makes the client track the topic's metadata;
-        # ``topics()`` fetched it into a throwaway copy only.
-        consumer.assign([TopicPartition(source.topic, 0)])
-        while (partitions := consumer.partitions_for_topic(source.topic)) is None:
-            if time.monotonic() > deadline:
-                raise SourceError(f"{source}: no partition metadata within {timeout_s:g} s")
-            await asyncio.sleep(0.05)
-        tps = [TopicPartition(source.topic, partition) for partition in sorted(partitions)]
-        consumer.assign(tps)
-        beginnings = await consumer.beginning_offsets(tps)
-        ends = await consumer.end_offsets(tps)
-        stops: dict[Any, int] = {}
-        for tp in tps:
-            start = max(beginnings[tp], source.start or 0)
-            stop = ends[tp] if source.end is None else min(ends[tp], source.end)
-            if start < stop:
-                consumer.seek(tp, start)
-                stops[tp] = stop
-        consumer.pause(*[tp for tp in tps if tp not in stops])
-        while stops:
-            if time.monotonic() > deadline:
-                raise SourceError(f"{source}: not read to its end offsets within {timeout_s:g} s")
-            batches = await consumer.getmany(*stops, timeout_ms=500)
-            for tp, records in batches.items():
-                values.extend(_decode_value(r.value) for r in records if tp in stops and r.offset < stops[tp])
-            for tp in list(stops):
-                # The position, not the last record: transaction markers and aborted records are skipped.
-                if await consumer.position(tp) >= stops[tp]:
-                    consumer.pause(tp)
-                    del stops[tp]
+        tps = await _partitions(consumer, source, bootstrap_servers, deadline, timeout_s)
+        stops = await _seek_range(consumer, source, tps)
+        return await _read_to_stops(consumer, source, stops, deadline, timeout_s)
     except KafkaError as exc:
         raise SourceError(f"{source}: {exc!r}") from exc
     finally:
         await consumer.stop()
-    return values
 
 
 def default_bootstrap_servers() -> str:
@@ -245,8 +280,8 @@ def load_answers(
     *,
     bootstrap_servers: str | None = None,
     timeout_s: float = 60.0,
-    security: Mapping[str, Any] | None = None,
-    settings: Any = None,
+    security: Mapping[str, object] | None = None,
+    settings: Settings | None = None,
 ) -> AnswerSet:
     """Answer records by request id from a JSON-lines file or a ``kafka:TOPIC[@START-END]`` range.
 
@@ -258,15 +293,16 @@ def load_answers(
         if settings is not None:  # a config.Settings: the whole connection (security, kafka_options)
             from d3stream.kafka.connection import client_options
 
-            security = client_options(settings, "consumer", client_id=settings.client_id)
-            bootstrap_servers = security.pop("bootstrap_servers")
+            options = client_options(settings, "consumer", client_id=settings.client_id)
+            bootstrap_servers = options.pop("bootstrap_servers")
+            security = options
         servers = bootstrap_servers or default_bootstrap_servers()
         records = asyncio.run(read_topic(servers, parsed, timeout_s=timeout_s, security=security, settings=settings))
         return records_to_answers(records, str(parsed))
     return records_to_answers(read_jsonl(parsed), str(source))
 
 
-Labels = dict[tuple[str, str], Any]
+Labels = dict[tuple[str, str], object]  # expected answer (a label, JSON) by (request id, question id)
 
 
 def load_labels(path: str | Path) -> Labels:
@@ -383,7 +419,7 @@ class Report:
         return out
 
 
-def _error_code(value: Any) -> str:
+def _error_code(value: object) -> str:
     if isinstance(value, dict):
         value = value.get("code")
     return value if isinstance(value, str) and value else "unknown"
@@ -452,6 +488,58 @@ def _label_report(joined: Sequence[JoinedQuestion], labels: Labels) -> LabelRepo
     )
 
 
+@dataclass
+class _Joined:
+    """The questions of two answer sets joined by request and question id, and the ones left out."""
+
+    questions: list[JoinedQuestion] = field(default_factory=list)
+    only_a: int = 0  # questions of requests on both sides, answered (or errored) only in A
+    only_b: int = 0
+    skipped: int = 0  # an error on either side
+    unreadable: int = 0  # an unknown type, no probabilities, or different types
+
+    def request(self, request_id: str, answers_a: dict[str, Any], answers_b: dict[str, Any]) -> None:
+        """Join the questions of one request both sides answered."""
+        self.only_a += len(answers_a.keys() - answers_b.keys())
+        self.only_b += len(answers_b.keys() - answers_a.keys())
+        for question_id in sorted(answers_a.keys() & answers_b.keys()):
+            raw_a, raw_b = answers_a[question_id], answers_b[question_id]
+            if any(isinstance(raw, dict) and "error" in raw for raw in (raw_a, raw_b)):
+                self.skipped += 1
+                continue
+            slot_a, slot_b = parse_slot(raw_a), parse_slot(raw_b)
+            if slot_a is None or slot_b is None or slot_a.type != slot_b.type:
+                self.unreadable += 1
+                continue
+            self.questions.append(join_slots(request_id, question_id, slot_a, slot_b))
+
+
+def _join(a: Mapping[str, Mapping[str, Any]], b: Mapping[str, Mapping[str, Any]]) -> _Joined:
+    joined = _Joined()
+    for request_id in sorted(set(a) & set(b)):
+        answers_a, answers_b = _answers_of(a[request_id]), _answers_of(b[request_id])
+        if answers_a is None or answers_b is None:
+            joined.skipped += len(answers_a or answers_b or ())
+            continue
+        joined.request(request_id, answers_a, answers_b)
+    return joined
+
+
+def _disagreements(joined: Sequence[JoinedQuestion]) -> list[Disagreement]:
+    """Every request with joined questions, largest ``|Δp|`` first (then by id)."""
+    by_request: dict[str, list[JoinedQuestion]] = defaultdict(list)
+    for question in joined:
+        by_request[question.request_id].append(question)
+    return sorted(
+        (
+            Disagreement(rid, max(q.max_abs_dp for q in qs),
+                         tuple(sorted(qs, key=lambda q: (-q.max_abs_dp, q.question_id))))
+            for rid, qs in by_request.items()
+        ),
+        key=lambda d: (-d.max_abs_dp, d.request_id),
+    )
+
+
 def compare(
     a: Mapping[str, Mapping[str, Any]],
     b: Mapping[str, Mapping[str, Any]],
@@ -465,58 +553,28 @@ def compare(
     request that one side refused (request-level ``error``) or answered with an error slot are counted
     in ``skipped_questions``; requests only on one side in ``only_a`` / ``only_b``.
     """
-    only_a = tuple(sorted(set(a) - set(b)))
-    only_b = tuple(sorted(set(b) - set(a)))
-    joined: list[JoinedQuestion] = []
-    only_a_questions = only_b_questions = skipped = unreadable = 0
-    for request_id in sorted(set(a) & set(b)):
-        answers_a, answers_b = _answers_of(a[request_id]), _answers_of(b[request_id])
-        if answers_a is None or answers_b is None:
-            skipped += len(answers_a or answers_b or ())
-            continue
-        only_a_questions += len(answers_a.keys() - answers_b.keys())
-        only_b_questions += len(answers_b.keys() - answers_a.keys())
-        for question_id in sorted(answers_a.keys() & answers_b.keys()):
-            raw_a, raw_b = answers_a[question_id], answers_b[question_id]
-            if any(isinstance(raw, dict) and "error" in raw for raw in (raw_a, raw_b)):
-                skipped += 1
-                continue
-            slot_a, slot_b = parse_slot(raw_a), parse_slot(raw_b)
-            if slot_a is None or slot_b is None or slot_a.type != slot_b.type:
-                unreadable += 1
-                continue
-            joined.append(join_slots(request_id, question_id, slot_a, slot_b))
-
+    joined = _join(a, b)
+    questions = joined.questions
     by_type_lists: dict[str, list[JoinedQuestion]] = defaultdict(list)
     by_question_lists: dict[str, list[JoinedQuestion]] = defaultdict(list)
-    by_request: dict[str, list[JoinedQuestion]] = defaultdict(list)
-    for question in joined:
+    for question in questions:
         by_type_lists[question.type].append(question)
         by_question_lists[question.question_id].append(question)
-        by_request[question.request_id].append(question)
-    disagreements = sorted(
-        (
-            Disagreement(rid, max(q.max_abs_dp for q in qs),
-                         tuple(sorted(qs, key=lambda q: (-q.max_abs_dp, q.question_id))))
-            for rid, qs in by_request.items()
-        ),
-        key=lambda d: (-d.max_abs_dp, d.request_id),
-    )
     return Report(
         a=summarise(a),
         b=summarise(b),
-        only_a=only_a,
-        only_b=only_b,
-        only_a_questions=only_a_questions,
-        only_b_questions=only_b_questions,
-        skipped_questions=skipped,
-        unreadable_questions=unreadable,
-        overall=group_stats(joined),
+        only_a=tuple(sorted(set(a) - set(b))),
+        only_b=tuple(sorted(set(b) - set(a))),
+        only_a_questions=joined.only_a,
+        only_b_questions=joined.only_b,
+        skipped_questions=joined.skipped,
+        unreadable_questions=joined.unreadable,
+        overall=group_stats(questions),
         by_type={kind: group_stats(by_type_lists[kind]) for kind in QUESTION_TYPE_NAMES if kind in by_type_lists},
         by_question={qid: group_stats(qs) for qid, qs in sorted(by_question_lists.items())},
-        top=tuple(disagreements[:top]),
-        labels=None if labels is None else _label_report(joined, labels),
-        joined=tuple(joined),
+        top=tuple(_disagreements(questions)[:top]),
+        labels=None if labels is None else _label_report(questions, labels),
+        joined=tuple(questions),
     )
 
 
@@ -535,11 +593,11 @@ def _signed(value: float | None) -> str:
     return "–" if value is None else f"{value:+.4f}"
 
 
-def _md(text: Any) -> str:
+def _md(text: object) -> str:
     return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
-def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+def _table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(_md(cell) for cell in row) + " |" for row in rows]
     return lines
@@ -568,13 +626,9 @@ def _codes(codes: Mapping[str, int]) -> str:
     return ", ".join(f"{code} {count}" for code, count in codes.items()) or "–"
 
 
-def render_markdown(report: Report, plots: Sequence[str] = ()) -> str:
-    """``report.md``: headline, per type, per question id, the top disagreements side by side, labels."""
-    a, b = report.a, report.b
-    lines = ["# d3stream compare", "", f"- **A**: `{a.source}`", f"- **B**: `{b.source}`", ""]
-    lines += ["## Headline", ""]
+def _headline_section(report: Report) -> list[str]:
     headline = report.headline()
-    lines += _table(["figure", "value"], [
+    return ["## Headline", "", *_table(["figure", "value"], [
         ["joined questions", headline["joined"]],
         ["agreement (choice, noul, score decisions)", _pct(headline["agreement"])],
         ["mean abs Δp (per option)", _fmt(headline["mean_abs_dp"])],
@@ -585,8 +639,12 @@ def render_markdown(report: Report, plots: Sequence[str] = ()) -> str:
         ["questions only in A / only in B", f"{report.only_a_questions} / {report.only_b_questions}"],
         ["questions not compared: errors / unreadable or type differs",
          f"{report.skipped_questions} / {report.unreadable_questions}"],
-    ])
-    lines += ["", "## Sides", ""]
+    ])]
+
+
+def _sides_section(report: Report) -> list[str]:
+    a, b = report.a, report.b
+    lines = ["", "## Sides", ""]
     lines += _table(["", "A", "B"], [
         ["requests", a.requests, b.requests],
         ["duplicate records (last kept)", a.duplicates, b.duplicates],
@@ -603,6 +661,12 @@ def render_markdown(report: Report, plots: Sequence[str] = ()) -> str:
             if ids:
                 shown = ", ".join(f"`{_md(i)}`" for i in ids[:20]) + (" ..." if len(ids) > 20 else "")
                 lines.append(f"Only in {side} ({len(ids)}): {shown}  ")
+    return lines
+
+
+def _groups_section(report: Report, plots: Sequence[str]) -> list[str]:
+    """Per question type and per question id, with their plots."""
+    lines: list[str] = []
     for plot in plots:
         if plot == "abs_dp_histogram.png":
             lines += ["", f"![abs Δp histogram]({plot})"]
@@ -615,7 +679,11 @@ def render_markdown(report: Report, plots: Sequence[str] = ()) -> str:
                     [[qid, stats.types] + _stats_row(qid, stats)[1:] for qid, stats in report.by_question.items()])
     if "agreement_by_question.png" in plots:
         lines += ["", "![agreement by question](agreement_by_question.png)"]
-    lines += ["", f"## Largest disagreements (top {len(report.top)} requests by max abs Δp)", ""]
+    return lines
+
+
+def _disagreements_section(report: Report) -> list[str]:
+    lines = ["", f"## Largest disagreements (top {len(report.top)} requests by max abs Δp)", ""]
     if not report.top:
         lines.append("No joined questions.")
     for item in report.top:
@@ -627,22 +695,37 @@ def render_markdown(report: Report, plots: Sequence[str] = ()) -> str:
               f"{q.max_abs_dp:.4f}", _probabilities_text(q.a), _probabilities_text(q.b)] for q in item.questions],
         )
         lines.append("")
+    return lines
+
+
+def _labels_section(labels: LabelReport, plots: Sequence[str]) -> list[str]:
+    lines = ["## Against the labels", "",
+             f"{labels.n} labelled joined questions ({labels.unmatched} labels match no joined question, "
+             f"{labels.invalid} name no option of their question).", ""]
+    rows: list[list[object]] = [[
+        "all", labels.n, _fmt(labels.a.accuracy), _fmt(labels.b.accuracy), _fmt(labels.a.brier),
+        _fmt(labels.b.brier), _fmt(labels.a.ece), _fmt(labels.b.ece)]]
+    rows += [[kind, sa.n, _fmt(sa.accuracy), _fmt(sb.accuracy), _fmt(sa.brier), _fmt(sb.brier), _fmt(sa.ece),
+              _fmt(sb.ece)] for kind, (sa, sb) in labels.by_type.items()]
+    lines += _table(["type", "n", "accuracy A", "accuracy B", "Brier A", "Brier B", "ECE A", "ECE B"], rows)
+    lines += ["", "Brier score: the sum over the options of (p − onehot)², averaged over questions (0 best, 2 "
+              "worst); for noul the two-class sum over false and true, i.e. twice the binary Brier score. "
+              f"ECE: {ECE_BINS} equal-width bins on the probability of the decided option (the max "
+              "probability), sum of bin weight × abs(accuracy − mean confidence).", ""]
+    if "reliability.png" in plots:
+        lines += ["![reliability diagram](reliability.png)", ""]
+    return lines
+
+
+def render_markdown(report: Report, plots: Sequence[str] = ()) -> str:
+    """``report.md``: headline, per type, per question id, the top disagreements side by side, labels."""
+    lines = ["# d3stream compare", "", f"- **A**: `{report.a.source}`", f"- **B**: `{report.b.source}`", ""]
+    lines += _headline_section(report)
+    lines += _sides_section(report)
+    lines += _groups_section(report, plots)
+    lines += _disagreements_section(report)
     if report.labels is not None:
-        labels = report.labels
-        lines += ["## Against the labels", "",
-                  f"{labels.n} labelled joined questions ({labels.unmatched} labels match no joined question, "
-                  f"{labels.invalid} name no option of their question).", ""]
-        rows = [["all", labels.n, _fmt(labels.a.accuracy), _fmt(labels.b.accuracy), _fmt(labels.a.brier),
-                 _fmt(labels.b.brier), _fmt(labels.a.ece), _fmt(labels.b.ece)]]
-        rows += [[kind, sa.n, _fmt(sa.accuracy), _fmt(sb.accuracy), _fmt(sa.brier), _fmt(sb.brier), _fmt(sa.ece),
-                  _fmt(sb.ece)] for kind, (sa, sb) in labels.by_type.items()]
-        lines += _table(["type", "n", "accuracy A", "accuracy B", "Brier A", "Brier B", "ECE A", "ECE B"], rows)
-        lines += ["", "Brier score: the sum over the options of (p − onehot)², averaged over questions (0 best, 2 "
-                  "worst); for noul the two-class sum over false and true, i.e. twice the binary Brier score. "
-                  f"ECE: {ECE_BINS} equal-width bins on the probability of the decided option (the max "
-                  "probability), sum of bin weight × abs(accuracy − mean confidence).", ""]
-        if "reliability.png" in plots:
-            lines += ["![reliability diagram](reliability.png)", ""]
+        lines += _labels_section(report.labels, plots)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -651,7 +734,7 @@ _TYPE_COLORS = dict(zip(QUESTION_TYPE_NAMES, ("#4C72B0", "#DD8452", "#55A868"), 
 _SIDE_COLORS = {"A": "#4C72B0", "B": "#C44E52"}
 
 
-def _figure(width: float, height: float) -> Any:
+def _figure(width: float, height: float) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -724,8 +807,9 @@ def plot_reliability(report: Report, path: Path) -> Path:
     for offset, (side, stats, source) in zip(
         (-width / 5, width / 5), (("A", labels.a, report.a.source), ("B", labels.b, report.b.source)), strict=True
     ):
-        filled = [b for b in stats.bins if b.count]
-        top.plot([b.mean_confidence for b in filled], [b.accuracy for b in filled], marker="o",
+        filled = [(b.mean_confidence, b.accuracy) for b in stats.bins  # the bins with questions
+                  if b.mean_confidence is not None and b.accuracy is not None]
+        top.plot([confidence for confidence, _ in filled], [accuracy for _, accuracy in filled], marker="o",
                  color=_SIDE_COLORS[side], label=f"{side}: {source} (ECE {_fmt(stats.ece, 3)}, accuracy "
                  f"{_pct(stats.accuracy)})")
         bottom.bar([(b.lower + b.upper) / 2 + offset for b in stats.bins], [b.count for b in stats.bins],
