@@ -1,4 +1,5 @@
-"""Shared fixtures: real servers (tests/infra_fixtures.py) and tiny checkpoints built on demand.
+"""Shared fixtures: real servers (tests/infra_fixtures.py), tiny checkpoints built on demand
+(tests/model_fixtures.py), the stream helpers' ``stack`` and the fault proxy's ``proxy``.
 
 Markers (registered in pyproject.toml; ``make test-fast`` runs ``-m "not infra and not subprocess"``):
 
@@ -10,9 +11,12 @@ Markers (registered in pyproject.toml; ``make test-fast`` runs ``-m "not infra a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import pytest
 
-pytest_plugins = ["tests.infra_fixtures", "tests.model_fixtures", "tests.stream_helpers"]
+pytest_plugins = ["tests.infra_fixtures", "tests.model_fixtures", "tests.stream_helpers", "tests.fault_proxy"]
 
 # The fixtures that start a JVM server (tests/infra_fixtures.py); every fixture built on them (``stack``,
 # ``s3_bucket``, the extra brokers of test_security and test_hostile) asks for one of these.
@@ -24,3 +28,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # fixturenames is the closure: the fixtures a test asks for and every fixture they ask for.
         if INFRA_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.infra)
+
+
+@pytest.fixture
+def logging_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For tests that run a command (``serve``, ``replay``, ...) in process: the command sets up logging on the
+    stderr of the moment -- this test's captured one, closed afterwards -- so every set-up it makes is undone
+    after the test, or later log calls of the session would write to a closed stream."""
+    import d3stream.ops.logs
+
+    restores: list[Callable[[], None]] = []
+    real = d3stream.ops.logs.configure_logging
+
+    def configure(*args: Any, **kwargs: Any) -> Callable[[], None]:
+        restores.append(real(*args, **kwargs))
+        return restores[-1]
+
+    monkeypatch.setattr(d3stream.ops.logs, "configure_logging", configure)
+    yield
+    for restore in reversed(restores):
+        restore()

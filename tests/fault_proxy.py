@@ -23,6 +23,9 @@ wrong secret too: it is still refused through the proxy).
 Only what the tests route through it is supported: requests with a ``Content-Length`` body (or none),
 responses read whole (objects in tests are small). Standard library only: ``ThreadingHTTPServer`` in a
 daemon thread, ``http.client`` upstream.
+
+Registered as a pytest plugin in ``tests/conftest.py``: the ``proxy`` fixture is a ``FaultProxy`` in front
+of the session's object store, for one test.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
+
+import pytest
 
 # Not forwarded either way: they describe one connection, not the message.
 HOP_BY_HOP = {
@@ -310,3 +315,10 @@ class FaultProxy:
 
 def _methods(methods: set[str] | None) -> frozenset[str] | None:
     return frozenset(m.upper() for m in methods) if methods else None
+
+
+@pytest.fixture
+def proxy(object_store):
+    """A fault proxy in front of the session's object store, for this test."""
+    with FaultProxy(object_store.endpoint_url) as running:
+        yield running

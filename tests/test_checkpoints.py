@@ -25,6 +25,9 @@ from d3stream.models.checkpoints import (
 from d3stream.runtime.package import MANIFEST, package_files, read_manifest, write_manifest
 from tests.model_fixtures import copy_checkpoint
 
+# Commands run in process set up logging on the test's captured stderr: undone after each test.
+pytestmark = pytest.mark.usefixtures("logging_restored")
+
 PREFIX = "models/tiny"
 REQUEST = {
     "state": {"text": "My card was charged twice. Please give me my money back."},
@@ -52,25 +55,6 @@ def counting(client: Any) -> Counter[str]:
 def cached_copies(cache: Path) -> list[Path]:
     """The complete copies in a model cache (a folder holding a manifest, not a staging folder)."""
     return [path.parent for path in cache.rglob(MANIFEST) if not path.parent.name.startswith(".")]
-
-
-@pytest.fixture(autouse=True)
-def _logging_restored(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Commands run in process set up logging on this test's captured stderr: put the previous set-up back
-    afterwards, or later log calls of the session would write to a closed stream."""
-    import d3stream.ops.logs
-
-    restores = []
-    real = d3stream.ops.logs.configure_logging
-
-    def configure(*args: Any, **kwargs: Any) -> Any:
-        restores.append(real(*args, **kwargs))
-        return restores[-1]
-
-    monkeypatch.setattr(d3stream.ops.logs, "configure_logging", configure)
-    yield
-    for restore in reversed(restores):
-        restore()
 
 
 @pytest.fixture

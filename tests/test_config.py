@@ -191,23 +191,14 @@ def test_serve_help_lists_every_setting():
     assert "--config" in result.stdout
 
 
-@pytest.fixture
-def _no_logging_setup(monkeypatch):
-    """``serve`` configures structlog to print to the sys.stderr of the moment -- under capsys a file that is
-    closed after the test, which would break every later log call of the session."""
-    import d3stream.ops.logs
-
-    monkeypatch.setattr(d3stream.ops.logs, "configure_logging", lambda *args, **kwargs: None)
-
-
-@pytest.mark.usefixtures("_no_logging_setup")
+@pytest.mark.usefixtures("logging_restored")
 def test_serve_reports_a_bad_setting_and_exits_2(monkeypatch, capsys):
     monkeypatch.setenv("D3STREAM_MAX_BATCH_ROWS", "lots")
     assert main(["serve", "--model", "/nonexistent"]) == 2
     assert "max_batch_rows" in capsys.readouterr().err
 
 
-@pytest.mark.usefixtures("_no_logging_setup")
+@pytest.mark.usefixtures("logging_restored")
 def test_serve_without_a_model_exits_2(capsys):
     assert main(["serve"]) == 2
     assert "--model" in capsys.readouterr().err

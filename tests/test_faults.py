@@ -20,7 +20,7 @@ import pytest
 
 from d3stream.service import Service
 from d3stream.tools.clients import produce
-from tests.fault_proxy import THREAD_PREFIX, FaultProxy
+from tests.fault_proxy import THREAD_PREFIX
 from tests.media_makers import make_png
 from tests.stream_helpers import (
     Q_CHOICE,
@@ -40,15 +40,6 @@ FAST_S3 = {"s3_connect_timeout": 0.5, "s3_read_timeout": 1.0, "s3_max_attempts":
 
 
 # =========================================================================================== helpers
-
-
-@pytest.fixture
-def proxy(object_store):
-    """A fault proxy in front of the session's object store, for this test."""
-    with FaultProxy(object_store.endpoint_url) as running:
-        yield running
-
-
 
 
 def service_threads(baseline: set[threading.Thread], allow: tuple[str, ...] = ()) -> list[str]:

@@ -224,13 +224,10 @@ def _replay_cli(argv: list[str]) -> int:
     return main(["replay", *argv])
 
 
+@pytest.mark.usefixtures("logging_restored")
 def test_replay_needs_a_target_and_refuses_the_live_answer_topic_unless_told(
-    kafka_broker, request_topic, topic_names, qwen35_text_checkpoint, capsys, monkeypatch
+    kafka_broker, request_topic, topic_names, qwen35_text_checkpoint, capsys
 ):
-    import d3stream.ops.logs
-
-    # Logging set up in process would write to capsys's stream, closed after this test.
-    monkeypatch.setattr(d3stream.ops.logs, "configure_logging", lambda *args, **kwargs: None)
     asyncio.run(produce(kafka_broker.bootstrap_servers, request_topic, records(6)))
     live = topic_names("live-answers")
     kafka_broker.create_topic(live, partitions=2)

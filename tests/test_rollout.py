@@ -34,7 +34,9 @@ from d3stream.service import Service
 from d3stream.tools.clients import produce
 from tests.model_fixtures import copy_checkpoint
 from tests.stream_helpers import Reader, assigned_and_ready, close_to, read_all, record, run, stop
-from tests.test_checkpoints import _logging_restored  # noqa: F401 - autouse: serve sets up logging in process
+
+# serve sets up logging in process, on the test's captured stderr: undone after each test.
+pytestmark = pytest.mark.usefixtures("logging_restored")
 
 Q_NOUL = {"type": "noul", "question": "Is the customer asking for a refund?"}
 

@@ -160,15 +160,6 @@ def _env(monkeypatch, connection: dict[str, Any]) -> None:
         monkeypatch.setenv(f"D3STREAM_{name.upper()}", str(value))
 
 
-@pytest.fixture
-def _no_logging_setup(monkeypatch):
-    """``replay`` configures structlog onto the sys.stderr of the moment: under capsys a file closed after
-    the test (see tests/test_config.py)."""
-    import d3stream.ops.logs
-
-    monkeypatch.setattr(d3stream.ops.logs, "configure_logging", lambda *args, **kwargs: None)
-
-
 def _topics(broker, prefix: str) -> dict[str, str]:
     topics = {name: f"{prefix}-{name}-{uuid.uuid4().hex[:8]}" for name in ("req", "ans", "dlq", "prov")}
     for name in ("req", "ans"):
@@ -237,14 +228,14 @@ def _every_command(tmp_path: Path, connection: dict[str, Any], topics: dict[str,
 # ------------------------------------------------------------------------------------------ every command
 
 
-@pytest.mark.usefixtures("_no_logging_setup")
+@pytest.mark.usefixtures("logging_restored")
 def test_every_command_over_mutual_tls(secured_broker, pki, qwen35_text_checkpoint, qwen35_text_model, tmp_path,
                                        monkeypatch, capsys):
     _every_command(tmp_path, _mtls(secured_broker, pki), _topics(secured_broker, "mtls"), qwen35_text_checkpoint,
                    qwen35_text_model, monkeypatch, capsys)
 
 
-@pytest.mark.usefixtures("_no_logging_setup")
+@pytest.mark.usefixtures("logging_restored")
 def test_every_command_over_scram_sha_512(secured_broker, pki, qwen35_text_checkpoint, qwen35_text_model, tmp_path,
                                           monkeypatch, capsys):
     _every_command(tmp_path, _scram(secured_broker, pki), _topics(secured_broker, "scram"), qwen35_text_checkpoint,
