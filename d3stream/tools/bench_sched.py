@@ -1,6 +1,6 @@
 """``d3stream bench --scheduling``: the figures of docs/SCHEDULING.md, side by side in one run.
 
-Over **the request pipeline alone** (``RequestPipeline.serve`` of a ``Service`` that is never started: no
+Over **the request pipeline alone** (``RequestPipeline.answer`` of a ``Service`` that is never started: no
 broker, no consume loop) with a real model (default: the tiny random demo checkpoint, ``torch_threads=1``).
 Records are handed to the pipeline at their arrival times, a fetch of up to ``FETCH`` records at a time, and
 each answer's latency is measured from its arrival to its answer. Without the consume loop there is no
@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -30,6 +32,11 @@ from d3stream.config import Settings
 from d3stream.core.batching import BatchScheduler
 from d3stream.core.events import HEADERS
 from d3stream.kafka.consume import RESUME_AT, backpressure_pauses
+from d3stream.runtime import D3
+
+if TYPE_CHECKING:
+    from d3stream.core.record import RequestRecord
+    from d3stream.core.seams import DecisionModel
 
 POLL_S = 0.1  # the consume loop's getmany timeout: how often a paused worker looks again
 INTERACTIVE_SHARE = 0.10
@@ -41,11 +48,28 @@ QUESTION = {"type": "noul", "instructions": "Is anything unusual visible?"}
 STAGES = ("read_wait", "before_prepare", "prepare", "scheduler_wait", "own_pass", "after_pass")
 
 
-def _record(rid: str, offset: int, partition: int = 0, **fields: Any) -> SimpleNamespace:
+@dataclass(frozen=True)
+class BenchRecord:
+    """A request as the pipeline reads it from a topic (``seams.InputRecord``), made without a broker."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes
+    value: bytes
+    headers: Sequence[tuple[str, bytes]]
+    timestamp: int
+
+
+# A stream: each record with its arrival, in seconds from the start of the run.
+Arrivals = list[tuple[float, BenchRecord]]
+
+
+def _record(rid: str, offset: int, partition: int = 0, **fields: object) -> BenchRecord:
     body = {"id": rid, "state": {"text": f"ticket {rid}: the parcel arrived late"}, "questions": {"a": QUESTION},
             **fields}
-    return SimpleNamespace(topic="bench", partition=partition, offset=offset, key=rid.encode(),
-                           value=json.dumps(body).encode(), headers=HEADERS, timestamp=int(time.time() * 1000))
+    return BenchRecord(topic="bench", partition=partition, offset=offset, key=rid.encode(),
+                       value=json.dumps(body).encode(), headers=HEADERS, timestamp=int(time.time() * 1000))
 
 
 class _Run:
@@ -60,7 +84,7 @@ class _Run:
     queued behind a flood's backlog on another partition, as Kafka's fetches are per partition). Latency runs
     from a record's arrival (it was readable) to its answer, so the wait to be read counts."""
 
-    def __init__(self, settings: Settings, model: Any, watch: str = ""):
+    def __init__(self, settings: Settings, model: DecisionModel, watch: str = ""):
         from d3stream.service import Service
 
         self.service = Service(settings, model)
@@ -72,25 +96,31 @@ class _Run:
         self.loop_lag: list[float] = []
         self.per_partition: dict[int, int] = {}  # requests in flight by partition (what backpressure weighs)
 
-    async def _served(self, served: list[Any]) -> None:
+    async def _answer(self, records: list[BenchRecord]) -> None:
+        """The pipeline answers one fetch; each group of answers is taken as it is ready (as delivery does)."""
+        async for answered in self.service.pipeline.answer(records):
+            self._served(answered)
+
+    def _served(self, records: list[RequestRecord]) -> None:
         now = time.perf_counter()
         in_flight = self.service.in_flight
-        in_flight.requests -= len(served)
-        in_flight.questions -= sum(item.work.questions for item in served)
-        for item in served:
-            self.per_partition[item.work.record.partition] -= 1
-            rid = item.answer.id
+        in_flight.requests -= len(records)
+        in_flight.questions -= sum(record.questions for record in records)
+        for record in records:
+            self.per_partition[record.source.partition] -= 1
+            assert record.answer is not None  # the pipeline hands on answered requests only
+            rid = record.answer.id
             self.answered[rid] = now
             if self.watch and rid.startswith(self.watch):
-                self.stages.append(self._stages(item.work, self.arrived[rid], now))
+                self.stages.append(self._stages(record, self.arrived[rid], now))
 
     @staticmethod
-    def _stages(work: Any, arrived: float, answered: float) -> dict[str, float]:
-        timings = work.timings
-        passes_done = work.submitted_at + (timings.queued + timings.forward) / 1000
-        return {"read_wait": 1000 * (work.received - arrived),
-                "before_prepare": 1000 * (work.prepare_at - work.received),
-                "prepare": 1000 * (work.submitted_at - work.prepare_at),
+    def _stages(record: RequestRecord, arrived: float, answered: float) -> dict[str, float]:
+        timings = record.timings
+        passes_done = record.submitted_at + (timings.queued + timings.forward) / 1000
+        return {"read_wait": 1000 * (record.received - arrived),
+                "before_prepare": 1000 * (record.prepare_at - record.received),
+                "prepare": 1000 * (record.submitted_at - record.prepare_at),
                 "scheduler_wait": timings.queued, "own_pass": timings.forward,
                 "after_pass": 1000 * (answered - passes_done)}
 
@@ -116,10 +146,10 @@ class _Run:
         return (paused or set()) | backpressure_pauses(self.per_partition, requests, tokens,
                                                        settings.max_inflight_requests, settings.max_inflight_tokens)
 
-    def _fetch(self, queues: dict[int, deque[tuple[float, SimpleNamespace]]], now: float, room: int,
-               readable: list[int]) -> list[tuple[float, SimpleNamespace]]:
+    def _fetch(self, queues: dict[int, deque[tuple[float, BenchRecord]]], now: float, room: int,
+               readable: list[int]) -> Arrivals:
         """Up to ``room`` records arrived on the ``readable`` partitions (with their arrival), taking turns."""
-        fetch: list[tuple[float, SimpleNamespace]] = []
+        fetch: Arrivals = []
         while len(fetch) < room:
             taken = [queues[partition].popleft() for partition in readable
                      if queues[partition] and queues[partition][0][0] <= now]
@@ -128,11 +158,11 @@ class _Run:
             fetch.extend(taken[:room - len(fetch)])
         return fetch
 
-    async def feed(self, arrivals: list[tuple[float, SimpleNamespace]]) -> float:
+    async def feed(self, arrivals: Arrivals) -> float:
         """Serve every record from its arrival (seconds from now); seconds until all are answered."""
         started = time.perf_counter()
         watcher = asyncio.ensure_future(self._watch_loop())
-        queues: dict[int, deque[tuple[float, SimpleNamespace]]] = {}
+        queues: dict[int, deque[tuple[float, BenchRecord]]] = {}
         for when, record in arrivals:
             queues.setdefault(record.partition, deque()).append((when, record))
             self.per_partition.setdefault(record.partition, 0)
@@ -155,7 +185,7 @@ class _Run:
                 self.per_partition[record.partition] += 1
             in_flight.requests += len(fetch)
             records = [record for _, record in fetch]
-            steps.append(asyncio.ensure_future(self.service.pipeline.serve(records, self._served)))
+            steps.append(asyncio.ensure_future(self._answer(records)))
             await asyncio.sleep(0)  # the loop runs the fetch's first stage before reading again, as getmany does
         await asyncio.gather(*steps)
         watcher.cancel()
@@ -169,8 +199,7 @@ class _Run:
         self.service.fetcher.close()
 
 
-def _run(settings: Settings, model: Any, arrivals: list[tuple[float, SimpleNamespace]],
-         watch: str = "") -> tuple[_Run, float]:
+def _run(settings: Settings, model: DecisionModel, arrivals: Arrivals, watch: str = "") -> tuple[_Run, float]:
     run = _Run(settings, model, watch)
 
     async def go() -> float:
@@ -188,17 +217,16 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def _steady(prefix: str, rate: float, seconds: float, partition: int = 0,
-            **fields: Any) -> list[tuple[float, SimpleNamespace]]:
+def _steady(prefix: str, rate: float, seconds: float, partition: int = 0, **fields: object) -> Arrivals:
     count = max(2, int(rate * seconds))
     return [(n / rate, _record(f"{prefix}{n}", n, partition, **fields)) for n in range(count)]
 
 
-def _burst(prefix: str, count: int, partition: int = 1, **fields: Any) -> list[tuple[float, SimpleNamespace]]:
+def _burst(prefix: str, count: int, partition: int = 1, **fields: object) -> Arrivals:
     return [(0.0, _record(f"{prefix}{n}", n, partition, **fields)) for n in range(count)]
 
 
-def _merged(*streams: list[tuple[float, SimpleNamespace]]) -> list[tuple[float, SimpleNamespace]]:
+def _merged(*streams: Arrivals) -> Arrivals:
     return sorted((item for stream in streams for item in stream), key=lambda item: item[0])
 
 
@@ -231,35 +259,20 @@ def _lane_figures(run: _Run, seconds: float) -> dict[str, Any]:
             "loop_lag_ms": {"p50": round(1000 * _quantile(lag, 0.5), 1), "p99": round(1000 * _quantile(lag, 0.99), 1)}}
 
 
-def scheduling_bench(model: Any, *, seconds: float = 6.0, threads: int | None = 1,
-                     expired: int = 200) -> dict[str, Any]:
-    """All three figures on ``model`` (a loaded model or a checkpoint path), each stream ``seconds`` long."""
-    if not hasattr(model, "forward"):
-        from d3stream.runtime.model import D3
-
-        model = D3.from_pretrained(Path(model), device="cpu")
-    base = Settings(metrics_port=None, answer_topic="answers", dead_letter_topic="dead-letters",
-                    torch_threads=threads, linger_ms=5, prefix_reuse="off", log_level="warning")
-
-    def settings(**changes: Any) -> Settings:
-        return msgspec.structs.replace(base, **changes)
-
+def _capacity(settings: Settings, model: DecisionModel, seconds: float) -> float:
+    """Requests/s the worker sustains on this model and machine: a burst served as fast as it goes."""
     calibration = max(64, int(20 * seconds))
-    _, took = _run(settings(), model, _burst("cal", calibration))
-    capacity = calibration / took  # requests/s the worker sustains on this model and machine
-    report: dict[str, Any] = {"setup": {"path": "pipeline alone (no broker), consume loop's admission",
-                                        "seconds": seconds, "torch_threads": threads,
-                                        "capacity_per_s": round(capacity, 1),
-                                        "max_inflight_requests": base.max_inflight_requests,
-                                        # How long the in-flight work takes to drain: past lane_ageing_ms, aged
-                                        # flood rows reach the high lane (docs/SCHEDULING.md).
-                                        "inflight_drain_s": round(base.max_inflight_requests / capacity, 2),
-                                        "lane_pass_tokens": base.lane_pass_tokens}}
+    _, took = _run(settings, model, _burst("cal", calibration))
+    return calibration / took
 
+
+def _lanes(settings: Settings, model: DecisionModel, capacity: float, seconds: float,
+           setup: dict[str, Any]) -> dict[str, Any]:
+    """The high stream alone, and under a low flood with lanes on (capped and not) and off."""
     interactive = _steady("hi", INTERACTIVE_SHARE * capacity, seconds, priority="high")
     # Floods twice as long as the streams, so the worker is saturated for the whole window.
     flood = _burst("flood", int(2 * capacity * seconds), priority="low")
-    report["setup"]["flood_requests"] = len(flood)
+    setup["flood_requests"] = len(flood)
     flooded = _merged(interactive, flood)
     lanes: dict[str, Any] = {}
     for name, arrivals, changes in (
@@ -267,14 +280,20 @@ def scheduling_bench(model: Any, *, seconds: float = 6.0, threads: int | None = 
             ("flood_lanes_on", flooded, {}),
             ("flood_lanes_on_uncapped", flooded, {"lane_pass_tokens": 0}),
             ("flood_lanes_off", flooded, {"priority_lanes": False})):
-        run, _ = _run(settings(**changes), model, arrivals, watch="hi")
+        run, _ = _run(msgspec.structs.replace(settings, **changes), model, arrivals, watch="hi")
         lanes[name] = _lane_figures(run, seconds)
-    report["lanes"] = lanes
+    return lanes
 
-    run, _ = _run(settings(), model, _burst("late", expired, deadline=1_000))
-    report["expired"] = {"requests": expired, "passes_run": run.service.scheduler.passes_run,
-                         "deadline_exceeded": len(run.answered)}
 
+def _expired(settings: Settings, model: DecisionModel, expired: int) -> dict[str, Any]:
+    """A burst of requests already past their deadline: the passes they cost (none, if refused in time)."""
+    run, _ = _run(settings, model, _burst("late", expired, deadline=1_000))
+    return {"requests": expired, "passes_run": run.service.scheduler.passes_run,
+            "deadline_exceeded": len(run.answered)}
+
+
+def _tenants(settings: Settings, model: DecisionModel, capacity: float, seconds: float) -> dict[str, Any]:
+    """A steady tenant's throughput alone and beside a flooding tenant, quotas off and on."""
     steady = _steady("steady", STEADY_SHARE * capacity, seconds, tenant="steady")
     flooding = _burst("flood", int(2 * capacity * seconds), tenant="flood")
     # A quota of about two fetches of 64 of these requests: enough for the steady tenant's arrivals.
@@ -283,14 +302,36 @@ def scheduling_bench(model: Any, *, seconds: float = 6.0, threads: int | None = 
     tenants: dict[str, Any] = {"quota_tokens": quota}
     for name, arrivals, limit in (("alone", steady, 0), ("flood_quotas_off", _merged(steady, flooding), 0),
                                   ("flood_quotas_on", _merged(steady, flooding), quota)):
-        run, _ = _run(settings(tenant_max_inflight_tokens=limit), model, arrivals)
+        run, _ = _run(msgspec.structs.replace(settings, tenant_max_inflight_tokens=limit), model, arrivals)
         # Its throughput: what was answered while it was sending (a backlog answered later does not count).
         tenants[name] = {"steady_per_s": _within(run, "steady", seconds),
                          "steady_p99_ms": round(1000 * _quantile(run.latencies("steady"), 0.99), 1)}
     for name in ("flood_quotas_off", "flood_quotas_on"):
         alone = tenants["alone"]["steady_per_s"]  # 0 only on runs too short to answer within the window
         tenants[name]["vs_alone"] = round(tenants[name]["steady_per_s"] / alone, 3) if alone else None
-    report["tenants"] = tenants
+    return tenants
+
+
+def scheduling_bench(model: DecisionModel | str | os.PathLike[str], *, seconds: float = 6.0,
+                     threads: int | None = 1, expired: int = 200) -> dict[str, Any]:
+    """All three figures on ``model`` (a loaded model or a checkpoint path), each stream ``seconds`` long."""
+    if isinstance(model, (str, os.PathLike)):
+        model = D3.from_pretrained(Path(model), device="cpu")
+    base = Settings(metrics_port=None, answer_topic="answers", dead_letter_topic="dead-letters",
+                    torch_threads=threads, linger_ms=5, prefix_reuse="off", log_level="warning")
+    capacity = _capacity(base, model, seconds)
+    setup: dict[str, Any] = {"path": "pipeline alone (no broker), consume loop's admission",
+                             "seconds": seconds, "torch_threads": threads,
+                             "capacity_per_s": round(capacity, 1),
+                             "max_inflight_requests": base.max_inflight_requests,
+                             # How long the in-flight work takes to drain: past lane_ageing_ms, aged
+                             # flood rows reach the high lane (docs/SCHEDULING.md).
+                             "inflight_drain_s": round(base.max_inflight_requests / capacity, 2),
+                             "lane_pass_tokens": base.lane_pass_tokens}
+    report: dict[str, Any] = {"setup": setup}
+    report["lanes"] = _lanes(base, model, capacity, seconds, setup)
+    report["expired"] = _expired(base, model, expired)
+    report["tenants"] = _tenants(base, model, capacity, seconds)
     return report
 
 
