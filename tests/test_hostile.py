@@ -24,7 +24,6 @@ import base64
 import collections
 import hashlib
 import json
-import socket
 import struct
 import threading
 import time
@@ -51,9 +50,8 @@ from d3stream.core.events import (
 from d3stream.runtime.questions import ERRORS as QUESTION_ERRORS
 from d3stream.service import Service
 from d3stream.tools.clients import produce
-from tests.fault_proxy import FaultProxy
 from tests.media_makers import make_jpeg, make_mp4, make_png, make_png_header_only
-from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, run, serve
+from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, free_port, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -437,12 +435,6 @@ def png_zlib_bomb(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
 
 
-@pytest.fixture
-def proxy(object_store):
-    with FaultProxy(object_store.endpoint_url) as running:
-        yield running
-
-
 def test_hostile_media_through_the_service(stack, proxy, qwen35_model):
     store = stack.store.client()
     png_a, png_b, png_c = make_png(40, 40, seed=41), make_png(56, 40, seed=42), make_png(40, 56, seed=43)
@@ -620,12 +612,6 @@ def test_no_secret_reaches_the_logs_or_the_topics(stack, proxy, qwen35_model, ca
 # ======================================================================================== SASL/PLAIN
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 SASL_USER, SASL_PASSWORD = "d3worker", "d3-sasl-password"
 
 
@@ -636,7 +622,7 @@ def sasl_broker(kafka_broker):
     (It asks for ``kafka_broker`` only to share its skip-or-fail rule when java or the jars are missing.)"""
     from d3stream.tools.infra import KafkaBroker
 
-    port, controller = _free_port(), _free_port()
+    port, controller = free_port(), free_port()
     jaas = (
         "org.apache.kafka.common.security.plain.PlainLoginModule required "
         'username="admin" password="admin-secret" user_admin="admin-secret" '

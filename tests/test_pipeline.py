@@ -9,7 +9,6 @@ others) run the same codes through the real broker and object store.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 from types import SimpleNamespace
@@ -22,7 +21,7 @@ from d3stream.config import Settings
 from d3stream.core.events import ERROR_CODES, decode_answer
 from d3stream.core.record import RequestRecord
 from d3stream.service import Service
-from tests.media_makers import make_png, make_png_header_only
+from tests.media_makers import data_url, make_png, make_png_header_only
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, close_to
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,10 +35,6 @@ def records(*values: tuple[bytes | None, bytes | None]) -> list[SimpleNamespace]
 def request(rid: str, **fields: Any) -> tuple[bytes, bytes]:
     body = {"id": rid, "state": {"ticket": rid}, "questions": {"q": Q_NOUL}, **fields}
     return rid.encode(), json.dumps(body).encode()
-
-
-def data_url(kind: str, payload: bytes) -> str:
-    return f"data:{kind};base64,{base64.b64encode(payload).decode()}"
 
 
 class Recorder:
@@ -85,7 +80,7 @@ def pipeline_service(qwen35_model):
 def test_the_error_table_without_a_broker(pipeline_service):
     """Each code a record can earn before any object store is asked, in one fetch, each under its own id."""
     service = pipeline_service()
-    bomb = data_url("image/png", make_png_header_only(6000, 6000))
+    bomb = data_url(make_png_header_only(6000, 6000), "image/png")
     batch = records(
         (b"e-undecodable", b"{not json"),
         (b"e-tombstone", None),
@@ -93,12 +88,12 @@ def test_the_error_table_without_a_broker(pipeline_service):
         request("e-model", model="another-model"),
         request("e-http", images=["https://example.com/a.png"]),
         request("e-bucket", images=["s3://elsewhere/a.png"]),
-        request("e-too-many", images=[data_url("image/png", make_png(8, 8))] * 40),
-        request("e-unreadable", images=[data_url("image/png", make_png(64, 64)[:120])]),
+        request("e-too-many", images=[data_url(make_png(8, 8), "image/png")] * 40),
+        request("e-unreadable", images=[data_url(make_png(64, 64)[:120], "image/png")]),
         request("e-bomb", images=[bomb]),
         request("e-long", state="word " * 6000),
         request("ok-text"),
-        request("ok-image", images=[data_url("image/png", make_png(48, 48, seed=3))]),
+        request("ok-image", images=[data_url(make_png(48, 48, seed=3), "image/png")]),
     )
     recorder = serve(service, batch)
     codes = {rid: (answer.error.code if answer.error else None) for rid, answer in recorder.answers.items()}
