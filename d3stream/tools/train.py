@@ -22,13 +22,17 @@ import copy
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from d3stream.runtime.kinds import question_type
+from d3stream.runtime import D3, Row
+from d3stream.runtime.kinds import Question, question_type
 from d3stream.runtime.package import read_manifest, write_manifest
 from d3stream.tools import tasks
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_STEPS = 1000
 # Bump when the task or the training changes what the same arguments produce (the demo's cache key).
@@ -41,13 +45,42 @@ LEARNING_RATE = 3e-3
 
 @dataclass
 class _Batch:
-    hidden: Any  # [rows, width, hidden] FP32 input of the last layer
-    layer_kwargs: dict[str, Any]  # its keyword arguments (positions, mask), floats in FP32
-    targets: Any  # [rows] index of the labelled option
-    invalid: Any  # [rows, MAX_OPTIONS] True past each row's option count
+    hidden: torch.Tensor  # [rows, width, hidden] FP32 input of the last layer
+    layer_kwargs: dict[str, object]  # its keyword arguments (positions, mask), floats in FP32
+    targets: torch.Tensor  # [rows] index of the labelled option
+    invalid: torch.Tensor  # [rows, MAX_OPTIONS] True past each row's option count
 
 
-def _option_index(question: Any, label: Any) -> int:
+@dataclass
+class _Captured:
+    """The inputs of the last layer's most recent call (a forward pre-hook fills it)."""
+
+    hidden: torch.Tensor | None = None
+    kwargs: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class _Trainable:
+    """What training changes: FP32 copies of the last decoder layer and the final norm, and the readout."""
+
+    layer: torch.nn.Module
+    norm: torch.nn.Module
+    readout: torch.nn.Parameter
+
+    @classmethod
+    def of(cls, model: D3, last: int) -> _Trainable:
+        import torch
+
+        language = model.backbone.language_model
+        layer = copy.deepcopy(language.layers[last]).float().train().requires_grad_(True)
+        norm = copy.deepcopy(language.norm).float().requires_grad_(True)
+        return cls(layer, norm, torch.nn.Parameter(model.readout.detach().clone().float()))
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [*self.layer.parameters(), *self.norm.parameters(), self.readout]
+
+
+def _option_index(question: Question, label: object) -> int:
     """The code index of a label (the choice key, true/false, the score level), read as ``compare --labels``
     reads labels."""
     kind = question_type(question.kind)
@@ -57,7 +90,7 @@ def _option_index(question: Any, label: Any) -> int:
     return question.keys.index(key)
 
 
-def _labelled_rows(model: Any, examples: Sequence[tasks.Example]) -> list[tuple[Any, int]]:
+def _labelled_rows(model: D3, examples: Sequence[tasks.Example]) -> list[tuple[Row, int]]:
     rows = []
     for example in examples:
         request = example.request
@@ -69,22 +102,28 @@ def _labelled_rows(model: Any, examples: Sequence[tasks.Example]) -> list[tuple[
     return rows
 
 
-def _to_fp32(value: Any, torch: Any) -> Any:
+def _to_fp32(value: object) -> object:
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value.detach().float() if value.is_floating_point() else value.detach()
     if isinstance(value, tuple):
-        return tuple(_to_fp32(item, torch) for item in value)
+        return tuple(_to_fp32(item) for item in value)
     return value
 
 
-def _cache_batches(model: Any, rows: list[tuple[Any, int]], layer: Any) -> list[_Batch]:
+def _cache_batches(model: D3, rows: list[tuple[Row, int]], layer: torch.nn.Module) -> list[_Batch]:
     """Run the frozen backbone over every batch once, keeping the last layer's inputs."""
-    torch = model.torch
-    captured: dict[str, Any] = {}
+    import torch
 
-    def capture(_module: Any, args: tuple, kwargs: dict) -> None:
-        captured["hidden"] = args[0] if args else kwargs["hidden_states"]
-        captured["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+    captured = _Captured()
+
+    def capture(_module: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"the last layer's hidden states are a {type(hidden).__name__}, not a tensor")
+        captured.hidden = hidden
+        captured.kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
 
     handle = layer.register_forward_pre_hook(capture, with_kwargs=True)
     batches = []
@@ -93,11 +132,13 @@ def _cache_batches(model: Any, rows: list[tuple[Any, int]], layer: Any) -> list[
             chunk = rows[start : start + BATCH_ROWS]
             with torch.inference_mode():
                 model.forward([row for row, _ in chunk])
+            if captured.hidden is None:
+                raise RuntimeError("the forward pass did not run the last decoder layer")
             options = torch.as_tensor([row.options for row, _ in chunk])[:, None]
             batches.append(
                 _Batch(
-                    hidden=captured["hidden"].clone().float(),
-                    layer_kwargs={k: _to_fp32(v, torch) for k, v in captured["kwargs"].items()},
+                    hidden=captured.hidden.clone().float(),
+                    layer_kwargs={k: _to_fp32(v) for k, v in captured.kwargs.items()},
                     targets=torch.as_tensor([target for _, target in chunk]),
                     invalid=torch.arange(model.contract.MAX_OPTIONS)[None] >= options,
                 )
@@ -107,13 +148,70 @@ def _cache_batches(model: Any, rows: list[tuple[Any, int]], layer: Any) -> list[
     return batches
 
 
-def _loss(layer: Any, norm: Any, readout: Any, batch: _Batch, torch: Any) -> tuple[Any, Any]:
-    output = layer(batch.hidden, **batch.layer_kwargs)
+def _loss(trainable: _Trainable, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    output = trainable.layer(batch.hidden, **batch.layer_kwargs)
     output = output[0] if isinstance(output, tuple) else output
-    logits = norm(output)[:, -1] @ readout.T
+    logits = trainable.norm(output)[:, -1] @ trainable.readout.T
     logits = logits.masked_fill(batch.invalid, float("-inf"))
     loss = torch.nn.functional.cross_entropy(logits, batch.targets)
     return loss, (logits.argmax(-1) == batch.targets).float().mean()
+
+
+def _fit(trainable: _Trainable, batches: list[_Batch], steps: int, seed: int,
+         on_step: Callable[[int, float], None] | None) -> list[float]:
+    """``steps`` AdamW steps with a linearly decaying rate, the batches shuffled each epoch; the accuracy of
+    each batch of the last (partial) epoch."""
+    import torch
+
+    optimizer = torch.optim.AdamW(trainable.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / max(steps, 1))
+    order = random.Random(seed + 1)
+    sequence: list[int] = []
+    correct: list[float] = []
+    for step in range(steps):
+        if not sequence:
+            sequence = list(range(len(batches)))
+            order.shuffle(sequence)
+            correct = []
+        loss, accuracy = _loss(trainable, batches[sequence.pop()])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        correct.append(float(accuracy))
+        if on_step is not None:
+            on_step(step, float(loss.detach()))
+    return correct
+
+
+def _save_trained(root: Path, trainable: _Trainable, last: int) -> None:
+    """The trained layer and norm into ``model.safetensors`` (in its BF16), the readout (FP32) beside it."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(root / "model.safetensors"))
+    layer, norm = trainable.layer.state_dict(), trainable.norm.state_dict()
+    trained = {f"language_model.layers.{last}.{name}": tensor for name, tensor in layer.items()}
+    trained |= {f"language_model.norm.{name}": tensor for name, tensor in norm.items()}
+    # A tensor the file does not hold would be ignored at load time (with only a warning): refuse instead.
+    unknown = sorted(set(trained) - set(weights))
+    if unknown:
+        raise RuntimeError(f"model.safetensors has no tensors named {', '.join(unknown)} to replace")
+    for name, tensor in trained.items():
+        weights[name] = tensor.detach().to(weights[name].dtype).contiguous()
+    (root / "model.safetensors").unlink()
+    save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
+    save_file({"weight": trainable.readout.detach().float().contiguous()}, str(root / "readout.safetensors"))
+
+
+def _reseal(root: Path, report: dict[str, Any], model_name: str | None) -> None:
+    """Rewrite the manifest over the new weights, its identity saying what was trained and how."""
+    manifest = read_manifest(root) or {}
+    identity = {k: v for k, v in (manifest.get("identity") or {}).items() if k != "model_sha256"}
+    identity["trained"] = report
+    write_manifest(root, model_name=model_name or manifest.get("model_name"), repo_id=manifest.get("repo_id"),
+                   identity=identity)
 
 
 def train_demo(
@@ -133,9 +231,6 @@ def train_demo(
     checkpoint without a vision tower).
     """
     import torch
-    from safetensors.torch import load_file, save_file
-
-    from d3stream.runtime.model import D3
 
     if steps < 0:
         raise ValueError(f"steps must be 0 or more, got {steps}")
@@ -147,48 +242,15 @@ def train_demo(
         model = D3(root, device="cpu")
         if pictures is None:
             pictures = TRAIN_PICTURES if model.image_unavailable is None else 0
-        language = model.backbone.language_model
-        last = len(language.layers) - 1
+        layers = model.backbone.language_model.layers
+        last = len(layers) - 1
         rows = _labelled_rows(model, tasks.draw(tasks.TRAIN_SEED, tickets, pictures, prefix="train"))
         random.Random(seed).shuffle(rows)
-        batches = _cache_batches(model, rows, language.layers[last])
-
+        batches = _cache_batches(model, rows, layers[last])
         torch.manual_seed(seed)
-        layer = copy.deepcopy(language.layers[last]).float().train().requires_grad_(True)
-        norm = copy.deepcopy(language.norm).float().requires_grad_(True)
-        readout = torch.nn.Parameter(model.readout.detach().clone().float())
-        parameters = [*layer.parameters(), *norm.parameters(), readout]
-        optimizer = torch.optim.AdamW(parameters, lr=LEARNING_RATE, weight_decay=0.0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / max(steps, 1))
-        order = random.Random(seed + 1)
-        sequence: list[int] = []
-        correct: list[float] = []
-        for step in range(steps):
-            if not sequence:
-                sequence = list(range(len(batches)))
-                order.shuffle(sequence)
-                correct = []
-            loss, accuracy = _loss(layer, norm, readout, batches[sequence.pop()], torch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            correct.append(float(accuracy))
-            if on_step is not None:
-                on_step(step, float(loss.detach()))
-
-        weights = load_file(str(root / "model.safetensors"))
-        trained = {f"language_model.layers.{last}.{name}": tensor for name, tensor in layer.state_dict().items()}
-        trained |= {f"language_model.norm.{name}": tensor for name, tensor in norm.state_dict().items()}
-        # A tensor the file does not hold would be ignored at load time (with only a warning): refuse instead.
-        unknown = sorted(set(trained) - set(weights))
-        if unknown:
-            raise RuntimeError(f"model.safetensors has no tensors named {', '.join(unknown)} to replace")
-        for name, tensor in trained.items():
-            weights[name] = tensor.detach().to(weights[name].dtype).contiguous()
-        (root / "model.safetensors").unlink()
-        save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
-        save_file({"weight": readout.detach().float().contiguous()}, str(root / "readout.safetensors"))
+        trainable = _Trainable.of(model, last)
+        correct = _fit(trainable, batches, steps, seed, on_step)
+        _save_trained(root, trainable, last)
     finally:
         torch.set_num_threads(threads)
 
@@ -201,10 +263,6 @@ def train_demo(
         "rows": len(rows),
         "trained": [f"language_model.layers.{last}", "language_model.norm", "readout"],
     }
-    manifest = read_manifest(root) or {}
-    identity = {k: v for k, v in (manifest.get("identity") or {}).items() if k != "model_sha256"}
-    identity["trained"] = report
-    write_manifest(root, model_name=model_name or manifest.get("model_name"), repo_id=manifest.get("repo_id"),
-                   identity=identity)
+    _reseal(root, report, model_name)
     return {**report, "train_accuracy": sum(correct) / len(correct) if correct else None,
             "seconds": round(time.perf_counter() - started, 1)}
