@@ -259,10 +259,15 @@ def _lane_figures(run: _Run, seconds: float) -> dict[str, Any]:
             "loop_lag_ms": {"p50": round(1000 * _quantile(lag, 0.5), 1), "p99": round(1000 * _quantile(lag, 0.99), 1)}}
 
 
+def _with(settings: Settings, **changes: Any) -> Settings:
+    """A copy of ``settings`` for one run (a run's service never shares its settings object with another)."""
+    return msgspec.structs.replace(settings, **changes)
+
+
 def _capacity(settings: Settings, model: DecisionModel, seconds: float) -> float:
     """Requests/s the worker sustains on this model and machine: a burst served as fast as it goes."""
     calibration = max(64, int(20 * seconds))
-    _, took = _run(settings, model, _burst("cal", calibration))
+    _, took = _run(_with(settings), model, _burst("cal", calibration))
     return calibration / took
 
 
@@ -275,19 +280,21 @@ def _lanes(settings: Settings, model: DecisionModel, capacity: float, seconds: f
     setup["flood_requests"] = len(flood)
     flooded = _merged(interactive, flood)
     lanes: dict[str, Any] = {}
-    for name, arrivals, changes in (
-            ("alone", interactive, {}),
-            ("flood_lanes_on", flooded, {}),
-            ("flood_lanes_on_uncapped", flooded, {"lane_pass_tokens": 0}),
-            ("flood_lanes_off", flooded, {"priority_lanes": False})):
-        run, _ = _run(msgspec.structs.replace(settings, **changes), model, arrivals, watch="hi")
+    runs: tuple[tuple[str, Arrivals, dict[str, object]], ...] = (
+        ("alone", interactive, {}),
+        ("flood_lanes_on", flooded, {}),
+        ("flood_lanes_on_uncapped", flooded, {"lane_pass_tokens": 0}),
+        ("flood_lanes_off", flooded, {"priority_lanes": False}),
+    )
+    for name, arrivals, changes in runs:
+        run, _ = _run(_with(settings, **changes), model, arrivals, watch="hi")
         lanes[name] = _lane_figures(run, seconds)
     return lanes
 
 
 def _expired(settings: Settings, model: DecisionModel, expired: int) -> dict[str, Any]:
     """A burst of requests already past their deadline: the passes they cost (none, if refused in time)."""
-    run, _ = _run(settings, model, _burst("late", expired, deadline=1_000))
+    run, _ = _run(_with(settings), model, _burst("late", expired, deadline=1_000))
     return {"requests": expired, "passes_run": run.service.scheduler.passes_run,
             "deadline_exceeded": len(run.answered)}
 
@@ -302,7 +309,7 @@ def _tenants(settings: Settings, model: DecisionModel, capacity: float, seconds:
     tenants: dict[str, Any] = {"quota_tokens": quota}
     for name, arrivals, limit in (("alone", steady, 0), ("flood_quotas_off", _merged(steady, flooding), 0),
                                   ("flood_quotas_on", _merged(steady, flooding), quota)):
-        run, _ = _run(msgspec.structs.replace(settings, tenant_max_inflight_tokens=limit), model, arrivals)
+        run, _ = _run(_with(settings, tenant_max_inflight_tokens=limit), model, arrivals)
         # Its throughput: what was answered while it was sending (a backlog answered later does not count).
         tenants[name] = {"steady_per_s": _within(run, "steady", seconds),
                          "steady_p99_ms": round(1000 * _quantile(run.latencies("steady"), 0.99), 1)}
