@@ -1,6 +1,6 @@
 """``d3stream bench``: the reference per-request path against d3stream's batching, on one machine, in one run.
 
-Workloads are synthetic but shaped like real traffic, drawn from a seed:
+Workloads are synthetic but shaped like real traffic, drawn from a seed (``bench_workloads.py``):
 
 * ``small``: many small requests, 1-3 questions each, prompts of about 50-400 tokens;
 * ``long-state``: a state of about 2,000 tokens asked 10 questions;
@@ -57,16 +57,24 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
-WORKLOADS = ("small", "long-state", "images", "mixed")
-# Default request counts per workload (CPU, CUDA); --requests overrides, --scale multiplies.
-DEFAULT_REQUESTS = {
-    "small": (300, 1500),
-    "long-state": (16, 48),
-    "images": (40, 120),
-    "mixed": (120, 400),
-}
+import numpy as np
+
+# The runtime's public names only (the runtime package imports neither torch nor transformers until a model
+# loads, so the CLI's ``--help`` stays quick): a runtime change that breaks the harness fails here, at import.
+from d3stream.runtime import D3, Prepared, Row
+from d3stream.runtime.cache import MediaFeatureCache
+from d3stream.runtime.model import bucketed_width, reference_kernels
+from d3stream.runtime.packing import pack
+from d3stream.runtime.prefix import PassInfo, PrefixReuseUnavailable, PrefixRunner, check_supported
+from d3stream.tools.bench_workloads import DEFAULT_REQUESTS, WORKLOADS, Request, make_workload
+from d3stream.tools.progress import Progress
+from d3stream.tools.tasks import heldout
+
+if TYPE_CHECKING:
+    import torch
+
 H200_BF16_PEAK_TFLOPS = 989.0
 REFERENCE_BATCH_SIZE = 8
 DEFAULT_RATE_SHARE = 0.7
@@ -77,138 +85,6 @@ VARIANTS = {
     "media_per_request": "with each request's media encoded on its own (D3.media_batch_patches = 0)",
 }
 
-_WORDS = (
-    "robot corridor junction package delivery sensor battery door left right stop wait route blocked open "
-    "closed customer ticket card charged twice refund account order shipped late early warehouse shelf box "
-    "forklift driver camera signal light red green yellow traffic lane vehicle pedestrian crossing speed "
-    "limit weather rain snow fog visibility temperature pressure valve pump alarm level high low normal "
-    "status report error warning update firmware version network latency packet server client request "
-    "response timeout retry queue worker shift manager team meeting schedule priority urgent routine "
-    "inspection maintenance repair replace part supplier invoice payment balance credit debit transfer "
-    "approved rejected pending review score risk fraud suspicious normal pattern history previous current "
-    "next step plan goal target position distance meters seconds minutes hours north south east west "
-    "floor room kitchen office entrance exit stairs elevator window table chair screen message email "
-    "phone call voice text image photo video frame object person animal cat dog bird tree building street"
-).split()
-
-
-# ------------------------------------------------------------------------------------------ workloads
-
-
-@dataclass
-class Request:
-    state: Any
-    questions: dict[str, Any]
-    images: list[Any] = field(default_factory=list)
-    kind: str = ""
-
-
-class _Text:
-    """Seeded filler text of about a given number of tokens."""
-
-    def __init__(self, rng: Any, tokenizer: Any):
-        import numpy as np
-
-        self.rng = np.random.default_rng(12345)  # a sample of the generator's own text sets tokens per word
-        sample = self.words(4000)
-        self.tokens_per_word = len(tokenizer(sample, add_special_tokens=False)["input_ids"]) / 4000
-        self.rng = rng
-
-    def words(self, count: int) -> str:
-        picked = self.rng.choice(len(_WORDS), size=max(1, count))
-        out: list[str] = []
-        for number, index in enumerate(picked):
-            word = _WORDS[index]
-            out.append(word.capitalize() if number == 0 or out[-1].endswith(".") else word)
-            if self.rng.random() < 0.08:
-                out[-1] += "."
-            elif self.rng.random() < 0.05:
-                out[-1] += f" {int(self.rng.integers(0, 1000))}"
-        return " ".join(out) + "."
-
-    def tokens(self, count: int) -> str:
-        return self.words(max(1, round(count / self.tokens_per_word)))
-
-
-def _question(rng: Any, text: _Text) -> dict[str, Any]:
-    kind = rng.choice(["choice", "choice", "noul", "score"])
-    if kind == "noul":
-        return {"type": "noul", "instructions": text.words(int(rng.integers(4, 12))).rstrip(".") + "?"}
-    if kind == "score":
-        levels = int(rng.integers(3, 6))
-        return {"type": "score", "instructions": text.words(int(rng.integers(4, 10))),
-                "criteria": [f"level {n}" for n in range(levels)]}
-    count = int(rng.integers(2, 7))
-    keys = [str(_WORDS[i]) for i in rng.choice(len(_WORDS), size=count, replace=False)]
-    criteria = {key: (text.words(int(rng.integers(1, 8))) if rng.random() < 0.8 else "") for key in keys}
-    question: dict[str, Any] = {"type": "choice", "criteria": criteria}
-    if rng.random() < 0.6:
-        question["instructions"] = text.words(int(rng.integers(4, 14))).rstrip(".") + "?"
-    return question
-
-
-def _questions(rng: Any, text: _Text, count: int) -> dict[str, Any]:
-    return {f"q{n}": _question(rng, text) for n in range(count)}
-
-
-def _image_pool(rng: Any, count: int) -> list[Any]:
-    import numpy as np
-    from PIL import Image
-
-    sizes = [(224, 224), (320, 240), (448, 336), (512, 512), (640, 480), (800, 600), (1024, 768), (1280, 720)]
-    pool = []
-    for number in range(count):
-        width, height = sizes[number % len(sizes)]
-        x = np.linspace(0, 1, width)[None, :, None]
-        y = np.linspace(0, 1, height)[:, None, None]
-        colour = rng.random(3)[None, None, :]
-        pixels = (255 * (0.5 * x * colour + 0.3 * y + 0.2 * rng.random((height, width, 3)))).clip(0, 255)
-        pool.append(Image.fromarray(pixels.astype("uint8"), "RGB"))
-    return pool
-
-
-def make_workload(name: str, count: int, seed: int, tokenizer: Any, *, images_supported: bool = True) -> list[Request]:
-    """``count`` requests of workload ``name``, a deterministic function of ``seed``."""
-    import numpy as np
-
-    rng = np.random.default_rng([seed, WORKLOADS.index(name)])
-    text = _Text(rng, tokenizer)
-    pool = _image_pool(rng, 10) if name in ("images", "mixed") and images_supported else []
-
-    def small() -> Request:
-        # The prompt template and a question take about 70-130 tokens; the state fills the rest.
-        return Request(text.tokens(int(rng.integers(0, 300))), _questions(rng, text, int(rng.integers(1, 4))),
-                       kind="small")
-
-    def long_state(tokens: int = 2000, questions: int = 10) -> Request:
-        return Request(text.tokens(tokens), _questions(rng, text, questions), kind="long-state")
-
-    def with_images() -> Request:
-        picked = [pool[int(i)] for i in rng.integers(0, len(pool), size=int(rng.integers(1, 5)))]
-        return Request(text.tokens(int(rng.integers(10, 120))), _questions(rng, text, int(rng.integers(1, 4))),
-                       picked, kind="images")
-
-    requests: list[Request] = []
-    for _ in range(count):
-        if name == "small":
-            requests.append(small())
-        elif name == "long-state":
-            requests.append(long_state())
-        elif name == "images":
-            requests.append(with_images())
-        else:
-            draw = rng.random()
-            if draw < 0.55:
-                requests.append(small())
-            elif draw < 0.65:
-                requests.append(long_state())
-            elif draw < 0.85 and pool:
-                requests.append(with_images())
-            else:
-                requests.append(long_state(int(rng.integers(300, 800)), int(rng.integers(3, 7))))
-                requests[-1].kind = "medium"
-    return requests
-
 
 # ---------------------------------------------------------------------------------------- measuring
 
@@ -216,8 +92,8 @@ def make_workload(name: str, count: int, seed: int, tokenizer: Any, *, images_su
 class PeakMemory:
     """Peak resident set size (sampled every few ms) and, on CUDA, peak allocated device memory."""
 
-    def __init__(self, torch: Any, device: Any, interval: float = 0.005):
-        self.torch, self.device, self.interval = torch, device, interval
+    def __init__(self, device: torch.device, interval: float = 0.005):
+        self.device, self.interval = device, interval
         self.peak_rss = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -228,7 +104,9 @@ class PeakMemory:
         process = psutil.Process()
         self.peak_rss = process.memory_info().rss
         if self.device.type == "cuda":
-            self.torch.cuda.reset_peak_memory_stats(self.device)
+            import torch  # loaded with the model already
+
+            torch.cuda.reset_peak_memory_stats(self.device)
 
         def sample() -> None:
             while not self._stop.wait(self.interval):
@@ -238,7 +116,7 @@ class PeakMemory:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -246,10 +124,12 @@ class PeakMemory:
 
         self.peak_rss = max(self.peak_rss, psutil.Process().memory_info().rss)
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> dict[str, float | None]:
         cuda = None
         if self.device.type == "cuda":
-            cuda = round(self.torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
+            import torch
+
+            cuda = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
         return {"peak_rss_mb": round(self.peak_rss / 2**20, 1), "peak_cuda_mb": cuda}
 
 
@@ -291,6 +171,57 @@ class Tally:
         return sum(p.pairs for p in self.passes)
 
 
+@dataclass
+class Rounds:
+    """What the throughput rounds of one path measured: each round's passes, wall time and peak memory, and
+    the last round's media-cache and prefix-reuse counters."""
+
+    tallies: list[Tally] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)
+    peaks: list[dict[str, float | None]] = field(default_factory=list)
+    media_cache: dict[str, Any] | None = None
+    prefix: dict[str, Any] | None = None
+
+    def peak(self, key: str) -> float | None:
+        """The largest of the rounds' ``key`` figures (``peak_rss_mb``, ``peak_cuda_mb``); None: none measured."""
+        values = [value for peak in self.peaks if (value := peak[key]) is not None]
+        return max(values) if values else None
+
+    def figures(self, prepared: Sequence[Prepared], flops: Flops, peak_tflops: float | None) -> dict[str, Any]:
+        """The path's throughput record: each pass at its fastest round (``best_seconds``), peak memory."""
+        seconds = best_seconds(self.tallies, self.walls)
+        figures = throughput_figures(self.tallies[-1], seconds, prepared, flops, peak_tflops)
+        figures["peak_rss_mb"] = self.peak("peak_rss_mb")
+        figures["peak_cuda_mb"] = self.peak("peak_cuda_mb")
+        figures["round_seconds"] = [round(wall, 4) for wall in self.walls]
+        return {**figures, "media_cache": self.media_cache}
+
+
+class Shape(TypedDict):
+    """One shape of the calibration sweep: unpadded rows x length and its best time."""
+
+    rows: int
+    length: int
+    tokens: int
+    tokens_per_s: float
+    seconds: float
+
+
+class Calibration(TypedDict):
+    """The calibration sweep and what it gives: the saturated throughput and the recommended budget."""
+
+    peak_tokens_per_s: float
+    best_shape: list[int]
+    max_batch_tokens: int
+    sweep: list[Shape]
+
+
+# A scheduler's run of the waiting requests: ``execute(requests, finished)`` (``schedule``).
+Execute = Callable[[list[int], Callable[[int, float], None]], None]
+# Probabilities of every row a path answered.
+Results = dict[Row, list[float]]
+
+
 def best_seconds(tallies: Sequence[Tally], walls: Sequence[float]) -> float:
     """Seconds of a path measured in several rounds: each pass at its fastest plus the least time any round
     spent between passes; the fastest wall time when the rounds did not run the same passes."""
@@ -302,7 +233,7 @@ def best_seconds(tallies: Sequence[Tally], walls: Sequence[float]) -> float:
     return passes + max(0.0, between)
 
 
-def length_peak(calibration: dict[str, Any], lengths: Sequence[int]) -> float:
+def length_peak(calibration: Calibration, lengths: Sequence[int]) -> float:
     """Best tokens/s of the sweep among shapes whose row length is nearest (in ratio) the mean of ``lengths``."""
     mean = statistics.fmean(lengths)
     swept = {shape["length"] for shape in calibration["sweep"]}
@@ -310,8 +241,43 @@ def length_peak(calibration: dict[str, Any], lengths: Sequence[int]) -> float:
     return max(shape["tokens_per_s"] for shape in calibration["sweep"] if shape["length"] == nearest)
 
 
+def sweep_sizes(sweep: str, cuda: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Row lengths and padded-token budgets of a calibration sweep (``quick``, ``default`` or ``wide``)."""
+    if sweep == "quick":
+        return (128, 512), (1024, 4096)
+    if cuda:
+        lengths = (256, 512, 1024, 2048, 4096) if sweep == "wide" else (256, 1024, 2048)
+        budgets = (4096, 8192, 16384, 32768, 65536, 131072) if sweep == "wide" else (4096, 16384, 65536)
+        return lengths, budgets
+    if sweep == "wide":
+        return (64, 128, 256, 512, 1024, 2048, 4096), (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+    return (128, 256, 512, 1024, 2048), (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def sweep_shapes(lengths: Sequence[int], budgets: Sequence[int], max_rows: int) -> list[tuple[int, int]]:
+    """(rows, length) of every budget and length: budgets are padded tokens per pass, as the service counts
+    them; rows stay within ``max_rows``."""
+    return sorted({(max(1, budget // length), length) for budget in budgets for length in lengths
+                   if length <= budget and budget // length <= max_rows})
+
+
+def summarise_sweep(sweep: list[Shape]) -> Calibration:
+    """The sweep's best throughput, and the smallest budget within 5 % of it (``max_batch_tokens``)."""
+    peak = max(sweep, key=lambda s: s["tokens_per_s"])
+    by_budget: dict[int, float] = {}
+    for shape in sweep:
+        by_budget[shape["tokens"]] = max(by_budget.get(shape["tokens"], 0.0), shape["tokens_per_s"])
+    recommended = min(t for t, rate in by_budget.items() if rate >= 0.95 * peak["tokens_per_s"])
+    return {
+        "peak_tokens_per_s": peak["tokens_per_s"],
+        "best_shape": [peak["rows"], peak["length"]],
+        "max_batch_tokens": recommended,
+        "sweep": sweep,
+    }
+
+
 @contextlib.contextmanager
-def variant_of_b(model: Any, variant: str) -> Iterator[None]:
+def variant_of_b(model: D3, variant: str) -> Iterator[None]:
     """Path b's runtime choice ``variant`` (``VARIANTS``) flipped on ``model`` for the duration."""
     saved = model.pad_buckets, model.media_batch_patches
     if variant == "buckets":
@@ -326,25 +292,63 @@ def variant_of_b(model: Any, variant: str) -> Iterator[None]:
         model.pad_buckets, model.media_batch_patches = saved
 
 
-def _reset_media(prepared: Sequence[Any]) -> None:
+def _reset_media(prepared: Sequence[Prepared]) -> None:
     for request in prepared:
         if request.media is not None:
             request.media.features = None
+
+
+def _nearest_rank(ordered: Sequence[float], share: float) -> float:
+    return ordered[max(1, math.ceil(share * len(ordered))) - 1]
 
 
 def percentile(values: Sequence[float], share: float) -> float | None:
     """Nearest-rank percentile (``share`` in 0..1) of ``values``."""
     if not values:
         return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(share * len(ordered)))
-    return ordered[rank - 1]
+    return _nearest_rank(sorted(values), share)
+
+
+def question_waits(prepared: Sequence[Prepared], arrivals: Sequence[float], done: Sequence[float]) -> list[float]:
+    """Every question's wait (ms): its request's arrival until the whole request is answered."""
+    waits: list[float] = []
+    for request, arrival, finish in zip(prepared, arrivals, done, strict=True):
+        waits += [1000.0 * (finish - arrival)] * len(request.rows)
+    return waits
+
+
+def latency_figures(waits: Sequence[float], rps: float, linger_ms: float, runs: int) -> dict[str, float | int]:
+    """The latency record of one simulated run: percentiles and mean of every question's wait (ms)."""
+    ordered = sorted(waits)
+    return {
+        "rate_rps": round(rps, 3),
+        "linger_ms": linger_ms,
+        "p50_ms": round(_nearest_rank(ordered, 0.50), 2),
+        "p99_ms": round(_nearest_rank(ordered, 0.99), 2),
+        "mean_ms": round(statistics.fmean(waits), 2),
+        "runs": runs,
+    }
+
+
+def poisson_arrivals(rps: float, count: int, seed: int, workload: str) -> list[float]:
+    """Arrival times (s) of ``count`` requests at ``rps`` a second, drawn from the seed and the workload."""
+    gaps = np.random.default_rng([seed, 7, WORKLOADS.index(workload)]).exponential(1.0 / rps, size=count)
+    arrivals: list[float] = np.cumsum(gaps).tolist()
+    return arrivals
+
+
+def max_abs_dp(first: Results, second: Results, prepared: Sequence[Prepared]) -> float:
+    """The largest |Δp| between two paths' probabilities over every question of ``prepared``."""
+    return round(max(
+        max(abs(x - y) for x, y in zip(first[row], second[row], strict=True))
+        for request in prepared for row in request.rows
+    ), 6)
 
 
 class Flops:
     """Model FLOP estimates of the checkpoint's text backbone."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: D3):
         backbone = model.backbone
         text = backbone.config.get_text_config()
         language = getattr(backbone, "language_model", backbone)
@@ -358,6 +362,123 @@ class Flops:
         return 2.0 * self.parameters * tokens + self.attention_per_pair * pairs
 
 
+def throughput_figures(tally: Tally, seconds: float, prepared: Sequence[Prepared], flops: Flops,
+                       peak_tflops: float | None) -> dict[str, Any]:
+    """One path's throughput record: rates, tokens, padding and model FLOP utilisation."""
+    questions = sum(len(request.rows) for request in prepared)
+    tokens = sum(request.input_tokens for request in prepared)
+    tflops = flops(tally.real, tally.pairs) / seconds / 1e12
+    return {
+        "seconds": round(seconds, 4),
+        "questions": questions,
+        "questions_per_s": round(questions / seconds, 2),
+        "requests_per_s": round(len(prepared) / seconds, 3),
+        "input_tokens_per_s": round(tokens / seconds, 1),
+        "computed_tokens_per_s": round(tally.real / seconds, 1),
+        "real_tokens": tally.real,
+        "padded_tokens": tally.padded,
+        "real_over_padded": round(tally.real / tally.padded, 4) if tally.padded else None,
+        "passes": len(tally.passes),
+        "model_tflops_per_s": round(tflops, 4),
+        "mfu": round(tflops / peak_tflops, 4) if peak_tflops else None,
+    }
+
+
+def paths_for(model: D3, variants: Sequence[str]) -> tuple[str, ...]:
+    """The paths ``model`` runs: a and b, c where prefix reuse works (causal), then b's ``variants``."""
+    try:
+        check_supported(model)
+        paths: tuple[str, ...] = ("a", "b", "c")
+    except PrefixReuseUnavailable:
+        paths = ("a", "b")
+    return paths + tuple(f"b_{variant}" for variant in variants)  # throughput only, beside b
+
+
+def comparison(out: dict[str, dict[str, Any]], results: dict[str, Results], prepared: Sequence[Prepared],
+               peak: Calibration, lengths: Sequence[int], variants: Sequence[str]) -> dict[str, Any]:
+    """The paths against each other and against the calibrated peak; |Δp| of c and the variants vs b."""
+    causal = "c" in out
+    b_rate = out["b"]["questions_per_s"]
+    compared: dict[str, Any] = {
+        "b_over_a": round(b_rate / out["a"]["questions_per_s"], 3),
+        "b_over_peak": round(out["b"]["computed_tokens_per_s"] / peak["peak_tokens_per_s"], 3),
+        # b against the best sweep shape whose rows are about as long as this workload's (a fairer peak
+        # for long prompts, which cost more per token than the short rows the overall peak is usually at)
+        "b_over_peak_at_length": round(out["b"]["computed_tokens_per_s"] / length_peak(peak, lengths), 3),
+        "c_over_b": round(out["c"]["questions_per_s"] / b_rate, 3) if causal else None,
+        "real_over_padded": out["b"]["real_over_padded"],
+        "max_abs_dp": max_abs_dp(results["b"], results["c"], prepared) if causal else None,
+    }
+    for variant in variants:
+        compared[f"b_{variant}_over_b"] = round(out[f"b_{variant}"]["questions_per_s"] / b_rate, 3)
+        compared[f"b_{variant}_max_abs_dp"] = max_abs_dp(results["b"], results[f"b_{variant}"], prepared)
+    return compared
+
+
+def schedule(prepared: Sequence[Prepared], arrivals: Sequence[float], execute: Execute, *, max_rows: int,
+             max_tokens: int, linger: float) -> list[float]:
+    """The service's batch scheduler on a virtual clock; ``execute`` really runs the waiting requests.
+
+    ``execute(requests, finished)`` calls ``finished(request, elapsed)`` as each request's last row is
+    answered, ``elapsed`` measured from the start of the call. Returns each request's completion time.
+    """
+    count = len(prepared)
+    done = [0.0] * count
+    waiting: list[int] = []
+    clock = 0.0
+    following = 0  # next request to arrive
+
+    def admit() -> None:
+        nonlocal following
+        while following < count and arrivals[following] <= clock:
+            waiting.append(following)
+            following += 1
+
+    def full() -> bool:
+        rows = sum(len(prepared[i].rows) for i in waiting)
+        tokens = sum(prepared[i].input_tokens for i in waiting)
+        return rows >= max_rows or tokens >= max_tokens
+
+    while following < count or waiting:
+        if not waiting:
+            clock = max(clock, arrivals[following])
+            admit()
+        deadline = arrivals[waiting[0]] + linger
+        while not full() and clock < deadline:
+            if following < count and arrivals[following] <= deadline:
+                clock = max(clock, arrivals[following])
+                admit()
+            else:
+                clock = deadline
+        taken, waiting = waiting, []
+        start = clock
+
+        def finished(request: int, elapsed: float, start: float = start) -> None:
+            done[request] = start + elapsed
+
+        began = time.perf_counter()
+        execute(taken, finished)
+        clock = start + (time.perf_counter() - began)
+        admit()
+    return done
+
+
+class _Completion:
+    """Reports each request of a scheduled run as finished once its last row is answered."""
+
+    def __init__(self, prepared: Sequence[Prepared], taken: list[int], finished: Callable[[int, float], None]):
+        self.began = time.perf_counter()
+        self.owner = {row: i for i in taken for row in prepared[i].rows}
+        self.left = {i: len(prepared[i].rows) for i in taken}
+        self.finished = finished
+
+    def answered(self, rows: Sequence[Row]) -> None:
+        for row in rows:
+            self.left[self.owner[row]] -= 1
+            if self.left[self.owner[row]] == 0:
+                self.finished(self.owner[row], time.perf_counter() - self.began)
+
+
 # ------------------------------------------------------------------------------------------- paths
 
 
@@ -366,7 +487,7 @@ class Bench:
 
     def __init__(
         self,
-        model: Any,
+        model: D3,
         *,
         max_batch_tokens: int,
         max_batch_rows: int = 64,
@@ -378,7 +499,6 @@ class Bench:
         variants: Sequence[str] = (),
     ):
         self.model = model
-        self.torch = model.torch
         self.max_batch_tokens = int(max_batch_tokens)
         self.max_batch_rows = int(max_batch_rows)
         self.linger = linger_ms / 1000.0
@@ -392,72 +512,64 @@ class Bench:
             raise ValueError(f"unknown --variant {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
         self.variants = tuple(variants)
         self.flops = Flops(model)
-        self._bar: Any = None
+        self._bar: Progress | None = None
+
+    @contextlib.contextmanager
+    def progress_bar(self, description: str, unit: str, total: int | None = None) -> Iterator[None]:
+        """A progress bar on stderr (unless ``progress`` is off) that the passes tick while it is shown."""
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc=description, unit=unit, file=sys.stderr, disable=not self.progress,
+                         leave=False)
+        try:
+            yield
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+            self._bar = None
 
     def _tick(self, rows: int) -> None:
         if self._bar is not None:
             self._bar.update(rows)
 
-    def _timed_forward(self, rows: list[Any]) -> tuple[list[list[float]], float]:
+    def _timed_forward(self, rows: Sequence[Row]) -> tuple[list[list[float]], float]:
         started = time.perf_counter()
         values = self.model.forward(rows)  # reads the probabilities back: the device is synchronised
         return values, time.perf_counter() - started
 
     # ---------------------------------------------------------------------------- calibration
 
-    def calibrate(self, *, sweep: str = "default", seconds_per_shape: float = 0.4) -> dict[str, Any]:
+    def calibrate(self, *, sweep: str = "default", seconds_per_shape: float = 0.4) -> Calibration:
         """Tokens/s of unpadded passes over a grid of rows x length; the best is the saturated throughput.
 
         ``sweep``: ``quick`` (4 shapes, for tests), ``default`` or ``wide`` (``--calibrate``).
         """
-        from d3stream.runtime.model import Row
-
-        cuda = self.model.device.type == "cuda"
         if sweep == "quick":
-            lengths, budgets, seconds_per_shape = (128, 512), (1024, 4096), 0.0
-        elif cuda:
-            lengths = (256, 512, 1024, 2048, 4096) if sweep == "wide" else (256, 1024, 2048)
-            budgets = (4096, 8192, 16384, 32768, 65536, 131072) if sweep == "wide" else (4096, 16384, 65536)
-        elif sweep == "wide":
-            lengths = (64, 128, 256, 512, 1024, 2048, 4096)
-            budgets = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-        else:
-            lengths = (128, 256, 512, 1024, 2048)
-            budgets = (512, 1024, 2048, 4096, 8192, 16384)
+            seconds_per_shape = 0.0
+        lengths, budgets = sweep_sizes(sweep, self.model.device.type == "cuda")
+        shapes = sweep_shapes(lengths, budgets, self.max_batch_rows)
+        return summarise_sweep([self._time_shape(rows, length, seconds_per_shape) for rows, length in shapes])
+
+    def _time_shape(self, rows: int, length: int, seconds_per_shape: float) -> Shape:
+        """The best of 2-5 timed passes of ``rows`` unpadded rows of ``length`` tokens (after a warm-up)."""
         ids = self.model.token_ids
-        # Budgets are padded tokens per pass, as the service counts them; rows stay within max_batch_rows.
-        shapes = sorted({(max(1, budget // length), length) for budget in budgets for length in lengths
-                         if length <= budget and budget // length <= self.max_batch_rows})
-        sweep = []
-        for rows, length in shapes:
-            batch = [Row("calibrate", [ids[(r * 7 + j) % len(ids)] for j in range(length)], 2) for r in range(rows)]
-            self.model.forward(batch)  # warm-up: kernel selection for this shape
-            times = []
-            spent = 0.0
-            while len(times) < 2 or (spent < seconds_per_shape and len(times) < 5):
-                _, seconds = self._timed_forward(batch)
-                times.append(seconds)
-                spent += seconds
-            best = min(times)
-            sweep.append({"rows": rows, "length": length, "tokens": rows * length,
-                          "tokens_per_s": round(rows * length / best, 1), "seconds": round(best, 5)})
-            self._tick(1)
-        peak = max(sweep, key=lambda s: s["tokens_per_s"])
-        by_budget: dict[int, float] = {}
-        for shape in sweep:
-            by_budget[shape["tokens"]] = max(by_budget.get(shape["tokens"], 0.0), shape["tokens_per_s"])
-        recommended = min(t for t, rate in by_budget.items() if rate >= 0.95 * peak["tokens_per_s"])
-        return {
-            "peak_tokens_per_s": peak["tokens_per_s"],
-            "best_shape": [peak["rows"], peak["length"]],
-            "max_batch_tokens": recommended,
-            "sweep": sweep,
-        }
+        batch = [Row("calibrate", [ids[(r * 7 + j) % len(ids)] for j in range(length)], 2) for r in range(rows)]
+        self.model.forward(batch)  # warm-up: kernel selection for this shape
+        times: list[float] = []
+        spent = 0.0
+        while len(times) < 2 or (spent < seconds_per_shape and len(times) < 5):
+            _, seconds = self._timed_forward(batch)
+            times.append(seconds)
+            spent += seconds
+        best = min(times)
+        self._tick(1)
+        return {"rows": rows, "length": length, "tokens": rows * length,
+                "tokens_per_s": round(rows * length / best, 1), "seconds": round(best, 5)}
 
     # ------------------------------------------------------------------------------- throughput
 
-    def run_a(self, prepared: Sequence[Any], tally: Tally) -> dict[Any, list[float]]:
-        results: dict[Any, list[float]] = {}
+    def run_a(self, prepared: Sequence[Prepared], tally: Tally) -> Results:
+        results: Results = {}
         for request in prepared:
             for rows in self.model.passes(request):
                 values, seconds = self._timed_forward(rows)
@@ -466,12 +578,9 @@ class Bench:
                 self._tick(len(rows))
         return results
 
-    def run_b(self, prepared: Sequence[Any], tally: Tally) -> dict[Any, list[float]]:
-        from d3stream.runtime.model import bucketed_width
-        from d3stream.runtime.packing import pack
-
+    def run_b(self, prepared: Sequence[Prepared], tally: Tally) -> Results:
         rows = [row for request in prepared for row in request.rows]
-        results: dict[Any, list[float]] = {}
+        results: Results = {}
         for group in pack(rows, lambda row: row.length, self.max_batch_rows, self.max_batch_tokens):
             values, seconds = self._timed_forward(group)
             results.update(zip(group, values, strict=True))
@@ -481,10 +590,8 @@ class Bench:
             self._tick(len(group))
         return results
 
-    def runner(self, tally: Tally | None = None, on_pass: Callable[[Any], None] | None = None) -> Any:
-        from d3stream.runtime.prefix import PrefixRunner
-
-        def record(info: Any) -> None:
+    def runner(self, tally: Tally | None = None, on_pass: Callable[[PassInfo], None] | None = None) -> PrefixRunner:
+        def record(info: PassInfo) -> None:
             if tally is not None:
                 tally.passes.append(Pass(info.kind, info.rows, info.real_tokens, info.padded_tokens, info.seconds,
                                          info.attention_pairs))
@@ -496,9 +603,21 @@ class Bench:
         return PrefixRunner(self.model, max_batch_tokens=self.max_batch_tokens, max_batch_rows=self.max_batch_rows,
                             verify_every=self.verify_every, on_pass=record)
 
+    def run_path(self, path: str, prepared: Sequence[Prepared], tally: Tally,
+                 runner: PrefixRunner | None = None) -> Results:
+        """Answer ``prepared`` by ``path``: ``a``, ``b``, ``b_<variant>`` or ``c`` (on ``runner`` if given)."""
+        if path == "a":
+            return self.run_a(prepared, tally)
+        if path == "b":
+            return self.run_b(prepared, tally)
+        if path.startswith("b_"):
+            with variant_of_b(self.model, path[2:]):
+                return self.run_b(prepared, tally)
+        return (runner or self.runner(tally)).run(prepared)
+
     # ---------------------------------------------------------------------------------- latency
 
-    def latency_a(self, prepared: Sequence[Any], arrivals: Sequence[float]) -> list[float]:
+    def latency_a(self, prepared: Sequence[Prepared], arrivals: Sequence[float]) -> list[float]:
         """Completion time of each request: one at a time, in arrival order (the reference server)."""
         clock, done = 0.0, []
         for request, arrival in zip(prepared, arrivals, strict=True):
@@ -510,264 +629,141 @@ class Bench:
             self._tick(len(request.rows))
         return done
 
-    def _schedule(self, prepared: Sequence[Any], arrivals: Sequence[float],
-                  execute: Callable[[list[int], Callable[[int, float], None]], None]) -> list[float]:
-        """The service's batch scheduler on a virtual clock; ``execute`` really runs the waiting requests.
+    def _schedule(self, prepared: Sequence[Prepared], arrivals: Sequence[float], execute: Execute) -> list[float]:
+        return schedule(prepared, arrivals, execute, max_rows=self.max_batch_rows,
+                        max_tokens=self.max_batch_tokens, linger=self.linger)
 
-        ``execute(requests, finished)`` calls ``finished(request, elapsed)`` as each request's last row is
-        answered, ``elapsed`` measured from the start of the call.
-        """
-        count = len(prepared)
-        done = [0.0] * count
-        waiting: list[int] = []
-        clock = 0.0
-        following = 0  # next request to arrive
-
-        def admit() -> None:
-            nonlocal following
-            while following < count and arrivals[following] <= clock:
-                waiting.append(following)
-                following += 1
-
-        def full() -> bool:
-            rows = sum(len(prepared[i].rows) for i in waiting)
-            tokens = sum(prepared[i].input_tokens for i in waiting)
-            return rows >= self.max_batch_rows or tokens >= self.max_batch_tokens
-
-        while following < count or waiting:
-            if not waiting:
-                clock = max(clock, arrivals[following])
-                admit()
-            deadline = arrivals[waiting[0]] + self.linger
-            while not full() and clock < deadline:
-                if following < count and arrivals[following] <= deadline:
-                    clock = max(clock, arrivals[following])
-                    admit()
-                else:
-                    clock = deadline
-            taken, waiting = waiting, []
-            start = clock
-
-            def finished(request: int, elapsed: float, start: float = start) -> None:
-                done[request] = start + elapsed
-
-            began = time.perf_counter()
-            execute(taken, finished)
-            clock = start + (time.perf_counter() - began)
-            admit()
-        return done
-
-    def latency_b(self, prepared: Sequence[Any], arrivals: Sequence[float]) -> list[float]:
-        from d3stream.runtime.packing import pack
-
+    def latency_b(self, prepared: Sequence[Prepared], arrivals: Sequence[float]) -> list[float]:
         def execute(taken: list[int], finished: Callable[[int, float], None]) -> None:
-            began = time.perf_counter()
-            owner = {row: i for i in taken for row in prepared[i].rows}
-            left = {i: len(prepared[i].rows) for i in taken}
+            completion = _Completion(prepared, taken, finished)
             rows = [row for i in taken for row in prepared[i].rows]
             for group in pack(rows, lambda row: row.length, self.max_batch_rows, self.max_batch_tokens):
                 self.model.forward(group)
                 self._tick(len(group))
-                for row in group:
-                    left[owner[row]] -= 1
-                    if left[owner[row]] == 0:
-                        finished(owner[row], time.perf_counter() - began)
+                completion.answered(group)
 
         return self._schedule(prepared, arrivals, execute)
 
-    def latency_c(self, prepared: Sequence[Any], arrivals: Sequence[float]) -> list[float]:
+    def latency_c(self, prepared: Sequence[Prepared], arrivals: Sequence[float]) -> list[float]:
         def execute(taken: list[int], finished: Callable[[int, float], None]) -> None:
-            began = time.perf_counter()
-            owner = {row: i for i in taken for row in prepared[i].rows}
-            left = {i: len(prepared[i].rows) for i in taken}
-
-            def on_pass(info: Any) -> None:
-                for row in info.done:
-                    left[owner[row]] -= 1
-                    if left[owner[row]] == 0:
-                        finished(owner[row], time.perf_counter() - began)
-
-            self.runner(on_pass=on_pass).run([prepared[i] for i in taken])
+            completion = _Completion(prepared, taken, finished)
+            self.runner(on_pass=lambda info: completion.answered(info.done)).run([prepared[i] for i in taken])
 
         return self._schedule(prepared, arrivals, execute)
 
     # ------------------------------------------------------------------------------ one workload
 
-    def figures(self, tally: Tally, seconds: float, prepared: Sequence[Any], memory: PeakMemory | None) -> dict[str, Any]:
-        questions = sum(len(request.rows) for request in prepared)
-        tokens = sum(request.input_tokens for request in prepared)
-        flops = self.flops(tally.real, tally.pairs)
-        tflops = flops / seconds / 1e12
-        return {
-            "seconds": round(seconds, 4),
-            "questions": questions,
-            "questions_per_s": round(questions / seconds, 2),
-            "requests_per_s": round(len(prepared) / seconds, 3),
-            "input_tokens_per_s": round(tokens / seconds, 1),
-            "computed_tokens_per_s": round(tally.real / seconds, 1),
-            "real_tokens": tally.real,
-            "padded_tokens": tally.padded,
-            "real_over_padded": round(tally.real / tally.padded, 4) if tally.padded else None,
-            "passes": len(tally.passes),
-            "model_tflops_per_s": round(tflops, 4),
-            "mfu": round(tflops / self.peak_tflops, 4) if self.peak_tflops else None,
-            **(memory.figures() if memory is not None else {"peak_rss_mb": None, "peak_cuda_mb": None}),
-        }
-
     def workload(self, name: str, requests: list[Request], *, seed: int, rate: float | None,
-                 peak: dict[str, Any]) -> dict[str, Any]:
-        import numpy as np
-
-        from d3stream.runtime.cache import MediaFeatureCache
-        from d3stream.runtime.prefix import PrefixReuseUnavailable, check_supported
-
+                 peak: Calibration) -> dict[str, Any]:
+        """Every path's throughput and latency on ``requests``, and how the paths compare."""
         model = self.model
         prepared = [model.prepare(r.state, r.questions, r.images or None) for r in requests]
         lengths = [row.length for request in prepared for row in request.rows]
-        rows = len(lengths)
-        try:
-            check_supported(model)
-            causal = True
-        except PrefixReuseUnavailable:
-            causal = False
-        paths = ("a", "b", "c") if causal else ("a", "b")
-        paths += tuple(f"b_{variant}" for variant in self.variants)  # throughput only, beside b
+        paths = paths_for(model, self.variants)
+        with self.progress_bar(f"bench {name}", "q", total=len(lengths) * 2 * self.repeat * len(paths)):
+            self._warm_up(prepared[: max(2, len(prepared) // 20)], paths)
+            out, results = self._throughput(prepared, paths)
+            # Latency under Poisson arrivals at the same rate for every path.
+            rps = rate if rate is not None else DEFAULT_RATE_SHARE * out["a"]["requests_per_s"]
+            self._latency(prepared, poisson_arrivals(rps, len(prepared), seed, name), rps, paths, out)
+            model.media_cache = None
+        entry: dict[str, Any] = {
+            "workload": {
+                "requests": len(prepared),
+                "questions": len(lengths),
+                "input_tokens": sum(lengths),
+                "prompt_tokens": {"min": min(lengths), "p50": int(statistics.median(lengths)), "max": max(lengths)},
+                "images": sum(len(r.images) for r in requests),
+                "seed": seed,
+            },
+            **out,
+            **comparison(out, results, prepared, peak, lengths, self.variants),
+            "setup": self.setup(),
+            "calibration": {"peak_tokens_per_s": peak["peak_tokens_per_s"], "best_shape": peak["best_shape"],
+                            "max_batch_tokens": peak["max_batch_tokens"]},
+        }
+        return entry
 
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=rows * 2 * self.repeat * len(paths), desc=f"bench {name}", unit="q", file=sys.stderr,
-                         disable=not self.progress, leave=False)
-        # Warm-up (not timed): every path on a few requests, so kernel selection is not measured.
-        few = prepared[: max(2, len(prepared) // 20)]
+    def _warm_up(self, few: Sequence[Prepared], paths: Sequence[str]) -> None:
+        """Every path on a few requests (not timed, no progress), so kernel selection is not measured."""
         saved_bar, self._bar = self._bar, None
-        self.run_a(few, Tally())
-        _reset_media(few)
-        self.run_b(few, Tally())
-        _reset_media(few)
-        for variant in self.variants:
-            with variant_of_b(model, variant):
-                self.run_b(few, Tally())
-            _reset_media(few)
-        if causal:
-            self.runner().run(few)
+        for path in sorted(paths, key=lambda path: path == "c"):  # c last, after b's variants
+            self.run_path(path, few, Tally())
             _reset_media(few)
         self._bar = saved_bar
 
-        out: dict[str, Any] = {}
-        results: dict[str, dict[Any, list[float]]] = {}
-        tallies: dict[str, list[Tally]] = {path: [] for path in paths}
-        walls: dict[str, list[float]] = {path: [] for path in paths}
-        peaks: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
+    def _throughput(self, prepared: Sequence[Prepared],
+                    paths: Sequence[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Results]]:
+        """Each path's throughput figures over ``repeat`` rounds, and its answers (from its last round)."""
+        results: dict[str, Results] = {}
+        rounds = {path: Rounds() for path in paths}
         # Rounds interleave the paths (a, b, c, a, b, c, ...). The passes of a path are the same in every round,
         # so each pass keeps its fastest time (as the calibration sweep keeps each shape's), which filters
         # bursts of load from elsewhere on the machine; see ``best_seconds``.
         for _ in range(self.repeat):
             for path in paths:
-                tally = Tally()
-                model.media_cache = None if path == "a" else MediaFeatureCache()
-                _reset_media(prepared)
-                with PeakMemory(self.torch, model.device) as memory:
-                    started = time.perf_counter()
-                    if path == "a":
-                        results[path] = self.run_a(prepared, tally)
-                    elif path == "b":
-                        results[path] = self.run_b(prepared, tally)
-                    elif path.startswith("b_"):
-                        with variant_of_b(model, path[2:]):
-                            results[path] = self.run_b(prepared, tally)
-                    else:
-                        runner = self.runner(tally)
-                        results[path] = runner.run(prepared)
-                    model.synchronize()
-                    walls[path].append(time.perf_counter() - started)
-                tallies[path].append(tally)
-                peaks[path].append(memory.figures())
-                if path == "c":
-                    prefix_report = runner.report()
-                media = None if model.media_cache is None else model.media_cache.stats()
-                out[path] = {"media_cache": media}
+                results[path] = self._throughput_round(path, prepared, rounds[path])
+        out: dict[str, dict[str, Any]] = {}
         for path in paths:
-            seconds = best_seconds(tallies[path], walls[path])
-            figures = self.figures(tallies[path][-1], seconds, prepared, None)
-            for key in ("peak_rss_mb", "peak_cuda_mb"):
-                values = [peak[key] for peak in peaks[path] if peak[key] is not None]
-                figures[key] = max(values) if values else None
-            figures["round_seconds"] = [round(wall, 4) for wall in walls[path]]
-            out[path] = {**figures, **out[path]}
+            out[path] = rounds[path].figures(prepared, self.flops, self.peak_tflops)
             if path == "c":
-                out[path]["prefix"] = prefix_report
+                out[path]["prefix"] = rounds[path].prefix
+        return out, results
 
-        # Latency under Poisson arrivals at the same rate for every path.
-        rps = rate if rate is not None else DEFAULT_RATE_SHARE * out["a"]["requests_per_s"]
-        gaps = np.random.default_rng([seed, 7, WORKLOADS.index(name)]).exponential(1.0 / rps, size=len(prepared))
-        arrivals = np.cumsum(gaps).tolist()
+    def _throughput_round(self, path: str, prepared: Sequence[Prepared], rounds: Rounds) -> Results:
+        """One timed run of ``path`` over every request, all available at once; adds to ``rounds``."""
+        model = self.model
+        tally = Tally()
+        model.media_cache = None if path == "a" else MediaFeatureCache()
+        _reset_media(prepared)
+        with PeakMemory(model.device) as memory:
+            started = time.perf_counter()
+            runner = self.runner(tally) if path == "c" else None  # kept for its prefix-reuse counters
+            results = self.run_path(path, prepared, tally, runner)
+            model.synchronize()
+            rounds.walls.append(time.perf_counter() - started)
+        rounds.tallies.append(tally)
+        rounds.peaks.append(memory.figures())
+        if runner is not None:
+            rounds.prefix = runner.report()
+        rounds.media_cache = None if model.media_cache is None else model.media_cache.stats()
+        return results
+
+    def _latency(self, prepared: Sequence[Prepared], arrivals: list[float], rps: float, paths: Sequence[str],
+                 out: dict[str, dict[str, Any]]) -> None:
+        """Each path's latency under ``arrivals`` into ``out`` (b's variants are throughput only)."""
         # Like the throughput rounds, the simulations run ``repeat`` times interleaved; each path reports the
         # run with the lowest mean latency (the one least disturbed by other load on the machine).
         for _ in range(self.repeat):
             for path in (p for p in paths if not p.startswith("b_")):
-                model.media_cache = None if path == "a" else MediaFeatureCache()
-                _reset_media(prepared)
-                simulate = {"a": self.latency_a, "b": self.latency_b, "c": self.latency_c}[path]
-                with PeakMemory(self.torch, model.device) as memory:
-                    done = simulate(prepared, arrivals)
-                waits = []
-                for request, arrival, finish in zip(prepared, arrivals, done, strict=True):
-                    waits += [1000.0 * (finish - arrival)] * len(request.rows)
-                latency = {
-                    "rate_rps": round(rps, 3),
-                    "linger_ms": self.linger_ms,
-                    "p50_ms": round(percentile(waits, 0.50), 2),
-                    "p99_ms": round(percentile(waits, 0.99), 2),
-                    "mean_ms": round(statistics.fmean(waits), 2),
-                    "runs": self.repeat,
-                }
+                latency, peaks = self._latency_run(path, prepared, arrivals, rps)
                 previous = out[path].get("latency")
                 if previous is None or latency["mean_ms"] < previous["mean_ms"]:
                     out[path]["latency"] = latency
-                for key, value in memory.figures().items():
+                for key, value in peaks.items():
                     if value is not None:
                         out[path][key] = max(out[path][key] or 0, value)
-        model.media_cache = None
-        self._bar.close()
-        self._bar = None
 
-        images = sum(len(r.images) for r in requests)
-        entry: dict[str, Any] = {
-            "workload": {
-                "requests": len(prepared),
-                "questions": rows,
-                "input_tokens": sum(lengths),
-                "prompt_tokens": {"min": min(lengths), "p50": int(statistics.median(lengths)), "max": max(lengths)},
-                "images": images,
-                "seed": seed,
-            },
-            **out,
-            "b_over_a": round(out["b"]["questions_per_s"] / out["a"]["questions_per_s"], 3),
-            "b_over_peak": round(out["b"]["computed_tokens_per_s"] / peak["peak_tokens_per_s"], 3),
-            # b against the best sweep shape whose rows are about as long as this workload's (a fairer peak
-            # for long prompts, which cost more per token than the short rows the overall peak is usually at)
-            "b_over_peak_at_length": round(out["b"]["computed_tokens_per_s"] / length_peak(peak, lengths), 3),
-            "c_over_b": round(out["c"]["questions_per_s"] / out["b"]["questions_per_s"], 3) if causal else None,
-            "real_over_padded": out["b"]["real_over_padded"],
-            "max_abs_dp": None,
-        }
-        if causal:
-            entry["max_abs_dp"] = round(max(
-                max(abs(x - y) for x, y in zip(results["b"][row], results["c"][row], strict=True))
-                for request in prepared for row in request.rows
-            ), 6)
-        for variant in self.variants:
-            figures = out[f"b_{variant}"]
-            entry[f"b_{variant}_over_b"] = round(figures["questions_per_s"] / out["b"]["questions_per_s"], 3)
-            entry[f"b_{variant}_max_abs_dp"] = round(max(
-                max(abs(x - y) for x, y in zip(results["b"][row], results[f"b_{variant}"][row], strict=True))
-                for request in prepared for row in request.rows
-            ), 6)
-        entry["setup"] = {
+    def _latency_run(self, path: str, prepared: Sequence[Prepared], arrivals: list[float],
+                     rps: float) -> tuple[dict[str, float | int], dict[str, float | None]]:
+        """One simulated run of ``path``: its latency figures and peak memory."""
+        model = self.model
+        model.media_cache = None if path == "a" else MediaFeatureCache()
+        _reset_media(prepared)
+        simulate = {"a": self.latency_a, "b": self.latency_b, "c": self.latency_c}[path]
+        with PeakMemory(model.device) as memory:
+            done = simulate(prepared, arrivals)
+        waits = question_waits(prepared, arrivals, done)
+        return latency_figures(waits, rps, self.linger_ms, self.repeat), memory.figures()
+
+    def setup(self) -> dict[str, Any]:
+        """The run's settings and machine, as the report records them."""
+        model = self.model
+        return {
             "device": str(model.device),
             "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
             "repeat": self.repeat,
-            "threads": self.torch.get_num_threads(),
+            "threads": model.torch.get_num_threads(),
             "parameters": model.parameter_count(),
             "flop_parameters": self.flops.parameters,
             "max_batch_tokens": self.max_batch_tokens,
@@ -778,8 +774,6 @@ class Bench:
             "media_batch_patches": model.media_batch_patches,
             "pad_buckets": model.pad_buckets,
         }
-        entry["calibration"] = {k: peak[k] for k in ("peak_tokens_per_s", "best_shape", "max_batch_tokens")}
-        return entry
 
 
 # ----------------------------------------------------------------------------------- kernel check
@@ -789,21 +783,18 @@ class Bench:
 KERNEL_TOLERANCE = 1e-2
 
 
-def kernel_check(model: Any, *, tickets: int = 60, pictures: int = 20) -> dict[str, Any]:
+def kernel_check(model: D3, *, tickets: int = 60, pictures: int = 20) -> dict[str, Any]:
     """The held-out requests of the demo task (``tasks.heldout``) answered with the kernels transformers bound
     and again with its reference PyTorch code (``reference_kernels``), same weights, same process: the
     largest |Δp| of any question and whether it is within ``KERNEL_TOLERANCE``. Run before timing anything:
     a fast kernel that answers differently is a defect, not a speed-up."""
-    from d3stream.runtime.model import reference_kernels
-    from d3stream.tools.tasks import heldout
-
     examples = heldout(tickets, pictures if model.image_unavailable is None else 0)
     started = time.perf_counter()
-    bound = [model.system_one(**_request_args(example.request)) for example in examples]
+    bound = [_answer(model, example.request) for example in examples]
     bound_seconds = time.perf_counter() - started
     with reference_kernels():
         started = time.perf_counter()
-        reference = [model.system_one(**_request_args(example.request)) for example in examples]
+        reference = [_answer(model, example.request) for example in examples]
         reference_seconds = time.perf_counter() - started
     worst = 0.0
     questions = 0
@@ -827,14 +818,14 @@ def kernel_check(model: Any, *, tickets: int = 60, pictures: int = 20) -> dict[s
     }
 
 
-def _request_args(request: dict[str, Any]) -> dict[str, Any]:
-    return {"state": request["state"], "questions": request["questions"], "images": request.get("images")}
+def _answer(model: D3, request: dict[str, Any]) -> dict[str, Any]:
+    return model.system_one(state=request["state"], questions=request["questions"], images=request.get("images"))
 
 
 # ------------------------------------------------------------------------------------------ reports
 
 
-def markdown(report: dict[str, Any], calibration: dict[str, Any] | None = None) -> str:
+def markdown(report: dict[str, Any], calibration: Calibration | None = None) -> str:
     """The report as Markdown tables."""
     out = io.StringIO()
     names = {"a": "a reference (per request, batch 8)", "b": "b token-budget batching", "c": "c b + prefix reuse",
@@ -858,7 +849,7 @@ def markdown(report: dict[str, Any], calibration: dict[str, Any] | None = None) 
     out.write("\n| workload | b ÷ a | b ÷ peak | b ÷ peak at its row length | c ÷ b | real ÷ padded (b) | "
               "max abs Δp (c vs b) | arrival rate req/s |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
     for workload, entry in report.items():
-        def show(value: Any, digits: int = 2) -> str:
+        def show(value: float | None, digits: int = 2) -> str:
             return "-" if value is None else f"{value:.{digits}f}"
 
         delta = entry["max_abs_dp"]
@@ -895,7 +886,7 @@ def markdown(report: dict[str, Any], calibration: dict[str, Any] | None = None) 
 # ---------------------------------------------------------------------------------------- command
 
 
-def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Calibration]:
     """Load the model, calibrate, run the chosen workloads; returns (report keyed by workload, calibration)."""
     import torch
 
@@ -908,10 +899,8 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
         torch.set_num_threads(threads)
 
 
-def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Calibration]:
     import torch
-
-    from d3stream.runtime import D3
 
     try:
         from d3stream.service import default_token_budget
@@ -937,12 +926,8 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
                   verify_every=args.verify_every, peak_tflops=peak_tflops, progress=args.progress,
                   repeat=args.repeat, variants=args.variants)
 
-    from tqdm import tqdm
-
-    bench._bar = tqdm(desc="calibrate", unit="shape", file=sys.stderr, disable=not args.progress, leave=False)
-    calibration = bench.calibrate(sweep="wide" if args.calibrate else args.sweep)
-    bench._bar.close()
-    bench._bar = None
+    with bench.progress_bar("calibrate", "shape"):
+        calibration = bench.calibrate(sweep="wide" if args.calibrate else args.sweep)
     if args.calibrate and not args.max_batch_tokens:
         bench.max_batch_tokens = calibration["max_batch_tokens"]
 

@@ -26,19 +26,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from d3stream.config import DeliveryMode, Settings
 from d3stream.kafka.commits import DELIVERY_MODES
-from d3stream.runtime.model import Prepared, Row
+from d3stream.runtime import D3, Prepared, Row
 from d3stream.runtime.questions import normalize_question, question_error, require_json
+
+if TYPE_CHECKING:
+    from d3stream.core.seams import DecisionModel
+    from d3stream.service import Service
+    from d3stream.tools.infra import KafkaBroker
 
 log = structlog.get_logger(__name__)
 
@@ -75,20 +81,22 @@ class NullModel:
     def request_may_exceed_tokens(self, record_bytes: int, questions: int) -> bool:
         return False
 
-    def check_request_tokens(self, state: Any, questions: Any, *, permutation_average: bool | None = None) -> None:
+    def check_request_tokens(self, state: object, questions: Mapping[str, object], *,
+                             permutation_average: bool | None = None) -> None:
         return None
 
-    def provenance(self) -> dict[str, Any]:
+    def provenance(self) -> dict[str, str]:
         return {"kind": "null", "runtime": "d3stream-bench-null", "policy": "uniform probabilities, no model"}
 
-    def load_images(self, items: Sequence[Any], strict: bool = True) -> list[Any]:
+    def load_images(self, items: Sequence[object], strict: bool = True) -> list[object]:
         if items:
             raise ValueError("the null model takes no media")
         return []
 
     load_videos = load_images
 
-    def prepare(self, state: Any, questions: dict[str, Any], **_: Any) -> Prepared:
+    def prepare(self, state: object, questions: Mapping[str, object], *, decoded_images: list[object] | None = None,
+                decoded_videos: list[object] | None = None, permutation_average: bool | None = None) -> Prepared:
         require_json(state, "state")
         if not isinstance(questions, dict) or not questions:
             raise ValueError("questions must be a nonempty mapping of question IDs to questions")
@@ -132,7 +140,7 @@ async def _raw_loop(bootstrap: str, source: str, sink: str, group: str, count: i
 
     consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
                                 auto_offset_reset="earliest", isolation_level="read_committed")
-    options: dict[str, Any] = {"transactional_id": f"{group}-raw"} if transactional else {}
+    options: dict[str, str] = {"transactional_id": f"{group}-raw"} if transactional else {}
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=2,
                                 **options)
     await producer.start()
@@ -170,12 +178,12 @@ async def _raw_loop(bootstrap: str, source: str, sink: str, group: str, count: i
         await producer.stop()
 
 
-def _finished(service: Any) -> int:
+def _finished(service: Service) -> int:
     """Requests the service has answered (an error answer counts)."""
     return service.counts["answered"] + service.counts["errors"]
 
 
-async def _until_finished(service: Any, task: asyncio.Task, count: int, poll_s: float) -> None:
+async def _until_finished(service: Service, task: asyncio.Task[None], count: int, poll_s: float) -> None:
     """Until the service has answered ``count`` requests; what it raised if it stopped first."""
     while _finished(service) < count:
         if task.done():
@@ -184,7 +192,8 @@ async def _until_finished(service: Any, task: asyncio.Task, count: int, poll_s: 
         await asyncio.sleep(poll_s)
 
 
-async def _service_run(settings: Settings, model: Any, count: int, **service_options: Any) -> tuple[float, Any]:
+async def _service_run(settings: Settings, model: DecisionModel, count: int,
+                       **service_options: Any) -> tuple[float, Service]:
     """Serve until ``count`` requests are answered and committed; seconds from assignment to done.
     ``service_options`` go to ``Service`` (e.g. ``shadow``: bench/shadow_cost.py)."""
     from d3stream.service import Service
@@ -210,8 +219,8 @@ async def _service_run(settings: Settings, model: Any, count: int, **service_opt
     return seconds, service
 
 
-def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: Any = None, prefix: str = "bench",
-                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker | None = None,
+                   prefix: str = "bench", progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The raw-versus-d3stream comparison on ``broker`` (an ``infra.KafkaBroker``; default: a fresh one,
     started and stopped here), on topics named ``<prefix>.*``; figures as one dict.
 
@@ -304,7 +313,7 @@ def _rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-async def _soak(settings: Settings, model: Any, bootstrap: str, total: int, chunk: int,
+async def _soak(settings: Settings, model: DecisionModel, bootstrap: str, total: int, chunk: int,
                 tick: Callable[[int], None] | None) -> list[tuple[int, int]]:
     from d3stream.service import Service
     from d3stream.tools.clients import produce
@@ -332,14 +341,12 @@ async def _soak(settings: Settings, model: Any, bootstrap: str, total: int, chun
     return samples
 
 
-def rss_soak(model: Any, total: int = 100_000, *, chunk: int = 2_000, threads: int | None = 1,
-             broker: Any = None, prefix: str = "soak",
+def rss_soak(model: DecisionModel | str | os.PathLike[str], total: int = 100_000, *, chunk: int = 2_000,
+             threads: int | None = 1, broker: KafkaBroker | None = None, prefix: str = "soak",
              tick: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Answer ``total`` small requests with ``model`` (a loaded D3, or a checkpoint path) on ``broker`` (an
     ``infra.KafkaBroker``; default: a fresh one); RSS samples and the verdict."""
-    if not hasattr(model, "forward"):
-        from d3stream.runtime.model import D3
-
+    if isinstance(model, (str, os.PathLike)):
         model = D3.from_pretrained(Path(model), device="cpu")
     if broker is None:
         from d3stream.tools.infra import KafkaBroker, ensure_jars
