@@ -21,6 +21,7 @@ end) and, into a file, another sink; nothing of ``serve`` is overridden.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -43,7 +44,7 @@ from d3stream.core.passes import Outcome
 from d3stream.core.seams import DecisionModel, Position, Scheduling
 from d3stream.kafka.connection import client_options, connecting
 from d3stream.ops.metrics import Metrics
-from d3stream.runtime.model import Row
+from d3stream.runtime import Row
 from d3stream.service import Service
 
 log = structlog.get_logger(__name__)
@@ -74,10 +75,8 @@ def parse_time(text: str | None) -> int | None:
     return int(moment.timestamp() * 1000)
 
 
-async def resolve_bounds(consumer: Any, plan: ReplayRange) -> dict[Any, tuple[int, int]]:
+async def resolve_bounds(consumer: AIOKafkaConsumer, plan: ReplayRange) -> dict[TopicPartition, tuple[int, int]]:
     """[start, end) offsets of every partition of the range, fixed when the replay starts."""
-    from aiokafka import TopicPartition
-
     known = consumer.partitions_for_topic(plan.topic)
     if not known:
         await consumer._client.force_metadata_update()  # noqa: SLF001 - a fresh client knows no topics yet
@@ -92,7 +91,7 @@ async def resolve_bounds(consumer: Any, plan: ReplayRange) -> dict[Any, tuple[in
     firsts = await consumer.beginning_offsets(partitions)
     lasts = await consumer.end_offsets(partitions)
 
-    async def by_time(moment: int | None, fallback: dict[Any, int]) -> dict[Any, int]:
+    async def by_time(moment: int | None, fallback: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         if moment is None:
             return fallback
         found = await consumer.offsets_for_times({p: moment for p in partitions})
@@ -111,17 +110,22 @@ async def resolve_bounds(consumer: Any, plan: ReplayRange) -> dict[Any, tuple[in
 # ------------------------------------------------------------------------------------ ordered passes
 
 
+# One row's answer: its probabilities and the record of the pass that ran it.
+_RowFuture = asyncio.Future[tuple[list[float], PassRecord]]
+
+
 @dataclass
 class _Slot:
     offset: int
     rows: list[Row] | None = None  # None while the request is not prepared yet
-    futures: list[asyncio.Future[Any]] = field(default_factory=list)
+    futures: list[_RowFuture] = field(default_factory=list)
 
 
 PartitionKey = tuple[str, int]
 
 
-def _settled_with(settled: Callable[[int, list[Outcome]], Any], number: int, done: asyncio.Future[Any]) -> None:
+def _settled_with(settled: Callable[[int, list[Outcome]], object], number: int,
+                  done: asyncio.Future[list[Outcome]]) -> None:
     settled(number, list(done.result()))
 
 
@@ -136,7 +140,7 @@ class OrderedPasses:
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
         self._on_pass = on_pass
         self._queues: dict[PartitionKey, deque[_Slot]] = {}
-        self._ready: dict[PartitionKey, list[tuple[tuple[Row, int], asyncio.Future[Any]]]] = {}
+        self._ready: dict[PartitionKey, list[tuple[tuple[Row, int], _RowFuture]]] = {}
         self._closed: set[PartitionKey] = set()
         self._lock = asyncio.Lock()
         self._running: set[asyncio.Task[None]] = set()
@@ -165,7 +169,7 @@ class OrderedPasses:
         self._advance(key)
 
     def enqueue_many(self, requests: Sequence[tuple[Sequence[Row], Position, Scheduling]],
-                     settled: Callable[[int, list[Outcome]], Any]) -> None:
+                     settled: Callable[[int, list[Outcome]], object]) -> None:
         """Each request's rows placed by ``enqueue``; ``settled`` once a request's rows have all run."""
         for number, (rows, position, _) in enumerate(requests):
             done = self.enqueue(rows, position)
@@ -197,13 +201,13 @@ class OrderedPasses:
             self._launch(partition, list(ready))
             ready.clear()
 
-    def _launch(self, partition: PartitionKey, group: list[tuple[tuple[Row, int], asyncio.Future[Any]]]) -> None:
+    def _launch(self, partition: PartitionKey, group: list[tuple[tuple[Row, int], _RowFuture]]) -> None:
         self.passes.append([(partition, offset) for (_, offset), _ in group])
         task = asyncio.get_running_loop().create_task(self._run_pass(group))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run_pass(self, group: list[tuple[tuple[Row, int], asyncio.Future[Any]]]) -> None:
+    async def _run_pass(self, group: list[tuple[tuple[Row, int], _RowFuture]]) -> None:
         rows = [row for (row, _), _ in group]
         loop = asyncio.get_running_loop()
         async with self._lock:  # one pass at a time on the model thread
@@ -309,7 +313,7 @@ def _replay_settings(settings: Settings, plan: ReplayRange, replay_id: str, out_
                      deterministic: bool = False) -> Settings:
     import msgspec
 
-    changes: dict[str, Any] = {
+    changes: dict[str, object] = {
         "request_topics": [plan.topic],
         "group_id": f"{settings.group_id}-replay-{replay_id}",
         "transactional_id_prefix": f"{settings.transactional_id_prefix}-replay-{replay_id}",
@@ -394,7 +398,7 @@ async def run_replay(
 # ------------------------------------------------------------------------------------------ the command
 
 
-def register(commands: Any) -> None:
+def register(commands: argparse._SubParsersAction) -> None:
     """Add ``d3stream replay`` to the CLI."""
     from d3stream.config import add_arguments
 
@@ -456,7 +460,7 @@ class _Refused(Exception):
     ``d3stream replay:`` and the command exits with status 2."""
 
 
-def _replay_command(args: Any) -> int:
+def _replay_command(args: argparse.Namespace) -> int:
     import sys
 
     try:
@@ -471,7 +475,7 @@ def _replay_command(args: Any) -> int:
     return 0
 
 
-def _command_settings(args: Any) -> tuple[Settings, str]:
+def _command_settings(args: argparse.Namespace) -> tuple[Settings, str]:
     """The replay's settings (with --to-topic as its answer topic) and its one checkpoint; logging is
     configured. A target that is a live or request topic, or a --model other than one, is refused."""
     from d3stream.config import load_settings
@@ -501,7 +505,7 @@ def _command_settings(args: Any) -> tuple[Settings, str]:
     return settings, checkpoint
 
 
-def _command_range(args: Any) -> ReplayRange:
+def _command_range(args: argparse.Namespace) -> ReplayRange:
     """The range the flags name: the topic, its partitions (default: all), and offset or time bounds."""
     return ReplayRange(
         topic=args.from_topic,
@@ -527,7 +531,8 @@ def _load_checkpoint(checkpoint: str, settings: Settings) -> DecisionModel:
                               model_name=model_name, permutation_average=settings.permutation_average)
 
 
-def _run_command(args: Any, settings: Settings, model: DecisionModel, plan: ReplayRange) -> dict[str, Any]:
+def _run_command(args: argparse.Namespace, settings: Settings, model: DecisionModel,
+                 plan: ReplayRange) -> dict[str, Any]:
     """Replay the range into the --to-topic or --out target; the summary, with the drift from recorded
     answers under ``drift`` when --compare-with names them."""
     import sys
