@@ -26,9 +26,10 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from d3stream.tools.chaos import WorkerProcess, count_topic, worker_env
 
@@ -95,7 +96,7 @@ class Group:
         """Seconds until the group is settled and stays so for ``steady_s`` (not counted)."""
         started = time.monotonic()
         steady_since: float | None = None
-        last: tuple | None = None
+        last: tuple[float | None, ...] | None = None
         while time.monotonic() - started < timeout_s:
             snapshot = await asyncio.to_thread(self.snapshot)
             state = tuple((s or {}).get("d3stream_group_generation") for s in snapshot)
@@ -120,7 +121,7 @@ class AnswerWatch:
     def __init__(self, bootstrap: str, topic: str):
         self.bootstrap, self.topic = bootstrap, topic
         self.seen_at: dict[str, float] = {}
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> AnswerWatch:
         from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -188,6 +189,83 @@ def _waits(stream: Stream, watch: AnswerWatch, since: float, until: float) -> li
     return [watch.seen_at[i] - t for i, t in stream.published_at.items() if since <= t <= until and i in watch.seen_at]
 
 
+class Change(TypedDict):
+    """One membership change: a worker killed and started again, and what it cost the group."""
+
+    victim: str
+    rebalances: int  # group generations it took
+    others_rebalanced: float  # the most rebalances any surviving worker went through
+    settle_s: float
+    max_wait_s: float  # the longest a request published around the kill waited for its answer
+
+
+def _members(env: dict[str, str], folder: Path, workers: int, static: bool,
+             session_timeout_ms: int) -> list[Member]:
+    """The workers' processes (not started): each its own metrics port, and with static membership its own
+    ``group_instance_id``."""
+    group_name = env["D3STREAM_GROUP_ID"]
+    members = []
+    for n in range(workers):
+        port = free_port()
+        member_env = dict(env, D3STREAM_METRICS_PORT=str(port), D3STREAM_METRICS_HOST="127.0.0.1",
+                          D3STREAM_SESSION_TIMEOUT_MS=str(session_timeout_ms))
+        if static:
+            member_env["D3STREAM_GROUP_INSTANCE_ID"] = f"{group_name}-worker-{n}"
+        else:
+            member_env.pop("D3STREAM_GROUP_INSTANCE_ID", None)
+        members.append(Member(f"worker-{n}", WorkerProcess(member_env, folder / f"worker-{n}.log"), port))
+    return members
+
+
+def _rebalanced(sample: dict[str, float] | None) -> float:
+    return (sample or {}).get("d3stream_rebalances_total", 0)
+
+
+async def _kill_and_restart(group: Group, victim: Member, stream: Stream, watch: AnswerWatch, between_s: float,
+                            settle_timeout_s: float) -> Change:
+    """SIGKILL ``victim``, start it again at once, wait for the group to settle and ``between_s`` more."""
+    before = group.snapshot()
+    generation = group.generation()
+    killed_at = time.monotonic()
+    victim.process.kill()
+    victim.process.start()
+    settle_s = await group.settle(settle_timeout_s)
+    settled_at = killed_at + settle_s
+    after = group.snapshot()
+    others = [_rebalanced(b) - _rebalanced(a)
+              for m, b, a in zip(group.members, after, before, strict=True) if m is not victim]
+    await asyncio.sleep(between_s)
+    waits = _waits(stream, watch, killed_at - 2.0, settled_at)  # answers that came since the group settled count
+    return {
+        "victim": victim.name,
+        "rebalances": group.generation() - generation,
+        "others_rebalanced": max(others, default=0),
+        "settle_s": round(settle_s, 2),
+        "max_wait_s": round(max(waits, default=0.0), 2),
+    }
+
+
+async def _answered(stream: Stream, watch: AnswerWatch, timeout_s: float) -> set[str]:
+    """The ids published, once each has its committed answer (or after ``timeout_s``)."""
+    ids = set(stream.published_at)
+    deadline = time.monotonic() + timeout_s
+    while not ids <= set(watch.seen_at) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    return ids
+
+
+def _answer_counts(ids: set[str], answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every id answered once? The ids answered, lost and duplicated, and the error answers."""
+    counts = Counter(a["id"] for a in answers)
+    return {
+        "sent": len(ids),
+        "answered": sum(1 for i in ids if counts[i] > 0),
+        "lost": sorted(i for i in ids if counts[i] == 0),
+        "duplicated": sorted(i for i in ids if counts[i] > 1),
+        "errors": sum(1 for a in answers if a.get("error")),
+    }
+
+
 async def churn(
     *,
     bootstrap: str,
@@ -205,19 +283,9 @@ async def churn(
     settle_timeout_s: float = 90.0,
 ) -> dict[str, Any]:
     """Run the scenario with ``workers`` processes (``env``: their common settings) and return the figures."""
-    group_name = env["D3STREAM_GROUP_ID"]
-    members = []
-    for n in range(workers):
-        port = free_port()
-        member_env = dict(env, D3STREAM_METRICS_PORT=str(port), D3STREAM_METRICS_HOST="127.0.0.1",
-                          D3STREAM_SESSION_TIMEOUT_MS=str(session_timeout_ms))
-        if static:
-            member_env["D3STREAM_GROUP_INSTANCE_ID"] = f"{group_name}-worker-{n}"
-        else:
-            member_env.pop("D3STREAM_GROUP_INSTANCE_ID", None)
-        members.append(Member(f"worker-{n}", WorkerProcess(member_env, folder / f"worker-{n}.log"), port))
+    members = _members(env, folder, workers, static, session_timeout_ms)
     group = Group(members, partitions)
-    changes: list[dict[str, Any]] = []
+    changes: list[Change] = []
     stop = asyncio.Event()
     stream = Stream(bootstrap, request_topic, rate)
     started = time.monotonic()
@@ -230,50 +298,23 @@ async def churn(
             await asyncio.sleep(between_s)
             first_kill = time.monotonic()
             for k in range(kills):
-                victim = members[k % workers]
-                before = group.snapshot()
-                generation = group.generation()
-                killed_at = time.monotonic()
-                victim.process.kill()
-                victim.process.start()
-                settle_s = await group.settle(settle_timeout_s)
-                settled_at = killed_at + settle_s
-                after = group.snapshot()
-                others = [(b or {}).get("d3stream_rebalances_total", 0) - (a or {}).get("d3stream_rebalances_total", 0)
-                          for m, b, a in zip(members, after, before, strict=True) if m is not victim]
-                waits = _waits(stream, watch, killed_at - 2.0, settled_at)
-                await asyncio.sleep(between_s)
-                waits = _waits(stream, watch, killed_at - 2.0, settled_at)  # answers that came since count too
-                changes.append({
-                    "victim": victim.name,
-                    "rebalances": group.generation() - generation,
-                    "others_rebalanced": max(others, default=0),
-                    "settle_s": round(settle_s, 2),
-                    "max_wait_s": round(max(waits, default=0.0), 2),
-                })
+                changes.append(await _kill_and_restart(group, members[k % workers], stream, watch, between_s,
+                                                       settle_timeout_s))
             stop.set()
             await publishing
-            ids = set(stream.published_at)
-            deadline = time.monotonic() + settle_timeout_s
-            while not ids <= set(watch.seen_at) and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
+            ids = await _answered(stream, watch, settle_timeout_s)
             baseline = _waits(stream, watch, started, first_kill)
             abandoned = sum((s or {}).get("d3stream_revoked_requests_abandoned_total", 0) for s in group.snapshot())
         finally:
             stop.set()
             codes = [member.process.terminate(60) for member in members]
     answers = await count_topic(bootstrap, answer_topic)
-    counts = Counter(a["id"] for a in answers)
     logs = "".join(m.process.log_path.read_text(errors="replace") for m in members)
     return {
         "workers": workers,
         "static": static,
         "session_timeout_ms": session_timeout_ms,
-        "sent": len(ids),
-        "answered": sum(1 for i in ids if counts[i] > 0),
-        "lost": sorted(i for i in ids if counts[i] == 0),
-        "duplicated": sorted(i for i in ids if counts[i] > 1),
-        "errors": sum(1 for a in answers if a.get("error")),
+        **_answer_counts(ids, answers),
         "changes": changes,
         "baseline_wait_p50_s": round(statistics.median(baseline), 3) if baseline else None,
         "abandoned_on_revocation": int(abandoned),
@@ -284,7 +325,7 @@ async def churn(
     }
 
 
-def worker_settings(bootstrap: str, topics: dict[str, Any], group: str, checkpoint: Path) -> dict[str, str]:
+def worker_settings(bootstrap: str, topics: Mapping[str, object], group: str, checkpoint: Path) -> dict[str, str]:
     """The workers' common environment (a CPU worker with the tiny checkpoint)."""
     env = worker_env({
         **topics,
