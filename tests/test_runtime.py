@@ -409,7 +409,7 @@ def test_ordinary_prompts_keep_the_tokenizers_ids(qwen35_model):
         for row in prepared.rows:
             ids = model.tokenizer(row.text, add_special_tokens=False)["input_ids"]
             if prepared.media is not None:
-                ids = model._expand(ids, prepared.media)
+                ids = model.media.expand(ids, prepared.media)
             assert row.ids == ids
 
 
@@ -1060,11 +1060,11 @@ def test_media_of_a_pass_encoded_once_per_content_with_the_cache(qwen35_model):
 def test_patch_groups_respect_the_budget():
     import torch
 
-    from d3stream.runtime.model import _patch_groups
+    from d3stream.runtime.vision import patch_groups
 
     grids = [torch.tensor(g) for g in ([1, 10, 10], [1, 20, 20], [1, 4, 4], [1, 30, 30], [1, 2, 2])]
-    assert _patch_groups(grids, 500) == [[0, 1], [2], [3], [4]]  # 100 + 400; 16 (900 next is over); 900 alone
-    assert _patch_groups(grids, 10_000) == [[0, 1, 2, 3, 4]]
+    assert patch_groups(grids, 500) == [[0, 1], [2], [3], [4]]  # 100 + 400; 16 (900 next is over); 900 alone
+    assert patch_groups(grids, 10_000) == [[0, 1, 2, 3, 4]]
 
 
 @pytest.mark.parametrize(

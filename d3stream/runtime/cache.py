@@ -13,8 +13,8 @@ the tower's outputs (the merged features, plus Qwen3-VL's deepstack features) an
 recently used once their tensors exceed ``max_bytes``; an entry larger than the whole budget is not kept.
 
 Wiring: ``model.media_cache = MediaFeatureCache(max_bytes=..., on_lookup=metrics.count_media_cache)``;
-``D3._encode_pass_media`` then asks the cache for each image and video of every request in a pass and
-encodes only the ones it misses, the misses of all those requests in shared calls of the tower (an image
+``VisionEncoder.encode`` (``vision.py``) then asks the cache for each image and video of every request in a
+pass and encodes only the ones it misses, the misses of all those requests in shared calls of the tower (an image
 two requests of the pass share, once). ``request_features`` is the one-request form
 (``media_batch_patches = 0``). ``stats()`` gives hits, misses, evictions, encoded, entries and bytes.
 """
@@ -26,11 +26,19 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from d3stream.runtime.kinds import IMAGE, MEDIA_KINDS, VIDEO, MediaKind, media_kind
+from d3stream.runtime.rows import Features, RequestMedia
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
+    from d3stream.runtime.media import Video
 
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 
@@ -39,18 +47,34 @@ DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 class Entry:
     """The vision-tower output of one image or video."""
 
-    pooled: Any  # [tokens, hidden]
-    deepstack: list[Any] | None  # per deepstack layer: [tokens, hidden] (Qwen3-VL), else None
+    pooled: torch.Tensor  # [tokens, hidden]
+    deepstack: list[torch.Tensor] | None  # per deepstack layer: [tokens, hidden] (Qwen3-VL), else None
     nbytes: int
 
 
-def _tensor_bytes(tensor: Any) -> int:
+class EncodingModel(Protocol):
+    """What the cache needs of the model whose vision tower made its features (a loaded ``Checkpoint``, or
+    the ``D3`` holding it): where it came from, where it runs, its processor and its backbone."""
+
+    @property
+    def root(self) -> Path: ...
+    @property
+    def manifest(self) -> Mapping[str, Any] | None: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def processor(self) -> Any: ...  # transformers processor
+    @property
+    def backbone(self) -> Any: ...  # transformers model with get_image_features / get_video_features
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
     return int(tensor.numel()) * int(tensor.element_size())
 
 
-def vision_dtype(model: Any) -> str:
+def vision_dtype(model: EncodingModel) -> str:
     """The dtype the vision tower computes in (its first parameter's); empty for a model without one."""
-    backbone = getattr(model, "backbone", None)
+    backbone = model.backbone
     if backbone is None:
         return ""
     for name, parameter in backbone.named_parameters():
@@ -71,7 +95,7 @@ def settings_digest(processor: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def image_digest(image: Any) -> str:
+def image_digest(image: Image.Image) -> str:
     """Content hash of a decoded PIL image."""
     digest = hashlib.sha256()
     digest.update(f"image|{image.mode}|{image.size[0]}x{image.size[1]}|".encode())
@@ -79,7 +103,7 @@ def image_digest(image: Any) -> str:
     return digest.hexdigest()
 
 
-def video_digest(video: Any) -> str:
+def video_digest(video: Video) -> str:
     """Content hash of a sampled video: its frames and the metadata that sets their timestamps."""
     import numpy as np
 
@@ -153,7 +177,7 @@ class MediaFeatureCache:
             self._entries.clear()
             self.bytes = 0
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int | float | None]:
         lookups = self.hits + self.misses
         return {
             "hits": self.hits,
@@ -169,14 +193,14 @@ class MediaFeatureCache:
     # ---------------------------------------------------------------------------------------- features
 
     @staticmethod
-    def model_namespace(model: Any) -> str:
+    def model_namespace(model: EncodingModel) -> str:
         """The model, device and vision-tower dtype the features came from: the same weights cast to another
         dtype encode the same image to different features, and a cached BF16 encoding must not answer an FP32
         run."""
-        identity = ((getattr(model, "manifest", None) or {}).get("identity") or {}).get("model_sha256")
-        return f"{getattr(model, 'root', '')}|{identity}|{getattr(model, 'device', '')}|{vision_dtype(model)}"
+        identity = ((model.manifest or {}).get("identity") or {}).get("model_sha256")
+        return f"{model.root}|{identity}|{model.device}|{vision_dtype(model)}"
 
-    def keys(self, model: Any, media: Any, kind: str) -> list[str]:
+    def keys(self, model: EncodingModel, media: RequestMedia, kind: str) -> list[str]:
         """The cache key of each image (``kind="image"``) or video of a request's media."""
         found = media_kind(kind)
         settings = settings_digest(getattr(model.processor, found.processor_attribute))
@@ -189,9 +213,10 @@ class MediaFeatureCache:
             for item, grid in zip(items, grids, strict=True)
         ]
 
-    def request_features(self, model: Any, media: Any) -> dict[str, Any]:
-        """What ``D3._features`` returns for ``media``, encoding only the images and videos not cached."""
-        features: dict[str, Any] = {}
+    def request_features(self, model: EncodingModel, media: RequestMedia) -> dict[str, Features]:
+        """The features of ``media`` (``RequestMedia.features``), encoding only the images and videos not
+        cached."""
+        features: dict[str, Features] = {}
         for media_type in MEDIA_KINDS:
             kind = media_type.name
             if media_type.pixels_input not in media.inputs:
@@ -210,19 +235,21 @@ class MediaFeatureCache:
             if missing:
                 found.update(self._encode(model, media, media_type, missing, keys))
             entries = [found[key] for key in keys]
-            features[kind] = [entry.pooled for entry in entries]
             # Every entry of a kind comes from the same model (the namespace is in its key): all have deepstack
             # features (Qwen3-VL) or none has.
             deepstacks = [entry.deepstack for entry in entries if entry.deepstack is not None]
+            deep = None
             if deepstacks:
                 layers = len(deepstacks[0])
-                features[f"{kind}_deepstack"] = [[stack[layer] for stack in deepstacks] for layer in range(layers)]
+                deep = [[stack[layer] for stack in deepstacks] for layer in range(layers)]
+            features[kind] = Features([entry.pooled for entry in entries], deep)
         return features
 
     def _encode(
-        self, model: Any, media: Any, kind: MediaKind, numbers: list[int], keys: list[str]
+        self, model: EncodingModel, media: RequestMedia, kind: MediaKind, numbers: list[int], keys: list[str]
     ) -> dict[str, Entry]:
-        torch = model.torch
+        import torch
+
         grid = media.inputs[kind.grid_input]
         pixels = media.inputs[kind.pixels_input]
         patches = grid.prod(-1).tolist()
@@ -241,28 +268,35 @@ class MediaFeatureCache:
             if len(numbers) > 1:  # split views would keep the whole batch's output alive: own the bytes counted
                 pooled[position] = pooled[position].clone()
                 layers = None if layers is None else [t.clone() for t in layers]
-            size = _tensor_bytes(pooled[position]) + sum(_tensor_bytes(t) for t in layers or [])
+            size = tensor_bytes(pooled[position]) + sum(tensor_bytes(t) for t in layers or [])
             entry = Entry(pooled[position], layers, size)
             self.put(keys[number], entry)
             made[keys[number]] = entry
         return made
 
 
+@runtime_checkable
+class CachingModel(Protocol):
+    """A model that encodes media through an optional ``MediaFeatureCache`` (``D3`` is one)."""
+
+    media_cache: MediaFeatureCache | None
+
+
 @contextlib.contextmanager
-def lent_media_caches(models: Iterable[Any], capacity: int, on_lookup: Callable[[bool], None]) -> Iterator[None]:
+def lent_media_caches(models: Iterable[object], capacity: int, on_lookup: Callable[[bool], None]) -> Iterator[None]:
     """Each model (one with a ``media_cache``) encodes through a cache of ``capacity`` bytes of its own while
     the block runs, and gets back the cache it had however the block ends, so a model shared with other
     callers (a replay beside a live service, the next test) keeps no features, and no counter, from it.
     ``capacity`` 0 lends nothing."""
     with contextlib.ExitStack() as stack:
         for model in models:
-            if capacity > 0 and hasattr(model, "media_cache"):
+            if capacity > 0 and isinstance(model, CachingModel):
                 stack.enter_context(_lent(model, capacity, on_lookup))
         yield
 
 
 @contextlib.contextmanager
-def _lent(model: Any, capacity: int, on_lookup: Callable[[bool], None]) -> Iterator[None]:
+def _lent(model: CachingModel, capacity: int, on_lookup: Callable[[bool], None]) -> Iterator[None]:
     before = model.media_cache
     model.media_cache = MediaFeatureCache(capacity, on_lookup=on_lookup)
     try:

@@ -12,7 +12,9 @@ full prompts). Suffix passes pack suffix rows **across requests**: the cached pr
 a pass are stacked, the key/value caches left-padded to the longest prefix of the pass (padding masked
 out), the recurrent states need no padding (one fixed-size state per row), and the suffixes are
 right-padded, so padding only ever follows a row's real tokens, which a causal model never reads. Rows are
-grouped by prefix length first, then by suffix length, so little attention is spent on padding.
+grouped by prefix length first, then by suffix length, so little attention is spent on padding. The passes
+themselves (the cache kept, sliced and stacked) are ``prefix_passes.py``'s; this module plans, batches and
+checks them.
 
 Safety:
 
@@ -33,7 +35,6 @@ as full prompts, packed under the same token budget.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -42,8 +43,10 @@ from typing import Any
 
 import structlog
 
-from d3stream.runtime.model import D3, Prepared, RequestMedia, Row, sdpa_backends
+from d3stream.runtime.model import D3
 from d3stream.runtime.packing import pack
+from d3stream.runtime.prefix_passes import Plan, PrefixPasses, PrefixState, pack_suffixes, pairs
+from d3stream.runtime.rows import Prepared, Row
 
 log = structlog.get_logger(__name__)
 
@@ -65,24 +68,6 @@ def check_supported(model: D3) -> None:
             f"{model.attention_mode!r}, where the prefix attends to the question that follows it, so its "
             "states differ for every question"
         )
-
-
-@dataclass(eq=False)
-class Plan:
-    """One request split into a shared prefix and one suffix per row."""
-
-    prepared: Prepared
-    ids: list[int]  # prefix token ids, media placeholders expanded
-    positions: Any  # [3, length] multimodal RoPE positions of the prefix; None: 0..length-1
-    media: RequestMedia | None
-    rows: list[Row]
-
-    @property
-    def length(self) -> int:
-        return len(self.ids)
-
-    def suffix_length(self, row: Row) -> int:
-        return row.length - self.length
 
 
 @dataclass(frozen=True)
@@ -118,19 +103,6 @@ class PassInfo:
     prefixes: tuple[Plan, ...] = ()  # prefix passes: the requests whose prefixes it ran
 
 
-@dataclass
-class _Prefix:
-    """The cached state of one plan's prefix: per layer ("kv", keys, values) or ("linear", conv, recurrent)."""
-
-    length: int
-    layers: list[tuple[str, Any, Any]]
-
-
-def _pairs(length: int, context: int = 0) -> int:
-    """(query, key) pairs a causal pass scores for ``length`` new tokens after ``context`` cached ones."""
-    return length * context + length * (length + 1) // 2
-
-
 class PrefixRunner:
     """Answers prepared requests, running each request's shared prompt prefix once."""
 
@@ -157,6 +129,7 @@ class PrefixRunner:
         if verify_every < 0:
             raise ValueError("verify_every must be >= 0")
         self.model = model
+        self.passes = PrefixPasses(model)
         self.max_batch_tokens = int(max_batch_tokens)
         self.max_batch_rows = int(max_batch_rows)
         # Padded cached-plus-new tokens of a suffix pass (memory and attention work of its cache).
@@ -204,46 +177,12 @@ class PrefixRunner:
         reason = None
         plan = None
         try:
-            plan = self._plan(prepared, rows)
+            plan = split_at_question(self.model, prepared, rows)
         except _NoPlan as exc:
             reason = exc.reason
         if plan is None:
             self._fall_back(reason or "unknown", prepared)
         return plan
-
-    def _plan(self, prepared: Prepared, rows: list[Row]) -> Plan:
-        model = self.model
-        if any(row.text is None for row in rows):
-            raise _NoPlan("no_prompt_text")
-        first = rows[0].text
-        cut = first.find(QUESTION_HEADER)
-        if cut <= 0:
-            raise _NoPlan("no_question_header")
-        text = first[:cut]
-        if any(not row.text.startswith(text) for row in rows):
-            raise _NoPlan("prefix_text_differs")
-        ids = list(model.tokenizer(text, add_special_tokens=False)["input_ids"])
-        media = rows[0].media
-        if any(row.media is not media for row in rows):
-            raise _NoPlan("media_differs")
-        if media is not None:
-            ids = model._expand(ids, media)
-        length = len(ids)
-        visual = {model.image_token_id, model.video_token_id} - {None}
-        for row in rows:
-            if row.length <= length:
-                raise _NoPlan("empty_suffix")
-            if row.ids[:length] != ids:
-                raise _NoPlan("tokenization_boundary")
-            if visual and any(token in visual for token in row.ids[length:]):
-                raise _NoPlan("media_in_suffix")
-        positions = None
-        if rows[0].positions is not None:
-            torch = model.torch
-            positions = rows[0].positions[:, :length]
-            if any(row.positions is None or not torch.equal(row.positions[:, :length], positions) for row in rows):
-                raise _NoPlan("positions_differ")
-        return Plan(prepared, ids, positions, media, rows)
 
     # ------------------------------------------------------------------------------------- running
 
@@ -304,14 +243,14 @@ class PrefixRunner:
             lengths = [row.length for row in group]
             self._emit(
                 PassInfo(kind, len(group), sum(lengths), len(group) * max(lengths), seconds,
-                         sum(_pairs(n) for n in lengths), tuple(group) if kind == "full" else ())
+                         sum(pairs(n) for n in lengths), tuple(group) if kind == "full" else ())
             )
         if kind == "full":
             self.counts["rows_full"] += len(rows)
         return results
 
     def _run_round(self, plans: list[Plan]) -> dict[Row, list[float]]:
-        states: dict[Plan, _Prefix] = {}
+        states: dict[Plan, PrefixState] = {}
         # Long prefixes run one per pass where padding is expensive (see ``solo_prefix_tokens``).
         alone = [plan for plan in plans if self.solo_prefix_tokens and plan.length >= self.solo_prefix_tokens]
         packed = [plan for plan in plans if not (self.solo_prefix_tokens and plan.length >= self.solo_prefix_tokens)]
@@ -321,8 +260,8 @@ class PrefixRunner:
             states.update(self._prefix_pass(group))
         items = [(plan, row) for plan in plans for row in plan.rows]
         results: dict[Row, list[float]] = {}
-        for group in self._pack_suffixes(items):
-            results.update(self._suffix_pass(group, states))
+        for suffixes in pack_suffixes(items, self.max_batch_rows, self.max_batch_tokens, self.max_cache_tokens):
+            results.update(self._suffix_pass(suffixes, states))
         states.clear()
         self.counts["prefix_tokens"] += sum(plan.length for plan in plans)
         self.counts["suffix_tokens"] += sum(plan.suffix_length(row) for plan, row in items)
@@ -371,133 +310,22 @@ class PrefixRunner:
 
     # -------------------------------------------------------------------------------------- passes
 
-    def _prefix_pass(self, group: list[Plan]) -> dict[Plan, _Prefix]:
+    def _prefix_pass(self, group: list[Plan]) -> dict[Plan, PrefixState]:
         """Run the prefixes of ``group`` (left-padded) and keep each one's cached states."""
-        from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
-
-        model, torch = self.model, self.model.torch
         started = time.perf_counter()
-        with torch.inference_mode(), sdpa_backends(model.device):
-            ids, present, positions = model.left_padded(group)
-            width = ids.shape[1]
-            carriers = [Row("prefix", plan.ids, 1, plan.media, plan.positions) for plan in group]
-            cache = DynamicCache(config=model.backbone.config)
-            model.backbone(
-                input_ids=ids,
-                attention_mask=present,
-                position_ids=positions,
-                mm_encoder_outputs=model._encoder_outputs(carriers),
-                cache=cache,
-                use_cache=True,
-            )
-            states: dict[Plan, _Prefix] = {}
-            for number, plan in enumerate(group):
-                pad = width - plan.length
-                layers: list[tuple[str, Any, Any]] = []
-                for layer in cache.layers:
-                    linear = isinstance(layer, LinearAttentionCacheLayerMixin)
-                    if linear and isinstance(layer, CacheLayerMixin):
-                        raise NotImplementedError(f"cache layers of type {type(layer).__name__} are not supported")
-                    if linear:
-                        if layer.number_of_states != 1:
-                            raise NotImplementedError("linear-attention layers with several states are not supported")
-                        layers.append(("linear", layer.conv_states[0][number], layer.recurrent_states[0][number]))
-                    else:
-                        layers.append(("kv", layer.keys[number, :, pad:], layer.values[number, :, pad:]))
-                states[plan] = _Prefix(plan.length, layers)
-            model.synchronize()
+        states, width = self.passes.prefixes(group)
         lengths = [plan.length for plan in group]
         self._emit(PassInfo("prefix", len(group), sum(lengths), len(group) * width, time.perf_counter() - started,
-                            sum(_pairs(n) for n in lengths), prefixes=tuple(group)))
+                            sum(pairs(n) for n in lengths), prefixes=tuple(group)))
         return states
 
-    def _pack_suffixes(self, items: list[tuple[Plan, Row]]) -> list[list[tuple[Plan, Row]]]:
-        """Suffix passes: rows with similar prefix lengths together, then similar suffix lengths."""
-
-        def bucket(plan: Plan) -> int:
-            return int(2 * math.log2(plan.length))  # prefix lengths within a factor of about 1.4
-
-        ordered = sorted(items, key=lambda item: (bucket(item[0]), item[0].suffix_length(item[1])), reverse=True)
-        passes: list[list[tuple[Plan, Row]]] = []
-        current: list[tuple[Plan, Row]] = []
-        longest = context = 0
-        for plan, row in ordered:
-            size = plan.suffix_length(row)
-            grown_longest, grown_context = max(longest, size), max(context, plan.length)
-            if current and (
-                len(current) >= self.max_batch_rows
-                or (len(current) + 1) * grown_longest > self.max_batch_tokens
-                or (len(current) + 1) * (grown_context + grown_longest) > self.max_cache_tokens
-            ):
-                passes.append(current)
-                current, grown_longest, grown_context = [], size, plan.length
-            current.append((plan, row))
-            longest, context = grown_longest, grown_context
-        if current:
-            passes.append(current)
-        return passes
-
-    def _suffix_pass(self, group: list[tuple[Plan, Row]], states: dict[Plan, _Prefix]) -> dict[Row, list[float]]:
+    def _suffix_pass(self, group: list[tuple[Plan, Row]], states: dict[Plan, PrefixState]) -> dict[Row, list[float]]:
         """Answer the rows of ``group`` from their plans' cached prefixes (right-padded suffixes)."""
-        from transformers.cache_utils import DynamicCache
-
-        model, torch = self.model, self.model.torch
-        device = model.device
         started = time.perf_counter()
-        with torch.inference_mode(), sdpa_backends(device):
-            unique: list[Plan] = []
-            slot: dict[Plan, int] = {}
-            for plan, _ in group:
-                if plan not in slot:
-                    slot[plan] = len(unique)
-                    unique.append(plan)
-            index = torch.as_tensor([slot[plan] for plan, _ in group], dtype=torch.long, device=device)
-            context = max(plan.length for plan in unique)
-            cache = DynamicCache(config=model.backbone.config)
-            for number, (kind, *_) in enumerate(states[unique[0]].layers):
-                if kind == "kv":
-                    keys = [states[plan].layers[number][1] for plan in unique]
-                    values = [states[plan].layers[number][2] for plan in unique]
-                    heads, _, width = keys[0].shape
-                    stacked_k = keys[0].new_zeros((len(unique), heads, context, width))
-                    stacked_v = values[0].new_zeros((len(unique), heads, context, values[0].shape[-1]))
-                    for u, plan in enumerate(unique):
-                        stacked_k[u, :, context - plan.length :] = keys[u]
-                        stacked_v[u, :, context - plan.length :] = values[u]
-                    cache.update(stacked_k.index_select(0, index), stacked_v.index_select(0, index), number)
-                else:
-                    conv = torch.stack([states[plan].layers[number][1] for plan in unique]).index_select(0, index)
-                    recurrent = torch.stack([states[plan].layers[number][2] for plan in unique]).index_select(0, index)
-                    # A fresh layer takes the first conv state as a prefill (no concatenation): exactly ours.
-                    cache.update_conv_state(conv, number, conv_kernel_size=conv.shape[-1])
-                    cache.update_recurrent_state(recurrent, number)
-
-            lengths = [plan.suffix_length(row) for plan, row in group]
-            longest = max(lengths)
-            ids = torch.full((len(group), longest), model.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(group), context + longest), dtype=torch.long)
-            positions = torch.zeros((3, len(group), longest), dtype=torch.long)
-            for number, ((plan, row), length) in enumerate(zip(group, lengths, strict=True)):
-                ids[number, :length] = torch.as_tensor(row.ids[plan.length :], dtype=torch.long)
-                mask[number, context - plan.length : context + length] = 1
-                positions[:, number, :length] = (
-                    torch.arange(plan.length, row.length) if row.positions is None else row.positions[:, plan.length :]
-                )
-            ids, mask, positions = (t.to(device, non_blocking=True) for t in (ids, mask, positions))
-            hidden = model.backbone(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-            ).last_hidden_state
-            last = torch.as_tensor(lengths, device=device) - 1
-            hidden = hidden[torch.arange(len(group), device=device), last]
-            rows = [row for _, row in group]
-            values = model.readout_probabilities(hidden, rows)
+        rows, values, lengths = self.passes.suffixes(group, states)
         self._emit(
-            PassInfo("suffix", len(group), sum(lengths), len(group) * longest, time.perf_counter() - started,
-                     sum(_pairs(n, plan.length) for (plan, _), n in zip(group, lengths, strict=True)), tuple(rows))
+            PassInfo("suffix", len(group), sum(lengths), len(group) * max(lengths), time.perf_counter() - started,
+                     sum(pairs(n, plan.length) for (plan, _), n in zip(group, lengths, strict=True)), tuple(rows))
         )
         return dict(zip(rows, values, strict=True))
 
@@ -547,6 +375,46 @@ class _NoPlan(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+def split_at_question(model: D3, prepared: Prepared, rows: list[Row]) -> Plan:
+    """``prepared`` split at the question header into one shared prefix and a suffix per row; ``_NoPlan``
+    names why it cannot be (then its rows run as full prompts)."""
+    import torch
+
+    texts: list[str] = []
+    for row in rows:
+        if row.text is None:
+            raise _NoPlan("no_prompt_text")
+        texts.append(row.text)
+    cut = texts[0].find(QUESTION_HEADER)
+    if cut <= 0:
+        raise _NoPlan("no_question_header")
+    text = texts[0][:cut]
+    if any(not row_text.startswith(text) for row_text in texts):
+        raise _NoPlan("prefix_text_differs")
+    ids = list(model.tokenizer(text, add_special_tokens=False)["input_ids"])
+    media = rows[0].media
+    if any(row.media is not media for row in rows):
+        raise _NoPlan("media_differs")
+    if media is not None:
+        ids = model.media.expand(ids, media)
+    length = len(ids)
+    vocabulary = model.checkpoint.vocabulary
+    visual = {token for token in (vocabulary.image_token_id, vocabulary.video_token_id) if token is not None}
+    for row in rows:
+        if row.length <= length:
+            raise _NoPlan("empty_suffix")
+        if row.ids[:length] != ids:
+            raise _NoPlan("tokenization_boundary")
+        if visual and any(token in visual for token in row.ids[length:]):
+            raise _NoPlan("media_in_suffix")
+    positions = None
+    if rows[0].positions is not None:
+        positions = rows[0].positions[:, :length]
+        if any(row.positions is None or not torch.equal(row.positions[:, :length], positions) for row in rows):
+            raise _NoPlan("positions_differ")
+    return Plan(prepared, ids, positions, media, rows)
 
 
 def reuse_probabilities(
