@@ -36,11 +36,12 @@ from d3stream.config import Settings, check_settings
 from d3stream.core.answers import AnswerBuilder, answer_identity, provenance_digest
 from d3stream.core.decoding import ByteBudget, MediaDecoder
 from d3stream.core.events import ModelRecord, Worker
+from d3stream.core.inflight import InFlightLedger
 from d3stream.core.outgoing import Outgoing
 from d3stream.core.passes import Passes, RowScheduler, default_token_budget, model_thread
 from d3stream.core.pipeline import Hosted, RequestPipeline
 from d3stream.core.record import RequestRecord
-from d3stream.core.seams import DecisionModel, InFlight
+from d3stream.core.seams import DecisionModel
 from d3stream.core.storage import MediaFetcher
 from d3stream.kafka.commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
 from d3stream.kafka.connection import check_connection, connecting
@@ -120,8 +121,11 @@ class Service:
         # Media decoding: images on a thread of their own, videos in killable processes, under a deadline;
         # decoded media wait for their share of max_inflight_media_bytes.
         self.decoder = MediaDecoder.from_settings(settings)
-        self.media_budget = ByteBudget(settings.max_inflight_media_bytes)
-        self.in_flight = InFlight()
+        # What in-flight requests hold, taken and given back through one owner (the consume loop's
+        # backpressure reads its counts): requests, questions, tokens, tenant quotas, the media budget.
+        self.ledger = InFlightLedger(media_budget=ByteBudget(settings.max_inflight_media_bytes),
+                                     tenant_max_inflight_tokens=settings.tenant_max_inflight_tokens)
+        self.in_flight = self.ledger.counts
         self.pipeline = self._request_pipeline()
         self.tracker = OffsetTracker()
         # The watched model source (swaps without a stop) and the canary share (rollout.py), when set.
@@ -167,8 +171,8 @@ class Service:
         """The pipeline that answers each fetch for the served models (and the shadow), on this worker's media
         path and in-flight counts, which the consume loop's backpressure reads too."""
         return RequestPipeline(
-            self.settings, self.hosted, fetcher=self.fetcher, decoder=self.decoder, media_budget=self.media_budget,
-            metrics=self.metrics, in_flight=self.in_flight, shadow=self.shadow,
+            self.settings, self.hosted, fetcher=self.fetcher, decoder=self.decoder, ledger=self.ledger,
+            metrics=self.metrics, shadow=self.shadow,
         )
 
     def _show_in_metrics(self) -> None:
@@ -259,8 +263,7 @@ class Service:
         self.delivery = delivery_for(self.mode, sink=self.sink, consumer=self.consumer, tracker=self.tracker,
                                      group_id=settings.group_id, metrics=self.metrics)
         self.loop = ConsumeLoop(settings, self.consumer, commits=self.delivery, tracker=self.tracker, read=self.read,
-                                handler=self._serve_fetch, in_flight=self.in_flight, media_budget=self.media_budget,
-                                metrics=self.metrics, quotas=self.pipeline.quotas)
+                                handler=self._serve_fetch, ledger=self.ledger, metrics=self.metrics)
         if self._stop_asked:
             self.loop.stop()
         if settings.create_topics:
@@ -350,8 +353,7 @@ class Service:
             self.loop.stop()
             return
         finally:
-            self.in_flight.requests -= len(records)
-            self.in_flight.questions -= sum(record.questions for record in records)
+            self.ledger.delivered(records)
         published = time.perf_counter()
         metrics = self.metrics
         metrics.observe_stage("publish", published - started, len(records))  # delivered together

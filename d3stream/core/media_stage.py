@@ -15,7 +15,8 @@ import time
 
 from d3stream.config import Settings
 from d3stream.core.answers import media_record, ms
-from d3stream.core.decoding import ByteBudget, MediaDecoder
+from d3stream.core.decoding import MediaDecoder
+from d3stream.core.inflight import InFlightLedger
 from d3stream.core.record import Refusal, RequestRecord
 from d3stream.core.seams import DecisionModel
 from d3stream.core.storage import MediaError, MediaFetcher
@@ -27,12 +28,12 @@ from d3stream.runtime.media import MediaBudgetExceeded
 class MediaStage:
     """Fetch and decode the media of requests, under the worker's limits and budgets."""
 
-    def __init__(self, settings: Settings, *, fetcher: MediaFetcher, decoder: MediaDecoder, media_budget: ByteBudget,
+    def __init__(self, settings: Settings, *, fetcher: MediaFetcher, decoder: MediaDecoder, ledger: InFlightLedger,
                  metrics: Metrics):
         self.settings = settings
         self.fetcher = fetcher
         self.decoder = decoder
-        self.media_budget = media_budget
+        self.ledger = ledger  # the media budget's share of each request is taken and given back through it
         self.metrics = metrics
 
     async def load(self, model: DecisionModel, record: RequestRecord) -> Refusal | None:
@@ -64,7 +65,7 @@ class MediaStage:
             return Refusal(exc.code, exc.message)
 
         async def reserve(estimate: int) -> None:
-            record.media_bytes = await self.media_budget.acquire(estimate)
+            await self.ledger.reserve_media(record, estimate)
 
         try:
             started = record.decode_at = time.perf_counter()
@@ -75,9 +76,6 @@ class MediaStage:
             return Refusal("invalid_request", str(exc))
         except ValueError as exc:
             return Refusal("media_unreadable", str(exc))
-        held = decoded.nbytes
-        if held < record.media_bytes:  # keep what the media really take, give the rest of the estimate back
-            self.media_budget.release(record.media_bytes - held)
-            record.media_bytes = held
+        self.ledger.keep_media(record, decoded.nbytes)  # what the media really take; the rest of the estimate back
         record.decoded = (decoded.images, decoded.videos)
         return None

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -46,7 +45,7 @@ import structlog
 
 from d3stream.config import Settings
 from d3stream.core.answers import AnswerBuilder, answer_identity, ms
-from d3stream.core.decoding import ByteBudget, MediaDecoder
+from d3stream.core.decoding import MediaDecoder
 from d3stream.core.events import (
     HEADERS,
     PRIORITIES,
@@ -57,12 +56,12 @@ from d3stream.core.events import (
     Source,
     decode_request,
 )
+from d3stream.core.inflight import InFlightLedger
 from d3stream.core.jobthread import JobThread
 from d3stream.core.media_stage import MediaStage
 from d3stream.core.passes import Passes
-from d3stream.core.quotas import TenantQuotas
 from d3stream.core.record import Refusal, RequestRecord
-from d3stream.core.seams import DeadlineExceeded, DecisionModel, InFlight, InputRecord, Scheduling
+from d3stream.core.seams import DeadlineExceeded, DecisionModel, InputRecord, Scheduling
 from d3stream.core.shadow import Shadow
 from d3stream.core.storage import MediaFetcher
 from d3stream.core.streams import Streams
@@ -103,8 +102,7 @@ class RequestPipeline:
     """Records -> answer events, for the models of one worker (see the module's docstring)."""
 
     def __init__(self, settings: Settings, hosted: Sequence[Hosted], *, fetcher: MediaFetcher,
-                 decoder: MediaDecoder, media_budget: ByteBudget, metrics: Metrics, in_flight: InFlight,
-                 quotas: TenantQuotas | None = None, shadow: Hosted | None = None):
+                 decoder: MediaDecoder, ledger: InFlightLedger, metrics: Metrics, shadow: Hosted | None = None):
         self.settings = settings
         self.hosted = {each.name: each for each in hosted}
         if len(self.hosted) != len(hosted):
@@ -115,15 +113,11 @@ class RequestPipeline:
         self.answers = self.default.answers  # what is refused before routing is answered with its records
         # Picks the model of a request that names none (None: the default); set by a rollout's canary.
         self.route_default: Callable[[Request], Hosted] | None = None
-        # Requests routed to each model and not answered yet: a retired model is dropped at zero.
-        self.routed: Counter[str] = Counter()
-        self.media = MediaStage(settings, fetcher=fetcher, decoder=decoder, media_budget=media_budget,
-                                metrics=metrics)
-        self.media_budget = media_budget
+        # What in-flight requests hold (their models' counts, tokens, quotas, media budget), taken and given
+        # back through this one owner; a retired model is dropped when its count reaches zero.
+        self.ledger = ledger
+        self.media = MediaStage(settings, fetcher=fetcher, decoder=decoder, ledger=ledger, metrics=metrics)
         self.metrics = metrics
-        self.in_flight = in_flight
-        # Per-tenant in-flight token limits (tenant_max_inflight_tokens; a limit of 0 holds nothing).
-        self.quotas = quotas or TenantQuotas(settings.tenant_max_inflight_tokens, in_flight)
         self.request_limits = RequestLimits.from_settings(settings)
         # Request headers the answers carry: the trace headers, then forward_headers.
         self._forwarded_names = header_names(settings.forward_headers)
@@ -147,9 +141,10 @@ class RequestPipeline:
 
     def drop_model(self, name: str) -> Hosted | None:
         """Forget a retired model that holds no request any more (None: it still holds some, or is routable)."""
-        if name in self.routes or self.routed[name] > 0:
+        routed = self.ledger.routed
+        if name in self.routes or routed[name] > 0:
             return None
-        del self.routed[name]
+        del routed[name]
         return self.hosted.pop(name, None)
 
     async def answer(self, inputs: Sequence[InputRecord]) -> Answered:
@@ -173,7 +168,9 @@ class RequestPipeline:
                 lane = record.scheduling.lane if self.settings.priority_lanes else 1
                 text.setdefault((self._hosted(record).name, lane), []).append(record)
         steps: Streams[list[RequestRecord]] = Streams()
-        for (name, _), group in text.items():  # a few prepare trips and one submission per model and lane
+        # A few prepare trips and one submission per model and lane, the higher lanes' started first: their jobs
+        # reach the prepare thread before a flood's.
+        for (name, _), group in sorted(text.items(), key=lambda each: each[0][1]):
             steps.add(self._isolated(group, self._answer_all(self.hosted[name], group)))
         for record in with_media:
             steps.add(self._isolated([record], self._answer_with_media(record)))
@@ -230,10 +227,7 @@ class RequestPipeline:
         if hosted is None:
             served = ", ".join(repr(name) for name in self.routes)
             return Refusal("model_not_served", f"this worker serves {served}, not {request.model!r}")
-        record.model = hosted.name
-        self.routed[hosted.name] += 1
-        record.questions = len(request.questions)
-        self.in_flight.questions += record.questions
+        self.ledger.route(record, hosted.name)
         return request
 
     async def _answer_with_media(self, record: RequestRecord) -> Answered:
@@ -286,7 +280,6 @@ class RequestPipeline:
         passing: list[RequestRecord] = []
         self.metrics.observe_stage("prepare", seconds, len(records))  # the trips of the fetch took this long together
         prepare_ms = ms(seconds)
-        tokens = 0
         for record, outcome in zip(records, outcomes, strict=True):
             record.prepare_at, record.timings.prepare = started, prepare_ms
             if isinstance(outcome, BaseException):
@@ -296,9 +289,8 @@ class RequestPipeline:
             prepared, record.plan = outcome
             record.prepared = prepared
             record.tokens = prepared.input_tokens
-            tokens += record.tokens
             passing.append(record)
-        self.in_flight.tokens += tokens
+        self.ledger.prepared(passing)
         if refused:
             yield refused
         async for answered in self._run_within_quotas(hosted, passing):
@@ -307,7 +299,7 @@ class RequestPipeline:
     async def _run_within_quotas(self, hosted: Hosted, passing: list[RequestRecord]) -> Answered:
         """Run the requests' rows; a request whose tenant is over ``tenant_max_inflight_tokens`` is held
         first, until its tenant's answered requests make room (quotas.py; the others do not wait for it)."""
-        if not self.quotas.enabled:
+        if not self.ledger.quotas.enabled:
             if passing:
                 async for answered in self._run(hosted, passing):
                     yield answered
@@ -315,9 +307,7 @@ class RequestPipeline:
         ready: list[RequestRecord] = []
         held: list[RequestRecord] = []
         for record in passing:
-            taken = self.quotas.try_take(record.tenant or "", record.tokens)
-            record.quota_tokens = record.tokens if taken else 0
-            (ready if taken else held).append(record)
+            (ready if self.ledger.try_quota(record) else held).append(record)
         steps: Streams[list[RequestRecord]] = Streams()
         if ready:
             steps.add(self._run(hosted, ready))
@@ -327,8 +317,7 @@ class RequestPipeline:
             yield answered
 
     async def _held(self, hosted: Hosted, record: RequestRecord) -> Answered:
-        await self.quotas.take(record.tenant or "", record.tokens, (record.source.topic, record.source.partition))
-        record.quota_tokens = record.tokens
+        await self.ledger.wait_for_quota(record)
         async for answered in self._run(hosted, [record]):
             yield answered
 
@@ -389,15 +378,7 @@ class RequestPipeline:
     def _finish(self, record: RequestRecord, answer: Answer) -> RequestRecord:
         """The request's final answer event (with its id and size settled) among its records to publish; what
         it held in flight is given back."""
-        if record.model is not None and not record.finished:
-            self.routed[record.model] -= 1
-        record.finished = True
-        self.in_flight.tokens -= record.tokens
-        if record.quota_tokens:
-            self.quotas.give_back(record.tenant or "", record.quota_tokens)
-            record.quota_tokens = 0
-        if record.media_bytes:
-            self.media_budget.release(record.media_bytes)
+        self.ledger.answered(record)
         position = record.position
         for each in self.hosted.values():
             each.passes.rows.finished(position)

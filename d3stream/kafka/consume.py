@@ -41,9 +41,8 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from d3stream.config import Settings, heartbeat_interval_ms
-from d3stream.core.decoding import ByteBudget
-from d3stream.core.quotas import TenantQuotas
-from d3stream.core.seams import InFlight, InputRecord
+from d3stream.core.inflight import InFlightLedger
+from d3stream.core.seams import InputRecord
 from d3stream.kafka.commits import CommitPolicy
 from d3stream.kafka.connection import client_options
 from d3stream.kafka.limits import WorkerFatal
@@ -159,18 +158,20 @@ class ConsumeLoop:
     """One consumer group member's loop (see the module's docstring)."""
 
     def __init__(self, settings: Settings, consumer: AIOKafkaConsumer, *, commits: CommitPolicy,
-                 tracker: OffsetTracker, read: ReadPolicy, handler: Handler, in_flight: InFlight,
-                 media_budget: ByteBudget, metrics: Metrics, quotas: TenantQuotas | None = None):
+                 tracker: OffsetTracker, read: ReadPolicy, handler: Handler, ledger: InFlightLedger,
+                 metrics: Metrics):
         self.settings = settings
         self.consumer = consumer
         self.commits = commits
         self.tracker = tracker
         self.read = read
         self.handler = handler
-        self.in_flight = in_flight
-        self.media_budget = media_budget
+        # What the requests in flight hold: it counts the records read here, backpressure reads its counts.
+        self.ledger = ledger
+        self.in_flight = ledger.counts
+        self.media_budget = ledger.media
         self.metrics = metrics
-        self.quotas = quotas
+        self.quotas = ledger.quotas
         # Partitions paused because a request of theirs is held by its tenant's quota (quotas.py).
         self.quota_paused: set[TopicPartition] = set()
         self.stopping = asyncio.Event()
@@ -227,7 +228,7 @@ class ConsumeLoop:
             batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
             fetched = self._take(batches)
             if fetched.records:
-                self.in_flight.requests += len(fetched.records)
+                self.ledger.read(len(fetched.records))
                 task = asyncio.create_task(self.handler(fetched))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)

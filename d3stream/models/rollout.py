@@ -377,7 +377,7 @@ class Rollout:
             self.metrics.count_model_swap("swapped")
             self.metrics.set_model(default.name, default.provenance_sha256, str(default.model.device))
             log.info("model swapped", previous=previous.name, current=default.name,
-                     previous_in_flight=self.pipeline.routed[previous.name],
+                     previous_in_flight=self.pipeline.ledger.routed[previous.name],
                      canary=self.canary.hosted.name if self.canary else None,
                      canary_share=self.canary.share if self.canary else None)
         elif self._canary_state() != canary_before:
