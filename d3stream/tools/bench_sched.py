@@ -103,9 +103,7 @@ class _Run:
 
     def _served(self, records: list[RequestRecord]) -> None:
         now = time.perf_counter()
-        in_flight = self.service.in_flight
-        in_flight.requests -= len(records)
-        in_flight.questions -= sum(record.questions for record in records)
+        self.service.ledger.delivered(records)
         for record in records:
             self.per_partition[record.source.partition] -= 1
             assert record.answer is not None  # the pipeline hands on answered requests only
@@ -171,7 +169,7 @@ class _Run:
         in_flight = self.service.in_flight
         while any(queues.values()):
             paused = self._pressure(paused)
-            held = {partition for _, partition in self.service.pipeline.quotas.held_partitions()}
+            held = {partition for _, partition in self.service.ledger.quotas.held_partitions()}
             readable = [partition for partition in queues if partition not in held and partition not in (paused or ())]
             now = time.perf_counter() - started
             room = max(1, self.settings.max_inflight_requests - in_flight.requests + in_flight.held_requests)
@@ -183,7 +181,7 @@ class _Run:
             for when, record in fetch:
                 self.arrived[json.loads(record.value)["id"]] = started + when
                 self.per_partition[record.partition] += 1
-            in_flight.requests += len(fetch)
+            self.service.ledger.read(len(fetch))
             records = [record for _, record in fetch]
             steps.append(asyncio.ensure_future(self._answer(records)))
             await asyncio.sleep(0)  # the loop runs the fetch's first stage before reading again, as getmany does
