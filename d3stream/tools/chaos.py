@@ -25,13 +25,16 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from d3stream.config import DeliveryMode
+    from d3stream.runtime import D3
+    from d3stream.tools.infra import KafkaBroker, ObjectStore
+    from d3stream.tools.progress import Progress
 
 CHAOS_BUCKET = "d3stream-chaos"
 
@@ -100,7 +103,7 @@ class WorkerProcess:
 
     env: dict[str, str]
     log_path: Path
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
     def start(self) -> None:
@@ -130,7 +133,7 @@ class WorkerProcess:
         return self.process.returncode
 
 
-def worker_env(settings: dict[str, Any]) -> dict[str, str]:
+def worker_env(settings: Mapping[str, object]) -> dict[str, str]:
     env = dict(os.environ)
     for name, value in settings.items():
         env[f"D3STREAM_{name.upper()}"] = ",".join(value) if isinstance(value, list) else str(value)
@@ -143,8 +146,8 @@ def worker_env(settings: dict[str, Any]) -> dict[str, str]:
 @dataclass
 class Tally:
     sent: int = 0
-    answers: Counter = field(default_factory=Counter)
-    errors_by_code: Counter = field(default_factory=Counter)
+    answers: Counter[str | None] = field(default_factory=Counter)  # answers per request id (None: no id)
+    errors_by_code: Counter[str] = field(default_factory=Counter)
 
     def add(self, answer: dict[str, Any]) -> None:
         self.answers[answer.get("id")] += 1
@@ -194,6 +197,103 @@ async def count_topic(bootstrap: str, topic: str, settle_s: float = 30.0) -> lis
 # ---------------------------------------------------------------------------------------------- run
 
 
+CHAOS_TOPICS: dict[str, object] = {"request_topics": ["chaos.requests"], "answer_topic": "chaos.answers",
+                                   "dead_letter_topic": "chaos.dead-letters", "provenance_topic": "chaos.provenance"}
+
+
+def _prepare_stack(broker: KafkaBroker, store: ObjectStore, image: bytes) -> None:
+    """The bucket with the image the valid requests name, and the stream's topics."""
+    store.create_bucket(CHAOS_BUCKET)
+    store.client().put_object(Bucket=CHAOS_BUCKET, Key="img.png", Body=image)
+    for topic in ("chaos.requests", "chaos.answers", "chaos.dead-letters"):
+        broker.create_topic(topic, exist_ok=True)
+
+
+def _worker_settings(broker: KafkaBroker, store: ObjectStore, checkpoint: Path,
+                     mode: DeliveryMode) -> dict[str, object]:
+    """The ``d3stream serve`` settings of the chaos worker (its environment, ``worker_env``)."""
+    return {
+        **CHAOS_TOPICS,
+        "bootstrap_servers": broker.bootstrap_servers,
+        "group_id": "d3stream-chaos",
+        "group_instance_id": "chaos-worker-0",  # static membership: a restarted worker rejoins at once
+        "session_timeout_ms": 6000,
+        "model": str(checkpoint),
+        "delivery": mode,
+        "s3_endpoint_url": store.endpoint_url,
+        "s3_region": store.region,
+        "s3_max_attempts": 2,
+        "s3_connect_timeout": 1,
+        "s3_read_timeout": 2,
+        "media_allowlist": [CHAOS_BUCKET],
+        "commit_interval_ms": 200,
+        # A CPU worker: prompts past 4k tokens (the fuzzed huge states) are refused, not run for minutes.
+        "max_prompt_tokens": 4096,
+        "linger_ms": 10,
+        "metrics_port": "",
+        "log_format": "json",
+        "log_level": "warning",
+    }
+
+
+@dataclass
+class _Watch:
+    """The ids of the stream answered so far, read off the answer topic between disruptions."""
+
+    bootstrap: str
+    topic: str
+    ids: set[str]
+    bar: Progress
+    answered: set[str] = field(default_factory=set)
+
+    async def until(self, seconds: float) -> None:
+        """Read answers for ``seconds``, or until every id is answered."""
+        from d3stream.tools.clients import consume_answers
+
+        def note(answer: dict[str, Any]) -> None:
+            if answer.get("id") in self.ids and answer["id"] not in self.answered:
+                self.answered.add(answer["id"])
+                self.bar.update()
+
+        await consume_answers(self.bootstrap, self.topic, timeout_s=seconds, on_record=note,
+                              stop=lambda: self.answered >= self.ids)
+
+
+async def _disrupt(events: list[str], watch: _Watch, worker: WorkerProcess, broker: KafkaBroker,
+                   store: ObjectStore, rng: random.Random) -> int:
+    """Each event after a few seconds of serving: a worker SIGKILLed and restarted, the broker restarted,
+    the object store down for 3 s. Returns the worker restarts."""
+    restarts = 0
+    for event in events:
+        await watch.until(rng.uniform(2.0, 6.0))
+        if event == "kill":
+            worker.kill()
+            worker.start()
+            restarts += 1
+        elif event == "broker":
+            broker.restart()
+        else:
+            store.stop()
+            await asyncio.sleep(3.0)
+            store.start()
+    return restarts
+
+
+def _count(ids: set[str], answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Answered, duplicated and lost ids of the stream, and the error answers by code."""
+    tally = Tally(sent=len(ids))
+    for answer in answers:
+        tally.add(answer)
+    counts = tally.answers
+    return {
+        "sent": tally.sent,
+        "answered": sum(1 for i in ids if counts[i] > 0),
+        "duplicated": sum(max(0, counts[i] - 1) for i in ids),
+        "lost": sum(1 for i in ids if counts[i] == 0),
+        "errors_by_code": dict(sorted(tally.errors_by_code.items())),
+    }
+
+
 async def run_chaos(
     *,
     requests: int = 10_000,
@@ -221,87 +321,28 @@ async def run_chaos(
     folder = Path(workdir or tempfile.mkdtemp(prefix="d3stream-chaos-"))
     with local_stack(progress=progress) as (broker, store):
         checkpoint = demo_checkpoint()
-        store.create_bucket(CHAOS_BUCKET)
-        store.client().put_object(Bucket=CHAOS_BUCKET, Key="img.png", Body=sample_png())
-        image_uri = f"s3://{CHAOS_BUCKET}/img.png"
-        topics: dict[str, Any] = {"request_topics": ["chaos.requests"], "answer_topic": "chaos.answers",
-                  "dead_letter_topic": "chaos.dead-letters", "provenance_topic": "chaos.provenance"}
-        for topic in ("chaos.requests", "chaos.answers", "chaos.dead-letters"):
-            broker.create_topic(topic, exist_ok=True)
-        records = build_stream(requests, fuzzed, seed, image_uri)
+        _prepare_stack(broker, store, sample_png())
+        records = build_stream(requests, fuzzed, seed, f"s3://{CHAOS_BUCKET}/img.png")
         ids = {key.decode() for key, _ in records}
         await produce(broker.bootstrap_servers, "chaos.requests", records)
-        env = worker_env({
-            **topics,
-            "bootstrap_servers": broker.bootstrap_servers,
-            "group_id": "d3stream-chaos",
-            "group_instance_id": "chaos-worker-0",  # static membership: a restarted worker rejoins at once
-            "session_timeout_ms": 6000,
-            "model": str(checkpoint),
-            "delivery": mode,
-            "s3_endpoint_url": store.endpoint_url,
-            "s3_region": store.region,
-            "s3_max_attempts": 2,
-            "s3_connect_timeout": 1,
-            "s3_read_timeout": 2,
-            "media_allowlist": [CHAOS_BUCKET],
-            "commit_interval_ms": 200,
-            # A CPU worker: prompts past 4k tokens (the fuzzed huge states) are refused, not run for minutes.
-            "max_prompt_tokens": 4096,
-            "linger_ms": 10,
-            "metrics_port": "",
-            "log_format": "json",
-            "log_level": "warning",
-        })
+        env = worker_env(_worker_settings(broker, store, checkpoint, mode))
         env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = store.access_key, store.secret_key
         worker = WorkerProcess(env, folder / "worker.log")
         bar = tqdm(total=len(ids), desc=f"chaos ({mode})", unit="req", disable=not progress, file=sys.stderr)
-        answered: set[str] = set()
-        restarts = 0
+        watch = _Watch(broker.bootstrap_servers, "chaos.answers", ids, bar)
         events = ["kill"] * kills + (["broker"] if broker_restart else []) + (["store"] if store_outage else [])
         rng.shuffle(events)
         worker.start()
         deadline = time.monotonic() + timeout_s
-
-        async def progress_until(seconds: float) -> None:
-            from d3stream.tools.clients import consume_answers
-
-            def note(answer: dict[str, Any]) -> None:
-                if answer.get("id") in ids and answer["id"] not in answered:
-                    answered.add(answer["id"])
-                    bar.update()
-
-            await consume_answers(broker.bootstrap_servers, topics["answer_topic"], timeout_s=seconds, on_record=note,
-                                  stop=lambda: answered >= ids)
-
-        for event in events:
-            await progress_until(rng.uniform(2.0, 6.0))
-            if event == "kill":
-                worker.kill()
-                worker.start()
-                restarts += 1
-            elif event == "broker":
-                broker.restart()
-            else:
-                store.stop()
-                await asyncio.sleep(3.0)
-                store.start()
-        await progress_until(max(1.0, deadline - time.monotonic()))
+        restarts = await _disrupt(events, watch, worker, broker, store, rng)
+        await watch.until(max(1.0, deadline - time.monotonic()))
         worker.terminate()
         bar.close()
-        answers = await count_topic(broker.bootstrap_servers, topics["answer_topic"])
-        letters = await count_topic(broker.bootstrap_servers, topics["dead_letter_topic"])
-    tally = Tally(sent=len(ids))
-    for answer in answers:
-        tally.add(answer)
-    counts = tally.answers
+        answers = await count_topic(broker.bootstrap_servers, "chaos.answers")
+        letters = await count_topic(broker.bootstrap_servers, "chaos.dead-letters")
     return {
         "mode": mode,
-        "sent": tally.sent,
-        "answered": sum(1 for i in ids if counts[i] > 0),
-        "duplicated": sum(max(0, counts[i] - 1) for i in ids),
-        "lost": sum(1 for i in ids if counts[i] == 0),
-        "errors_by_code": dict(sorted(tally.errors_by_code.items())),
+        **_count(ids, answers),
         "dead_letters": len(letters),
         "restarts": restarts,
         "broker_restarts": int(broker_restart),
@@ -322,7 +363,8 @@ def iter_table(report: dict[str, Any]) -> Iterator[str]:
 # -------------------------------------------------------------------------------- what a mode costs
 
 
-async def measure_mode(broker: Any, model: Any, mode: DeliveryMode, *, requests: int, rate: float | None) -> dict[str, Any]:
+async def measure_mode(broker: KafkaBroker, model: D3, mode: DeliveryMode, *, requests: int,
+                       rate: float | None) -> dict[str, Any]:
     """Serve one stream in ``mode``; latency is request timestamp -> answer readable by read_committed."""
     from d3stream.config import Settings
     from d3stream.service import Service
