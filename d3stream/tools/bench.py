@@ -65,7 +65,8 @@ import numpy as np
 # loads, so the CLI's ``--help`` stays quick): a runtime change that breaks the harness fails here, at import.
 from d3stream.runtime import D3, Prepared, Row
 from d3stream.runtime.cache import MediaFeatureCache
-from d3stream.runtime.model import bucketed_width, reference_kernels
+from d3stream.runtime.device import reference_kernels
+from d3stream.runtime.forward import bucketed_width
 from d3stream.runtime.packing import pack
 from d3stream.runtime.prefix import PassInfo, PrefixReuseUnavailable, PrefixRunner, check_supported
 from d3stream.tools.bench_workloads import DEFAULT_REQUESTS, WORKLOADS, Request, make_workload
