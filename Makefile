@@ -24,9 +24,10 @@ demo: $(STAMP)
 test: lint
 	D3STREAM_REQUIRE_INFRA=1 $(VENV)/bin/python -m pytest -q
 
-# The quick loop: the tests that need no JVM (no Kafka broker or S3 store) and start no other Python process.
+# The quick loop (tests/conftest.py says what each marker means): the tests that need no JVM (no Kafka broker or
+# S3 store), start no other Python process and load no model weights.
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not infra and not subprocess"
+	$(VENV)/bin/python -m pytest -q -m "not infra and not subprocess and not model"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check d3stream tests

@@ -194,6 +194,7 @@ def test_answers_depend_on_the_state_and_are_deterministic(qwen35_text_model):
     assert gap(first, other) > 3 * BATCH_TOL
 
 
+@pytest.mark.model
 def test_model_name_override(qwen35_text_checkpoint):
     model = load_model(qwen35_text_checkpoint, model_name="fleet-v7", verify="none")
     assert model.system_one(state="s", questions={"q": NOUL})["model"] == "fleet-v7"
@@ -271,6 +272,7 @@ def test_max_length_exceeded_is_refused_not_truncated(short_model):
     assert with_image["usage"]["input_tokens"] == 0
 
 
+@pytest.mark.model
 def test_invalid_model_output_from_a_corrupt_readout(qwen35_text_checkpoint, tmp_path):
     """A readout whose row for the third answer code holds NaN: questions with three or more options
     cannot be answered, two-option questions (which never read that code) still are."""
@@ -715,6 +717,7 @@ def test_matches_reference_trained_demo(demo_trained_model, reference_demo, case
         _compare(demo_trained_model, reference_demo, request)
 
 
+@pytest.mark.model  # the models come from request.getfixturevalue
 @pytest.mark.parametrize(
     "which, case",
     [("qwen35", case) for case in REFERENCE_CASES]
@@ -839,6 +842,7 @@ def text_copy(qwen35_text_checkpoint, tmp_path) -> Path:
     return copy_checkpoint(qwen35_text_checkpoint, tmp_path / "copy")
 
 
+@pytest.mark.model
 def test_readout_of_the_wrong_shape(text_copy):
     import torch
     from safetensors.torch import save_file
@@ -982,6 +986,7 @@ def test_without_d3_format_the_built_in_contract_is_used(text_copy, qwen35_text_
     assert "d3_format.py" not in model.provenance()["files_sha256"]
 
 
+@pytest.mark.model
 def test_reloading_a_changed_d3_format_uses_the_new_one(text_copy):
     _edit_system_prompt(text_copy, "FIRST EDIT.")
     first = load_model(text_copy, verify="none")
