@@ -85,16 +85,23 @@ def test_an_urgent_job_runs_before_a_backlog_and_is_handed_back_at_once():
     loop before the backlog is finished (an interactive request is not prepared after a flood's)."""
     worker = JobThread("test-priority")
     ran: list[str] = []
+    started, gate = threading.Event(), threading.Event()
 
     def slow(name: str) -> str:
+        if name == "low0":  # holds the thread until the urgent job is queued (not a guess at how long that takes)
+            started.set()
+            gate.wait(60)
         time.sleep(0.01)
         ran.append(name)
         return name
 
     async def scenario() -> int:
         backlog = [worker.run(lambda n=n: slow(f"low{n}"), priority=2) for n in range(30)]
-        await asyncio.sleep(0.015)  # the backlog's first job is running
-        await worker.run(lambda: slow("high"), priority=0)
+        while not started.is_set():  # the backlog's first job is running
+            await asyncio.sleep(0.001)
+        urgent = worker.run(lambda: slow("high"), priority=0)
+        gate.set()
+        await urgent
         settled_first = sum(future.done() for future in backlog)
         await asyncio.gather(*backlog)
         return settled_first
