@@ -245,9 +245,14 @@ def _print_reevaluation(figures: dict) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from d3stream.ops.logs import configure_logging
     from d3stream.tools.demo import run_demo
+    from d3stream.tools.infra import InfraError
 
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
-    summary = asyncio.run(run_demo(progress=not args.json and sys.stderr.isatty(), timeout_s=args.timeout))
+    try:
+        summary = asyncio.run(run_demo(progress=not args.json and sys.stderr.isatty(), timeout_s=args.timeout))
+    except InfraError as exc:  # a local server that would not start: its log's path and tail say why
+        print(f"d3stream demo: {exc}", file=sys.stderr)
+        return 1
     answers = summary.pop("answers")
     labelled = set(summary.pop("labelled_ids"))
     if args.json:

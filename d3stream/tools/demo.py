@@ -198,20 +198,52 @@ async def _serve_and_reevaluate(
     compare both with the labels."""
     from tqdm import tqdm
 
-    from d3stream.config import Settings
     from d3stream.ops.logs import kernel_notice
     from d3stream.runtime import D3
-    from d3stream.service import Service
-    from d3stream.tools.clients import consume_answers, produce
-    from d3stream.tools.compare import read_jsonl, records_to_answers
-    from d3stream.tools.replay import ReplayRange, run_replay
+    from d3stream.tools.clients import produce
+    from d3stream.tools.compare import records_to_answers
 
     model = D3.from_pretrained(trained)
     notice = kernel_notice(model.kernel_record(), str(model.device))
     if notice and progress:
         tqdm.write(notice, file=sys.stderr)  # once, above the bars (transformers' own warnings are at debug)
-    status.set_description("demo: media")
+    _step(status, "demo: media")
+    examples = labelled_examples()
+    records = _sample_records(store, examples)
+    settings = _demo_settings(broker, store)
+    _step(status, "demo: publishing")
+    for topic in ("demo.requests", "demo.answers"):
+        broker.create_topic(topic, exist_ok=True)
+    await produce(broker.bootstrap_servers, "demo.requests", records)
+    # The service reads credentials from the standard AWS chain, as it would in production.
+    os.environ["AWS_ACCESS_KEY_ID"] = store.access_key
+    os.environ["AWS_SECRET_ACCESS_KEY"] = store.secret_key
+    _step(status, "demo: serving")
+    answers, dead_letters = await _serve(settings, model, broker, len(records), progress, timeout_s)
+    _step(status, "demo: replaying through the random checkpoint")
+    baseline = D3.from_pretrained(baseline_path)
+    replayed = await _replayed(settings, baseline)
     status.update()
+    published = {key.decode() for key, _ in records}
+    return {
+        "published": len(records),
+        "answered": len(published & {answer["id"] for answer in answers}),
+        "errors": sum(1 for answer in answers if answer.get("error")),
+        "dead_letters": dead_letters,
+        "replayed": len(published & set(replayed)),
+        "reevaluation": reevaluation(records_to_answers(answers), replayed, examples, (model.model_name, baseline.model_name)),
+        "answers": answers,
+        "labelled_ids": [example.id for example in examples],
+    }
+
+
+def _step(status: Any, description: str) -> None:
+    status.set_description(description)
+    status.update()
+
+
+def _sample_records(store: Any, examples: Any) -> list[tuple[bytes, bytes]]:
+    """The demo's requests, their pictures and clip uploaded to the demo bucket of the local store."""
     store.create_bucket(DEMO_BUCKET)
     client = store.client()
 
@@ -219,10 +251,15 @@ async def _serve_and_reevaluate(
         client.put_object(Bucket=DEMO_BUCKET, Key=key, Body=body)
         return f"s3://{DEMO_BUCKET}/{key}"
 
-    examples = labelled_examples()
-    records = sample_requests(examples, upload, upload("samples/aisle.png", sample_png()),
-                              upload("samples/dock.mp4", sample_mp4()))
-    settings = Settings(
+    return sample_requests(examples, upload, upload("samples/aisle.png", sample_png()),
+                           upload("samples/dock.mp4", sample_mp4()))
+
+
+def _demo_settings(broker: Any, store: Any) -> Any:
+    """The worker's settings on the local broker and store (the demo's topics, group and bucket)."""
+    from d3stream.config import Settings
+
+    return Settings(
         bootstrap_servers=broker.bootstrap_servers,
         request_topics=["demo.requests"],
         answer_topic="demo.answers",
@@ -234,51 +271,37 @@ async def _serve_and_reevaluate(
         media_allowlist=[DEMO_BUCKET],
         linger_ms=20,
     )
-    status.set_description("demo: publishing")
-    status.update()
-    for topic in ("demo.requests", "demo.answers"):
-        broker.create_topic(topic, exist_ok=True)
-    await produce(broker.bootstrap_servers, "demo.requests", records)
-    # The service reads credentials from the standard AWS chain, as it would in production.
-    os.environ["AWS_ACCESS_KEY_ID"] = store.access_key
-    os.environ["AWS_SECRET_ACCESS_KEY"] = store.secret_key
+
+
+async def _serve(settings: Any, model: Any, broker: Any, expected: int, progress: bool,
+                 timeout_s: float) -> tuple[list[dict[str, Any]], int]:
+    """Serve until every request is answered: the answers read back from the answer topic, and how many
+    records were dead-lettered."""
+    from tqdm import tqdm
+
+    from d3stream.service import Service
+    from d3stream.tools.clients import consume_answers
+
     service = Service(settings, model)
-    status.set_description("demo: serving")
-    status.update()
     serving = asyncio.create_task(service.run())
-    bar = tqdm(total=len(records), desc="answers", unit="req", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=expected, desc="answers", unit="req", disable=not progress, file=sys.stderr)
     try:
-        answers = await consume_answers(
-            broker.bootstrap_servers,
-            "demo.answers",
-            expected=len(records),
-            timeout_s=timeout_s,
-            on_record=lambda _: bar.update(),
-        )
+        answers = await consume_answers(broker.bootstrap_servers, "demo.answers", expected=expected,
+                                        timeout_s=timeout_s, on_record=lambda _: bar.update())
     finally:
         bar.close()
         service.stop()
         await serving
-    status.set_description("demo: replaying through the random checkpoint")
-    status.update()
-    baseline = D3.from_pretrained(baseline_path)
+    return answers, service.counts["dead_letters"]
+
+
+async def _replayed(settings: Any, baseline: Any) -> Any:
+    """The demo's requests replayed through ``baseline`` into a file: its answers by request id."""
+    from d3stream.tools.compare import read_jsonl, records_to_answers
+    from d3stream.tools.replay import ReplayRange, run_replay
+
     with tempfile.TemporaryDirectory() as folder:
         replay_file = Path(folder) / "replayed.jsonl"
         await run_replay(settings, baseline, ReplayRange(topic="demo.requests"), replay_id="random",
                          out_file=replay_file)
-        replayed = records_to_answers(read_jsonl(replay_file)) if replay_file.exists() else {}
-    status.update()
-    published = {key.decode() for key, _ in records}
-    answered = {answer["id"] for answer in answers}
-    errors = sum(1 for answer in answers if answer.get("error"))
-    live = records_to_answers(answers)
-    return {
-        "published": len(records),
-        "answered": len(published & answered),
-        "errors": errors,
-        "dead_letters": service.counts["dead_letters"],
-        "replayed": len(published & set(replayed)),
-        "reevaluation": reevaluation(live, replayed, examples, (model.model_name, baseline.model_name)),
-        "answers": answers,
-        "labelled_ids": [example.id for example in examples],
-    }
+        return records_to_answers(read_jsonl(replay_file)) if replay_file.exists() else {}
