@@ -150,6 +150,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_make_checkpoint(commands)
+    _add_demo_task(commands)
+    _add_decide(commands)
+    from d3stream import commands as service_commands
+
+    service_commands.register(commands)
+    _describe_commands(commands)
+    return parser
+
+
+
+
+def _add_make_checkpoint(commands: argparse._SubParsersAction) -> None:
     make = commands.add_parser(
         "make-checkpoint",
         help="write a complete random-weight D3 checkpoint, or with --train demo a small trained one (offline)",
@@ -169,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--train-steps", type=int, default=None, help="training steps of --train (default 1000)")
     make.set_defaults(run=_make_checkpoint)
 
+
+def _add_demo_task(commands: argparse._SubParsersAction) -> None:
     task = commands.add_parser(
         "demo-task",
         help="write the held-out set of the demo task (requests.jsonl, labels.jsonl) and, with --answer-with, "
@@ -185,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     task.add_argument("--device", default=None, help="torch device (default: cuda:0 when present, else cpu)")
     task.set_defaults(run=_demo_task)
 
+
+def _add_decide(commands: argparse._SubParsersAction) -> None:
     decide = commands.add_parser("decide", help="answer one request with a checkpoint and print the response")
     decide.add_argument("--model", required=True,
                         help="checkpoint directory or s3://bucket/prefix/ (settings of the environment: "
@@ -196,12 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
     decide.add_argument("--verify", choices=("fast", "full", "none"), default="fast", help="manifest check")
     decide.add_argument("--permutation-average", action="store_true", help="average choice options over both orders")
     decide.set_defaults(run=_decide)
-
-    from d3stream import commands as service_commands
-
-    service_commands.register(commands)
-    _describe_commands(commands)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
