@@ -115,6 +115,23 @@ class _Waiting(Generic[T]):
         self.submission.settle(self.index, outcome)
 
 
+def _fill(upcoming: deque[_Waiting[T]], budget: int, max_rows: int) -> tuple[list[_Waiting[T]], list[_Waiting[T]]]:
+    """One pass of at most ``max_rows`` rows and ``budget`` padded tokens taken from the front of ``upcoming``,
+    and the rows skipped for it (in order)."""
+    chosen: list[_Waiting[T]] = []
+    skipped: list[_Waiting[T]] = []
+    longest = 0
+    while upcoming and len(chosen) < max_rows and len(skipped) <= max_rows:
+        waiting = upcoming.popleft()
+        size = waiting.length
+        if chosen and (len(chosen) + 1) * max(longest, size) > budget:
+            skipped.append(waiting)
+            continue
+        chosen.append(waiting)
+        longest = max(longest, size)
+    return chosen, skipped
+
+
 class BatchScheduler(Generic[T]):
     """Packs rows submitted by many requests into forward passes of ``run``."""
 
@@ -333,27 +350,11 @@ class BatchScheduler(Generic[T]):
         upcoming = deque(sorted(self._waiting, key=rank))
         budget = self.pass_budget(now)
         while upcoming:
-            group, skipped = self._fill(upcoming, budget)
+            group, skipped = _fill(upcoming, budget, self.max_batch_rows)
             self._planned.append(group)
             upcoming.extendleft(reversed(skipped))
         self._waiting = []
         self._waiting_tokens = 0
-
-    def _fill(self, upcoming: deque[_Waiting[T]], budget: int) -> tuple[list[_Waiting[T]], list[_Waiting[T]]]:
-        """One pass of at most ``budget`` padded tokens taken from the front of ``upcoming``, and the rows
-        skipped for it (in order)."""
-        chosen: list[_Waiting[T]] = []
-        skipped: list[_Waiting[T]] = []
-        longest = 0
-        while upcoming and len(chosen) < self.max_batch_rows and len(skipped) <= self.max_batch_rows:
-            waiting = upcoming.popleft()
-            size = waiting.length
-            if chosen and (len(chosen) + 1) * max(longest, size) > budget:
-                skipped.append(waiting)
-                continue
-            chosen.append(waiting)
-            longest = max(longest, size)
-        return chosen, skipped
 
     def _drop_expired(self, wall: float) -> None:
         """Settle the rows of requests past their deadline with ``DeadlineExceeded`` and forget them."""
