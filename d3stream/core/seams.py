@@ -147,7 +147,7 @@ class Scheduling:
 DEFAULT_SCHEDULING = Scheduling()
 
 
-class DeadlineExceeded(Exception):  # noqa: N818 - it names the answer's error code
+class DeadlineExceeded(Exception):  # it names the answer's error code
     """A request's deadline passed before a pass carried its rows: they were dropped, not run."""
 
     def __init__(self, late_seconds: float):

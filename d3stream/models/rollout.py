@@ -64,7 +64,7 @@ DRAIN_CHECK_S = 0.05
 WARMUP_QUESTIONS = {"warm-up": {"type": "noul", "question": "Is this a warm-up?"}}
 
 
-class RefusedCheckpoint(Exception):  # noqa: N818 - a refusal, with the outcome the metric counts
+class RefusedCheckpoint(Exception):  # a refusal, with the outcome the metric counts
     """A checkpoint the pointer names that will not serve: ``outcome`` is the metric's label."""
 
     def __init__(self, location: str, outcome: str, why: str):

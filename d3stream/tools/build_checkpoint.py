@@ -486,11 +486,11 @@ def _processor_class(tokenizer: TokenizersBackend) -> Iterator[None]:
     leave it as it was (``ProcessorMixin.save_pretrained`` marks its tokenizer), so the files of a build
     do not depend on what an earlier build in the process saved."""
     previous = getattr(tokenizer, "_processor_class", None)
-    tokenizer._processor_class = None
+    tokenizer._processor_class = None  # noqa: SLF001 - transformers keeps the mark private
     try:
         yield
     finally:
-        tokenizer._processor_class = previous
+        tokenizer._processor_class = previous  # noqa: SLF001 - as it was
 
 
 @contextmanager

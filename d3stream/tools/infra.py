@@ -326,7 +326,7 @@ def _run_sync(factory: Callable[[], Awaitable[_T]]) -> _T:
     def target() -> None:
         try:
             box["value"] = asyncio.run(runner())
-        except BaseException as exc:  # re-raised in the caller's thread
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             box["error"] = exc
 
     t = threading.Thread(target=target, name="d3stream-infra-sync")
@@ -634,7 +634,7 @@ class KafkaBroker(_LocalServer):
                 await admin.start()
                 cluster = await admin.describe_cluster()
                 return any(b["node_id"] == 1 for b in cluster.get("brokers", []))
-            except Exception:
+            except Exception:  # noqa: BLE001 - any failure means not ready yet; the caller retries
                 return False
             finally:
                 with contextlib.suppress(Exception):
