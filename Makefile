@@ -25,9 +25,9 @@ test: lint
 	D3STREAM_REQUIRE_INFRA=1 $(VENV)/bin/python -m pytest -q
 
 # The quick loop (tests/conftest.py says what each marker means): the tests that need no JVM (no Kafka broker or
-# S3 store), start no other Python process and load no model weights.
+# S3 store), start no other Python process and are not slow (training, extra models, fuzzing through a model).
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not infra and not subprocess and not model"
+	$(VENV)/bin/python -m pytest -q -m "not infra and not subprocess and not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check d3stream tests

@@ -2,17 +2,17 @@
 (tests/model_fixtures.py), the stream helpers' ``stack`` and the fault proxy's ``proxy``.
 
 Markers (registered in pyproject.toml; ``make test-fast`` runs ``-m "not infra and not subprocess and not
-model"``, ``make test`` runs everything):
+slow"``, ``make test`` runs everything):
 
 ``infra``       the test needs the JVM: it asks, directly or through another fixture, for the session's Kafka
                 broker or S3 store (``INFRA_FIXTURES``). Applied here, from the fixtures, never by hand.
 ``subprocess``  the test starts another Python process (``d3stream serve``, ``replay``, ``python -c``).
                 Applied by hand where the test does not already need the servers.
-``model``       the test loads a tiny model's weights, or trains one: applied here from the fixtures that do
-                (``MODEL_FIXTURES``), by hand where the test does it itself (``load_model``, a command run in
-                process, ``request.getfixturevalue``). On two CPU cores these tests are most of the time of
-                the suite without the servers (a load parses the Qwen tokenizer too: seconds each). Building a
-                checkpoint (seconds, once a session) or loading only its tokenizer does not count.
+``slow``        the test trains a model, loads models beyond the session's four tiny ones (the reference
+                runtime's, the demo's, variants of its own), runs a benchmark or feeds thousands of fuzzed or
+                megabytes of input through a model: seconds to minutes each on two cores. Applied here from
+                the fixtures that do (``SLOW_FIXTURES``), by hand where the test does it itself. The tests on
+                the session's tiny models (the pipeline, the runtime, prefix reuse) stay in the quick loop.
 """
 
 from __future__ import annotations
@@ -27,13 +27,9 @@ pytest_plugins = ["tests.infra_fixtures", "tests.model_fixtures", "tests.stream_
 # The fixtures that start a JVM server (tests/infra_fixtures.py); every fixture built on them (``stack``,
 # ``s3_bucket``, the extra brokers of test_security and test_hostile) asks for one of these.
 INFRA_FIXTURES = frozenset({"kafka_broker", "object_store"})
-# The fixtures that load a tiny model's weights, or train one: tests/model_fixtures.py's loaded models and trained
-# checkpoint, and the modules' own (test_runtime's reference and variant models, test_checkpoint's backbones).
-MODEL_FIXTURES = frozenset({
-    "qwen35_model",
-    "qwen35_text_model",
-    "qwen35_noncausal_model",
-    "qwen3vl_model",
+# The fixtures that train a model or load models beyond the session's tiny ones: the demo's trained and random
+# models, and the modules' own (test_runtime's reference and variant models, test_checkpoint's backbones).
+SLOW_FIXTURES = frozenset({
     "demo_trained_model",
     "demo_random_model",
     "demo_trained_checkpoint",
@@ -53,8 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         names = frozenset(getattr(item, "fixturenames", ()))
         if names & INFRA_FIXTURES:
             item.add_marker(pytest.mark.infra)
-        if names & MODEL_FIXTURES:
-            item.add_marker(pytest.mark.model)
+        if names & SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

@@ -114,7 +114,7 @@ class _Server(ThreadingHTTPServer):
         self.proxy = proxy
         super().__init__(address, _Handler)
 
-    def process_request(self, request, client_address):  # noqa: ANN001 - socketserver's signature
+    def process_request(self, request, client_address):  # socketserver's signature
         # ThreadingMixIn's, with named threads: a thread-leak check can tell the proxy's own apart.
         thread = threading.Thread(
             target=self.process_request_thread,
@@ -129,7 +129,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: object) -> None:  # the base class's names
         return None
 
     def _relay(self) -> None:
@@ -201,7 +201,7 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:  # the client gave up (its read timeout): nothing to deliver to
                 pass
 
-    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _relay  # noqa: N815 - http.server's names
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _relay  # http.server's names
 
 
 class FaultProxy:
@@ -305,7 +305,7 @@ class FaultProxy:
             self._refusing = False
 
     @staticmethod
-    def _first(rules: list, method: str, path: str):  # noqa: ANN205 - one of the _Rule subclasses
+    def _first(rules: list, method: str, path: str):  # one of the _Rule subclasses
         for rule in rules:
             if rule.matches(method, path):
                 rule.take()

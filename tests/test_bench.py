@@ -17,7 +17,7 @@ PATH_KEYS = {
 RATIOS = {"b_over_a", "b_over_peak", "c_over_b", "real_over_padded", "max_abs_dp"}
 
 
-@pytest.mark.model
+@pytest.mark.slow
 def test_bench_small_json(qwen35_checkpoint, capsys, tmp_path):
     markdown = tmp_path / "bench.md"
     code = bench.main([
@@ -52,7 +52,7 @@ def test_bench_small_json(qwen35_checkpoint, capsys, tmp_path):
     assert "| small | a reference" in table and "b ÷ a" in table
 
 
-@pytest.mark.model
+@pytest.mark.slow
 def test_variants_of_b_run_side_by_side(qwen35_checkpoint, capsys, tmp_path):
     """``--variant`` runs path b again with one runtime choice flipped, in the same run, and compares it with
     b: length buckets pad more but answer the same, per-request media encoding answers the same."""

@@ -3,9 +3,12 @@ is there and the expired burst costs no pass. No timing is asserted."""
 
 from __future__ import annotations
 
+import pytest
+
 from d3stream.tools.bench_sched import STAGES, scheduling_bench, scheduling_markdown
 
 
+@pytest.mark.slow  # runs the scheduling benchmark
 def test_the_scheduling_bench_reports_every_figure(qwen35_model):
     report = scheduling_bench(qwen35_model, seconds=0.5, threads=None, expired=5)
     assert set(report["lanes"]) == {"alone", "flood_lanes_on", "flood_lanes_on_uncapped", "flood_lanes_off"}

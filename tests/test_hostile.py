@@ -247,6 +247,7 @@ def encoded_records(draw, big: int = 2_000_000, well_formed: bool = False) -> tu
 # ===================================================================================== decode_request
 
 
+@pytest.mark.slow  # thousands of fuzzed records, or megabytes, through a model
 @settings(FUZZ, max_examples=600)
 @given(encoded_records())
 @example((b"k", b'{"id": "dup", "id": 7, "questions": {"q": {"type": "noul"}}}'))
@@ -293,6 +294,7 @@ def _uniform(prepared) -> dict[Any, list[float]]:
     return {row: [1.0 / row.options] * row.options for row in prepared.rows}
 
 
+@pytest.mark.slow  # thousands of fuzzed records, or megabytes, through a model
 @settings(FUZZ, max_examples=250)
 @given(encoded_records(big=100_000, well_formed=True))
 def test_decode_and_prepare_end_as_a_prepared_request_or_a_value_error(limited_text_model, case):
@@ -321,6 +323,7 @@ def test_decode_and_prepare_end_as_a_prepared_request_or_a_value_error(limited_t
     msgspec.json.encode(response)  # it can be published
 
 
+@pytest.mark.slow  # thousands of fuzzed records, or megabytes, through a model
 def test_ten_megabyte_state_is_refused_unread_or_per_question_without_truncation(limited_text_model, monkeypatch):
     wire = json.dumps({"id": "ten-mb", "state": "word " * (TEN_MB // 5), "questions": {"a": Q_NOUL}}).encode()
     with pytest.raises(EventError, match="max_request_bytes"):  # the service's default: never parsed
@@ -393,6 +396,7 @@ def record_path(qwen35_text_model):
     qwen35_text_model.max_length, qwen35_text_model.max_request_tokens = original_limit, original_request_limit
 
 
+@pytest.mark.slow  # thousands of fuzzed records, or megabytes, through a model
 @settings(FUZZ, max_examples=200)
 @given(encoded_records(big=100_000, well_formed=True))
 @example((b"poison", b'{"id": "ok", "state": "s", "questions": {"q": {"type": "noul"}}}'))

@@ -198,7 +198,7 @@ class Collector:
         received = self.spans = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - the http.server interface
+            def do_POST(self) -> None:  # the http.server interface
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 export = ExportTraceServiceRequest.FromString(body)
                 for resource in export.resource_spans:

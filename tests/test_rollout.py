@@ -312,7 +312,7 @@ def test_serve_refuses_a_source_checkpoint_that_does_not_fit_beside_the_other_mo
     assert f"model_source {source}" in error and "the models do not fit" in error, error
 
 
-@pytest.mark.model
+@pytest.mark.slow
 def test_a_checkpoint_that_verifies_but_answers_no_probability_is_refused_at_warm_up(
     tmp_path: Path, qwen35_text_checkpoint: Path,
 ) -> None:

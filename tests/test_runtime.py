@@ -194,7 +194,7 @@ def test_answers_depend_on_the_state_and_are_deterministic(qwen35_text_model):
     assert gap(first, other) > 3 * BATCH_TOL
 
 
-@pytest.mark.model
+@pytest.mark.slow
 def test_model_name_override(qwen35_text_checkpoint):
     model = load_model(qwen35_text_checkpoint, model_name="fleet-v7", verify="none")
     assert model.system_one(state="s", questions={"q": NOUL})["model"] == "fleet-v7"
@@ -272,7 +272,7 @@ def test_max_length_exceeded_is_refused_not_truncated(short_model):
     assert with_image["usage"]["input_tokens"] == 0
 
 
-@pytest.mark.model
+@pytest.mark.slow
 def test_invalid_model_output_from_a_corrupt_readout(qwen35_text_checkpoint, tmp_path):
     """A readout whose row for the third answer code holds NaN: questions with three or more options
     cannot be answered, two-option questions (which never read that code) still are."""
@@ -717,7 +717,7 @@ def test_matches_reference_trained_demo(demo_trained_model, reference_demo, case
         _compare(demo_trained_model, reference_demo, request)
 
 
-@pytest.mark.model  # the models come from request.getfixturevalue
+@pytest.mark.slow  # the models come from request.getfixturevalue
 @pytest.mark.parametrize(
     "which, case",
     [("qwen35", case) for case in REFERENCE_CASES]
@@ -842,7 +842,7 @@ def text_copy(qwen35_text_checkpoint, tmp_path) -> Path:
     return copy_checkpoint(qwen35_text_checkpoint, tmp_path / "copy")
 
 
-@pytest.mark.model
+@pytest.mark.slow
 def test_readout_of_the_wrong_shape(text_copy):
     import torch
     from safetensors.torch import save_file
@@ -915,6 +915,7 @@ def test_bad_decision_config_is_refused(text_copy, changes, message):
         load_model(text_copy)
 
 
+@pytest.mark.slow  # loads a copy of the checkpoint of its own
 def test_codes_that_do_not_match_the_tokenizer(text_copy):
     config = json.loads((text_copy / "decision_config.json").read_text())
     codes = config["codes"]
@@ -959,6 +960,7 @@ def _edit_system_prompt(root: Path, marker: str) -> None:
     write_manifest(root)
 
 
+@pytest.mark.slow  # loads a copy of the checkpoint of its own
 def test_the_checkpoints_own_d3_format_is_used(text_copy, qwen35_text_model):
     _edit_system_prompt(text_copy, "Think like a careful dispatcher.")
     model = load_model(text_copy)
@@ -975,6 +977,7 @@ def test_the_checkpoints_own_d3_format_is_used(text_copy, qwen35_text_model):
     assert edited["answers"]["stop"]["noul"] != stock["answers"]["stop"]["noul"]
 
 
+@pytest.mark.slow  # loads a copy of the checkpoint of its own
 def test_without_d3_format_the_built_in_contract_is_used(text_copy, qwen35_text_model):
     (text_copy / "d3_format.py").unlink()
     write_manifest(text_copy)
@@ -986,7 +989,7 @@ def test_without_d3_format_the_built_in_contract_is_used(text_copy, qwen35_text_
     assert "d3_format.py" not in model.provenance()["files_sha256"]
 
 
-@pytest.mark.model
+@pytest.mark.slow
 def test_reloading_a_changed_d3_format_uses_the_new_one(text_copy):
     _edit_system_prompt(text_copy, "FIRST EDIT.")
     first = load_model(text_copy, verify="none")

@@ -102,7 +102,7 @@ def test_trained_checkpoint_is_an_ordinary_checkpoint(demo_trained_checkpoint, d
         assert same == (name not in ("model.safetensors", "readout.safetensors")), name
 
 
-@pytest.mark.model
+@pytest.mark.slow
 def test_training_is_deterministic_for_a_seed(demo_random_checkpoint, tmp_path):
     """Two trainings of the same checkpoint with the same seed write the same bytes (a small task, few steps)."""
     digests = []
