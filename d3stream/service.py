@@ -327,9 +327,15 @@ class Service:
     async def _serve_fetch(self, fetched: Fetch) -> None:
         """The consume loop's handler: the pipeline answers the fetch, and each group of answers is delivered
         as it is ready (beside the pipeline's further work, not after it)."""
-        deliveries = [asyncio.ensure_future(self._deliver(fetched, answered))
-                      async for answered in self.pipeline.answer(fetched.records)]
-        await asyncio.gather(*deliveries)
+        deliveries: list[asyncio.Future[None]] = []
+        try:
+            async for answered in self.pipeline.answer(fetched.records):
+                deliveries.append(asyncio.ensure_future(self._deliver(fetched, answered)))
+            await asyncio.gather(*deliveries)
+        except asyncio.CancelledError:  # the loop gave up on this fetch: nothing of it is handed on any more
+            for delivery in deliveries:
+                delivery.cancel()
+            raise
 
     async def _deliver(self, fetched: Fetch, records: list[RequestRecord]) -> None:
         """Hand answers to the commit policy; count and trace them. Never raises: a worker-fatal error stops
