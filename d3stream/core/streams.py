@@ -19,8 +19,9 @@ T = TypeVar("T")
 class Streams(Generic[T]):
     """Async iterators drained side by side, each in a task of its own; iterate to receive their items.
 
-    An iterator's exception is raised to the reader once the items before it are handed on; the others are
-    then cancelled, as they are when the reader stops early."""
+    An iterator that raises does not stop the others: their items are still handed on (a shadow step still
+    delivers the live answers it holds when the live step fails), and the first exception is raised to the
+    reader once every iterator has ended. The ones still running are cancelled if the reader stops early."""
 
     def __init__(self) -> None:
         self._items: list[T] = []
@@ -53,9 +54,9 @@ class Streams(Generic[T]):
                     for item in items:
                         yield item
                     continue
-                if self._failed is not None:
-                    raise self._failed
                 if not self._running:
+                    if self._failed is not None:
+                        raise self._failed
                     return
                 self._wake.clear()
                 await self._wake.wait()
