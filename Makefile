@@ -5,6 +5,8 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+# make test runs the suite on this many pytest-xdist workers (each starts its own Kafka broker and S3 store)
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast install lint schemas clean constraints
 
@@ -22,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/d3stream demo
 
 test: lint
-	D3STREAM_REQUIRE_INFRA=1 $(VENV)/bin/python -m pytest -q
+	D3STREAM_REQUIRE_INFRA=1 $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
 
 # The quick loop (tests/conftest.py says what each marker means): the tests that need no JVM (no Kafka broker or
 # S3 store), start no other Python process and are not slow (training, extra models, fuzzing through a model).

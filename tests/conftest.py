@@ -43,7 +43,24 @@ SLOW_FIXTURES = frozenset({
 })
 
 
+# Modules of long scenarios (worker processes killed and restarted, scale-out groups, training), longest first.
+# `make test` runs the suite on two workers (pytest-xdist), which take tests in collection order: when these
+# start first, the short tests fill the gaps and both workers end together, instead of one finishing a
+# 70-second scenario alone at the end.
+LONG_MODULES = (
+    "test_scaleout", "test_delivery", "test_runtime", "test_hostile", "test_service", "test_client", "test_bench",
+    "test_unwritable", "test_demo", "test_replay", "test_shadow", "test_limits", "test_security", "test_training",
+    "test_rollout", "test_media_limits", "test_checkpoint",
+)
+
+
+def _module_rank(item: pytest.Item) -> int:
+    name = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
+    return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_module_rank)  # stable: a module's tests keep their order
     for item in items:
         # fixturenames is the closure: the fixtures a test asks for and every fixture they ask for.
         names = frozenset(getattr(item, "fixturenames", ()))

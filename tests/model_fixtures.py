@@ -111,13 +111,25 @@ def sharpen_checkpoint(root: str | os.PathLike) -> Path:
 
 
 def build(out: str | os.PathLike, *, sharpen: bool = True, **options: Any) -> Path:
-    """``build_checkpoint(out, size="tiny", seed=0, **options)``, sharpened unless ``sharpen=False``."""
+    """``build_checkpoint(out, size="tiny", seed=0, **options)``, sharpened unless ``sharpen=False``.
+
+    Built once however many test processes ask (the workers of ``pytest -n``, which share
+    ``checkpoint_root``): the first takes a file lock and builds, the others wait and reuse it."""
+    from filelock import FileLock
+
     from d3stream.tools.build_checkpoint import build_checkpoint
 
-    options.setdefault("size", "tiny")
-    options.setdefault("seed", 0)
-    root = build_checkpoint(out, **options)
-    return sharpen_checkpoint(root) if sharpen else Path(root)
+    out = Path(out)
+    built = out.parent / f".{out.name}.built"
+    with FileLock(out.parent / f".{out.name}.lock"):
+        if built.is_file():
+            return Path(built.read_text(encoding="utf-8"))
+        options.setdefault("size", "tiny")
+        options.setdefault("seed", 0)
+        root = build_checkpoint(out, **options)
+        root = sharpen_checkpoint(root) if sharpen else Path(root)
+        built.write_text(str(root), encoding="utf-8")
+    return root
 
 
 def copy_checkpoint(source: str | os.PathLike, destination: str | os.PathLike) -> Path:
@@ -174,8 +186,14 @@ def reference_runtime() -> ModuleType | None:
 
 
 @pytest.fixture(scope="session")
-def checkpoint_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("d3-checkpoints")
+def checkpoint_root(tmp_path_factory, worker_id) -> Path:
+    """Where the session's checkpoints are built. The workers of one ``pytest -n`` run share it (the parent of
+    their temporary folders is the run's), so a checkpoint, the trained one above all, is built once."""
+    if worker_id == "master":  # not under xdist
+        return tmp_path_factory.mktemp("d3-checkpoints")
+    root = tmp_path_factory.getbasetemp().parent / "d3-checkpoints"
+    root.mkdir(exist_ok=True)
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -17,12 +17,15 @@ its answer, live and replayed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import io
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +71,9 @@ def demo_checkpoint(progress: bool = False) -> Path:
     from d3stream.tools.build_checkpoint import build_checkpoint
 
     path = cache_root() / "checkpoints" / "demo-qwen3_5-tiny-seed0"
-    if not (path / "MODEL_MANIFEST.json").is_file():
-        build_checkpoint(path, backbone="qwen3_5", size="tiny", seed=0, progress=progress)
+    with _building(path):
+        if not (path / "MODEL_MANIFEST.json").is_file():
+            build_checkpoint(path, backbone="qwen3_5", size="tiny", seed=0, progress=progress)
     return path
 
 
@@ -79,9 +83,20 @@ def trained_checkpoint(progress: bool = False) -> Path:
     from d3stream.tools.train import DEFAULT_STEPS, TRAIN_BUILD
 
     path = cache_root() / "checkpoints" / f"demo-trained-b{TRAIN_BUILD}-qwen3_5-tiny-seed0-steps{DEFAULT_STEPS}"
-    if not (path / "MODEL_MANIFEST.json").is_file():
-        build_checkpoint(path, backbone="qwen3_5", size="tiny", seed=0, progress=progress, train="demo")
+    with _building(path):
+        if not (path / "MODEL_MANIFEST.json").is_file():
+            build_checkpoint(path, backbone="qwen3_5", size="tiny", seed=0, progress=progress, train="demo")
     return path
+
+
+@contextlib.contextmanager
+def _building(path: Path) -> Iterator[None]:
+    """Held while a cached checkpoint is checked and built: a second process on the machine (another demo, a
+    benchmark, a parallel test worker) waits for the first to finish it instead of writing the same files."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def labelled_examples() -> list[tasks.Example]:
