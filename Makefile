@@ -10,10 +10,10 @@ TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast install lint schemas clean constraints
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --upgrade pip
-	$(VENV)/bin/pip install -c constraints.txt -e '.[test]'
+	$(VENV)/bin/pip install -c constraints.txt -e ./clients/python -e '.[test]'
 	@command -v java >/dev/null || { echo "Java 17+ is needed for the local Kafka and S3 servers (apt-get install openjdk-17-jre-headless)"; exit 1; }
 	@command -v mvn >/dev/null || { echo "Maven is needed to fetch the Kafka and S3Proxy jars (apt-get install maven)"; exit 1; }
 	touch $(STAMP)
@@ -32,12 +32,12 @@ test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not infra and not subprocess and not slow"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check d3stream tests
+	$(VENV)/bin/ruff check d3stream tests clients/python
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy d3stream
+	$(VENV)/bin/mypy
 
 schemas: $(STAMP)
-	$(VENV)/bin/python -m d3stream.core.events
+	$(VENV)/bin/python -m d3stream_client.schemas schemas
 
 # constraints.txt anew: the newest versions pyproject.toml allows, resolved in a scratch venv. Run make test
 # after it and commit both files.
@@ -45,7 +45,7 @@ constraints:
 	rm -rf .venv-refresh
 	$(PYTHON) -m venv .venv-refresh
 	.venv-refresh/bin/pip install --upgrade pip
-	.venv-refresh/bin/pip install '.[test]'
+	.venv-refresh/bin/pip install ./clients/python '.[test]'
 	{ sed -n '1,3p' constraints.txt; .venv-refresh/bin/pip freeze --exclude-editable | grep -v '^d3stream'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 	rm -rf .venv-refresh

@@ -27,11 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from d3stream_client.publisher import produce
+
 from d3stream.config import Settings
 from d3stream.runtime import D3
 from d3stream.service import Service
 from d3stream.tools.bench_service import _service_run, small_requests
-from d3stream.tools.clients import produce
 
 CONFIGS: tuple[tuple[str, float | None], ...] = (("no shadow", None), ("shadow, share 1.0", 1.0),
                                                   ("shadow, share 0.25", 0.25))

@@ -165,11 +165,23 @@ def _run_kafka(command: str, settings: Any, step: Any) -> int:
     return 0
 
 
+def _record(line: str) -> tuple[bytes | None, bytes]:
+    """(key, value) of one JSON line, keyed by its ``id``; a line that is not a JSON object is sent verbatim
+    without a key (``produce`` publishes what the file holds: the worker answers what is not a request)."""
+    try:
+        document = json.loads(line)
+    except json.JSONDecodeError:
+        return None, line.encode("utf-8", "surrogateescape")
+    key = document.get("id") if isinstance(document, dict) else None
+    return (str(key).encode() if key is not None else None), line.encode("utf-8")
+
+
 def _produce(args: argparse.Namespace) -> int:
+    from d3stream_client.media import rewrite_media
+    from d3stream_client.publisher import produce
     from tqdm import tqdm
 
     from d3stream.kafka.connection import client_options
-    from d3stream.tools.clients import encode_line, produce, rewrite_media
 
     settings = _connection("produce", args)
     if settings is None:
@@ -185,7 +197,7 @@ def _produce(args: argparse.Namespace) -> int:
     base = Path(args.file).parent if args.file != "-" else Path.cwd()
     records = []
     for line in lines:
-        key, value = encode_line(line)
+        key, value = _record(line)
         if client is not None and key is not None:
             request = rewrite_media(json.loads(value), client, args.upload_media, base)
             value = json.dumps(request, ensure_ascii=False).encode()
@@ -203,8 +215,9 @@ def _produce(args: argparse.Namespace) -> int:
 
 
 def _consume(args: argparse.Namespace) -> int:
+    from d3stream_client.subscriber import consume_answers
+
     from d3stream.kafka.connection import client_options
-    from d3stream.tools.clients import consume_answers
 
     settings = _connection("consume", args)
     if settings is None:

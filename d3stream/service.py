@@ -30,12 +30,12 @@ from typing import TypeVar
 
 import structlog
 from aiokafka import AIOKafkaConsumer
+from d3stream_client.contract import ModelRecord, Worker
 
 from d3stream import __version__
 from d3stream.config import Settings, check_settings
 from d3stream.core.answers import AnswerBuilder, answer_identity, provenance_digest
 from d3stream.core.decoding import ByteBudget, MediaDecoder
-from d3stream.core.events import ModelRecord, Worker
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.outgoing import Outgoing
 from d3stream.core.passes import Passes, RowScheduler, default_token_budget, model_thread

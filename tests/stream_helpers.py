@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from d3stream_client.publisher import produce
 
 from d3stream.config import Settings
 from d3stream.service import Service
-from d3stream.tools.clients import produce
 
 Q_NOUL = {"type": "noul", "instructions": "Is anything unusual visible?"}
 Q_CHOICE = {"type": "choice", "criteria": {"left": "turn left", "right": "turn right", "stop": "stop here"}}

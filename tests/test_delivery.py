@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from d3stream_client.publisher import produce
 
 from d3stream.kafka.commits import Answered, CommitInTransaction
 from d3stream.kafka.offsets import OffsetTracker
 from d3stream.kafka.publishing import Outgoing
 from d3stream.service import Service
 from d3stream.tools.chaos import WorkerProcess, build_stream, count_topic, worker_env
-from d3stream.tools.clients import produce
 from tests.media_makers import make_png
 from tests.stream_helpers import (
     Q_CHOICE,

@@ -1,4 +1,4 @@
-"""The event contract (d3stream.core.events): checked-in schemas, request decoding, answer round trips, fuzzing."""
+"""The event contract (d3stream_client: contract, validation, schemas): checked-in schemas, request decoding, answer round trips, fuzzing."""
 
 from __future__ import annotations
 
@@ -9,18 +9,13 @@ from pathlib import Path
 import jsonschema
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from d3stream.core import events
-from d3stream.core.events import (
+from d3stream_client.contract import (
     ERROR_CODES,
-    MAX_NESTING,
+    SCHEMA_VERSION,
     Answer,
     BatchRecord,
     DeadLetter,
     ErrorInfo,
-    EventError,
     MediaRecord,
     ModelRecord,
     Provenance,
@@ -29,10 +24,12 @@ from d3stream.core.events import (
     Timings,
     Worker,
     decode_answer,
-    decode_request,
     encode,
-    json_schema,
 )
+from d3stream_client.schemas import json_schema, write_schemas
+from d3stream_client.validation import DEFAULT_LIMITS, MAX_NESTING, EventError, RequestLimits, decode_request
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 SCHEMA_DIR = Path(__file__).resolve().parents[1] / "schemas"
 DECODE_CODES = {"undecodable_event", "invalid_request"}
@@ -66,21 +63,21 @@ def _doc(**fields) -> bytes:
 @pytest.mark.parametrize("name", ["request", "answer", "dead-letter"])
 def test_checked_in_schema_matches_the_structs(name):
     path = SCHEMA_DIR / f"{name}.schema.json"
-    assert path.is_file(), f"{path} is missing; run `python -m d3stream.core.events`"
+    assert path.is_file(), f"{path} is missing; run `python -m d3stream_client.schemas schemas`"
     generated = json.loads(json.dumps(json_schema(name)))
-    assert _schema(name) == generated, f"{path} drifted from d3stream.core.events; run `python -m d3stream.core.events`"
+    assert _schema(name) == generated, f"{path} drifted from the d3stream_client Structs; run `python -m d3stream_client.schemas schemas`"
 
 
 @pytest.mark.parametrize("name", ["request", "answer", "dead-letter"])
 def test_schema_is_a_valid_2020_12_schema_with_version(name):
     schema = _schema(name)
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
-    assert schema["x-d3stream-schema-version"] == events.SCHEMA_VERSION
+    assert schema["x-d3stream-schema-version"] == SCHEMA_VERSION
     jsonschema.Draft202012Validator.check_schema(schema)
 
 
 def test_write_schemas_writes_all_three(tmp_path):
-    written = events.write_schemas(tmp_path / "out")
+    written = write_schemas(tmp_path / "out")
     assert sorted(p.name for p in written) == sorted(p.name for p in SCHEMA_DIR.glob("*.schema.json"))
     for path in written:
         assert path.read_text(encoding="utf-8") == (SCHEMA_DIR / path.name).read_text(encoding="utf-8")
@@ -215,7 +212,7 @@ def test_deep_nesting_is_an_invalid_request_naming_the_limit(depth, opener):
     closer = "]" if opener == "[" else "}"
     value = ('{"id": "deep", "questions": {}, "metadata": ' + opener * depth + "1" + closer * depth + "}").encode()
     with pytest.raises(EventError) as caught:
-        decode_request(value, b"k", limits=events.RequestLimits(bytes=None))
+        decode_request(value, b"k", limits=RequestLimits(bytes=None))
     assert caught.value.code == "invalid_request" and caught.value.request_id == "deep"
     assert f"nested deeper than {MAX_NESTING}" in str(caught.value)
 
@@ -251,7 +248,7 @@ def test_deeply_nested_state_is_refused_too():
 
 def test_huge_but_flat_request_decodes_when_the_byte_limit_allows():
     value = _doc(id="big", questions=QUESTIONS, state="x" * 2_000_000)
-    request = decode_request(value, limits=events.RequestLimits(bytes=None))
+    request = decode_request(value, limits=RequestLimits(bytes=None))
     assert len(request.state) == 2_000_000
     # With the default max_request_bytes it is refused unread, under its key.
     with pytest.raises(EventError, match="max_request_bytes") as refused:
@@ -468,7 +465,7 @@ def test_fuzz_a_duplicated_key_anywhere_is_refused(document, name):
 
 
 def test_each_request_limit_refuses_naming_its_setting():
-    limits = events.RequestLimits(bytes=2_000, questions=3, options=10)
+    limits = RequestLimits(bytes=2_000, questions=3, options=10)
     cases = {
         "max_request_bytes": _doc(id="r", questions=QUESTIONS, state="x" * 2_000),
         "max_request_questions": _doc(id="r", questions={f"q{i}": QUESTIONS["q"] for i in range(4)}),
@@ -489,8 +486,8 @@ def test_each_request_limit_refuses_naming_its_setting():
 def test_request_limits_come_from_the_settings():
     from d3stream.config import Settings
 
-    limits = events.RequestLimits.from_settings(
+    limits = RequestLimits.from_settings(
         Settings(max_request_bytes=None, max_request_questions=5, max_request_options=7)
     )
-    assert limits == events.RequestLimits(bytes=None, questions=5, options=7)
-    assert events.RequestLimits.from_settings(Settings()) == events.DEFAULT_LIMITS
+    assert limits == RequestLimits(bytes=None, questions=5, options=7, media_references=32)
+    assert RequestLimits.from_settings(Settings()) == DEFAULT_LIMITS

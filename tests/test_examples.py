@@ -8,8 +8,9 @@ import asyncio
 import json
 from pathlib import Path
 
+from d3stream_client.validation import decode_request
+
 from d3stream.cli import main
-from d3stream.core.events import decode_request
 from tests.stream_helpers import Reader, assigned_and_ready, stop
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

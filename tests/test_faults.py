@@ -17,9 +17,9 @@ import time
 from typing import Any
 
 import pytest
+from d3stream_client.publisher import produce
 
 from d3stream.service import Service
-from d3stream.tools.clients import produce
 from tests.fault_proxy import THREAD_PREFIX
 from tests.media_makers import make_png
 from tests.stream_helpers import (

@@ -35,21 +35,15 @@ from typing import Any
 import jsonschema
 import msgspec
 import pytest
+from d3stream_client.contract import ERROR_CODES, Request, decode_answer
+from d3stream_client.publisher import produce
+from d3stream_client.validation import EventError, RequestLimits, decode_request
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from d3stream.config import Settings
-from d3stream.core.events import (
-    ERROR_CODES,
-    EventError,
-    Request,
-    RequestLimits,
-    decode_answer,
-    decode_request,
-)
 from d3stream.runtime.questions import ERRORS as QUESTION_ERRORS
 from d3stream.service import Service
-from d3stream.tools.clients import produce
 from tests.media_makers import make_jpeg, make_mp4, make_png, make_png_header_only
 from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, free_port, record, run, serve
 

@@ -17,12 +17,7 @@ import string
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from d3stream.config import Settings
-from d3stream.core.events import (
-    DEFAULT_LIMITS,
+from d3stream_client.contract import (
     Answer,
     BatchRecord,
     ModelRecord,
@@ -30,9 +25,13 @@ from d3stream.core.events import (
     Source,
     Timings,
     Worker,
-    decode_request,
     encode,
 )
+from d3stream_client.validation import DEFAULT_LIMITS, decode_request
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from d3stream.config import Settings
 from d3stream.ops.metrics import Metrics, serve_metrics
 from tests.media_makers import make_png
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, committed, record, run, serve

@@ -7,10 +7,11 @@ import json
 import urllib.error
 import urllib.request
 
+from d3stream_client.publisher import produce
+
 from d3stream.config import Settings
 from d3stream.ops.metrics import Metrics, MetricsServer
 from d3stream.service import Service
-from d3stream.tools.clients import produce
 from tests.stream_helpers import scrape
 
 

@@ -12,9 +12,10 @@ import threading
 import time
 from typing import Any
 
+from d3stream_client.contract import decode_answer
+
 from d3stream.cli import main as cli_main
 from d3stream.config import load_settings
-from d3stream.core.events import decode_answer
 from d3stream.models.checkpoints import checkpoint_memory_bytes
 from d3stream.service import answer_identity, provenance_digest
 from tests.stream_helpers import close_to, read_all, record, run, serve

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from d3stream_client.contract import HEADERS
 
 from d3stream.config import Settings, check_settings
-from d3stream.core.events import HEADERS
 from d3stream.ops.tracing import Tracing, forwarded_headers, header_names, traces_url
 from d3stream.tools.replay import ReplayRange, run_replay
 from tests.media_makers import make_png
@@ -253,7 +253,7 @@ def test_serve_with_json_logs_and_otlp_writes_only_json_lines_and_exports_a_span
                                    start_new_session=True)
         try:
             async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
-                from d3stream.tools.clients import produce
+                from d3stream_client.publisher import produce
 
                 await produce(stack.broker.bootstrap_servers, stack.requests, [record(r) for r in requests])
                 await reader.wait(lambda: len(reader.counts()) >= len(requests) or process.poll() is not None, 120,

@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 import pytest
+from d3stream_client.contract import ERROR_CODES, decode_answer
 
 from d3stream.config import Settings
-from d3stream.core.events import ERROR_CODES, decode_answer
 from d3stream.core.record import RequestRecord
 from d3stream.service import Service
 from tests.media_makers import data_url, make_png, make_png_header_only

@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 import pytest
+from d3stream_client.contract import HEADERS
 
-from d3stream.core.events import HEADERS
 from d3stream.core.quotas import TenantQuotas
 from d3stream.core.seams import InFlight
 from tests.stream_helpers import Q_NOUL, committed, run, serve

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from d3stream_client.publisher import produce
 from structlog.testing import capture_logs
 
 from d3stream.cli import main as cli_main
@@ -31,7 +32,6 @@ from d3stream.models.rollout import (
 )
 from d3stream.runtime.package import MANIFEST, package_files, read_manifest, write_manifest
 from d3stream.service import Service
-from d3stream.tools.clients import produce
 from tests.model_fixtures import copy_checkpoint
 from tests.stream_helpers import Reader, assigned_and_ready, close_to, read_all, record, run, stop
 

@@ -126,7 +126,7 @@ def test_a_stuck_request_is_visible_and_makes_the_worker_unready(stack, qwen35_m
     request = {"id": "stuck-1", "state": "stuck", "questions": {"noul": Q_NOUL}}
 
     async def scenario():
-        from d3stream.tools.clients import produce
+        from d3stream_client.publisher import produce
 
         service = Service(settings, gated)
         async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
@@ -175,7 +175,7 @@ def test_a_drain_longer_than_the_session_timeout_costs_one_rebalance_not_a_storm
     ids = {r["id"] for r in stuck}
 
     async def scenario():
-        from d3stream.tools.clients import produce
+        from d3stream_client.publisher import produce
 
         bootstrap = stack.broker.bootstrap_servers
         first, second = Service(settings, gated), Service(settings, qwen35_model)

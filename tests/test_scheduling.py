@@ -9,8 +9,8 @@ exactly once and committed in order, expired ones without passes, the cost share
 from __future__ import annotations
 
 import pytest
+from d3stream_client.contract import decode_answer
 
-from d3stream.core.events import decode_answer
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, committed, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)

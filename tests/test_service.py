@@ -22,13 +22,13 @@ from typing import Any
 
 import jsonschema
 import pytest
+from d3stream_client.contract import decode_answer
+from d3stream_client.publisher import produce
 
 import d3stream
 from d3stream.config import FIELDS
-from d3stream.core.events import decode_answer
 from d3stream.core.storage import MediaError, MediaFetcher
 from d3stream.service import Service, answer_identity, provenance_digest
-from d3stream.tools.clients import produce
 from tests.media_makers import data_url, make_jpeg, make_mp4, make_png, make_png_header_only
 from tests.stream_helpers import (
     Q_CHOICE,

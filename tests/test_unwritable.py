@@ -30,11 +30,11 @@ import sys
 from typing import Any
 
 import pytest
+from d3stream_client.publisher import produce
 
 from d3stream.commands import WORKER_FATAL_EXIT
 from d3stream.kafka.limits import BROKER_DEFAULT_MAX_MESSAGE_BYTES
 from d3stream.tools.chaos import WorkerProcess, count_topic, worker_env
-from d3stream.tools.clients import produce
 from tests.stream_helpers import Q_NOUL, Reader, committed, read_all, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)

@@ -19,9 +19,7 @@ from typing import Any
 
 import msgspec
 import structlog
-
-from d3stream.config import Settings
-from d3stream.core.events import (
+from d3stream_client.contract import (
     Answer,
     DeadLetter,
     ErrorInfo,
@@ -33,6 +31,8 @@ from d3stream.core.events import (
     Worker,
     encode,
 )
+
+from d3stream.config import Settings
 from d3stream.core.outgoing import Outgoing, RecordFit
 from d3stream.core.record import Refusal, RequestRecord
 from d3stream.core.storage import FetchedMedia

@@ -45,8 +45,8 @@ from functools import partial
 from typing import Any, Generic, TypeVar
 
 import structlog
+from d3stream_client.contract import BatchRecord
 
-from d3stream.core.events import BatchRecord
 from d3stream.core.seams import DEFAULT_SCHEDULING, DeadlineExceeded, Scheduling
 
 log = structlog.get_logger(__name__)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from d3stream_client.validation import EventError, check_media_references
+
 from d3stream.config import Settings
 from d3stream.core.answers import media_record, ms
 from d3stream.core.decoding import MediaDecoder
@@ -43,11 +45,10 @@ class MediaStage:
         settings = self.settings
         request = record.request
         assert request is not None  # admitted: decoded
-        references = len(request.images) + len(request.videos)
-        if references > settings.max_media_references:
-            return Refusal("invalid_request",
-                           f"the request names {references:,} images and videos; at most "
-                           f"{settings.max_media_references:,} are accepted (setting: max_media_references)")
+        try:
+            check_media_references(request, settings.max_media_references)
+        except EventError as exc:
+            return Refusal(exc.code, str(exc))
         for kind in MEDIA_KINDS:
             unavailable = kind.unavailable(model)
             if kind.references(request) and unavailable is not None:

@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from d3stream.core.events import HEADERS
+from d3stream_client.contract import HEADERS
+
 from d3stream.core.seams import RecordKind
 
 

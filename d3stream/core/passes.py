@@ -25,11 +25,11 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import structlog
+from d3stream_client.contract import BatchRecord
 
 from d3stream.config import Settings
 from d3stream.core.answers import ms
 from d3stream.core.batching import BatchScheduler, PassRecord, resolve
-from d3stream.core.events import BatchRecord
 from d3stream.core.record import RequestRecord
 from d3stream.core.seams import DeadlineExceeded, DecisionModel, Position, Scheduling
 from d3stream.ops.metrics import Metrics

@@ -42,20 +42,12 @@ from functools import partial
 from typing import Any
 
 import structlog
+from d3stream_client.contract import HEADERS, PRIORITIES, Answer, Request, Source
+from d3stream_client.validation import EventError, RequestLimits, decode_request
 
 from d3stream.config import Settings
 from d3stream.core.answers import AnswerBuilder, answer_identity, ms
 from d3stream.core.decoding import MediaDecoder
-from d3stream.core.events import (
-    HEADERS,
-    PRIORITIES,
-    Answer,
-    EventError,
-    Request,
-    RequestLimits,
-    Source,
-    decode_request,
-)
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.jobthread import JobThread
 from d3stream.core.media_stage import MediaStage

@@ -16,16 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from d3stream.core.events import (
-    HEADERS,
-    Answer,
-    BatchRecord,
-    Cost,
-    MediaRecord,
-    Request,
-    Source,
-    Timings,
-)
+from d3stream_client.contract import HEADERS, Answer, BatchRecord, Cost, MediaRecord, Request, Source, Timings
+
 from d3stream.core.outgoing import Outgoing
 from d3stream.core.seams import DEFAULT_SCHEDULING, DeadlineExceeded, InputRecord, Position, Scheduling
 from d3stream.runtime import Prepared, Row

@@ -42,11 +42,11 @@ from typing import Any
 
 import msgspec
 import structlog
+from d3stream_client.contract import Answer
 
 from d3stream.config import Settings
 from d3stream.core.agreement import join_slots, parse_slot
 from d3stream.core.answers import AnswerBuilder, answer_identity
-from d3stream.core.events import Answer
 from d3stream.core.jobthread import JobThread
 from d3stream.core.outgoing import Outgoing
 from d3stream.core.record import RequestRecord

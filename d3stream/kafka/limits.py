@@ -22,8 +22,8 @@ from typing import Any
 
 import structlog
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from d3stream_client.contract import HEADERS
 
-from d3stream.core.events import HEADERS
 from d3stream.core.outgoing import Fit
 
 log = structlog.get_logger(__name__)

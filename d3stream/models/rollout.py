@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
+from d3stream_client.contract import Request
 
 from d3stream.config import Settings
-from d3stream.core.events import Request
 from d3stream.core.pipeline import Hosted, RequestPipeline
 from d3stream.models.checkpoints import (
     MODEL_NAME,

@@ -947,7 +947,8 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Calibration]:
 
 
 def _run_service_bench(args: argparse.Namespace) -> int:
-    """``--kafka`` / ``--soak``: the service-level benchmarks (``bench_service.py``) on the embedded broker."""
+    """``--kafka`` / ``--soak`` / ``--ask``: the service-level benchmarks (``bench_service.py``, ``bench_ask.py``) on
+    the embedded broker."""
     from tqdm import tqdm
 
     from d3stream.ops.logs import configure_logging
@@ -968,13 +969,19 @@ def _run_service_bench(args: argparse.Namespace) -> int:
             report["kafka"] = bench_service.kafka_overhead(args.kafka, progress=step)
             bar.update(bar.total - bar.n)
         tables.append(bench_service.kafka_markdown(report["kafka"]))
-    if args.soak:
+    if args.soak or args.ask:
         if args.checkpoint:
             root = Path(args.checkpoint)
         else:
             from d3stream.tools.demo import demo_checkpoint
 
             root = demo_checkpoint(progress=args.progress)
+    if args.ask:
+        from d3stream.tools.bench_ask import ask_latency, ask_markdown
+
+        report["ask"] = ask_latency(root, args.ask, threads=args.threads or 1)
+        tables.append(ask_markdown(report["ask"]))
+    if args.soak:
         with tqdm(total=args.soak, desc="soak", unit="req", file=sys.stderr, disable=not args.progress) as bar:
             def tick(answered: int) -> None:
                 bar.update(answered - bar.n)
@@ -1019,7 +1026,7 @@ def _run_scheduling_bench(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.scheduling:
         return _run_scheduling_bench(args)
-    if args.kafka or args.soak:
+    if args.kafka or args.soak or args.ask:
         return _run_service_bench(args)
     report, calibration = run_bench(args)
     table = markdown(report, calibration if args.calibrate else None)
@@ -1072,6 +1079,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak", type=int, nargs="?", const=100_000, default=0, metavar="N",
                         help="instead: serve N small requests (default 100,000) with the checkpoint and report "
                         "whether the resident set size stays flat")
+    parser.add_argument("--ask", type=int, nargs="?", const=300, default=0, metavar="N",
+                        help="instead: N asks (default 300, 20/s) of the client's ask() against a worker on an "
+                        "embedded broker, beside the worker's own end-to-end latency, in both delivery modes")
     parser.add_argument("--scheduling", type=float, nargs="?", const=6.0, default=0.0, metavar="SECONDS",
                         help="instead: priority lanes, expired requests and tenant quotas over the request pipeline "
                         "(no broker), streams of SECONDS (default 6) on the checkpoint; docs/SCHEDULING.md")

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from d3stream_client.contract import HEADERS
 
 from d3stream.config import Settings
 from d3stream.core.batching import BatchScheduler
-from d3stream.core.events import HEADERS
 from d3stream.kafka.consume import RESUME_AT, backpressure_pauses
 from d3stream.runtime import D3
 

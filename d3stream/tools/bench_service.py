@@ -233,7 +233,7 @@ def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker 
         ensure_jars()
         with KafkaBroker(partitions=4) as broker:
             return kafka_overhead(count, rounds=rounds, broker=broker, prefix=prefix, progress=progress)
-    from d3stream.tools.clients import produce
+    from d3stream_client.publisher import produce
 
     bootstrap = broker.bootstrap_servers
     topics = {name: f"{prefix}.{name}" for name in ("requests", "warm-up", "raw-out", "answers", "dlq", "prov")}
@@ -315,8 +315,9 @@ def _rss_bytes() -> int:
 
 async def _soak(settings: Settings, model: DecisionModel, bootstrap: str, total: int, chunk: int,
                 tick: Callable[[int], None] | None) -> list[tuple[int, int]]:
+    from d3stream_client.publisher import produce
+
     from d3stream.service import Service
-    from d3stream.tools.clients import produce
 
     service = Service(settings, model)
     task = asyncio.create_task(service.run())

@@ -248,7 +248,7 @@ class _Watch:
 
     async def until(self, seconds: float) -> None:
         """Read answers for ``seconds``, or until every id is answered."""
-        from d3stream.tools.clients import consume_answers
+        from d3stream_client.subscriber import consume_answers
 
         def note(answer: dict[str, Any]) -> None:
             if answer.get("id") in self.ids and answer["id"] not in self.answered:
@@ -310,9 +310,9 @@ async def run_chaos(
     """Run the chaos scenario on an embedded stack; returns the tally as a dict."""
     import tempfile
 
+    from d3stream_client.publisher import produce
     from tqdm import tqdm
 
-    from d3stream.tools.clients import produce
     from d3stream.tools.demo import demo_checkpoint, sample_png
     from d3stream.tools.infra import local_stack
 
@@ -366,9 +366,11 @@ def iter_table(report: dict[str, Any]) -> Iterator[str]:
 async def measure_mode(broker: KafkaBroker, model: D3, mode: DeliveryMode, *, requests: int,
                        rate: float | None) -> dict[str, Any]:
     """Serve one stream in ``mode``; latency is request timestamp -> answer readable by read_committed."""
+    from d3stream_client.publisher import produce
+    from d3stream_client.subscriber import consume_answers
+
     from d3stream.config import Settings
     from d3stream.service import Service
-    from d3stream.tools.clients import consume_answers, produce
 
     tag = f"cost-{mode.replace('_', '-')}-{'flood' if rate is None else int(rate)}-{time.time_ns()}"
     requests_topic, answers_topic = f"{tag}.requests", f"{tag}.answers"
@@ -410,8 +412,7 @@ async def publish_paced(bootstrap: str, topic: str, stream: list[tuple[bytes, by
     """Publish ``stream`` at ``rate`` records/s: one producer, a tenth of a second's records per tick, each
     tick scheduled from the start (so the time spent sending does not slow the rate down)."""
     from aiokafka import AIOKafkaProducer
-
-    from d3stream.core.events import HEADERS
+    from d3stream_client.contract import HEADERS
 
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
     await producer.start()

@@ -211,11 +211,11 @@ async def _serve_and_reevaluate(
 ) -> dict[str, Any]:
     """Publish the sample requests, serve them with ``trained``, replay them with ``baseline_path`` and
     compare both with the labels."""
+    from d3stream_client.publisher import produce
     from tqdm import tqdm
 
     from d3stream.ops.logs import kernel_notice
     from d3stream.runtime import D3
-    from d3stream.tools.clients import produce
     from d3stream.tools.compare import records_to_answers
 
     model = D3.from_pretrained(trained)
@@ -292,10 +292,10 @@ async def _serve(settings: Any, model: Any, broker: Any, expected: int, progress
                  timeout_s: float) -> tuple[list[dict[str, Any]], int]:
     """Serve until every request is answered: the answers read back from the answer topic, and how many
     records were dead-lettered."""
+    from d3stream_client.subscriber import consume_answers
     from tqdm import tqdm
 
     from d3stream.service import Service
-    from d3stream.tools.clients import consume_answers
 
     service = Service(settings, model)
     serving = asyncio.create_task(service.run())

@@ -1,0 +1,46 @@
+"""The JSON Schemas of the events, generated from the contract's Structs.
+
+``python -m d3stream_client.schemas FOLDER`` writes ``request``, ``answer`` and ``dead-letter``
+``.schema.json`` files; the repository keeps them in ``schemas/`` for producers in other languages, and a
+test fails when the checked-in files drift from the Structs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from d3stream_client.contract import SCHEMA_VERSION, Answer, DeadLetter, Request
+
+SCHEMAS: dict[str, type[msgspec.Struct]] = {"request": Request, "answer": Answer, "dead-letter": DeadLetter}
+
+
+def json_schema(name: str) -> dict[str, Any]:
+    """The JSON Schema of one event type, as checked in under ``schemas/``."""
+    schema = msgspec.json.schema(SCHEMAS[name])
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = f"https://d3stream.invalid/schemas/{name}.schema.json"
+    schema["x-d3stream-schema-version"] = SCHEMA_VERSION
+    return schema
+
+
+def write_schemas(folder: Path) -> list[Path]:
+    """Write every event's schema into ``folder``; the paths written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in SCHEMAS:
+        path = folder / f"{name}.schema.json"
+        path.write_text(json.dumps(json_schema(name), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m d3stream_client.schemas FOLDER")
+    for written in write_schemas(Path(sys.argv[1])):
+        print(written)

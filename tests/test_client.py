@@ -1,0 +1,347 @@
+"""The client distribution (clients/python, ``d3stream_client``) as producers and subscribers use it.
+
+* It installs alone into a fresh venv, small, and importing all of it loads no model library.
+* Its checks refuse a request with the very message the worker puts in the request's ``invalid_request``
+  answer (the worker answers the same bytes, published unchecked, here).
+* ``ask`` on the real broker with a real worker: one round trip, a thousand concurrent asks on one consumer,
+  a timeout that says where the request is and how far the workers got, and an answer repeated by an
+  ``at_least_once`` worker resolving an ask once.
+* A subscriber reading across a SIGKILLed ``at_least_once`` worker hands each answer to its loop once,
+  and commits only what the loop finished with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+from d3stream_client import (
+    AnswerWaiter,
+    AskTimeout,
+    D3Client,
+    EventError,
+    Published,
+    Request,
+    validate_request,
+)
+from d3stream_client.asking import _Ask
+from d3stream_client.contract import Answer, Source, decode_answer
+from d3stream_client.publisher import produce
+from d3stream_client.validation import RequestLimits
+
+from d3stream.service import Service
+from d3stream.tools.chaos import WorkerProcess, worker_env
+from tests.stream_helpers import Q_CHOICE, Q_NOUL, Reader, assigned_and_ready, committed, run, stop
+
+CLIENT = Path(__file__).resolve().parents[1] / "clients" / "python"
+MODEL_LIBRARIES = ("torch", "torchvision", "transformers", "numpy", "cv2", "PIL", "d3stream")
+
+
+def _client(stack, **options) -> D3Client:
+    return D3Client(stack.broker.bootstrap_servers, request_topic=stack.requests, answer_topic=stack.answers,
+                    worker_group=stack.group, **options)
+
+
+async def _serving(stack, model, **settings) -> tuple[Service, asyncio.Task]:
+    service = Service(stack.settings(**settings), model)
+    task = asyncio.create_task(service.run())
+    async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
+        await reader.wait(lambda: assigned_and_ready(service), 60, task, what="the service's assignment")
+    return service, task
+
+
+# ------------------------------------------------------------------------------------ the distribution
+
+
+@pytest.mark.subprocess
+def test_the_client_installs_alone_small_and_imports_no_model_library(tmp_path):
+    folder = tmp_path / "venv"
+    venv.create(folder, with_pip=True)
+    python = folder / "bin" / "python"
+    before = _size(folder)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", str(CLIENT)], check=True, timeout=600)
+    installed_mb = (_size(folder) - before) / 1e6
+    print(f"\n[client install] {installed_mb:.1f} MB beside pip in a fresh venv")
+    assert installed_mb < 60, f"the client and its dependencies take {installed_mb:.1f} MB"
+    probe = (
+        "import sys, d3stream_client\n"
+        "from d3stream_client import *\n"
+        "import d3stream_client.media, d3stream_client.schemas\n"
+        f"print([name for name in {MODEL_LIBRARIES!r} if name in sys.modules])\n"
+    )
+    shown = subprocess.run([str(python), "-c", probe], check=True, capture_output=True, text=True, timeout=120)
+    assert shown.stdout.strip() == "[]"
+
+
+@pytest.mark.subprocess
+def test_importing_the_client_beside_the_worker_loads_no_model_library():
+    """In the worker's own venv, where torch is installed, nothing of the client pulls it in."""
+    probe = (
+        "import sys\n"
+        "from d3stream_client import *\n"
+        "from d3stream_client import D3Client, Publisher, AnswerSubscription, AnswerWaiter\n"
+        "import d3stream_client.media, d3stream_client.schemas\n"
+        f"print([name for name in {MODEL_LIBRARIES!r} if name in sys.modules])\n"
+    )
+    shown = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120)
+    assert shown.stdout.strip() == "[]"
+
+
+def test_the_contract_alone_loads_no_kafka_client():
+    probe = "import sys, d3stream_client.contract, d3stream_client.validation\nprint('aiokafka' in sys.modules)"
+    shown = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120)
+    assert shown.stdout.strip() == "False"
+
+
+def _size(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file() and not path.is_symlink())
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def test_checks_pass_a_valid_request_in_every_form():
+    request = {"id": "t-1", "state": "a quiet road", "questions": {"q": Q_NOUL}}
+    value = validate_request(request)
+    assert json.loads(value) == request
+    typed = json.loads(validate_request(Request(id="t-1", questions={"q": Q_NOUL}, priority="high")))
+    assert (typed["id"], typed["questions"], typed["priority"]) == ("t-1", {"q": Q_NOUL}, "high")
+    assert validate_request(value) == value
+
+
+def _invalid_requests(bucket: str) -> dict[str, bytes]:
+    many = [f"s3://{bucket}/img-{n}.png" for n in range(33)]
+    return {
+        "no-questions": json.dumps({"id": "no-questions", "state": "x"}).encode(),
+        "too-many-questions": json.dumps({"id": "too-many-questions",
+                                          "questions": {f"q{n}": Q_NOUL for n in range(4)}}).encode(),
+        "duplicate-key": b'{"id": "duplicate-key", "questions": {"q": {"type": "noul"}}, "state": 1, "state": 2}',
+        "bad-priority": json.dumps({"id": "bad-priority", "questions": {"q": Q_NOUL}, "priority": "urgent"}).encode(),
+        "too-many-media": json.dumps({"id": "too-many-media", "questions": {"q": Q_NOUL}, "images": many}).encode(),
+        "too-many-options": json.dumps({"id": "too-many-options", "questions": {"q": Q_CHOICE, "r": Q_CHOICE}}).encode(),
+    }
+
+
+def test_the_client_refuses_with_the_workers_message_before_sending(stack, qwen35_model):
+    """The same bytes published unchecked get an invalid_request answer whose message is the client's."""
+    limits = {"max_request_questions": 3, "max_request_options": 5}
+    invalid = _invalid_requests(stack.bucket)
+    client_limits = RequestLimits(questions=3, options=5)
+    refused = {}
+    for name, value in invalid.items():
+        with pytest.raises(EventError) as caught:
+            validate_request(value, client_limits)
+        assert caught.value.code == "invalid_request", name
+        refused[name] = str(caught.value)
+
+    async def scenario() -> dict[str, Answer]:
+        service, task = await _serving(stack, qwen35_model, **limits)
+        try:
+            async with _client(stack, limits=client_limits) as client:
+                with pytest.raises(EventError):  # nothing is sent
+                    await client.publish(json.loads(invalid["no-questions"]))
+                await client.publisher.publish_raw([(name.encode(), value) for name, value in invalid.items()])
+                async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
+                    await reader.wait_ids(invalid, 90, task)
+                    return {answer["id"]: decode_answer(json.dumps(answer).encode()) for answer in reader.answers()}
+        finally:
+            await stop(service, task)
+
+    answers = run(scenario())
+    assert set(answers) == set(invalid), "only the unchecked records reached the worker"
+    for name, message in refused.items():
+        error = answers[name].error
+        assert error is not None and error.code == "invalid_request", (name, answers[name])
+        assert error.message == message, name
+
+
+# ------------------------------------------------------------------------------------------- asking
+
+
+def test_ask_returns_the_typed_answer_of_its_request(stack, qwen35_model):
+    async def scenario() -> tuple[Answer, Answer, Published]:
+        service, task = await _serving(stack, qwen35_model)
+        try:
+            async with _client(stack) as client:
+                first = await client.ask({"id": "ask-1", "state": "a red car", "questions": {"q": Q_NOUL}},
+                                         timeout=60)
+                # The same id asked again is a new request: its answer names the new record, not the first.
+                again = await client.ask(Request(id="ask-1", state="a blue car", questions={"c": Q_CHOICE}),
+                                         timeout=60)
+                published = await client.publish({"id": "ask-2", "questions": {"q": Q_NOUL}})
+                return first, again, published
+        finally:
+            await stop(service, task)
+
+    first, again, published = run(scenario())
+    assert isinstance(first, Answer) and first.id == "ask-1" and first.error is None
+    assert first.answers is not None and first.answers["q"]["type"] == "noul" and 0 <= first.answers["q"]["noul"] <= 1
+    assert first.source.topic == stack.requests
+    assert again.answers is not None and set(again.answers) == {"c"}
+    assert again.source.offset != first.source.offset or again.source.partition != first.source.partition
+    assert published.id == "ask-2" and published.topic == stack.requests and published.offset >= 0
+
+
+def test_a_thousand_concurrent_asks_share_one_consumer(stack, qwen35_model):
+    count = 1000
+
+    async def scenario() -> tuple[list[Answer], set[int], int]:
+        service, task = await _serving(stack, qwen35_model)
+        try:
+            async with _client(stack) as client:
+                asks = [client.ask({"id": f"many-{n}", "state": f"case {n}", "questions": {"q": Q_NOUL}},
+                                   timeout=240) for n in range(count)]
+                answers = await asyncio.gather(*asks)
+                consumer = client.waiter._consumer
+                assert consumer is not None
+                return answers, {tp.partition for tp in consumer.assignment()}, len(client.waiter._waiting)
+        finally:
+            await stop(service, task)
+
+    answers, partitions, still_waiting = run(scenario())
+    assert [answer.id for answer in answers] == [f"many-{n}" for n in range(count)]
+    assert all(answer.error is None for answer in answers)
+    assert partitions <= set(range(4)) and still_waiting == 0
+
+
+def test_ask_timeout_says_where_the_request_is_and_that_no_worker_committed(stack):
+    async def scenario() -> AskTimeout:
+        async with _client(stack) as client:
+            with pytest.raises(AskTimeout) as caught:
+                await client.ask({"id": "nobody-home", "questions": {"q": Q_NOUL}}, timeout=1.5)
+            return caught.value
+
+    error = run(scenario())
+    published = error.published
+    assert published is not None and published.topic == stack.requests
+    message = str(error)
+    assert f"{stack.requests}[{published.partition}] offset {published.offset}" in message
+    assert f"worker group {stack.group!r} has committed nothing on that partition" in message
+
+
+def test_ask_timeout_counts_the_records_the_workers_still_owe(stack, qwen35_model):
+    """A worker that answered the partition's first request and stopped: the message gives the lag."""
+    async def scenario() -> AskTimeout:
+        async with _client(stack) as client:
+            service, task = await _serving(stack, qwen35_model)
+            try:
+                key = "lagging"  # everything below lands on this key's partition
+                await client.ask({"id": key, "questions": {"q": Q_NOUL}}, timeout=60)
+            finally:
+                await stop(service, task)
+            await client.publisher.publish_raw([(key.encode(), b'{"id": "lagging", "questions": {}}')] * 2)
+            with pytest.raises(AskTimeout) as caught:
+                await client.ask({"id": key, "questions": {"q": Q_NOUL}}, timeout=1.5)
+            return caught.value
+
+    message = str(run(scenario()))
+    assert "has committed up to offset 1: 3 records of that partition, this one included, are not answered" \
+        in message, message
+
+
+def test_a_repeated_answer_resolves_an_ask_once_and_a_stale_one_never():
+    async def scenario() -> None:
+        ask = _Ask(asyncio.get_running_loop().create_future())
+        mine = Answer(id="r", source=Source(topic="req", partition=1, offset=7), answers={})
+        stale = Answer(id="r", source=Source(topic="req", partition=1, offset=3), answers={})
+        ask.offer(stale)  # read before the publish said where the request landed
+        ask.offer(mine)
+        assert not ask.future.done()
+        ask.landed(Published("r", "req", 1, 7))
+        assert ask.future.result() is mine
+        ask.offer(Answer(id="r", source=Source(topic="req", partition=1, offset=7), answers={"again": 1}))
+        assert ask.future.result() is mine
+
+        other = _Ask(asyncio.get_running_loop().create_future(), source=Published("r", "req", 1, 9))
+        other.offer(stale)
+        other.offer(mine)
+        assert not other.future.done()
+
+    asyncio.run(scenario())
+
+
+def test_the_answer_partition_is_the_java_default_partitioners():
+    """murmur2 positive-masked modulo the partition count, as Kafka's Java clients (and the worker) place keys."""
+    async def four(_: str) -> int:
+        return 4
+
+    waiter = AnswerWaiter("127.0.0.1:1", "answers", partitions=four)
+    # Values from Kafka's own Utils.murmur2 test vectors, masked and taken modulo 4.
+    expected = {"21": (-973932308 & 0x7FFFFFFF) % 4, "foobar": (-790332482 & 0x7FFFFFFF) % 4,
+                "a-little-bit-long-string": (-985981536 & 0x7FFFFFFF) % 4}
+    got = {key: asyncio.run(waiter.answer_partition(key)) for key in expected}
+    assert got == expected
+
+
+# -------------------------------------------------------------------------------------- subscribing
+
+
+@pytest.mark.subprocess
+def test_a_subscriber_across_a_worker_sigkill_hands_each_answer_to_its_loop_once(stack, qwen35_checkpoint, tmp_path):
+    """at_least_once repeats answers after a SIGKILL (a slow commit makes sure of it); the subscription drops
+    the repeats, and its group's committed offsets cover only answers its loop finished with."""
+    ids = [f"sub-{n}" for n in range(60)]
+    env = worker_env({
+        "bootstrap_servers": stack.broker.bootstrap_servers, "request_topics": [stack.requests],
+        "answer_topic": stack.answers, "dead_letter_topic": stack.dead_letters,
+        "provenance_topic": stack.provenance, "group_id": stack.group,
+        "group_instance_id": f"{stack.group}-0", "session_timeout_ms": 6000, "model": str(qwen35_checkpoint),
+        "delivery": "at_least_once", "commit_interval_ms": 60_000, "metrics_port": "", "log_format": "json",
+    })
+    env.pop("D3STREAM_CONFIG", None)
+    worker = WorkerProcess(env, tmp_path / "worker.log")
+    subscriber_group = stack.unique("subscriber")
+
+    async def scenario() -> tuple[list[tuple[str, str]], int, int, dict[int, int]]:
+        handed: list[tuple[str, str]] = []
+        async with _client(stack) as client, client.answers(subscriber_group) as subscription, \
+                Reader(stack.broker.bootstrap_servers, stack.answers) as topic:
+            worker.start()
+            try:
+                await client.publish_many([{"id": i, "questions": {"q": Q_NOUL}} for i in ids[:30]])
+                async for answer in subscription:
+                    handed.append((answer.id, answer.answer_id))
+                    if len(handed) == 30:
+                        break
+                worker.kill()  # nothing committed (commit_interval_ms 60 s): the restart answers all 30 again
+                worker.start()
+                await topic.wait(lambda: len(topic.records) >= 60, 120, what="the first 30 answers again")
+                # Published after the repeats are on the topic, so each partition's repeats come before its
+                # new answers: when the loop has every id, it has also passed every repeat.
+                await client.publish_many([{"id": i, "questions": {"q": Q_NOUL}} for i in ids[30:]])
+                async for answer in subscription:
+                    handed.append((answer.id, answer.answer_id))
+                    if len(handed) == len(ids):
+                        break
+            finally:
+                assert worker.terminate(60) == 0, worker.log_path.read_text()[-3000:]
+            await topic.caught_up()
+            repeats, on_topic = subscription.repeats, len(topic.records)
+        return handed, repeats, on_topic, await committed(stack.broker.bootstrap_servers, subscriber_group,
+                                                          stack.answers, 4)
+
+    handed, repeats, on_topic, offsets = run(scenario())
+    assert sorted(request_id for request_id, _ in handed) == sorted(ids), "each request's answer reached the loop once"
+    assert len({answer_id for _, answer_id in handed}) == len(ids)
+    assert on_topic == 90 and repeats == 30, (on_topic, repeats)
+    # The loop broke out on its last answer before finishing with it: that one alone is not committed.
+    assert sum(offsets.values()) == on_topic - 1
+
+
+def test_the_produce_command_helper_publishes_records_as_they_are(stack):
+    """``d3stream produce`` sends what a file holds, requests or not: the worker answers the rest."""
+    async def scenario() -> list:
+        count = await produce(stack.broker.bootstrap_servers, stack.requests, [(None, b"not json"), (b"k", b"{}")])
+        assert count == 2
+        async with Reader(stack.broker.bootstrap_servers, stack.requests) as reader:
+            await reader.caught_up()
+            return reader.records
+
+    records = run(scenario())
+    assert sorted(record.value for record in records) == [b"not json", b"{}"]
+    assert all(dict(record.headers)["d3stream-schema"] == b"2" for record in records)
