@@ -10,8 +10,10 @@ import re
 from pathlib import Path
 
 import pytest
+from d3stream_client import contract, validation
+from d3stream_client.schemas import json_schema
 
-from d3stream.core import agreement, events
+from d3stream.core import agreement
 from d3stream.core.storage import MediaError, inline_media
 from d3stream.runtime import kinds
 from d3stream.runtime.questions import answer_object, normalize_question, reversed_question
@@ -67,8 +69,15 @@ def test_unknown_types_are_refused_naming_the_registry() -> None:
         kinds.media_kind("audio")
 
 
-def test_the_event_schema_and_limits_read_the_registry() -> None:
-    schema = events.json_schema("request")
+def test_the_event_contract_names_the_registrys_kinds() -> None:
+    """The client's contract (which cannot import the runtime) names the same question types, fixed option
+    counts and media kinds as the runtime's registry, in the same order."""
+    assert contract.QUESTION_TYPE_NAMES == kinds.QUESTION_TYPE_NAMES
+    assert contract.FIXED_OPTIONS == {kind.name: kind.fixed_options for kind in kinds.QUESTION_TYPES
+                                      if kind.fixed_options is not None}
+    assert [(media.name, media.field) for media in contract.MEDIA_FIELDS] == [
+        (kind.name, kind.request_attribute) for kind in kinds.MEDIA_KINDS]
+    schema = json_schema("request")
     properties = schema["$defs"]["Request"]["properties"]
     described = properties["questions"]["description"]
     assert all(name in described for name in kinds.QUESTION_TYPE_NAMES)
@@ -79,9 +88,9 @@ def test_the_event_schema_and_limits_read_the_registry() -> None:
     nouls = b'{"id": "r", "questions": {"a": {"type": "noul"}, "b": {"type": "noul", "criteria": {}}}}'
     limit = kinds.NOUL.fixed_options
     assert limit == 2
-    events.decode_request(nouls, limits=events.RequestLimits(options=2 * limit))
-    with pytest.raises(events.EventError, match="4 options in all"):
-        events.decode_request(nouls, limits=events.RequestLimits(options=2 * limit - 1))
+    validation.decode_request(nouls, limits=validation.RequestLimits(options=2 * limit))
+    with pytest.raises(validation.EventError, match="4 options in all"):
+        validation.decode_request(nouls, limits=validation.RequestLimits(options=2 * limit - 1))
 
 
 @pytest.mark.parametrize("kind", kinds.MEDIA_KINDS, ids=lambda kind: kind.name)
@@ -95,3 +104,11 @@ def test_inline_media_limits_come_from_the_kind(kind: kinds.MediaKind) -> None:
         inline_media(f"data:{kind.name}/gif;base64,AAAA", kind.name)
     assert kind.references({kind.request_attribute: ["s3://b/k"]}) == ["s3://b/k"]
     assert kind.unavailable(type("Model", (), {kind.unavailable_attribute: "no vision tower"})()) == "no vision tower"
+
+
+def test_score_levels_that_are_one_object_in_two_key_orders_are_a_duplicate() -> None:
+    levels = [{"band": "low", "max": 3}, {"max": 3, "band": "low"}, {"band": "high", "max": 9}]
+    with pytest.raises(ValueError, match="same keys and values in another order is the same level"):
+        normalize_question({"type": "score", "criteria": levels})
+    distinct = normalize_question({"type": "score", "criteria": [levels[0], levels[2]]})
+    assert distinct.keys == ["0", "1"]
