@@ -81,6 +81,28 @@ def test_malformed_s3_references_are_media_not_allowed(reference):
     assert caught.value.code == "media_not_allowed"
 
 
+@pytest.mark.parametrize(("reference", "reason"), [
+    ("s3://me\tdia/x.png", "control character '\\t'"),  # urlsplit would drop the tab: bucket "media"
+    ("s3://media/x\n.png", "control character '\\n'"),
+    ("s3://media//x.png", "empty segments"),  # would have read media/x.png
+    ("s3://media/x.png#other", "#fragment"),  # would have read media/x.png
+    ("s3://media/x.png?versionId=1&versionId=2", "one ?versionId"),
+    ("s3://media/x.png?acl", "one ?versionId"),
+])
+def test_references_a_url_parser_would_rewrite_are_refused_naming_why(reference, reason):
+    allowed = Allowlist(["media"])
+    with pytest.raises(MediaError) as caught:
+        location = parse_s3_reference(reference)
+        assert not allowed.allows(location), f"{reference!r} read as {location}"
+    assert caught.value.code == "media_not_allowed"
+    assert reason in caught.value.message
+
+
+def test_a_plain_reference_and_a_version_still_parse():
+    assert parse_s3_reference("s3://media/cams/a.png") == S3Location("media", "cams/a.png")
+    assert parse_s3_reference("s3://media/a.png?versionId=v7") == S3Location("media", "a.png", "v7")
+
+
 # ------------------------------------------------------------------------------------------ decoding
 
 

@@ -75,6 +75,15 @@ def parse_s3_reference(reference: str) -> S3Location:
     """``s3://bucket/key[?versionId=v]`` -> S3Location; MediaError(media_not_allowed) for anything else."""
     if reference.startswith(("http://", "https://")):
         raise MediaError("media_not_allowed", "web addresses are not fetched; store the object in an allowed bucket")
+    # URL parsing forgives what a reference must not carry: it drops tabs and newlines anywhere (so a bucket
+    # name with one reads as another bucket), and a fragment. Each is refused, named, rather than rewritten.
+    control = next((char for char in reference if ord(char) < 0x20 or ord(char) == 0x7F), None)
+    if control is not None:
+        raise MediaError("media_not_allowed",
+                         f"{reference[:200]!r} contains the control character {control!r}; references are not rewritten")
+    if "#" in reference:
+        raise MediaError("media_not_allowed",
+                         f"{reference[:200]!r} has a #fragment; an S3 reference is s3://bucket/key[?versionId=...]")
     try:
         parts = urlsplit(reference)
         netloc = parts.netloc
@@ -85,7 +94,7 @@ def parse_s3_reference(reference: str) -> S3Location:
             "media_not_allowed",
             f"media must be s3://bucket/key or a data: URL; {reference[:80]!r} is neither (local paths are refused)",
         )
-    key = parts.path.lstrip("/")
+    key = parts.path[1:]  # the key is everything after the bucket's slash: s3://bucket//key has an empty segment
     if not netloc or not key:
         raise MediaError("media_not_allowed", f"{reference[:200]!r} names no bucket and key")
     if not BUCKET_NAME.fullmatch(netloc):  # user info, ports, brackets, upper case: not a bucket
@@ -95,7 +104,11 @@ def parse_s3_reference(reference: str) -> S3Location:
     segments = key.split("/")
     if any(segment in ("", ".", "..") for segment in segments) or "\\" in key:
         raise MediaError("media_not_allowed", f"{reference[:200]!r}: keys may not contain '.', '..' or empty segments")
-    version = parse_qs(parts.query).get("versionId", [None])[0]
+    query = parse_qs(parts.query, keep_blank_values=True)
+    if set(query) - {"versionId"} or len(query.get("versionId", ())) > 1:
+        raise MediaError("media_not_allowed",
+                         f"{reference[:200]!r}: the only query a reference may carry is one ?versionId=...")
+    version = query.get("versionId", [None])[0]
     return S3Location(netloc, key, version)
 
 

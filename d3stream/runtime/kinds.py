@@ -233,8 +233,13 @@ def _build_score(question: Mapping[str, Any], instructions: Any, contract: Any) 
         raise ValueError(f"score criteria must be an ordered list of {low} to {high} levels")
     require_json(list(criteria), "criteria")
     texts = [contract.describe(level) for level in criteria]
-    if any(not text for text in texts) or len(set(texts)) != len(texts):
+    if any(not text for text in texts):
         raise ValueError("score levels must be distinct and nonempty")
+    # The prompt shows an object level with its keys as given; the same object with its keys in another
+    # order is still the same level, so distinctness is judged on the canonical text.
+    if len(set(texts)) != len(texts) or len({canonical_text(level) for level in criteria}) != len(texts):
+        raise ValueError("score levels must be distinct and nonempty (an object with the same keys and values in "
+                         "another order is the same level)")
     # Each level is an option shown by its text alone; code order is level order.
     rendered = {"type": "choice", "instructions": instructions, "criteria": dict.fromkeys(texts)}
     return Question("score", rendered, [str(level) for level in range(len(texts))], list(criteria))
