@@ -345,3 +345,15 @@ def test_the_produce_command_helper_publishes_records_as_they_are(stack):
     records = run(scenario())
     assert sorted(record.value for record in records) == [b"not json", b"{}"]
     assert all(dict(record.headers)["d3stream-schema"] == b"2" for record in records)
+
+
+def test_the_ask_benchmark_reports_ask_and_worker_latency_in_both_modes(stack, qwen35_checkpoint):
+    from d3stream.tools.bench_ask import ask_latency, ask_markdown
+
+    report = ask_latency(qwen35_checkpoint, 12, rate=40, broker=stack.broker)
+    assert set(report) == {"exactly_once", "at_least_once"}
+    for figures in report.values():
+        assert figures["asks"] == 12
+        assert figures["ask_p50_ms"] > 0 and figures["ask_p99_ms"] >= figures["ask_p50_ms"]
+        assert figures["worker_p99_ms"] >= figures["worker_p50_ms"] > 0
+    assert ask_markdown(report).count("\n") == 3
