@@ -48,7 +48,8 @@ SLOW_FIXTURES = frozenset({
 # start first, the short tests fill the gaps and both workers end together, instead of one finishing a
 # 70-second scenario alone at the end.
 LONG_MODULES = (
-    "test_scaleout", "test_delivery", "test_runtime", "test_hostile", "test_service", "test_client", "test_bench",
+    "test_scaleout", "test_delivery", "test_runtime", "test_hostile", "test_service", "test_ordering", "test_client",
+    "test_bench",
     "test_unwritable", "test_demo", "test_replay", "test_shadow", "test_limits", "test_security", "test_training",
     "test_rollout", "test_media_limits", "test_checkpoint",
 )
