@@ -57,6 +57,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kafka_options: list[str] = msgspec.field(default_factory=list)
     commit_interval_ms: int = 500
     delivery: DeliveryMode = "exactly_once"
+    ordering: Literal["key", "partition", "none"] = "key"
+    offset_metadata_max_bytes: int = 4096
     transactional_id_prefix: str = "d3stream"
     compression: Literal["zstd", "lz4", "gzip", "none"] = "zstd"
     max_request_size: int = 4_194_304
@@ -164,6 +166,10 @@ HELP: dict[str, str] = {
     "commit_interval_ms": "how often finished offsets are committed (exactly_once: answers become visible then)",
     "delivery": "exactly_once: answers and offsets commit in one Kafka transaction; at_least_once: faster, "
     "duplicates possible after a crash",
+    "ordering": "which answers may leave before earlier requests of their partition are answered: key (answers "
+    "of one record key in offset order, other keys pass), partition (offset order), none",
+    "offset_metadata_max_bytes": "the broker's offset.metadata.max.bytes: bounds how far past its oldest unanswered "
+    "request a partition is read (about 6 offsets per byte; the rest waits)",
     "transactional_id_prefix": "prefix of the per-partition transactional ids (exactly_once)",
     "compression": "compression of published records (answers, dead letters); what the broker counts against a "
     "topic's max.message.bytes is the compressed batch",
@@ -432,6 +438,9 @@ def check_settings(settings: Settings) -> Settings:
         raise ValueError(f"shadow_share must be between 0 and 1, got {settings.shadow_share}")
     if settings.shadow_topic is not None and settings.shadow_topic == settings.answer_topic:
         raise ValueError("shadow_topic must not be the answer topic: a shadow's answers never go to the live topic")
+    if settings.offset_metadata_max_bytes < 64:
+        raise ValueError(f"offset_metadata_max_bytes must be at least 64 (the broker's offset.metadata.max.bytes, "
+                         f"4096 by default), got {settings.offset_metadata_max_bytes}")
     if settings.stall_unready_s < 0:
         raise ValueError(f"stall_unready_s must be 0 (off) or more, got {settings.stall_unready_s}")
     if settings.gc_young_threshold < 0:

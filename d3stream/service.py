@@ -127,7 +127,11 @@ class Service:
                                      tenant_max_inflight_tokens=settings.tenant_max_inflight_tokens)
         self.in_flight = self.ledger.counts
         self.pipeline = self._request_pipeline()
-        self.tracker = OffsetTracker()
+        # Live serving lets answers leave out of offset order (settings.ordering) and records the done offsets
+        # beyond each commit point; a replay keeps offset order and commits the point alone.
+        self.tracker = OffsetTracker(settings.ordering if replay_id is None else "partition",
+                                     record_done=replay_id is None,
+                                     metadata_bytes=settings.offset_metadata_max_bytes)
         # The watched model source (swaps without a stop) and the canary share (rollout.py), when set.
         self.rollout = rollout_for(settings, self, self.metrics)
         # Made when it runs: the Kafka consumer, where answers go and how offsets commit, the loop over them.

@@ -1,12 +1,13 @@
 """Commit policies: when a consumed offset is committed, and the delivery modes they make with a sink.
 
-An offset may be committed only together with, or after, the answers for it *and for every earlier offset of
-its partition* (``offsets.OffsetTracker``). Two policies do that:
+An offset is committed only together with, or after, the answers for it and for every earlier offset of its
+partition; the answered offsets beyond it travel in the commit's metadata (``offsets.OffsetTracker``). Two
+policies do that:
 
 * ``CommitInTransaction`` (delivery ``exactly_once``, the default): consume-transform-produce in Kafka
-  transactions. Answers (and dead letters) wait in memory until every earlier offset of their partition is
-  answered too; then one transaction publishes them and commits the partition's offset
-  (``send_offsets_to_transaction``). Readers with ``isolation_level=read_committed`` see each answer exactly
+  transactions. Answers (and dead letters) wait in memory until the ordering lets them leave (the ``ordering``
+  setting: once no earlier request with their key is unanswered, by default); then one transaction publishes
+  them and commits the partition's offset with the metadata naming them (``send_offsets_to_transaction``). Readers with ``isolation_level=read_committed`` see each answer exactly
   once, whatever crashes. Each input partition has its own transactional producer whose ``transactional.id``
   is derived from the group, topic and partition, so when a partition moves to another worker (or a restarted
   one), the new owner's producer fences the old one: a zombie's late commit fails instead of duplicating
@@ -127,7 +128,8 @@ class CommitAfterWrite(_Counted):
         from aiokafka.errors import KafkaError
 
         await self.sink.flush()
-        offsets = self.tracker.committable(partitions)
+        # Every answer handed to deliver is written: the done offsets beyond each point go in its metadata.
+        offsets = self.tracker.commit_offsets(partitions)
         if not offsets:
             return
         try:
@@ -208,24 +210,41 @@ class CommitInTransaction(_Counted):
         async with self._lock:
             # Each partition has its own producer: their transactions commit side by side.
             # Named partitions (a revocation, the shutdown) are tried now; the periodic flush backs off.
-            await asyncio.gather(
-                *(self._commit_partition(partition, point, now=partitions is not None)
-                  for partition, point in self.tracker.committable(partitions).items())
-            )
+            plans = [plan for partition in (self.tracker.partitions() if partitions is None else partitions)
+                     if (plan := self._plan(partition)) is not None]
+            await asyncio.gather(*(self._commit_partition(*plan, now=partitions is not None) for plan in plans))
 
-    async def _commit_partition(self, partition: TopicPartition, point: int, *, now: bool = False) -> None:
-        """One transaction: the partition's answers below ``point`` and its offset, or what its failure means
-        (fenced: the partition moved; refused records: replaced, tried again; retriable: back off; else fatal)."""
+    def _plan(self, partition: TopicPartition) -> tuple[TopicPartition, int, str, list[int]] | None:
+        """What the partition's next transaction carries: its commit point, the metadata naming the done offsets
+        beyond it whose answers are out after it, and the answered offsets whose answers leave in it (those the
+        ordering lets go); None when there is nothing new to commit."""
+        if not self.tracker.owns(partition):
+            return None
+        pending = self._pending.get(partition, {})
+        leaving = self.tracker.may_leave(partition, pending.keys())
+        held = set(pending).difference(leaving)
+        changed = self.tracker.commit_offsets([partition], held={partition: held})
+        if partition not in changed and not leaving:
+            return None
+        point, metadata = changed.get(partition) or self.tracker.commit_offsets(
+            [partition], held={partition: held}, changed_only=False)[partition]
+        return partition, point, metadata, leaving
+
+    async def _commit_partition(self, partition: TopicPartition, point: int, metadata: str, ready: list[int], *,
+                                now: bool = False) -> None:
+        """One transaction: the partition's ``ready`` answers and its offset (``point`` and ``metadata``), or what
+        its failure means (fenced: the partition moved; refused records: replaced, tried again; retriable: back
+        off; else fatal)."""
         from aiokafka.errors import KafkaError, ProducerFenced
 
         if not now and time.monotonic() < self._retry_at.get(partition, 0.0):
             return  # backing off after a failed transaction
         pending = self._pending.get(partition, {})
-        ready = sorted(offset for offset in pending if offset < point)
         started = time.perf_counter()
         refused: list[tuple[int, int, BaseException]] = []  # (offset, index, error) of records refused as too large
         try:
-            await self._transaction(partition, point, [(offset, pending[offset]) for offset in ready], refused)
+            await self._transaction(partition, (point, metadata), [(offset, pending[offset]) for offset in ready],
+                                    refused)
         except ProducerFenced:
             # Expected for a previous owner after a rebalance: its uncommitted answers are the new owner's to give.
             log.info("fenced: another worker owns this partition now", partition=str(partition))
@@ -252,15 +271,15 @@ class CommitInTransaction(_Counted):
         self._retry_at.pop(partition, None)
         for offset in ready:
             pending.pop(offset, None)
-        self.tracker.committed({partition: point})
+        self.tracker.committed({partition: (point, metadata)})
         self._counted_commit()
         log.debug("committed", partition=str(partition), offset=point, answers=len(ready),
                   ms=round((time.perf_counter() - started) * 1e3, 1))
 
-    async def _transaction(self, partition: TopicPartition, point: int, ready: list[tuple[int, list[Outgoing]]],
-                           refused: list[tuple[int, int, BaseException]]) -> None:
-        """Publish ``ready``'s records and commit ``point`` in one transaction; aborted on any failure, with the
-        records refused as too large noted in ``refused`` (and the first of them raised)."""
+    async def _transaction(self, partition: TopicPartition, point: tuple[int, str],
+                           ready: list[tuple[int, list[Outgoing]]], refused: list[tuple[int, int, BaseException]]) -> None:
+        """Publish ``ready``'s records and commit ``point`` (offset and metadata) in one transaction; aborted on any
+        failure, with the records refused as too large noted in ``refused`` (and the first of them raised)."""
         producer = await self._producer(partition)
         await producer.begin_transaction()
         try:

@@ -11,6 +11,8 @@ policy says the work is finished:
   the limits plus ``RESERVE``, or with a full media budget), and resumed once the work drains below 80 % of
   all three, so memory stays bounded however fast producers publish, and a light stream on partitions of its
   own is not held behind a flood on others (``backpressure_pauses``; docs/SCHEDULING.md);
+* keeps each partition's reads within the **window** its commit metadata can speak for (offsets.py): records
+  past it are sought back to and the partition paused until its oldest unanswered request is answered;
 * **commits** every ``commit_interval_ms`` (beside the loop: a transaction's round trips must not stall
   fetching) and reports lag and stalls;
 * on **shutdown** (``stop()``: SIGTERM/SIGINT) stops fetching, finishes what is in flight for up to
@@ -25,7 +27,8 @@ committed). Newly assigned partitions stay paused until they are *settled*: when
 waits until the previous owner's last transaction is complete) and only then is the committed offset read and
 sought to. aiokafka reads committed offsets on assignment without ``require_stable`` (KIP-447), so without
 this a new owner could start from the offset before the previous owner's last commit and answer those
-requests a second time.
+requests a second time. With the committed offset the commit's metadata is read: the requests it names were
+answered beyond the offset by the previous owner, and are skipped (``OffsetTracker.inherit``).
 """
 
 from __future__ import annotations
@@ -180,6 +183,8 @@ class ConsumeLoop:
         self.paused = False  # backpressure is on (until the work drains)
         self.pressure_paused: set[TopicPartition] = set()  # the partitions backpressure paused
         self.stalled: list[str] = []  # partitions whose commit point has not moved for stall_unready_s
+        # Partitions read as far past their commit point as a commit's metadata can name (offsets.window_offsets).
+        self.window_paused: set[TopicPartition] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         # Assigned partitions not yet positioned at their stable committed offset (kept paused meanwhile),
         # and the first offset of any record that arrived for one anyway (read again once settled).
@@ -234,6 +239,7 @@ class ConsumeLoop:
                 task.add_done_callback(self.tasks.discard)
             self._apply_backpressure()
             self._apply_quotas()
+            self._apply_window()
             self.metrics.set_in_flight(self.in_flight.requests, self.in_flight.questions, self.in_flight.tokens)
             self.metrics.set_paused(self.paused)
             if time.monotonic() >= next_commit and (flushing is None or flushing.done()):
@@ -254,12 +260,44 @@ class ConsumeLoop:
                     skipped = self._skipped_while_settling
                     skipped[partition] = min(skipped.get(partition, records[0].offset), records[0].offset)
                 continue
+            limit = self.tracker.read_limit(partition, records[0].offset) if records else None
+            if limit is not None and records[-1].offset > limit:
+                # Past what a commit's metadata can speak for: read again once the commit point has moved.
+                self.consumer.seek(partition, next(r.offset for r in records if r.offset > limit))
+                records = [record for record in records if record.offset <= limit]
             accepted = [record for record in records if accept(record)]
             if accepted:
-                epoch = self.tracker.add_all(partition, [record.offset for record in accepted])
+                epoch, answered = self.tracker.add_all(partition, [record.offset for record in accepted],
+                                                       [record.key for record in accepted])
+                if answered:  # an earlier owner's answers are out: their commit said so
+                    log.info("skipped requests answered before", partition=str(partition), count=len(answered))
+                    accepted = [record for record in accepted if record.offset not in answered]
                 fetched.partitions[(partition.topic, partition.partition)] = (partition, epoch)
                 fetched.records += accepted
         return fetched
+
+    def _apply_window(self) -> None:
+        """Pause a partition read as far past its commit point as a commit's metadata can speak for (the
+        oldest request holds the point back; offset_metadata_max_bytes bounds how far the others may pass it);
+        resume it when the point has moved."""
+        assignment = self.consumer.assignment()
+        full = {partition for partition in assignment if self.tracker.window_full(partition)}
+        newly = full - self.window_paused
+        if newly:
+            self.consumer.pause(*newly)
+            log.warning("read window full: partitions paused until their oldest request is answered",
+                        partitions=sorted(str(p) for p in newly),
+                        window=self.tracker.window, setting="offset_metadata_max_bytes")
+        released = self.window_paused - full
+        self.window_paused = full
+        if released:
+            self.consumer.resume(*(p for p in released if self._may_read(p)))
+
+    def _may_read(self, partition: TopicPartition) -> bool:
+        """Whether nothing but the caller holds the partition paused."""
+        return (partition in self.consumer.assignment() and partition not in self.settling
+                and partition not in self.quota_paused and partition not in self.window_paused
+                and not (self.paused and partition in self.pressure_paused))
 
     async def _cancel_tasks(self) -> None:
         tasks = [task for task in self.tasks if task is not asyncio.current_task()]
@@ -304,7 +342,8 @@ class ConsumeLoop:
         )
         assignment = self.consumer.assignment()
         if self.paused and drained:
-            self.consumer.resume(*(p for p in assignment if p not in self.settling and p not in self.quota_paused))
+            self.consumer.resume(*(p for p in assignment if p not in self.settling and p not in self.quota_paused
+                                   and p not in self.window_paused))
             self.paused = False
             self.pressure_paused = set()
             log.debug("resumed", requests=work.requests, tokens=work.tokens)
@@ -335,7 +374,8 @@ class ConsumeLoop:
         released = self.quota_paused - held
         self.quota_paused = held
         if released and not self.paused:
-            self.consumer.resume(*(p for p in released if p in assignment and p not in self.settling))
+            self.consumer.resume(*(p for p in released if p in assignment and p not in self.settling
+                                   and p not in self.window_paused))
         self.metrics.set_quota_held(self.quotas.held_tenants(), self.in_flight.held_requests, len(held),
                                     self.quotas.held_total)
 
@@ -397,7 +437,9 @@ class ConsumeLoop:
                     continue
                 skipped = self._skipped_while_settling.pop(partition, None)
                 try:
-                    position = self.read.start_position(partition, await self.consumer.committed(partition))
+                    committed, metadata = await committed_offset(self.consumer, partition)
+                    self.tracker.inherit(partition, committed, metadata)
+                    position = self.read.start_position(partition, committed)
                 except Exception as exc:  # noqa: BLE001 - then from where aiokafka positioned it, or what was skipped
                     log.warning("committed offset not re-read", partition=str(partition), error=str(exc))
                     position = None
@@ -411,8 +453,19 @@ class ConsumeLoop:
             for partition in settled:
                 self.settling.pop(partition, None)
             if not self.paused:
-                self.consumer.resume(*(p for p in settled if p in assignment and p not in self.quota_paused))
+                self.consumer.resume(*(p for p in settled if p in assignment and p not in self.quota_paused
+                                       and p not in self.window_paused))
             log.debug("partitions settled", partitions=[f"{p.topic}-{p.partition}" for p in settled])
+
+    async def inherit(self, partitions: list[TopicPartition]) -> None:
+        """Read what the partitions' last commits say was answered beyond their points (to skip it)."""
+        if not self.tracker.record_done:
+            return
+        for partition in partitions:
+            try:
+                self.tracker.inherit(partition, *await committed_offset(self.consumer, partition))
+            except Exception as exc:  # noqa: BLE001 - without it those requests are answered again (at least once)
+                log.warning("commit metadata not read", partition=str(partition), error=str(exc))
 
     async def stop_settling(self, partitions: list[TopicPartition]) -> None:
         tasks = {self.settling.pop(p) for p in partitions if p in self.settling}
@@ -452,6 +505,7 @@ class _Rebalance(ConsumerRebalanceListener):
         loop.metrics.count_revoked(len(revoked), abandoned)
         loop.paused = False  # a new assignment starts unpaused
         loop.pressure_paused = set()
+        loop.window_paused.difference_update(revoked)
         loop.quota_paused.difference_update(revoked)
         log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked],
                  abandoned=abandoned, committed=committed, seconds=round(time.monotonic() - started, 3))
@@ -463,12 +517,25 @@ class _Rebalance(ConsumerRebalanceListener):
             loop.begin_settling(assigned)  # commits.assigned runs there, outside this callback
         else:
             await loop.commits.assigned(assigned)
+            await loop.inherit(assigned)
         await loop.read.assigned(loop.consumer, assigned, list(loop.settling))
         loop.joined = True
         generation = getattr(getattr(loop.consumer, "_coordinator", None), "generation", None)
         loop.metrics.count_rebalance(generation, len(assigned), len(loop.consumer.assignment()))
         log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned],
                  generation=generation)
+
+
+async def committed_offset(consumer: AIOKafkaConsumer, partition: TopicPartition) -> tuple[int | None, str]:
+    """The group's committed offset of ``partition`` and its metadata (None, "" when nothing is committed).
+
+    ``AIOKafkaConsumer.committed`` returns the offset alone; the metadata says which offsets beyond it were
+    answered already (offsets.py), so the coordinator's own fetch is asked."""
+    fetched = await consumer._coordinator.fetch_committed_offsets([partition])  # noqa: SLF001 - metadata too
+    found = fetched.get(partition)
+    if found is None or found.offset < 0:
+        return None, ""
+    return found.offset, found.metadata or ""
 
 
 async def _within(step: Awaitable[Any], deadline: float, what: str) -> bool:

@@ -969,13 +969,18 @@ def _run_service_bench(args: argparse.Namespace) -> int:
             report["kafka"] = bench_service.kafka_overhead(args.kafka, progress=step)
             bar.update(bar.total - bar.n)
         tables.append(bench_service.kafka_markdown(report["kafka"]))
-    if args.soak or args.ask:
+    if args.soak or args.ask or args.head_of_line:
         if args.checkpoint:
             root = Path(args.checkpoint)
         else:
             from d3stream.tools.demo import demo_checkpoint
 
             root = demo_checkpoint(progress=args.progress)
+    if args.head_of_line:
+        from d3stream.tools.bench_ordering import head_of_line, head_of_line_markdown
+
+        report["head_of_line"] = head_of_line(root, seconds=args.head_of_line, threads=args.threads or 1)
+        tables.append(head_of_line_markdown(report["head_of_line"]))
     if args.ask:
         from d3stream.tools.bench_ask import ask_latency, ask_markdown
 
@@ -1026,7 +1031,7 @@ def _run_scheduling_bench(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.scheduling:
         return _run_scheduling_bench(args)
-    if args.kafka or args.soak or args.ask:
+    if args.kafka or args.soak or args.ask or args.head_of_line:
         return _run_service_bench(args)
     report, calibration = run_bench(args)
     table = markdown(report, calibration if args.calibrate else None)
@@ -1082,6 +1087,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ask", type=int, nargs="?", const=300, default=0, metavar="N",
                         help="instead: N asks (default 300, 20/s) of the client's ask() against a worker on an "
                         "embedded broker, beside the worker's own end-to-end latency, in both delivery modes")
+    parser.add_argument("--head-of-line", type=float, nargs="?", const=20.0, default=0.0, metavar="SECONDS",
+                        help="instead: text requests behind slow-store image requests on the same partitions, on an "
+                        "embedded broker and store: ordering key and partition against a fast store, streams of "
+                        "SECONDS (default 20)")
     parser.add_argument("--scheduling", type=float, nargs="?", const=6.0, default=0.0, metavar="SECONDS",
                         help="instead: priority lanes, expired requests and tenant quotas over the request pipeline "
                         "(no broker), streams of SECONDS (default 6) on the checkpoint; docs/SCHEDULING.md")
