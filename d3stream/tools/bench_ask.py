@@ -36,14 +36,12 @@ MODES: tuple[DeliveryMode, ...] = ("exactly_once", "at_least_once")
 
 async def _asks(settings: Settings, model: D3, count: int, rate: float, prefix: str) -> dict[str, Any]:
     from d3stream.service import Service
+    from d3stream.tools.bench_service import until_joined
 
     service = Service(settings, model)
     task = asyncio.create_task(service.run())
     try:
-        while not service.joined:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
+        await until_joined(service, task)
         async with D3Client(settings.bootstrap_servers, request_topic=settings.request_topics[0],
                             answer_topic=settings.answer_topic, worker_group=settings.group_id) as client:
             await client.ask({"id": f"{prefix}-warm", "state": "warm up", "questions": {"team": QUESTION}},

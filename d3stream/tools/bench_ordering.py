@@ -73,16 +73,14 @@ def _stream(seconds: float, image_uri: str, seed: int) -> list[tuple[float, str,
 async def _one_run(settings: Settings, model: D3, fetcher: MediaFetcher, stream: list[tuple[float, str, dict]],
                    drain_s: float) -> dict[str, list[float]]:
     from d3stream.service import Service
+    from d3stream.tools.bench_service import until_joined
 
     service = Service(settings, model, fetcher=fetcher)
     task = asyncio.create_task(service.run())
     sent: dict[str, float] = {}
     waits: dict[str, list[float]] = {"text": [], "image": []}
     try:
-        while not service.joined:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
+        await until_joined(service, task)
         async with Publisher(settings.bootstrap_servers, settings.request_topics[0]) as publisher, \
                 AnswerSubscription(settings.bootstrap_servers, settings.answer_topic,
                                    f"{settings.group_id}-reader") as answers:

@@ -192,6 +192,14 @@ async def _until_finished(service: Service, task: asyncio.Task[None], count: int
         await asyncio.sleep(poll_s)
 
 
+async def until_joined(service: Service, task: asyncio.Task[None]) -> None:
+    """Until the service holds its partitions; what it raised if it stopped first."""
+    while not service.joined:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.002)
+
+
 async def _service_run(settings: Settings, model: DecisionModel, count: int,
                        **service_options: Any) -> tuple[float, Service]:
     """Serve until ``count`` requests are answered and committed; seconds from assignment to done.
@@ -201,10 +209,7 @@ async def _service_run(settings: Settings, model: DecisionModel, count: int,
     service = Service(settings, model, **service_options)
     task = asyncio.create_task(service.run())
     try:
-        while not service.joined:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.002)
+        await until_joined(service, task)
         started = time.perf_counter()
         await _until_finished(service, task, count, 0.002)
         assert service.delivery is not None  # the service is running
