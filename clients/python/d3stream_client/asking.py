@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from d3stream_client.connection import partition_for, start_client, without
 from d3stream_client.contract import Answer, decode_answer
 from d3stream_client.publisher import Published
+
+log = logging.getLogger(__name__)
 
 # How long one read waits for answers before the assignment may change (an ask for a new partition waits
 # at most this long to be let in).
@@ -79,6 +82,9 @@ class AnswerWaiter:
         self._consumer: AIOKafkaConsumer | None = None
         self._reader: asyncio.Task[None] | None = None
         self._reading = asyncio.Lock()  # held by each read, and by a change of the assignment between reads
+        # Partitions read from a known position: assigned *and* sought to their end. An ask may publish only
+        # once its partition is in here; assigned alone, the position might still land after its answer.
+        self._positioned: set[TopicPartition] = set()
         self._waiting: dict[str, list[_Ask]] = {}
         self.undecodable = 0  # records of the answer topic that were not answers
 
@@ -114,16 +120,17 @@ class AnswerWaiter:
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
+        self._positioned.clear()
 
     async def _read_partition(self, partition: int) -> None:
         """Make sure the consumer reads ``partition`` from at least where its end is now."""
         wanted = TopicPartition(self.answer_topic, partition)
-        if self._consumer is not None and wanted in self._consumer.assignment():
+        if wanted in self._positioned:
             return
         async with self._reading:
             consumer = await self._started()
             assigned = consumer.assignment()
-            if wanted in assigned:
+            if wanted in self._positioned:
                 return
             # assign() replaces the assignment and forgets positions: keep those of the partitions already read.
             positions = {tp: await consumer.position(tp) for tp in assigned}
@@ -132,6 +139,7 @@ class AnswerWaiter:
                 consumer.seek(tp, offset)
             await consumer.seek_to_end(wanted)
             await consumer.position(wanted)  # resolved now, before the request is published
+            self._positioned.add(wanted)
         if self._reader is None:
             self._reader = asyncio.create_task(self._read(), name="d3stream-client-answers")
 
@@ -147,8 +155,15 @@ class AnswerWaiter:
         consumer = self._consumer
         assert consumer is not None
         while True:
-            async with self._reading:
-                batches = await consumer.getmany(timeout_ms=POLL_MS)
+            try:
+                async with self._reading:
+                    batches = await consumer.getmany(timeout_ms=POLL_MS)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a broker hiccup must not end the reads every ask waits on
+                log.warning("reading answers failed; retrying: %s: %s", type(exc).__name__, exc)
+                await asyncio.sleep(POLL_MS / 1000)
+                continue
             for records in batches.values():
                 for record in records:
                     self._offer(record.value)
