@@ -277,27 +277,18 @@ class ConsumeLoop:
         return fetched
 
     def _apply_window(self) -> None:
-        """Pause a partition read as far past its commit point as a commit's metadata can speak for (the
-        oldest request holds the point back; offset_metadata_max_bytes bounds how far the others may pass it);
-        resume it when the point has moved."""
-        assignment = self.consumer.assignment()
-        full = {partition for partition in assignment if self.tracker.window_full(partition)}
-        newly = full - self.window_paused
-        if newly:
+        """Pause a partition read as far past its commit point as a commit's metadata can speak for (its oldest
+        request holds the point back); resume it when the point has moved."""
+        full = {partition for partition in self.consumer.assignment() if self.tracker.window_full(partition)}
+        if newly := full - self.window_paused:
             self.consumer.pause(*newly)
-            log.warning("read window full: partitions paused until their oldest request is answered",
-                        partitions=sorted(str(p) for p in newly),
-                        window=self.tracker.window, setting="offset_metadata_max_bytes")
+            log.warning("read window full: paused until the oldest request is answered", partitions=sorted(
+                map(str, newly)), window=self.tracker.window, setting="offset_metadata_max_bytes")
         released = self.window_paused - full
         self.window_paused = full
-        if released:
-            self.consumer.resume(*(p for p in released if self._may_read(p)))
-
-    def _may_read(self, partition: TopicPartition) -> bool:
-        """Whether nothing but the caller holds the partition paused."""
-        return (partition in self.consumer.assignment() and partition not in self.settling
-                and partition not in self.quota_paused and partition not in self.window_paused
-                and not (self.paused and partition in self.pressure_paused))
+        held = self.quota_paused | set(self.settling) | (self.pressure_paused if self.paused else set())
+        if released - held:
+            self.consumer.resume(*(released - held))
 
     async def _cancel_tasks(self) -> None:
         tasks = [task for task in self.tasks if task is not asyncio.current_task()]
@@ -457,16 +448,6 @@ class ConsumeLoop:
                                        and p not in self.window_paused))
             log.debug("partitions settled", partitions=[f"{p.topic}-{p.partition}" for p in settled])
 
-    async def inherit(self, partitions: list[TopicPartition]) -> None:
-        """Read what the partitions' last commits say was answered beyond their points (to skip it)."""
-        if not self.tracker.record_done:
-            return
-        for partition in partitions:
-            try:
-                self.tracker.inherit(partition, *await committed_offset(self.consumer, partition))
-            except Exception as exc:  # noqa: BLE001 - without it those requests are answered again (at least once)
-                log.warning("commit metadata not read", partition=str(partition), error=str(exc))
-
     async def stop_settling(self, partitions: list[TopicPartition]) -> None:
         tasks = {self.settling.pop(p) for p in partitions if p in self.settling}
         for partition in partitions:
@@ -517,13 +498,24 @@ class _Rebalance(ConsumerRebalanceListener):
             loop.begin_settling(assigned)  # commits.assigned runs there, outside this callback
         else:
             await loop.commits.assigned(assigned)
-            await loop.inherit(assigned)
+            await inherit(loop.consumer, loop.tracker, assigned)
         await loop.read.assigned(loop.consumer, assigned, list(loop.settling))
         loop.joined = True
         generation = getattr(getattr(loop.consumer, "_coordinator", None), "generation", None)
         loop.metrics.count_rebalance(generation, len(assigned), len(loop.consumer.assignment()))
         log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned],
                  generation=generation)
+
+
+async def inherit(consumer: AIOKafkaConsumer, tracker: OffsetTracker, partitions: list[TopicPartition]) -> None:
+    """Read what the partitions' last commits say was answered beyond their points (to skip it)."""
+    if not tracker.record_done:
+        return
+    for partition in partitions:
+        try:
+            tracker.inherit(partition, *await committed_offset(consumer, partition))
+        except Exception as exc:  # noqa: BLE001 - without it those requests are answered again (at least once)
+            log.warning("commit metadata not read", partition=str(partition), error=str(exc))
 
 
 async def committed_offset(consumer: AIOKafkaConsumer, partition: TopicPartition) -> tuple[int | None, str]:

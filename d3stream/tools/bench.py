@@ -976,16 +976,8 @@ def _run_service_bench(args: argparse.Namespace) -> int:
             from d3stream.tools.demo import demo_checkpoint
 
             root = demo_checkpoint(progress=args.progress)
-    if args.head_of_line:
-        from d3stream.tools.bench_ordering import head_of_line, head_of_line_markdown
-
-        report["head_of_line"] = head_of_line(root, seconds=args.head_of_line, threads=args.threads or 1)
-        tables.append(head_of_line_markdown(report["head_of_line"]))
-    if args.ask:
-        from d3stream.tools.bench_ask import ask_latency, ask_markdown
-
-        report["ask"] = ask_latency(root, args.ask, threads=args.threads or 1)
-        tables.append(ask_markdown(report["ask"]))
+    if args.head_of_line or args.ask:
+        _client_side_benches(args, root, report, tables)
     if args.soak:
         with tqdm(total=args.soak, desc="soak", unit="req", file=sys.stderr, disable=not args.progress) as bar:
             def tick(answered: int) -> None:
@@ -1007,6 +999,20 @@ def _run_service_bench(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(tables))
     return 0
+
+
+def _client_side_benches(args: argparse.Namespace, root: Path, report: dict[str, Any], tables: list[str]) -> None:
+    """``--head-of-line`` and ``--ask``: what a subscriber or a caller of the client waits, on the embedded stack."""
+    if args.head_of_line:
+        from d3stream.tools.bench_ordering import head_of_line, head_of_line_markdown
+
+        report["head_of_line"] = head_of_line(root, seconds=args.head_of_line, threads=args.threads or 1)
+        tables.append(head_of_line_markdown(report["head_of_line"]))
+    if args.ask:
+        from d3stream.tools.bench_ask import ask_latency, ask_markdown
+
+        report["ask"] = ask_latency(root, args.ask, threads=args.threads or 1)
+        tables.append(ask_markdown(report["ask"]))
 
 
 def _run_scheduling_bench(args: argparse.Namespace) -> int:
