@@ -27,6 +27,8 @@ CONFIG_ENV = "D3STREAM_CONFIG"
 # The delivery setting's values (each a registered sink and commit policy: commits.DELIVERY_MODES, which a
 # test keeps in step with this list); also what chaos and the benchmarks pass as a mode.
 DeliveryMode = Literal["exactly_once", "at_least_once"]
+# Which answers may leave before earlier requests of their partition are answered (kafka/offsets.py).
+Ordering = Literal["key", "partition", "none"]
 
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -57,7 +59,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kafka_options: list[str] = msgspec.field(default_factory=list)
     commit_interval_ms: int = 500
     delivery: DeliveryMode = "exactly_once"
-    ordering: Literal["key", "partition", "none"] = "key"
+    ordering: Ordering = "key"
     offset_metadata_max_bytes: int = 4096
     transactional_id_prefix: str = "d3stream"
     compression: Literal["zstd", "lz4", "gzip", "none"] = "zstd"

@@ -223,11 +223,11 @@ class CommitInTransaction(_Counted):
         pending = self._pending.get(partition, {})
         leaving = self.tracker.may_leave(partition, pending.keys())
         held = set(pending).difference(leaving)
+        # An answer leaving moves the point past it or adds it to the metadata: it always makes a change.
         changed = self.tracker.commit_offsets([partition], held={partition: held})
-        if partition not in changed and not leaving:
+        if partition not in changed:
             return None
-        point, metadata = changed.get(partition) or self.tracker.commit_offsets(
-            [partition], held={partition: held}, changed_only=False)[partition]
+        point, metadata = changed[partition]
         return partition, point, metadata, leaving
 
     async def _commit_partition(self, partition: TopicPartition, point: int, metadata: str, ready: list[int], *,

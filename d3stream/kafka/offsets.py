@@ -30,12 +30,10 @@ import time
 from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 from aiokafka.structs import TopicPartition
 
-Ordering = Literal["key", "partition", "none"]
-ORDERINGS: tuple[Ordering, ...] = ("key", "partition", "none")
+from d3stream.config import Ordering
 
 # The metadata of a commit with done offsets beyond its point: this prefix, then the base64 of a bitset whose
 # bit i (least significant first in each byte) says whether offset point + 1 + i is done.

@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING, Any
 from d3stream_client.publisher import Publisher
 from d3stream_client.subscriber import AnswerSubscription
 
-from d3stream.config import Settings
+from d3stream.config import Ordering, Settings
 from d3stream.core.storage import FetchedMedia, MediaFetcher, S3Location
-from d3stream.kafka.offsets import Ordering
 from d3stream.runtime import D3
 from d3stream.tools.demo import sample_png
 

@@ -107,15 +107,15 @@ class Publisher:
 
     async def publish_prepared(self, key: bytes, value: bytes) -> Published:
         """Publish a (key, value) that ``prepared`` returned; returns once the broker has acknowledged it."""
-        return await (await self._send(key, value))
+        return await _landed(key, await self._send(key, value))
 
     async def publish_many(self, requests: Iterable[Request | dict[str, Any] | bytes]) -> list[Published]:
         """Check every request first (nothing is sent when one fails), then publish them all, pipelined."""
         records = [self.prepared(request) for request in requests]
         published: list[Published] = []
         for start in range(0, len(records), PIPELINE_DEPTH):
-            sending = [await self._send(key, value) for key, value in records[start:start + PIPELINE_DEPTH]]
-            published.extend(await asyncio.gather(*sending))
+            chunk = records[start:start + PIPELINE_DEPTH]
+            published.extend(await asyncio.gather(*[_landed(key, await self._send(key, value)) for key, value in chunk]))
         return published
 
     async def publish_raw(self, records: Iterable[tuple[bytes | None, bytes]],
@@ -134,20 +134,17 @@ class Publisher:
         await asyncio.gather(*pending)
         return count
 
-    async def _send(self, key: bytes | None, value: bytes) -> asyncio.Future[Published]:
-        """Hand one record to the producer; the future is resolved when the broker acknowledges it."""
+    async def _send(self, key: bytes | None, value: bytes) -> asyncio.Future[Any]:
+        """Hand one record to the producer; the future is resolved (with its RecordMetadata) when the broker
+        acknowledges it."""
         await self.start()
-        acknowledged = await self.producer.send(self.topic, value=value, key=key, headers=HEADERS + trace_headers())
-        identifier = key.decode("utf-8", "replace") if key is not None else ""
-
-        def landed(metadata: Any) -> Published:
-            return Published(identifier, metadata.topic, metadata.partition, metadata.offset)
-
-        return asyncio.ensure_future(_then(acknowledged, landed))
+        return await self.producer.send(self.topic, value=value, key=key, headers=HEADERS + trace_headers())
 
 
-async def _then(future: Any, convert: Callable[[Any], Published]) -> Published:
-    return convert(await future)
+async def _landed(key: bytes, acknowledged: asyncio.Future[Any]) -> Published:
+    """Where an acknowledged request record landed."""
+    metadata = await acknowledged
+    return Published(key.decode("utf-8", "replace"), metadata.topic, metadata.partition, metadata.offset)
 
 
 async def produce(bootstrap_servers: str, topic: str, records: Iterable[tuple[bytes | None, bytes]], *,
