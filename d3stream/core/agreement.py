@@ -3,15 +3,16 @@
 One implementation of the figures, for every place that reports them: ``d3stream compare`` (two answer sets
 offline) and the shadow's live agreement metrics (``core/shadow.py``). Agreement of the decisions,
 ``|Δp|`` of every option, the score MAE and the confidence shift between two answers; accuracy, the Brier
-score and the expected calibration error (ECE) of answers against labels. Pure functions over parsed
-answer objects (``Slot``): no I/O, no Kafka.
+score, the log loss and the expected calibration error (ECE) of answers against labels, through one
+``Tally`` that ``d3stream evaluate`` keeps live too. Pure functions over parsed answer objects (``Slot``):
+no I/O, no Kafka.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from d3stream.runtime.kinds import finite_number, question_type
@@ -32,6 +33,8 @@ class Slot:
     decision: str
     confidence: float | None = None
     score: float | None = None
+    # A score's level texts by key, as its answer's legend gives them: a label may name a level by its text.
+    legend: tuple[tuple[str, str], ...] = ()
 
     @property
     def decision_probability(self) -> float:
@@ -47,14 +50,22 @@ def parse_slot(raw: Any) -> Slot | None:
     read = kind.read(raw) if kind is not None else None
     if kind is None or read is None:
         return None
-    return Slot(kind.name, read.probabilities, read.decision, finite_number(raw.get("confidence")), read.score)
+    legend = raw.get("legend")
+    texts = tuple((key, text) for key, text in legend.items() if isinstance(text, str)) \
+        if kind.name == "score" and isinstance(legend, dict) else ()
+    return Slot(kind.name, read.probabilities, read.decision, finite_number(raw.get("confidence")), read.score,
+                texts)
 
 
 def label_key(slot: Slot, expected: Any) -> str | None:
-    """The option key a label names, in the slot's own terms; None when it cannot name one."""
+    """The option key a label names, in the slot's own terms (a score level by its index or its text); None
+    when it names none of the slot's options (a label of another question type, an unknown option)."""
     kind = question_type(slot.type)
     key = kind.label_key(expected) if kind is not None else None
-    return key if key in slot.probabilities else None
+    if key in slot.probabilities:
+        return key
+    named = [level for level, text in slot.legend if text == expected] if isinstance(expected, str) else []
+    return named[0] if len(named) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -101,12 +112,13 @@ class CalibrationBin:
 
 @dataclass(frozen=True)
 class LabelStats:
-    """Accuracy, Brier score and ECE of one side over the labelled joined questions."""
+    """Accuracy, Brier score, ECE and log loss of answers over their labelled questions."""
 
     n: int
     accuracy: float | None
     brier: float | None
     ece: float | None
+    log_loss: float | None = None
     bins: tuple[CalibrationBin, ...] = ()
 
 
@@ -141,47 +153,117 @@ def brier(slot: Slot, key: str) -> float:
     return math.fsum((p - (1.0 if option == key else 0.0)) ** 2 for option, p in slot.probabilities.items())
 
 
-def calibration(confidences: Sequence[float], correct: Sequence[bool], bins: int = ECE_BINS) -> tuple[
-    float | None, tuple[CalibrationBin, ...]
-]:
-    """Expected calibration error over ``bins`` equal-width bins of [0, 1], and the bins.
+# The probability a log loss is taken of is at least this (an answer certain of the wrong option would
+# otherwise count as infinitely wrong, and one such answer would make the mean meaningless).
+LOG_LOSS_FLOOR = 1e-15
 
-    ``ECE = sum_b (n_b / N) |accuracy_b - mean_confidence_b|``; a bin holds ``lower <= c < upper`` (the
-    last one includes 1).
+
+@dataclass(frozen=True)
+class Scored:
+    """One answered question scored against its label: the terms every label figure is a mean of."""
+
+    type: str
+    label_option: str
+    predicted: str
+    p_label: float
+    confidence: float  # the probability of the predicted option: what calibration is measured on
+    correct: bool
+    brier: float
+    log_loss: float
+
+
+def score(slot: Slot, key: str) -> Scored:
+    """``slot`` against the label naming option ``key`` (``label_key`` of the label)."""
+    p_label = slot.probabilities.get(key, 0.0)
+    return Scored(
+        type=slot.type,
+        label_option=key,
+        predicted=slot.decision,
+        p_label=p_label,
+        confidence=slot.decision_probability,
+        correct=slot.decision == key,
+        brier=brier(slot, key),
+        log_loss=-math.log(max(p_label, LOG_LOSS_FLOOR)),
+    )
+
+
+def calibration_bin(confidence: float, bins: int = ECE_BINS) -> int:
+    """The equal-width bin of [0, 1] a confidence falls in (``lower <= c < upper``; the last one includes 1)."""
+    # The small epsilon keeps 0.3 (which is 2.9999999999999996 tenths in floats) in the bin of 0.3.
+    return min(max(int(math.floor(confidence * bins + 1e-9)), 0), bins - 1)
+
+
+# Sums are kept in fixed point with this many units per 1.0: integers add exactly, so a tally's figures do
+# not depend on the order its questions came in (the live evaluator sees them in arrival order, compare in
+# file order) and two tallies of the same questions give the very same floats.
+_FIXED = 1 << 64
+
+
+def _fixed(value: float) -> int:
+    return round(value * _FIXED)
+
+
+@dataclass
+class Tally:
+    """Counts and exact sums over scored questions, from which accuracy, Brier, log loss and ECE come.
+
+    One implementation for ``d3stream compare --labels`` (offline) and ``d3stream evaluate`` (live): the same
+    scored questions give identical figures whichever fed them, in whatever order.
     """
-    members: list[list[int]] = [[] for _ in range(bins)]
-    for index, confidence in enumerate(confidences):
-        # The small epsilon keeps 0.3 (which is 2.9999999999999996 tenths in floats) in the bin of 0.3.
-        members[min(max(int(math.floor(confidence * bins + 1e-9)), 0), bins - 1)].append(index)
-    out = []
-    total = len(confidences)
-    ece = 0.0
-    for b, indices in enumerate(members):
-        mean_confidence: float | None
-        accuracy: float | None
-        if indices:
-            mean_confidence = math.fsum(confidences[i] for i in indices) / len(indices)
-            accuracy = sum(1 for i in indices if correct[i]) / len(indices)
-            ece += len(indices) / total * abs(accuracy - mean_confidence)
-        else:
-            mean_confidence = accuracy = None
-        out.append(CalibrationBin(b / bins, (b + 1) / bins, len(indices), mean_confidence, accuracy))
-    return (ece if total else None), tuple(out)
+
+    bins: int = ECE_BINS
+    n: int = 0
+    correct: int = 0
+    brier_sum: int = 0
+    log_loss_sum: int = 0
+    bin_counts: list[int] = field(default_factory=list)
+    bin_correct: list[int] = field(default_factory=list)
+    bin_confidence: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for counts in (self.bin_counts, self.bin_correct, self.bin_confidence):
+            counts.extend([0] * (self.bins - len(counts)))
+
+    def add(self, scored: Scored) -> None:
+        self.n += 1
+        self.correct += scored.correct
+        self.brier_sum += _fixed(scored.brier)
+        self.log_loss_sum += _fixed(scored.log_loss)
+        b = calibration_bin(scored.confidence, self.bins)
+        self.bin_counts[b] += 1
+        self.bin_correct[b] += scored.correct
+        self.bin_confidence[b] += _fixed(scored.confidence)
+
+    def stats(self) -> LabelStats:
+        """The figures (None where there is nothing to average)."""
+        n = self.n
+        bins = tuple(
+            CalibrationBin(b / self.bins, (b + 1) / self.bins, count,
+                           self.bin_confidence[b] / (_FIXED * count) if count else None,
+                           self.bin_correct[b] / count if count else None)
+            for b, count in enumerate(self.bin_counts)
+        )
+        if not n:
+            return LabelStats(0, None, None, None, None, bins)
+        # ECE = sum_b (n_b / N) |accuracy_b - mean confidence_b| = sum_b |correct_b - confidence sum_b| / N.
+        gaps = sum(abs(self.bin_correct[b] * _FIXED - self.bin_confidence[b]) for b in range(self.bins))
+        return LabelStats(
+            n=n,
+            accuracy=self.correct / n,
+            brier=self.brier_sum / (_FIXED * n),
+            ece=gaps / (_FIXED * n),
+            log_loss=self.log_loss_sum / (_FIXED * n),
+            bins=bins,
+        )
 
 
 def label_stats(pairs: Sequence[tuple[Slot, str]]) -> LabelStats:
-    """Accuracy, Brier score and ECE (on the probability of the decided option) of (slot, expected key) pairs."""
-    if not pairs:
-        return LabelStats(0, None, None, None, calibration([], [])[1])
-    correct = [slot.decision == key for slot, key in pairs]
-    ece, bins = calibration([slot.decision_probability for slot, _ in pairs], correct)
-    return LabelStats(
-        n=len(pairs),
-        accuracy=sum(correct) / len(pairs),
-        brier=math.fsum(brier(slot, key) for slot, key in pairs) / len(pairs),
-        ece=ece,
-        bins=bins,
-    )
+    """Accuracy, Brier score, log loss and ECE (on the probability of the decided option) of (slot, expected
+    key) pairs."""
+    tally = Tally()
+    for slot, key in pairs:
+        tally.add(score(slot, key))
+    return tally.stats()
 
 
 def join_slots(request_id: str, question_id: str, a: Slot, b: Slot) -> JoinedQuestion:

@@ -10,7 +10,7 @@ CPU run -- read from JSON-lines files or from Kafka topic ranges (``kafka:TOPIC`
 * the score MAE ``|score_a - score_b|`` and the confidence shift ``mean(conf_b - conf_a)``;
 
 overall, per question type and per question id, with the requests that disagree most side by side.
-With labels (``{"id", "question", "answer"}`` lines) each side also gets accuracy, Brier score and
+With labels (label events, or ``{"id", "question", "answer"}`` lines) each side also gets accuracy, Brier score, log loss and
 expected calibration error (ECE).
 
 The figures come from pure functions over parsed records -- :func:`load_answers` (records by request
@@ -305,23 +305,49 @@ def load_answers(
 Labels = dict[tuple[str, str], object]  # expected answer (a label, JSON) by (request id, question id)
 
 
-def load_labels(path: str | Path) -> Labels:
-    """Expected answers by (request id, question id) from ``{"id", "question", "answer"}`` lines.
+def labels_of(documents: Iterable[object], source: str = "labels") -> Labels:
+    """Expected answers by (request id, question id) from label documents of either form:
 
-    ``answer`` is the choice key (``choice``), true or false (``noul``) or the level index (``score``);
-    a later line for the same question replaces an earlier one.
+    * label events (``{"id", "labels": {question id: answer}, ...}``, the label topic's records; see
+      ``d3stream_client.contract.Label``);
+    * ``{"id", "question", "answer"}`` lines, one question each.
+
+    ``answer`` is the choice key (``choice``), true or false (``noul``) or the level index or text
+    (``score``). The first label of a question counts and later ones are ignored, as ``d3stream evaluate``
+    joins them. ValueError names a document of neither form.
     """
     labels: Labels = {}
-    for number, document in enumerate(read_jsonl(Path(path)), 1):
+    for number, document in enumerate(documents, 1):
+        if isinstance(document, dict) and isinstance(document.get("id"), str) and isinstance(document.get("labels"), dict):
+            for question, expected in document["labels"].items():
+                labels.setdefault((document["id"], question), expected)
+            continue
         if not (
             isinstance(document, dict)
             and isinstance(document.get("id"), str)
             and isinstance(document.get("question"), str)
             and "answer" in document
         ):
-            raise ValueError(f"{path}: label {number} is not {{\"id\": str, \"question\": str, \"answer\": ...}}")
-        labels[(document["id"], document["question"])] = document["answer"]
+            raise ValueError(f"{source}: label {number} is neither a label event {{\"id\": str, \"labels\": {{...}}}} "
+                             f"nor {{\"id\": str, \"question\": str, \"answer\": ...}}")
+        labels.setdefault((document["id"], document["question"]), document["answer"])
     return labels
+
+
+def load_labels(source: str | Path, *, settings: Settings | None = None, timeout_s: float = 60.0) -> Labels:
+    """Expected answers (``labels_of``) from a JSON-lines file or a ``kafka:TOPIC[@START-END]`` label topic
+    range (records that are not JSON are skipped there: the evaluator dead-letters them)."""
+    parsed = parse_source(source)
+    if isinstance(parsed, TopicRange):
+        options: dict[str, Any] = {}
+        if settings is not None:
+            from d3stream.kafka.connection import client_options
+
+            options = client_options(settings, "consumer", client_id=settings.client_id)
+        servers = options.pop("bootstrap_servers", None) or default_bootstrap_servers()
+        records = asyncio.run(read_topic(servers, parsed, timeout_s=timeout_s, security=options, settings=settings))
+        return labels_of([r for r in records if isinstance(r, dict) and "labels" in r], str(parsed))
+    return labels_of(read_jsonl(parsed), str(source))
 
 
 # -- one answered question -------------------------------------------------------------------------
@@ -415,6 +441,8 @@ class Report:
                 brier_b=self.labels.b.brier,
                 ece_a=self.labels.a.ece,
                 ece_b=self.labels.b.ece,
+                log_loss_a=self.labels.a.log_loss,
+                log_loss_b=self.labels.b.log_loss,
             )
         return out
 
@@ -704,14 +732,17 @@ def _labels_section(labels: LabelReport, plots: Sequence[str]) -> list[str]:
              f"{labels.invalid} name no option of their question).", ""]
     rows: list[list[object]] = [[
         "all", labels.n, _fmt(labels.a.accuracy), _fmt(labels.b.accuracy), _fmt(labels.a.brier),
-        _fmt(labels.b.brier), _fmt(labels.a.ece), _fmt(labels.b.ece)]]
+        _fmt(labels.b.brier), _fmt(labels.a.ece), _fmt(labels.b.ece), _fmt(labels.a.log_loss),
+        _fmt(labels.b.log_loss)]]
     rows += [[kind, sa.n, _fmt(sa.accuracy), _fmt(sb.accuracy), _fmt(sa.brier), _fmt(sb.brier), _fmt(sa.ece),
-              _fmt(sb.ece)] for kind, (sa, sb) in labels.by_type.items()]
-    lines += _table(["type", "n", "accuracy A", "accuracy B", "Brier A", "Brier B", "ECE A", "ECE B"], rows)
+              _fmt(sb.ece), _fmt(sa.log_loss), _fmt(sb.log_loss)] for kind, (sa, sb) in labels.by_type.items()]
+    lines += _table(["type", "n", "accuracy A", "accuracy B", "Brier A", "Brier B", "ECE A", "ECE B", "log loss A",
+                     "log loss B"], rows)
     lines += ["", "Brier score: the sum over the options of (p − onehot)², averaged over questions (0 best, 2 "
               "worst); for noul the two-class sum over false and true, i.e. twice the binary Brier score. "
               f"ECE: {ECE_BINS} equal-width bins on the probability of the decided option (the max "
-              "probability), sum of bin weight × abs(accuracy − mean confidence).", ""]
+              "probability), sum of bin weight × abs(accuracy − mean confidence). Log loss: −ln p(label), "
+              "p clipped at 1e-15.", ""]
     if "reliability.png" in plots:
         lines += ["![reliability diagram](reliability.png)", ""]
     return lines
@@ -867,7 +898,8 @@ def render_text(report: Report) -> str:
         labels = report.labels
         lines += ["", f"{'labels (n=' + str(labels.n) + ')':<16}{'A':>10}{'B':>10}"]
         for name, va, vb in (("accuracy", labels.a.accuracy, labels.b.accuracy),
-                             ("Brier", labels.a.brier, labels.b.brier), ("ECE", labels.a.ece, labels.b.ece)):
+                             ("Brier", labels.a.brier, labels.b.brier), ("ECE", labels.a.ece, labels.b.ece),
+                             ("log loss", labels.a.log_loss, labels.b.log_loss)):
             lines.append(f"{name:<16}{_fmt(va):>10}{_fmt(vb):>10}")
     return "\n".join(lines)
 
@@ -884,7 +916,7 @@ def _run(args: argparse.Namespace) -> int:
         check_connection(settings)
         side_a = load_answers(args.a, settings=settings, timeout_s=args.timeout)
         side_b = load_answers(args.b, settings=settings, timeout_s=args.timeout)
-        labels = load_labels(args.labels) if args.labels else None
+        labels = load_labels(args.labels, settings=settings, timeout_s=args.timeout) if args.labels else None
     except (OSError, ValueError, SourceError) as exc:
         print(f"d3stream compare: {exc}", file=sys.stderr)
         return 2
@@ -908,7 +940,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "compare",
         help="compare two sets of answers (files or Kafka topic ranges), optionally against labels",
         description="Join two sets of answer events by request and question id and report agreement, |Δp|, "
-        "score MAE and confidence shift; with --labels also accuracy, Brier score and ECE of each side. "
+        "score MAE and confidence shift; with --labels also accuracy, Brier score, ECE and log loss of each side "
+        "(the figures d3stream evaluate keeps live, from the same implementation). "
         "A source is a JSON-lines file of answer events or kafka:TOPIC[@START-END] (offsets "
         "START <= offset < END of every partition, committed records only, up to the end offsets at the "
         "time of the call).",
@@ -916,7 +949,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("a", metavar="A", help="answers: JSON-lines file or kafka:TOPIC[@START-END]")
     parser.add_argument("b", metavar="B", help="answers to compare with A, same forms")
     parser.add_argument("--labels", metavar="L",
-                        help='JSON lines {"id": request id, "question": question id, "answer": expected}')
+                        help='labels: label events {"id", "labels": {question: answer}} (a JSON-lines file or '
+                        'kafka:TOPIC[@START-END]), or JSON lines {"id", "question", "answer"}; the first label '
+                        'of a question counts')
     parser.add_argument("--out", default=DEFAULT_OUT, help="report folder (report.md and PNG plots)")
     parser.add_argument("--json", action="store_true", help="print the headline figures as one JSON object")
     parser.add_argument("--top", type=int, default=DEFAULT_TOP, help="requests listed as largest disagreements")

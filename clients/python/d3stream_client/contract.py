@@ -1,9 +1,13 @@
-"""The event contract: the request, answer and dead-letter records, defined once.
+"""The event contract: the request, answer, dead-letter, label and evaluation records, defined once.
 
 Producers publish a ``Request`` as UTF-8 JSON to the request topic, keyed by its ``id``. The worker
 publishes exactly one ``Answer`` per request record to the answer topic, with the same key: either the
 model's ``answers`` or an ``error`` saying why there are none. Bytes that are not a JSON object at all also
 go to the dead-letter topic as a ``DeadLetter`` with the reason.
+
+The truth about a request, when someone learns it later, is a ``Label`` on the label topic, keyed by the
+same id (so a label lands on the partition of its answer). ``d3stream evaluate`` joins labels with answers
+and publishes one ``Evaluation`` per joined request and model.
 
 These msgspec Structs are the one definition of the contract. The worker (the ``d3stream`` package) decodes
 and encodes with them, this client does too, and ``schemas/*.schema.json`` are generated from them
@@ -223,10 +227,65 @@ class DeadLetter(msgspec.Struct, kw_only=True):
     ] = False
 
 
+# A label's value for one question: a choice's option key, a noul's true or false, a score's level index
+# (or its level text, as the answer's legend shows it).
+LabelValue = str | bool | int
+
+
+class Label(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a request's answers should have been, known later (a closed ticket, an issued refund)."""
+
+    id: Annotated[str, msgspec.Meta(min_length=1, max_length=512,
+                                    description="the request's id; also the Kafka key (the answer's key)")]
+    labels: Annotated[dict[str, LabelValue], msgspec.Meta(
+        min_length=1,
+        description="question id -> the true answer: a choice's option key, a noul's true or false, a score's "
+                    "level index or level text")]
+    labeled_at: Annotated[int, msgspec.Meta(
+        ge=0, description="epoch milliseconds when the truth was known (default: the record's timestamp)")] | None = None
+    source: Annotated[str, msgspec.Meta(max_length=256, description="who or what labelled it (agent, refund-system)")
+                      ] | None = None
+    metadata: Any = None
+
+
+Role = Literal["live", "shadow"]
+ROLES: tuple[Role, ...] = get_args(Role)
+
+
+class LabelledQuestion(msgspec.Struct, kw_only=True):
+    """One question of an answer, scored against its label."""
+
+    type: str
+    label: LabelValue  # as the label event gave it
+    label_option: Annotated[str, msgspec.Meta(description="the option key the label names")]
+    predicted: Annotated[str, msgspec.Meta(description="the answer's decision (an option key)")]
+    p_label: Annotated[float, msgspec.Meta(description="the probability the answer gave the labelled option")]
+    confidence: Annotated[float, msgspec.Meta(description="the probability of the predicted option")]
+    correct: bool
+    brier: Annotated[float, msgspec.Meta(description="sum over the options of (p - onehot(label))^2")]
+    log_loss: Annotated[float, msgspec.Meta(description="-ln p_label (p_label clipped at 1e-15)")]
+
+
+class Evaluation(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One model's answer to one request joined with the request's label (``d3stream evaluate``)."""
+
+    id: str
+    model: Annotated[str, msgspec.Meta(description="the model that answered (the answer's model)")]
+    role: Annotated[Role, msgspec.Meta(description="live: from the answer topic; shadow: from the shadow topic")]
+    answer_id: str = ""
+    answer: Annotated[Source, msgspec.Meta(description="where the answer record was read")]
+    label: Annotated[Source, msgspec.Meta(description="where the label record was read")]
+    labeled_by: str | None = None
+    labeled_at: int | None = None
+    lag_ms: Annotated[int, msgspec.Meta(
+        description="the label record's timestamp minus the answer record's (negative: the label came first)")] = 0
+    questions: dict[str, LabelledQuestion]
+
 
 _encoder = msgspec.json.Encoder()
 _answer_decoder = msgspec.json.Decoder(Answer)
 _dead_letter_decoder = msgspec.json.Decoder(DeadLetter)
+_evaluation_decoder = msgspec.json.Decoder(Evaluation)
 
 
 def encode(value: msgspec.Struct) -> bytes:
@@ -237,6 +296,11 @@ def encode(value: msgspec.Struct) -> bytes:
 def decode_answer(value: bytes) -> Answer:
     """The typed answer of an answer record's value (msgspec.ValidationError when it is not one)."""
     return _answer_decoder.decode(value)
+
+
+def decode_evaluation(value: bytes) -> Evaluation:
+    """The typed evaluation of an evaluation record's value."""
+    return _evaluation_decoder.decode(value)
 
 
 def decode_dead_letter(value: bytes) -> DeadLetter:

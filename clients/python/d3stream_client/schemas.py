@@ -1,7 +1,7 @@
 """The JSON Schemas of the events, generated from the contract's Structs.
 
-``python -m d3stream_client.schemas FOLDER`` writes ``request``, ``answer`` and ``dead-letter``
-``.schema.json`` files; the repository keeps them in ``schemas/`` for producers in other languages, and a
+``python -m d3stream_client.schemas FOLDER`` writes ``request``, ``answer``, ``dead-letter``, ``label`` and
+``evaluation`` ``.schema.json`` files; the repository keeps them in ``schemas/`` for producers in other languages, and a
 test fails when the checked-in files drift from the Structs.
 """
 
@@ -14,9 +14,11 @@ from typing import Any
 
 import msgspec
 
-from d3stream_client.contract import SCHEMA_VERSION, Answer, DeadLetter, Request
+from d3stream_client.contract import SCHEMA_VERSION, Answer, DeadLetter, Evaluation, Label, Request
 
-SCHEMAS: dict[str, type[msgspec.Struct]] = {"request": Request, "answer": Answer, "dead-letter": DeadLetter}
+SCHEMAS: dict[str, type[msgspec.Struct]] = {
+    "request": Request, "answer": Answer, "dead-letter": DeadLetter, "label": Label, "evaluation": Evaluation,
+}
 
 
 def json_schema(name: str) -> dict[str, Any]:

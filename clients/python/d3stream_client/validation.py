@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from d3stream_client.contract import FIXED_OPTIONS, MEDIA_FIELDS, Request
+from d3stream_client.contract import FIXED_OPTIONS, MEDIA_FIELDS, Label, Request
 
 
 class EventError(ValueError):
@@ -240,4 +240,32 @@ def validate_request(request: Request | dict[str, Any] | bytes, limits: RequestL
     value = request if isinstance(request, bytes) else msgspec.json.encode(request)
     decoded = decode_request(value, limits=limits)
     check_media_references(decoded, limits.media_references)
+    return value
+
+
+# A label record is a handful of short values; anything far larger is not one (and is not kept in memory).
+MAX_LABEL_BYTES = 65_536
+_label_decoder = msgspec.json.Decoder(Label)
+
+
+def decode_label(value: bytes | None, key: bytes | None = None) -> Label:
+    """A label from a record's bytes; EventError with code ``invalid_label`` and the reason otherwise."""
+    fallback_id = key.decode("utf-8", "replace") if key else None
+    if value is None:
+        raise EventError("invalid_label", "the record has no value (a tombstone is not a label)", fallback_id)
+    if len(value) > MAX_LABEL_BYTES:
+        raise EventError("invalid_label", f"the record is {len(value):,} bytes; a label is at most "
+                         f"{MAX_LABEL_BYTES:,}", fallback_id)
+    try:
+        return _label_decoder.decode(value)
+    except msgspec.ValidationError as exc:
+        raise EventError("invalid_label", f"the label does not match the schema: {exc}", fallback_id) from exc
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise EventError("invalid_label", f"the record is not a UTF-8 JSON object: {exc}", fallback_id) from exc
+
+
+def validate_label(label: Label | dict[str, Any] | bytes) -> bytes:
+    """The record value of a label that matches the schema; EventError (``invalid_label``) otherwise."""
+    value = label if isinstance(label, bytes) else msgspec.json.encode(label)
+    decode_label(value)
     return value
