@@ -375,8 +375,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     chaos.add_argument("--rate", type=float, default=100.0, help="arrival rate for the latency run of --delivery-costs")
     chaos.set_defaults(run=_chaos)
 
-    from d3stream.tools import bench, compare, replay
+    from d3stream.tools import bench, compare, evaluate, replay
 
     bench.register(commands)
     compare.register(commands)
+    evaluate.register(commands)
     replay.register(commands)

@@ -126,6 +126,16 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     forward_headers: list[str] = msgspec.field(default_factory=list)
     forward_headers_max_bytes: int = 4_096
     otlp_endpoint: str | None = None
+    # Live evaluation (d3stream evaluate)
+    label_topic: str = "d3.labels"
+    evaluation_topic: str = "d3.evaluations"
+    label_dead_letter_topic: str = "d3.labels.dead-letters"
+    evaluate_group_id: str = "d3stream-evaluate"
+    evaluate_state_topic: str = "d3.evaluate.state"
+    evaluate_window_s: float = 604_800.0
+    evaluate_max_state_bytes: int = 1_073_741_824
+    evaluate_drift_window: int = 1_000
+    evaluate_drift_reference: str | None = None
     # Lifecycle and logs
     shutdown_timeout_s: float = 120.0
     gc_young_threshold: int = 1_000_000
@@ -136,6 +146,17 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 HELP: dict[str, str] = {
+    "label_topic": "topic labels are read from (key = request id; as many partitions as the answer topic)",
+    "evaluation_topic": "topic d3stream evaluate publishes one evaluation per joined request and model to",
+    "label_dead_letter_topic": "topic malformed or misplaced label records go to, with the reason",
+    "evaluate_group_id": "consumer group of the evaluate workers (they split the partitions)",
+    "evaluate_state_topic": "compacted topic holding the evaluator's waiting answers and labels (its changelog)",
+    "evaluate_window_s": "how long (in stream time) an answer waits for its label, and a label for its answer",
+    "evaluate_max_state_bytes": "bytes of waiting answers and labels one evaluate worker holds at most "
+    "(the oldest are dropped first, counted as evicted)",
+    "evaluate_drift_window": "answers per model and question in the drift window (and in the reference window)",
+    "evaluate_drift_reference": "JSON-lines file of answers whose distribution is the drift reference "
+    "(default: each model's first window of answers)",
     "bootstrap_servers": "Kafka bootstrap servers, host:port[,host:port]",
     "request_topics": "topics to read requests from (comma-separated)",
     "answer_topic": "topic answers are published to (key = request id)",

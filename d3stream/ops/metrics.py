@@ -121,6 +121,15 @@ class Metrics(PartitionSeries, GroupSeries, FlowSeries, PassSeries, RequestSerie
 # ------------------------------------------------------------------------------------ HTTP server
 
 
+class Exposed(Protocol):
+    """What the endpoint serves: a registry and a readiness check (``Metrics``, or the evaluator's
+    ``QualityMetrics``)."""
+
+    registry: CollectorRegistry
+
+    def is_ready(self) -> bool: ...
+
+
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a hung scrape never keeps the process alive
     allow_reuse_address = True
@@ -140,7 +149,7 @@ def _plain(start_response: StartResponse, status: str, body: str) -> list[bytes]
 class MetricsServer:
     """``/metrics``, ``/healthz`` and ``/readyz`` on ``host:port``, served from a daemon thread."""
 
-    def __init__(self, metrics: Metrics, *, host: str = "127.0.0.1", port: int = 9464) -> None:
+    def __init__(self, metrics: Exposed, *, host: str = "127.0.0.1", port: int = 9464) -> None:
         self.metrics = metrics
         self.host = host
         self.requested_port = port
@@ -226,7 +235,7 @@ class MetricsAddress(Protocol):
     def metrics_port(self) -> int | None: ...
 
 
-def serve_metrics(metrics: Metrics, settings: MetricsAddress) -> MetricsServer | None:
+def serve_metrics(metrics: Exposed, settings: MetricsAddress) -> MetricsServer | None:
     """Start the endpoint the settings ask for (``metrics_host``/``metrics_port``); None when the port is unset."""
     port = settings.metrics_port
     if port is None:

@@ -1,0 +1,468 @@
+"""``d3stream evaluate``'s worker: labels joined with answers on the stream, exactly once, by partition.
+
+The evaluator reads the answer topic (and the shadow topic, when there is one) and the label topic in its
+own consumer group (``evaluate_group_id``), read_committed. Answers are keyed by request id, and so are
+labels, so partition ``p`` of every one of these topics holds the same request ids: a *unit* of work. The
+group's range assignor hands every topic's partition ``p`` to the same worker, so several workers split
+the units between them; the evaluator refuses to start when the partition counts differ, naming the fix.
+
+State is kept in Kafka, as Kafka Streams keeps it: each unit's waiting answers and labels
+(``core/evaluation.JoinState``) are written, one record per request id, to partition ``p`` of a compacted
+changelog topic (``evaluate_state_topic``), in the same transaction as the unit's evaluation records and
+its input offsets. So a pair is joined once: a crash before the commit leaves neither the evaluations nor
+the offsets nor the state change, and the unit's next owner (fencing the old one by the unit's
+transactional id) restores the state from the changelog and reads on from the committed offsets. Rebuilding
+the state from the input topics at start was the alternative; it would re-read up to ``evaluate_window_s``
+(days) of answers and labels at every start or rebalance, where the changelog holds only what still waits.
+
+Label records that are not labels, and labels on another partition than their id's (not keyed by request
+id), go to ``label_dead_letter_topic`` with the reason; the evaluator keeps going.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+from d3stream_client.connection import partition_for
+from d3stream_client.contract import DeadLetter, Role, Source, decode_answer, encode
+from d3stream_client.validation import EventError, decode_label
+
+from d3stream.config import Settings
+from d3stream.core.agreement import calibration_bin
+from d3stream.core.drift import Drift
+from d3stream.core.evaluation import ENTRY_OVERHEAD_BYTES, Joined, JoinState, LabelEntry, answer_entry
+from d3stream.kafka.connection import client_options
+from d3stream.ops.quality import QualityMetrics
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+
+log = structlog.get_logger(__name__)
+
+MAX_BATCH_RECORDS = 2_000
+MAX_DEAD_LETTER_BYTES = 65_536
+
+
+class EvaluateSetupError(Exception):
+    """Topics the evaluator cannot work with (missing, or partition counts that do not match); says the fix."""
+
+
+@dataclass(frozen=True)
+class EvaluateTopics:
+    """The topics one evaluator reads and writes."""
+
+    answers: str
+    labels: str
+    evaluations: str
+    state: str
+    dead_letters: str
+    shadow: str | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings, shadow: str | None) -> EvaluateTopics:
+        return cls(settings.answer_topic, settings.label_topic, settings.evaluation_topic,
+                   settings.evaluate_state_topic, settings.label_dead_letter_topic, shadow)
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.answers, *([self.shadow] if self.shadow else []), self.labels]
+
+    def role(self, topic: str) -> Role | None:
+        """live for the answer topic, shadow for the shadow topic, None for the label topic."""
+        return "live" if topic == self.answers else "shadow" if topic == self.shadow else None
+
+
+@dataclass
+class Unit:
+    """One partition number: its join state and the transactional producer its results leave through."""
+
+    partition: int
+    state: JoinState
+    producer: AIOKafkaProducer
+    next_offsets: dict[str, int] = field(default_factory=dict)  # by input topic: the first offset not taken in
+
+
+@dataclass
+class Batch:
+    """What one unit's records produced, to be committed in one transaction."""
+
+    joined: list[Joined] = field(default_factory=list)
+    dead_letters: list[tuple[bytes | None, bytes]] = field(default_factory=list)
+    offsets: dict[str, int] = field(default_factory=dict)  # by input topic: the offset to commit
+    labels: int = 0
+    error_answers: dict[str, int] = field(default_factory=dict)  # by role
+    invalid_labels: dict[str, int] = field(default_factory=dict)  # by reason
+    drifted: set[tuple[str, str]] = field(default_factory=set)
+
+
+def dead_letter(record: ConsumerRecord, reason: str) -> bytes:
+    """A label record that could not be joined, with the reason and (the start of) its bytes."""
+    raw = record.value or b""
+    kept = raw[:MAX_DEAD_LETTER_BYTES]
+    return encode(DeadLetter(
+        reason=reason, source=Source(topic=record.topic, partition=record.partition, offset=record.offset,
+                                     timestamp=record.timestamp),
+        key=record.key.decode("utf-8", "replace") if record.key else None, value=base64.b64encode(kept).decode(),
+        value_bytes=len(raw), value_sha256=hashlib.sha256(raw).hexdigest(), value_truncated=len(kept) < len(raw)))
+
+
+class Evaluator:
+    """One evaluate worker: ``await start()``, ``await run(stopping)``, ``await stop()``."""
+
+    def __init__(self, settings: Settings, metrics: QualityMetrics, drift: Drift, *, shadow_topic: str | None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.drift = drift
+        self.topics = EvaluateTopics.from_settings(settings, shadow_topic)
+        self.partitions = 0
+        self.units: dict[int, Unit] = {}
+        self.joined_total = 0
+        self._lock = asyncio.Lock()
+        self._consumer: AIOKafkaConsumer | None = None
+        self._restorer: AIOKafkaConsumer | None = None
+        self._joined_group = False
+
+    @property
+    def ready(self) -> bool:
+        return self._joined_group
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        from aiokafka import AIOKafkaConsumer
+        from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+
+        self.partitions = await prepare_topics(self.settings, self.topics)
+        settings = self.settings
+        self._restorer = AIOKafkaConsumer(**client_options(
+            settings, "consumer", client_id=f"{settings.client_id}-evaluate-restore", group_id=None,
+            enable_auto_commit=False, isolation_level="read_committed"))
+        await self._restorer.start()
+        self._consumer = AIOKafkaConsumer(**client_options(
+            settings, "consumer", client_id=f"{settings.client_id}-evaluate", group_id=settings.evaluate_group_id,
+            enable_auto_commit=False, isolation_level="read_committed",
+            auto_offset_reset=settings.auto_offset_reset, max_poll_records=MAX_BATCH_RECORDS,
+            session_timeout_ms=settings.session_timeout_ms, rebalance_timeout_ms=settings.rebalance_timeout_ms,
+            # Range hands partition p of every subscribed topic to the same member: labels meet their answers.
+            partition_assignment_strategy=(RangePartitionAssignor,)))
+        self._consumer.subscribe(self.topics.inputs, listener=_listener(self))
+        await self._consumer.start()
+
+    async def stop(self) -> None:
+        async with self._lock:
+            for unit in list(self.units.values()):
+                await _quietly_stop(unit.producer)
+            self.units.clear()
+        for consumer in (self._consumer, self._restorer):
+            if consumer is not None:
+                await consumer.stop()
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Read, join and commit until ``stopping`` is set; the batch in hand is finished first."""
+        assert self._consumer is not None
+        while not stopping.is_set():
+            fetched = await self._consumer.getmany(timeout_ms=200, max_records=MAX_BATCH_RECORDS)
+            self._joined_group = True
+            if fetched:
+                await self.take(fetched)
+
+    # -------------------------------------------------------------------------------- one batch
+
+    async def take(self, fetched: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+        """Join one fetch's records and commit each unit's results with its offsets."""
+        by_unit: dict[int, list[tuple[str, list[ConsumerRecord]]]] = {}
+        for tp, records in fetched.items():
+            by_unit.setdefault(tp.partition, []).append((tp.topic, records))
+        async with self._lock:
+            for partition, parts in sorted(by_unit.items()):
+                unit = self.units.get(partition)
+                if unit is None:
+                    continue  # revoked since the fetch: its next owner reads these records again
+                batch = Batch()
+                for topic, records in parts:
+                    self._take_records(unit, topic, records, batch)
+                unit.state.expire()
+                await self._commit(unit, batch)
+
+    def _take_records(self, unit: Unit, topic: str, records: list[ConsumerRecord], batch: Batch) -> None:
+        first = unit.next_offsets.get(topic, 0)
+        role = self.topics.role(topic)
+        for record in records:
+            if record.offset < first:
+                continue  # fetched before this unit was restored: taken in by the state already
+            if role is None:
+                self._take_label(unit, record, batch)
+            else:
+                self._take_answer(unit, record, role, batch)
+            batch.offsets[topic] = record.offset + 1
+
+    def _take_label(self, unit: Unit, record: ConsumerRecord, batch: Batch) -> None:
+        try:
+            label = decode_label(record.value, record.key)
+        except EventError as exc:
+            batch.dead_letters.append((record.key, dead_letter(record, f"invalid_label: {exc}")))
+            batch.invalid_labels["invalid"] = batch.invalid_labels.get("invalid", 0) + 1
+            return
+        home = partition_for(label.id.encode(), self.partitions)
+        if home != record.partition:
+            batch.dead_letters.append((record.key, dead_letter(
+                record, f"misplaced_label: the label of {label.id!r} is on partition {record.partition} of "
+                f"{record.topic}, but answers of that id are on partition {home}: publish labels keyed by the "
+                "request id (the answer's key)")))
+            batch.invalid_labels["misplaced"] = batch.invalid_labels.get("misplaced", 0) + 1
+            return
+        batch.labels += 1
+        source = Source(topic=record.topic, partition=record.partition, offset=record.offset,
+                        timestamp=record.timestamp)
+        entry = LabelEntry(dict(label.labels), source, label.source, label.labeled_at)
+        batch.joined.extend(unit.state.take_label(label.id, entry))
+
+    def _take_answer(self, unit: Unit, record: ConsumerRecord, role: Role, batch: Batch) -> None:
+        try:
+            answer = decode_answer(record.value or b"")
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            answer = None
+        source = Source(topic=record.topic, partition=record.partition, offset=record.offset,
+                        timestamp=record.timestamp)
+        entry = answer_entry(answer, source, role) if answer is not None else None
+        if answer is None or entry is None:
+            batch.error_answers[role] = batch.error_answers.get(role, 0) + 1
+            return
+        joined = unit.state.take_answer(answer.id, entry)
+        if joined is None:
+            return  # a model's second answer to the request: ignored, its first counts
+        batch.joined.extend(joined)
+        for question_id, slot_record in entry.questions.items():
+            self.drift.add(entry.model_key, question_id, slot_record.slot())
+            batch.drifted.add((entry.model_key, question_id))
+
+    # ------------------------------------------------------------------------------------ commits
+
+    async def _commit(self, unit: Unit, batch: Batch) -> None:
+        """The unit's evaluations, state changes, dead letters and offsets in one transaction; on a failure the
+        unit is rebuilt from what was committed (or given up, when another worker fenced it)."""
+        from aiokafka import TopicPartition
+        from aiokafka.errors import KafkaError, ProducerFenced
+
+        changes = unit.state.drain_changes()
+        outcomes = unit.state.take_outcomes()
+        producer = unit.producer
+        try:
+            await producer.begin_transaction()
+            for joined in batch.joined:
+                await producer.send(self.topics.evaluations, encode(joined.evaluation), key=joined.evaluation.id.encode())
+            for request_id, value in changes.items():
+                await producer.send(self.topics.state, value, key=request_id.encode(), partition=unit.partition)
+            for key, value in batch.dead_letters:
+                await producer.send(self.topics.dead_letters, value, key=key)
+            offsets = {TopicPartition(topic, unit.partition): offset for topic, offset in batch.offsets.items()}
+            if offsets:
+                await producer.send_offsets_to_transaction(offsets, self.settings.evaluate_group_id)
+            await producer.commit_transaction()
+        except ProducerFenced:
+            log.info("fenced: another evaluate worker owns this partition now", partition=unit.partition)
+            self.units.pop(unit.partition, None)
+            await _quietly_stop(producer)
+            return
+        except KafkaError as exc:
+            log.warning("evaluation transaction failed; restoring the partition from what was committed",
+                        partition=unit.partition, error=f"{type(exc).__name__}: {exc}")
+            await self._rebuild(unit.partition)
+            return
+        unit.next_offsets.update(batch.offsets)
+        self._count(unit, batch, outcomes)
+
+    def _count(self, unit: Unit, batch: Batch, outcomes: Any) -> None:
+        metrics = self.metrics
+        for joined in batch.joined:
+            model_key = f"{joined.evaluation.role}:{joined.evaluation.model}"
+            for question_id, scored in joined.scored.items():
+                metrics.count_pair(model_key, question_id, scored, calibration_bin(scored.confidence))
+            metrics.label_lag.labels(role=joined.evaluation.role).observe(max(joined.evaluation.lag_ms, 0) / 1e3)
+        self.joined_total += len(batch.joined)
+        metrics.labels.inc(batch.labels)
+        for role, count in batch.error_answers.items():
+            metrics.error_answers.labels(role=role).inc(count)
+        for reason, count in batch.invalid_labels.items():
+            metrics.invalid_labels.labels(reason=reason).inc(count)
+        metrics.count_by_model(metrics.answers, outcomes.answers)
+        metrics.count_by_model(metrics.unknown_questions, outcomes.unknown_questions)
+        metrics.count_by_model(metrics.unscorable, outcomes.unscorable)
+        metrics.count_by_model(metrics.expired, outcomes.expired_answers)
+        metrics.duplicates.labels(kind="answer").inc(outcomes.duplicate_answers)
+        metrics.duplicates.labels(kind="label").inc(outcomes.duplicate_labels)
+        metrics.unmatched.inc(outcomes.unmatched_labels)
+        metrics.evicted.inc(outcomes.evicted)
+        for model_key, question_id in batch.drifted:
+            drift = self.drift.questions[(model_key, question_id)]
+            metrics.set_drift(model_key, question_id, drift.psi, drift.mean, drift.shares())
+        states = [u.state for u in self.units.values()]
+        metrics.waiting.labels(kind="answers").set(sum(s.answers_waiting for s in states))
+        metrics.waiting.labels(kind="labels").set(sum(s.labels_waiting for s in states))
+        metrics.state_bytes.set(sum(s.bytes for s in states))
+
+    # ------------------------------------------------------------------------------- assignment
+
+    async def assigned(self, partitions: Sequence[int]) -> None:
+        """Take units over: fence their previous owner, restore their state, seek to their committed offsets."""
+        async with self._lock:
+            for partition in sorted(set(partitions) - set(self.units)):
+                await self._adopt(partition)
+            self._rebudget()
+
+    async def revoked(self, partitions: Sequence[int]) -> None:
+        """Give units up (everything taken in is committed already: each batch commits before the next)."""
+        async with self._lock:
+            for partition in partitions:
+                unit = self.units.pop(partition, None)
+                if unit is not None:
+                    await _quietly_stop(unit.producer)
+            self._rebudget()
+
+    async def _rebuild(self, partition: int) -> None:
+        unit = self.units.pop(partition, None)
+        if unit is not None:
+            await _quietly_stop(unit.producer)
+        await self._adopt(partition)
+        self._rebudget()
+
+    async def _adopt(self, partition: int) -> None:
+        from aiokafka import AIOKafkaProducer, TopicPartition
+
+        settings = self.settings
+        producer = AIOKafkaProducer(**client_options(
+            settings, "producer", client_id=f"{settings.client_id}-evaluate", acks="all", enable_idempotence=True,
+            linger_ms=5, transactional_id=f"{settings.transactional_id_prefix}-evaluate-"
+                                          f"{settings.evaluate_group_id}-{partition}"))
+        await producer.start()  # init_transactions: the previous owner's open transaction ends first
+        state = JoinState(window_ms=int(settings.evaluate_window_s * 1000), max_bytes=settings.evaluate_max_state_bytes)
+        started = time.perf_counter()
+        records = await self._changelog(partition)
+        state.restore(iter(records))
+        unit = Unit(partition, state, producer)
+        assert self._consumer is not None
+        for topic in self.topics.inputs:
+            tp = TopicPartition(topic, partition)
+            committed = await self._consumer.committed(tp)
+            if committed is not None:
+                self._consumer.seek(tp, committed)
+                unit.next_offsets[topic] = committed
+        self.units[partition] = unit
+        log.info("evaluating partition", partition=partition, waiting=len(state), state_records=len(records),
+                 restore_ms=round((time.perf_counter() - started) * 1e3, 1))
+
+    def _rebudget(self) -> None:
+        # The memory bound is the worker's: each unit holds an equal share of it.
+        share = self.settings.evaluate_max_state_bytes // max(1, len(self.units))
+        for unit in self.units.values():
+            unit.state.max_bytes = max(share, ENTRY_OVERHEAD_BYTES)
+
+    async def _changelog(self, partition: int) -> list[tuple[str, bytes | None]]:
+        """The unit's changelog records, oldest first, up to the end (read_committed)."""
+        from aiokafka import TopicPartition
+
+        assert self._restorer is not None
+        tp = TopicPartition(self.topics.state, partition)
+        self._restorer.assign([tp])
+        start = (await self._restorer.beginning_offsets([tp]))[tp]
+        end = (await self._restorer.end_offsets([tp]))[tp]
+        records: list[tuple[str, bytes | None]] = []
+        if start >= end:
+            return records
+        self._restorer.seek(tp, start)
+        while await self._restorer.position(tp) < end:
+            fetched = await self._restorer.getmany(tp, timeout_ms=500, max_records=10_000)
+            records.extend((r.key.decode(), r.value) for r in fetched.get(tp, []) if r.key is not None)
+        return records
+
+
+def _listener(evaluator: Evaluator) -> Any:
+    """The group's rebalance callbacks, as unit numbers (aiokafka wants its own listener class)."""
+    from aiokafka import ConsumerRebalanceListener
+
+    class Listener(_Units, ConsumerRebalanceListener):
+        pass
+
+    return Listener(evaluator)
+
+
+class _Units:
+    def __init__(self, evaluator: Evaluator) -> None:
+        self.evaluator = evaluator
+
+    async def on_partitions_revoked(self, revoked: Sequence[TopicPartition]) -> None:
+        await self.evaluator.revoked(sorted({tp.partition for tp in revoked}))
+
+    async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
+        await self.evaluator.assigned(sorted({tp.partition for tp in assigned}))
+
+
+async def _quietly_stop(producer: AIOKafkaProducer) -> None:
+    try:
+        await producer.stop()
+    except Exception:  # noqa: BLE001 - a producer being discarded; its transaction ends with it
+        log.debug("producer stop failed", exc_info=True)
+
+
+async def prepare_topics(settings: Settings, topics: EvaluateTopics) -> int:
+    """The number of partitions every input topic shares; missing topics are created (``create_topics``):
+    the inputs and outputs with ``topic_partitions`` (or the answer topic's count), the state topic compacted
+    with one partition per unit. EvaluateSetupError when the counts differ or a topic is missing."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import TopicAlreadyExistsError
+
+    admin = AIOKafkaAdminClient(**client_options(settings, "admin", client_id=f"{settings.client_id}-evaluate"))
+    await admin.start()
+    try:
+        counts = await _partition_counts(admin, [*topics.inputs, topics.state])
+        known = [counts[name] for name in (topics.answers, topics.labels) if name in counts]
+        partitions = known[0] if known else settings.topic_partitions
+        wanted: dict[str, tuple[int, dict[str, str]]] = {name: (partitions, {}) for name in (*topics.inputs, topics.evaluations, topics.dead_letters)}
+        wanted[topics.state] = (partitions, {"cleanup.policy": "compact"})
+        missing = [name for name in wanted if name not in counts and name not in (topics.evaluations,
+                                                                                  topics.dead_letters)]
+        if missing and not settings.create_topics:
+            raise EvaluateSetupError(f"missing topics {missing}: create them with {partitions} partitions (the "
+                                     "state topic compacted), or run with --create-topics")
+        if settings.create_topics:
+            existing = set(await admin.list_topics())
+            for name, (count, config) in wanted.items():
+                if name not in existing:
+                    try:
+                        await admin.create_topics([NewTopic(name, count, 1, topic_configs=config)])
+                    except TopicAlreadyExistsError:
+                        pass
+            counts = await _partition_counts(admin, [*topics.inputs, topics.state])
+        _check_counts(counts, topics)
+        return counts[topics.answers]
+    finally:
+        await admin.close()
+
+
+async def _partition_counts(admin: Any, names: list[str]) -> dict[str, int]:
+    described = await admin.describe_topics(names)
+    return {topic["topic"]: len(topic["partitions"]) for topic in described
+            if topic.get("error_code", 0) == 0 and topic["partitions"]}
+
+
+def _check_counts(counts: dict[str, int], topics: EvaluateTopics) -> None:
+    answers = counts.get(topics.answers)
+    for name in [*topics.inputs, topics.state]:
+        if counts.get(name) is None:
+            raise EvaluateSetupError(f"topic {name!r} does not exist (create_topics is off)")
+        if counts[name] != answers:
+            what = "the changelog" if name == topics.state else "labels" if name == topics.labels else "shadow answers"
+            raise EvaluateSetupError(
+                f"topic {name!r} has {counts[name]} partitions and the answer topic {topics.answers!r} has {answers}: "
+                f"{what} are joined with the answers of the same partition (all keyed by request id), so the counts "
+                f"must match. Create {name!r} with {answers} partitions (kafka-topics.sh --alter --partitions "
+                f"{answers} when it has fewer, and republish its records so each lands on its key's partition), or "
+                "name another topic")

@@ -1,0 +1,235 @@
+"""``d3stream evaluate``: live evaluation, and its figures read back.
+
+    d3stream evaluate                      # the worker: join labels with answers, publish evaluations, metrics
+    d3stream evaluate --report [--json]    # accuracy, Brier, log loss and ECE per model from the evaluations
+
+The worker (``kafka/evaluating.py``) joins the label topic with the answer topic and the shadow topic, per
+partition and exactly once, publishes one evaluation record per joined request and model
+(``d3stream_client.contract.Evaluation``), and exports the quality and drift series (``ops/quality.py``)
+on ``/metrics``. ``--report`` folds the evaluation topic into the same ``Tally`` that ``d3stream compare
+--labels`` uses, so the same answers and labels give the same figures both ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from d3stream.core.agreement import LabelStats, Scored, Tally
+
+if TYPE_CHECKING:
+    from d3stream.config import Settings
+    from d3stream.core.drift import Drift
+
+
+@dataclass(frozen=True)
+class ModelFigures:
+    """One model's figures over its evaluations, overall and per question."""
+
+    model: str
+    role: str
+    requests: int
+    overall: LabelStats
+    by_question: dict[str, LabelStats]
+
+
+def figures(evaluations: Iterable[object]) -> list[ModelFigures]:
+    """Evaluation records (decoded JSON) folded per (role, model) and question; records of another shape are
+    skipped. Live models first, then by name."""
+    tallies: dict[tuple[str, str], tuple[Tally, dict[str, Tally], list[int]]] = {}
+    for record in evaluations:
+        if not isinstance(record, dict) or not isinstance(record.get("questions"), dict):
+            continue
+        key = (str(record.get("role", "live")), str(record.get("model", "unknown")))
+        overall, by_question, requests = tallies.setdefault(key, (Tally(), {}, [0]))
+        requests[0] += 1
+        for question_id, question in record["questions"].items():
+            scored = Scored(type=question["type"], label_option=question["label_option"],
+                            predicted=question["predicted"], p_label=question["p_label"],
+                            confidence=question["confidence"], correct=question["correct"], brier=question["brier"],
+                            log_loss=question["log_loss"])
+            overall.add(scored)
+            by_question.setdefault(question_id, Tally()).add(scored)
+    return [ModelFigures(model, role, requests[0], overall.stats(),
+                         {q: tally.stats() for q, tally in sorted(by_question.items())})
+            for (role, model), (overall, by_question, requests) in sorted(tallies.items(), key=lambda item: (
+                item[0][0] != "live", item[0][1]))]
+
+
+def _stats_json(stats: LabelStats) -> dict[str, Any]:
+    return {"n": stats.n, "accuracy": stats.accuracy, "brier": stats.brier, "log_loss": stats.log_loss,
+            "ece": stats.ece}
+
+
+def figures_json(models: list[ModelFigures]) -> dict[str, Any]:
+    return {"models": [{"model": m.model, "role": m.role, "requests": m.requests, **_stats_json(m.overall),
+                        "questions": {q: _stats_json(s) for q, s in m.by_question.items()}} for m in models]}
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def render(models: list[ModelFigures]) -> str:
+    """The figures as a table: one row per model, then one per model and question."""
+    if not models:
+        return "no evaluations yet: are labels arriving on the label topic, and is d3stream evaluate running?"
+    lines = [f"{'role':<8}{'model':<24}{'question':<16}{'n':>8}{'accuracy':>10}{'Brier':>9}{'log loss':>10}"
+             f"{'ECE':>9}"]
+    for m in models:
+        for question, stats in [("(all)", m.overall), *m.by_question.items()]:
+            lines.append(f"{m.role:<8}{m.model:<24}{question:<16}{stats.n:>8}{_fmt(stats.accuracy):>10}"
+                         f"{_fmt(stats.brier):>9}{_fmt(stats.log_loss):>10}{_fmt(stats.ece):>9}")
+    return "\n".join(lines)
+
+
+def read_figures(settings: Settings, timeout_s: float = 120.0) -> list[ModelFigures]:
+    """The figures of everything on the evaluation topic now (committed records)."""
+    from d3stream.kafka.connection import client_options
+    from d3stream.tools.compare import TopicRange, read_topic
+
+    options = client_options(settings, "consumer", client_id=settings.client_id)
+    servers = options.pop("bootstrap_servers")
+    records = asyncio.run(read_topic(servers, TopicRange(settings.evaluation_topic), timeout_s=timeout_s,
+                                     security=options, settings=settings))
+    return figures(records)
+
+
+def load_drift(settings: Settings) -> Drift:
+    """The drift tracker, with the reference file's distribution when ``evaluate_drift_reference`` names one."""
+    from d3stream.core.agreement import parse_slot
+    from d3stream.core.drift import Drift, reference_bins
+    from d3stream.tools.compare import read_jsonl
+
+    reference = None
+    if settings.evaluate_drift_reference:
+        answers = read_jsonl(Path(settings.evaluate_drift_reference))
+        reference = reference_bins(
+            (question_id, slot) for answer in answers if isinstance(answer, dict)
+            and isinstance(answer.get("answers"), dict) for question_id, raw in answer["answers"].items()
+            if (slot := parse_slot(raw)) is not None)
+    return Drift(settings.evaluate_drift_window, reference)
+
+
+async def _shadow_topic(settings: Settings) -> str | None:
+    """The shadow topic to read: ``shadow_topic`` when set, else the default one when it exists."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from d3stream.core.shadow import shadow_topic
+    from d3stream.kafka.connection import client_options
+
+    if settings.shadow_topic:
+        return settings.shadow_topic
+    admin = AIOKafkaAdminClient(**client_options(settings, "admin", client_id=f"{settings.client_id}-evaluate"))
+    await admin.start()
+    try:
+        name = shadow_topic(settings)
+        return name if name in await admin.list_topics() else None
+    finally:
+        await admin.close()
+
+
+async def run_worker(settings: Settings, stopping: asyncio.Event | None = None, *,
+                     metrics: Any = None) -> Any:
+    """Run one evaluate worker until ``stopping`` is set (SIGTERM and SIGINT set it when none is given);
+    returns the Evaluator (its counts)."""
+    from d3stream.kafka.evaluating import Evaluator
+    from d3stream.ops.quality import QualityMetrics
+
+    stopping = stopping or _on_signals()
+    metrics = metrics or QualityMetrics()
+    evaluator = Evaluator(settings, metrics, load_drift(settings), shadow_topic=await _shadow_topic(settings))
+    metrics.set_ready_check(lambda: evaluator.ready)
+    await evaluator.start()
+    try:
+        await evaluator.run(stopping)
+    finally:
+        await evaluator.stop()
+    return evaluator
+
+
+def _on_signals() -> asyncio.Event:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    return stopping
+
+
+def _run(args: argparse.Namespace) -> int:
+    from d3stream.config import load_settings
+    from d3stream.kafka.connection import check_connection, connecting
+    from d3stream.kafka.evaluating import EvaluateSetupError
+    from d3stream.ops.logs import configure_logging
+    from d3stream.tools.compare import SourceError
+
+    try:
+        settings = load_settings(args)
+        check_connection(settings)
+        if args.report:
+            models = read_figures(settings, args.timeout)
+            print(json.dumps(figures_json(models)) if args.json else render(models))
+            return 0
+    except (ValueError, OSError, SourceError) as exc:
+        print(f"d3stream evaluate: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    from d3stream.ops.metrics import serve_metrics
+    from d3stream.ops.quality import QualityMetrics
+
+    metrics = QualityMetrics()
+    server = serve_metrics(metrics, settings)
+    try:
+        asyncio.run(connecting(settings, run_worker(settings, metrics=metrics)))
+    except (EvaluateSetupError, ConnectionError, ValueError, OSError) as exc:
+        print(f"d3stream evaluate: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if server is not None:
+            server.stop()
+    return 0
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add ``d3stream evaluate`` to the CLI."""
+    from d3stream.config import CONNECTION_FIELDS, add_arguments
+
+    parser = commands.add_parser(
+        "evaluate",
+        help="live evaluation: join labels with answers (and shadow answers) per model, exactly once; quality "
+        "and drift metrics; --report prints the figures",
+        description="A long-running worker in its own consumer group (evaluate_group_id). It reads the answer "
+        "topic, the shadow topic (shadow_topic, or the answer topic's name + .shadow when it exists) and "
+        "label_topic, read_committed, and joins them by request id: a label may come before or after its "
+        "answer, twice, or never; each question is joined once per model. Each joined request and model "
+        "becomes an evaluation record on evaluation_topic (the label, the predicted option, p(label), correct "
+        "or not, the Brier and log-loss terms), and /metrics exports counts and sums from which accuracy, "
+        "Brier, log loss and ECE over any window follow, plus label lag, waiting and expired counts and "
+        "answer drift (PSI). Waiting answers and labels live in the compacted evaluate_state_topic, written "
+        "in the same transaction as the evaluations and offsets: a restart loses and doubles nothing. "
+        "Malformed or misplaced labels go to label_dead_letter_topic. Several workers split the partitions; "
+        "the label topic must have as many partitions as the answer topic.",
+    )
+    parser.add_argument("--report", action="store_true",
+                        help="print accuracy, Brier, log loss and ECE per model and question from the evaluation "
+                        "topic (the figures d3stream compare --labels computes offline), then exit")
+    parser.add_argument("--json", action="store_true", help="with --report: one JSON object")
+    parser.add_argument("--timeout", type=float, default=120.0, help="with --report: seconds to read the topic")
+    add_arguments(parser, only=CONNECTION_FIELDS + EVALUATE_FIELDS)
+    parser.set_defaults(run=_run)
+
+
+# The settings ``d3stream evaluate`` reads (the connection's, its topics', its own and the endpoint's).
+EVALUATE_FIELDS = (
+    "answer_topic", "shadow_topic", "label_topic", "evaluation_topic", "label_dead_letter_topic", "evaluate_group_id",
+    "evaluate_state_topic", "evaluate_window_s", "evaluate_max_state_bytes", "evaluate_drift_window",
+    "evaluate_drift_reference", "transactional_id_prefix", "create_topics", "topic_partitions", "auto_offset_reset",
+    "session_timeout_ms", "rebalance_timeout_ms", "metrics_host", "metrics_port", "log_format", "log_level",
+)

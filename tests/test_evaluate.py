@@ -1,0 +1,375 @@
+"""Live evaluation (``d3stream evaluate``): labels joined with answers on the stream, exactly once, per model.
+
+The join state on its own (both arrival orders, repeats on both sides, labels of unknown questions or of the
+wrong type, the window, the byte budget, a restore from the changelog), the figures (one ``Tally`` for the
+live and the offline evaluation, whatever the order), drift, and then the worker on the real broker:
+answers of two models and a shadow with labels before and after them, repeats, labels that never come and
+malformed ones, read back and compared with ``d3stream compare --labels``; two workers with one SIGKILLed
+and restarted mid-stream; and topics whose partition counts do not match.
+
+The answers here are answer events as the worker publishes them (the contract's ``Answer``), written by the
+test: the evaluator's input is the answer topic, and its tests need no model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from d3stream_client.contract import Source, decode_answer
+from d3stream_client.publisher import produce
+from d3stream_client.validation import decode_label
+from prometheus_client import generate_latest
+
+from d3stream.config import load_settings
+from d3stream.core.agreement import Tally, label_key, label_stats, parse_slot, score
+from d3stream.core.drift import Drift, psi
+from d3stream.core.evaluation import JoinState, LabelEntry, answer_entry
+from d3stream.kafka.evaluating import EvaluateSetupError, EvaluateTopics, prepare_topics
+from d3stream.ops.quality import QualityMetrics
+from d3stream.tools import compare
+from d3stream.tools.evaluate import figures, figures_json, read_figures, run_worker
+
+pytestmark = pytest.mark.timeout(300)
+
+TEAMS = ("billing", "tech", "sales")
+LEVELS = ("low", "medium", "high")
+
+
+def _normalised(weights: list[float]) -> list[float]:
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def answer_event(request_id: str, rng: random.Random, model: str = "m1", offset: int = 0) -> dict[str, Any]:
+    """An answer event as the worker publishes it: a choice, a noul and a score with drawn probabilities."""
+    team = dict(zip(TEAMS, _normalised([rng.random() + 0.05 for _ in TEAMS]), strict=True))
+    levels = _normalised([rng.random() + 0.05 for _ in LEVELS])
+    refund = rng.random()
+    return {
+        "id": request_id, "answer_id": f"{request_id}-{model}", "model": model,
+        "source": {"topic": "d3.requests", "partition": 0, "offset": offset},
+        "answers": {
+            "team": {"type": "choice", "choice": max(team, key=team.__getitem__), "probabilities": team,
+                     "confidence": max(team.values())},
+            "refund": {"type": "noul", "noul": refund, "probabilities": {"false": 1 - refund, "true": refund}},
+            "urgency": {"type": "score", "score": sum(i * p for i, p in enumerate(levels)),
+                        "probabilities": {str(i): p for i, p in enumerate(levels)}, "confidence": max(levels),
+                        "legend": {str(i): text for i, text in enumerate(LEVELS)}},
+        },
+    }
+
+
+def label_event(request_id: str, rng: random.Random, questions: tuple[str, ...] = ("team", "refund", "urgency")
+                ) -> dict[str, Any]:
+    """A label event; urgency named by its level index or its level text."""
+    values: dict[str, Any] = {"team": rng.choice(TEAMS), "refund": rng.random() < 0.5,
+                              "urgency": rng.choice([0, 1, 2, *LEVELS])}
+    return {"id": request_id, "labels": {q: values[q] for q in questions}, "source": "agent"}
+
+
+def _source(topic: str, offset: int, timestamp: int) -> Source:
+    return Source(topic=topic, partition=0, offset=offset, timestamp=timestamp)
+
+
+def _answer(state: JoinState, event: dict[str, Any], at: int, role: str = "live") -> Any:
+    entry = answer_entry(decode_answer(json.dumps(event).encode()), _source("answers", at, at), role)  # type: ignore[arg-type]
+    assert entry is not None
+    return state.take_answer(event["id"], entry)
+
+
+def _label(state: JoinState, event: dict[str, Any], at: int) -> Any:
+    label = decode_label(json.dumps(event).encode())
+    return state.take_label(label.id, LabelEntry(dict(label.labels), _source("labels", at, at), label.source))
+
+
+# ---------------------------------------------------------------------------------------- the join state
+
+
+def test_each_question_joins_once_per_model_in_either_order_and_repeats_are_ignored() -> None:
+    rng = random.Random(1)
+    state = JoinState(window_ms=60_000, max_bytes=10**9)
+    first, second = answer_event("t1", rng), answer_event("t2", rng)
+    # t1: the label first, then the answer, then both again.
+    assert _label(state, {"id": "t1", "labels": {"team": "billing", "refund": True}}, 1) == []
+    joined = _answer(state, first, 2)
+    assert [sorted(j.evaluation.questions) for j in joined] == [["refund", "team"]]
+    assert _answer(state, first, 3) is None
+    assert _label(state, {"id": "t1", "labels": {"team": "tech"}}, 4) == []  # a second label of team: ignored
+    # A later label of the other question joins that question only; the shadow's answer joins both labels.
+    later = _label(state, {"id": "t1", "labels": {"urgency": "high"}}, 5)
+    assert [list(j.evaluation.questions) for j in later] == [["urgency"]]
+    assert later[0].evaluation.questions["urgency"].label_option == "2"  # the level text names level 2
+    shadow = _answer(state, answer_event("t1", rng, model="m2"), 6, role="shadow")
+    assert sorted(q for j in shadow for q in j.evaluation.questions) == ["refund", "team", "urgency"]
+    assert {j.evaluation.role for j in shadow} == {"shadow"}
+    # t2: the answer first.
+    assert _answer(state, second, 7) == []
+    joined = _label(state, {"id": "t2", "labels": {"team": "sales", "nope": "x", "refund": 3}}, 8)
+    assert [list(j.evaluation.questions) for j in joined] == [["team"]]
+    outcomes = state.take_outcomes()
+    assert (outcomes.duplicate_answers, outcomes.duplicate_labels) == (1, 1)
+    assert outcomes.unknown_questions == {"live:m1": 1} and outcomes.unscorable == {"live:m1": 1}
+    assert outcomes.answers == {"live:m1": 2, "shadow:m2": 1}
+
+
+def test_the_window_expires_waiting_answers_and_labels_and_the_budget_evicts_the_oldest() -> None:
+    rng = random.Random(2)
+    state = JoinState(window_ms=1_000, max_bytes=10**9)
+    _answer(state, answer_event("a", rng), 0)
+    _label(state, label_event("b", rng), 10)
+    _answer(state, answer_event("c", rng), 900)
+    assert (state.answers_waiting, state.labels_waiting) == (2, 1)
+    state.tick(1_500)
+    assert state.expire() == 2  # a and b: first seen more than a second of stream time ago
+    outcomes = state.take_outcomes()
+    assert outcomes.expired_answers == {"live:m1": 1} and outcomes.unmatched_labels == 1
+    assert len(state) == 1 and (state.answers_waiting, state.labels_waiting) == (1, 0)
+    assert state.drain_changes()["a"] is None  # tombstones for the changelog
+    # Over the byte budget, the oldest entries go first, counted as evicted.
+    for n in range(20):
+        _answer(state, answer_event(f"e{n}", rng), 1_500 + n)
+    state.drain_changes()
+    state.max_bytes = state.bytes // 2
+    dropped = state.expire()
+    assert state.bytes <= state.max_bytes and dropped >= 10
+    changes = state.drain_changes()
+    assert changes["c"] is None and changes["e0"] is None and "e19" not in changes  # oldest first
+    assert state.take_outcomes().evicted == dropped
+
+
+def test_a_state_restored_from_its_changelog_joins_nothing_twice() -> None:
+    rng = random.Random(3)
+    state = JoinState(window_ms=60_000, max_bytes=10**9)
+    event = answer_event("r", rng)
+    _answer(state, event, 1)
+    _label(state, {"id": "r", "labels": {"team": "tech"}}, 2)
+    log = list(state.drain_changes().items())
+    restored = JoinState(window_ms=60_000, max_bytes=10**9)
+    restored.restore(iter(log))
+    assert restored.bytes == state.bytes and len(restored) == 1
+    assert _answer(restored, event, 3) is None
+    assert _label(restored, {"id": "r", "labels": {"team": "billing"}}, 4) == []
+    assert [list(j.evaluation.questions) for j in _label(restored, {"id": "r", "labels": {"refund": False}}, 5)] \
+        == [["refund"]]
+
+
+# --------------------------------------------------------------------------------------------- figures
+
+
+def test_the_tally_gives_identical_figures_in_any_order() -> None:
+    rng = random.Random(4)
+    pairs = []
+    for n in range(300):
+        raw = answer_event(f"r{n}", rng)["answers"]
+        for question, value in label_event(f"r{n}", rng)["labels"].items():
+            slot = parse_slot(raw[question])
+            assert slot is not None
+            key = label_key(slot, value)
+            assert key is not None
+            pairs.append((slot, key))
+    forward = label_stats(pairs)
+    shuffled = list(pairs)
+    random.Random(5).shuffle(shuffled)
+    tally = Tally()
+    for slot, key in shuffled:
+        tally.add(score(slot, key))
+    assert tally.stats() == forward  # exactly: every float the same
+    assert forward.n == 900 and 0 < forward.accuracy < 1 and forward.log_loss > 0 and 0 <= forward.ece <= 1
+
+
+def test_drift_is_near_zero_on_the_same_distribution_and_large_on_a_shifted_one() -> None:
+    rng = random.Random(6)
+    drift = Drift(window=500)
+    for n in range(1_000):
+        slot = parse_slot(answer_event(f"s{n}", rng)["answers"]["team"])
+        assert slot is not None
+        steady = drift.add("live:m1", "team", slot)
+    assert steady.psi is not None and steady.psi < 0.1
+    for n in range(500):
+        slot = parse_slot(answer_event(f"x{n}", rng)["answers"]["team"])
+        assert slot is not None
+        shifted = drift.add("live:m1", "team", parse_slot({**answer_event("x", rng)["answers"]["team"],
+                                                           "choice": "sales", "probabilities": {
+                                                               "billing": 0.1, "tech": 0.1, "sales": 0.8}}))  # type: ignore[arg-type]
+    assert shifted.psi is not None and shifted.psi > 0.25
+    assert shifted.shares() == {"sales": 1.0}
+    assert psi(collections.Counter(), collections.Counter(a=1)) is None
+
+
+# ------------------------------------------------------------------------------------ on the broker
+
+
+def _settings(broker: Any, topic_names: Any, **overrides: Any) -> Any:
+    return load_settings({
+        "bootstrap_servers": broker.bootstrap_servers,
+        "answer_topic": topic_names("answers"), "label_topic": topic_names("labels"),
+        "evaluation_topic": topic_names("evaluations"), "label_dead_letter_topic": topic_names("label-dlq"),
+        "evaluate_state_topic": topic_names("state"), "evaluate_group_id": topic_names("group"),
+        "transactional_id_prefix": topic_names("txn"), "topic_partitions": 3, "metrics_port": None,
+        **{k: str(v) for k, v in overrides.items()},
+    }, environ={})
+
+
+def _keyed(events: list[dict[str, Any]]) -> list[tuple[bytes | None, bytes]]:
+    return [(e["id"].encode(), json.dumps(e).encode()) for e in events]
+
+
+async def _read(servers: str, topic: str) -> list[dict[str, Any]]:
+    records = await compare.read_topic(servers, compare.TopicRange(topic), timeout_s=60)
+    return [r for r in records if isinstance(r, dict)]
+
+
+async def _until(servers: str, topic: str, count: int, timeout_s: float = 90.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = await _read(servers, topic)
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.5)
+
+
+def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_equal_compare(
+        kafka_broker: Any, topic_names: Any, tmp_path: Path) -> None:
+    settings = _settings(kafka_broker, topic_names)
+    servers = settings.bootstrap_servers
+    shadow_topic = f"{settings.answer_topic}.shadow"
+    rng = random.Random(7)
+    ids = [f"ticket-{n:03d}" for n in range(60)]
+    live = [answer_event(i, rng, "m1") for i in ids[:50]]
+    shadow = [answer_event(i, rng, "m2") for i in ids[:50:2]]
+    labels = [label_event(i, rng) for i in ids[10:60]]  # ids 0-9: never labelled; 50-59: never answered
+    early, late = labels[:20], labels[20:]
+    hostile: list[tuple[bytes | None, bytes]] = [
+        (b"bad-1", b"not json"), (b"bad-2", json.dumps({"id": "bad-2", "labels": {"team": 1.5}}).encode()),
+        (None, json.dumps({"id": "ticket-010", "labels": {"team": "tech"}}).encode()),  # no key: maybe misplaced
+    ]
+    metrics = QualityMetrics()
+
+    async def scenario() -> Any:
+        await prepare_topics(settings, EvaluateTopics.from_settings(settings, shadow_topic))
+        await produce(servers, shadow_topic, _keyed(shadow[:5]))
+        await produce(servers, settings.label_topic, _keyed(early) + hostile)
+        stopping = asyncio.Event()
+        worker = asyncio.ensure_future(run_worker(settings, stopping, metrics=metrics))
+        await produce(servers, settings.answer_topic, _keyed(live + live[:7]))  # seven at-least-once repeats
+        await produce(servers, shadow_topic, _keyed(shadow[5:]))
+        await produce(servers, settings.label_topic, _keyed(late + early[:4]))  # four repeated label events
+        # live: ids 10-49 labelled (40); shadow: even ids 10-48 (20).
+        await _until(servers, settings.evaluation_topic, 60)
+        await asyncio.sleep(1.0)  # nothing more may come
+        stopping.set()
+        evaluator = await worker
+        return evaluator, await _read(servers, settings.evaluation_topic), \
+            await _read(servers, settings.label_dead_letter_topic)
+
+    evaluator, evaluations, dead = asyncio.run(scenario())
+    pairs = collections.Counter((e["id"], e["role"], e["model"]) for e in evaluations)
+    assert max(pairs.values()) == 1, "a pair was evaluated twice"
+    assert {k for k in pairs if k[1] == "live"} == {(i, "live", "m1") for i in ids[10:50]}
+    assert {k for k in pairs if k[1] == "shadow"} == {(i, "shadow", "m2") for i in ids[10:50:2]}
+    assert all(set(e["questions"]) == {"team", "refund", "urgency"} for e in evaluations)
+    assert any(e["lag_ms"] < 0 for e in evaluations) and any(e["lag_ms"] > 0 for e in evaluations)
+    reasons = [d["reason"] for d in dead]
+    assert sum(r.startswith("invalid_label") for r in reasons) == 2
+    assert all(r.startswith(("invalid_label", "misplaced_label")) for r in reasons)
+    exposition = generate_latest(metrics.registry).decode()
+    assert 'd3stream_eval_pairs_total{model="m1",question="team",role="live",type="choice"} 40.0' in exposition
+    assert 'd3stream_eval_duplicates_total{kind="answer"} 7.0' in exposition
+    # ids 0-9 wait for labels that never come: ten live answers and five shadow ones.
+    assert 'd3stream_eval_waiting{kind="answers"} 15.0' in exposition
+    assert 'd3stream_eval_waiting{kind="labels"} 10.0' in exposition  # ids 50-59 wait for answers
+
+    # The same figures offline: compare --labels over the same answers and labels.
+    (tmp_path / "live.jsonl").write_text("".join(json.dumps(a) + "\n" for a in live), encoding="utf-8")
+    (tmp_path / "labels.jsonl").write_text("".join(json.dumps(label) + "\n" for label in labels), encoding="utf-8")
+    answers = compare.load_answers(tmp_path / "live.jsonl")
+    offline = compare.compare(answers, answers, compare.load_labels(tmp_path / "labels.jsonl")).labels
+    live_figures = next(m for m in figures(evaluations) if m.role == "live")
+    assert offline is not None and live_figures.overall == offline.a
+    assert read_figures(settings) == figures(evaluations)
+    assert figures_json(figures(evaluations))["models"][0]["n"] == 120
+
+
+def test_two_workers_one_killed_and_restarted_mid_stream_lose_and_double_nothing(
+        kafka_broker: Any, topic_names: Any, tmp_path: Path) -> None:
+    settings = _settings(kafka_broker, topic_names, session_timeout_ms=6000, topic_partitions=4)
+    servers = settings.bootstrap_servers
+    rng = random.Random(8)
+    ids = [f"k-{n:04d}" for n in range(600)]
+    answers = [answer_event(i, rng) for i in ids]
+    labels = [label_event(i, rng) for i in ids]
+    env = {**os.environ, "D3STREAM_BOOTSTRAP_SERVERS": servers, "D3STREAM_ANSWER_TOPIC": settings.answer_topic,
+           "D3STREAM_LABEL_TOPIC": settings.label_topic, "D3STREAM_EVALUATION_TOPIC": settings.evaluation_topic,
+           "D3STREAM_LABEL_DEAD_LETTER_TOPIC": settings.label_dead_letter_topic,
+           "D3STREAM_EVALUATE_STATE_TOPIC": settings.evaluate_state_topic,
+           "D3STREAM_EVALUATE_GROUP_ID": settings.evaluate_group_id,
+           "D3STREAM_TRANSACTIONAL_ID_PREFIX": settings.transactional_id_prefix, "D3STREAM_TOPIC_PARTITIONS": "4",
+           "D3STREAM_SESSION_TIMEOUT_MS": "6000", "D3STREAM_METRICS_PORT": "0", "D3STREAM_LOG_FORMAT": "json"}
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        log = open(tmp_path / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        return subprocess.Popen([sys.executable, "-m", "d3stream", "evaluate"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+    async def scenario() -> list[dict[str, Any]]:
+        await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
+        first, second = start("w1"), start("w2")
+        try:
+            for chunk in range(0, 600, 100):
+                await produce(servers, settings.answer_topic, _keyed(answers[chunk:chunk + 100]))
+                await produce(servers, settings.label_topic, _keyed(labels[max(0, chunk - 50):chunk + 50]))
+                await asyncio.sleep(0.7)
+                if chunk == 200:
+                    first.send_signal(signal.SIGKILL)
+                    first.wait()
+                if chunk == 300:
+                    first = start("w1")
+            await produce(servers, settings.label_topic, _keyed(labels[550:] + labels[:30]))  # some again
+            found = await _until(servers, settings.evaluation_topic, 600, timeout_s=120)
+            await asyncio.sleep(1.0)
+            return await _read(servers, settings.evaluation_topic) if len(found) >= 600 else found
+        finally:
+            for process in (first, second):
+                process.send_signal(signal.SIGTERM)
+            for process in (first, second):
+                process.wait(timeout=60)
+
+    evaluations = asyncio.run(scenario())
+    counts = collections.Counter(e["id"] for e in evaluations)
+    assert sorted(counts) == ids, f"missing: {sorted(set(ids) - set(counts))[:10]}"
+    assert max(counts.values()) == 1, f"doubled: {[i for i, c in counts.items() if c > 1][:10]}"
+    logs = [(tmp_path / f"{name}.log").read_text(encoding="utf-8") for name in ("w1", "w2")]
+    assert all("evaluating partition" in text for text in logs), "both workers took partitions"
+    restored = [json.loads(line)["waiting"] for text in logs for line in text.splitlines()
+                if '"evaluating partition"' in line]
+    assert max(restored) > 0, "the killed worker's waiting answers were restored from the changelog by the other"
+
+
+def test_a_label_topic_with_another_partition_count_is_refused_naming_the_fix(
+        kafka_broker: Any, topic_names: Any) -> None:
+    settings = _settings(kafka_broker, topic_names)
+
+    async def scenario() -> str:
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+        await admin.start()
+        await admin.create_topics([NewTopic(settings.answer_topic, 3, 1), NewTopic(settings.label_topic, 2, 1)])
+        await admin.close()
+        with pytest.raises(EvaluateSetupError) as refused:
+            await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
+        return str(refused.value)
+
+    message = asyncio.run(scenario())
+    assert f"'{settings.label_topic}' has 2 partitions" in message and "--alter --partitions 3" in message
