@@ -301,6 +301,13 @@ def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_e
     assert figures_json(figures(evaluations))["models"][0]["n"] == 120
 
 
+async def _logged(path: Path, text: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in path.read_text(encoding="utf-8"):
+        assert time.monotonic() < deadline, f"{path.name}: no {text!r} within {timeout_s:g} s"
+        await asyncio.sleep(0.2)
+
+
 def test_two_workers_one_killed_and_restarted_mid_stream_lose_and_double_nothing(
         kafka_broker: Any, topic_names: Any, tmp_path: Path) -> None:
     settings = _settings(kafka_broker, topic_names, session_timeout_ms=6000, topic_partitions=4)
@@ -326,16 +333,22 @@ def test_two_workers_one_killed_and_restarted_mid_stream_lose_and_double_nothing
         await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
         first, second = start("w1"), start("w2")
         try:
-            for chunk in range(0, 600, 100):
-                await produce(servers, settings.answer_topic, _keyed(answers[chunk:chunk + 100]))
-                await produce(servers, settings.label_topic, _keyed(labels[max(0, chunk - 50):chunk + 50]))
-                await asyncio.sleep(0.7)
-                if chunk == 200:
-                    first.send_signal(signal.SIGKILL)
-                    first.wait()
-                if chunk == 300:
-                    first = start("w1")
-            await produce(servers, settings.label_topic, _keyed(labels[550:] + labels[:30]))  # some again
+            for name in ("w1", "w2"):  # both in the group, each with partitions of its own
+                await _logged(tmp_path / f"{name}.log", "evaluating partition")
+            # Both workers evaluating (labels trail their answers, so each partition has answers waiting) ...
+            await produce(servers, settings.answer_topic, _keyed(answers[:200]))
+            await produce(servers, settings.label_topic, _keyed(labels[:150]))
+            await _until(servers, settings.evaluation_topic, 150)
+            # ... then one is killed with records in flight; the other takes its partitions over.
+            await produce(servers, settings.answer_topic, _keyed(answers[200:400]))
+            await produce(servers, settings.label_topic, _keyed(labels[150:300]))
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            await produce(servers, settings.answer_topic, _keyed(answers[400:]))
+            await produce(servers, settings.label_topic, _keyed(labels[300:450]))
+            first = start("w1")  # and comes back: a second rebalance
+            await asyncio.sleep(2.0)
+            await produce(servers, settings.label_topic, _keyed(labels[450:] + labels[:30]))  # some again
             found = await _until(servers, settings.evaluation_topic, 600, timeout_s=120)
             await asyncio.sleep(1.0)
             return await _read(servers, settings.evaluation_topic) if len(found) >= 600 else found
