@@ -43,7 +43,9 @@ from kubernetes_validate import utils as kv_utils
 from d3stream.commands import register
 from d3stream.config import CONFIG_ENV, FIELDS, Settings, env_name, load_settings
 from d3stream.models.checkpoints import checkpoint_location
+from d3stream.core.agreement import Scored
 from d3stream.ops.metrics import STAGES, SWAP_OUTCOMES, Metrics, MetricsServer
+from d3stream.ops.quality import QualityMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -72,6 +74,9 @@ REQUIRED_ALERT_METRICS = {
     "d3stream_prefix_checks_total", "d3stream_answers_total", "d3stream_ready", "d3stream_rebalances_total",
     "d3stream_commit_stalled_seconds", "d3stream_model_swaps_total", "d3stream_shadow_agreements_total",
     "d3stream_shadow_questions_total", "d3stream_shadow_requests_total",
+    # issue 26: calibration worse than the default model's, an accuracy drop, answer drift (d3stream evaluate)
+    "d3stream_eval_calibration_correct_total", "d3stream_eval_pairs_total", "d3stream_eval_correct_total",
+    "d3stream_eval_psi",
 }  # fmt: skip
 # Labels Prometheus adds to every scraped series from its target (the ServiceMonitor's pod and service), not
 # the worker: a rule or panel may group or filter on them although no worker series carries them.
@@ -578,8 +583,8 @@ def test_the_service_monitor_scrapes_the_metrics_port(with_operators: list[dict]
 def _exported_series() -> set[str]:
     """The series names a worker's /metrics serves (counters with _total, histograms' _bucket/_sum/_count)."""
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "info": ["_info"]}
-    return {family.name + suffix for family in Metrics().registry.collect()
-            for suffix in suffixes.get(family.type, [""])}
+    families = [*Metrics().registry.collect(), *QualityMetrics().registry.collect()]  # serve, evaluate
+    return {family.name + suffix for family in families for suffix in suffixes.get(family.type, [""])}
 
 
 def _metrics_read(expr: str) -> set[str]:
@@ -618,8 +623,16 @@ def _busy_worker_series() -> dict[str, list[dict[str, str]]]:
         metrics.observe_stage(stage, 0.01)
     metrics.count_prefix_request("shared")
     metrics.count_publish_retry("d3.answers")
+    quality = QualityMetrics()  # d3stream evaluate's, once it has joined labels and seen answers drift
+    quality.count_pair("live:d3-v4", "team", Scored("choice", "billing", "billing", 0.7, 0.7, True, 0.1, 0.4), 7)
+    quality.count_by_model(quality.answers, {"live:d3-v4": 1, "shadow:d3-v5": 1})
+    quality.count_by_model(quality.expired, {"live:d3-v4": 1})
+    quality.unmatched.inc()
+    quality.waiting.labels(kind="answers").set(1)
+    quality.label_lag.labels(role="live").observe(60)
+    quality.set_drift("live:d3-v4", "team", 0.3, None, {"billing": 1.0})
     series: dict[str, list[dict[str, str]]] = {}
-    for family in metrics.registry.collect():
+    for family in [*metrics.registry.collect(), *quality.registry.collect()]:
         for sample in family.samples:
             series.setdefault(sample.name, []).append(dict(sample.labels))
     return series

@@ -60,7 +60,7 @@ def _doc(**fields) -> bytes:
 # ------------------------------------------------------------------------------------------ schemas
 
 
-@pytest.mark.parametrize("name", ["request", "answer", "dead-letter"])
+@pytest.mark.parametrize("name", ["request", "answer", "dead-letter", "label", "evaluation"])
 def test_checked_in_schema_matches_the_structs(name):
     path = SCHEMA_DIR / f"{name}.schema.json"
     assert path.is_file(), f"{path} is missing; run `python -m d3stream_client.schemas schemas`"
@@ -68,7 +68,7 @@ def test_checked_in_schema_matches_the_structs(name):
     assert _schema(name) == generated, f"{path} drifted from the d3stream_client Structs; run `python -m d3stream_client.schemas schemas`"
 
 
-@pytest.mark.parametrize("name", ["request", "answer", "dead-letter"])
+@pytest.mark.parametrize("name", ["request", "answer", "dead-letter", "label", "evaluation"])
 def test_schema_is_a_valid_2020_12_schema_with_version(name):
     schema = _schema(name)
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"

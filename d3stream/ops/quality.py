@@ -122,14 +122,13 @@ class QualityMetrics:
         model, role = _split(model_key)
         labels = {"model": model, "role": role, "question": question, "type": scored.type}
         self.pairs.labels(**labels).inc()
-        if scored.correct:
-            self.correct.labels(**labels).inc()
+        # Incremented by 0 too: a ratio's numerator must exist wherever its denominator does.
+        self.correct.labels(**labels).inc(1 if scored.correct else 0)
         self.brier.labels(**labels).inc(scored.brier)
         self.log_loss.labels(**labels).inc(scored.log_loss)
         b = str(calibration_bin)
         self.calibration_pairs.labels(**labels, bin=b).inc()
-        if scored.correct:
-            self.calibration_correct.labels(**labels, bin=b).inc()
+        self.calibration_correct.labels(**labels, bin=b).inc(1 if scored.correct else 0)
         self.calibration_confidence.labels(**labels, bin=b).inc(scored.confidence)
 
     def count_by_model(self, series: Counter, counts: Mapping[str, int]) -> None:
