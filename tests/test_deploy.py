@@ -42,8 +42,8 @@ from kubernetes_validate import utils as kv_utils
 
 from d3stream.commands import register
 from d3stream.config import CONFIG_ENV, FIELDS, Settings, env_name, load_settings
-from d3stream.models.checkpoints import checkpoint_location
 from d3stream.core.agreement import Scored
+from d3stream.models.checkpoints import checkpoint_location
 from d3stream.ops.metrics import STAGES, SWAP_OUTCOMES, Metrics, MetricsServer
 from d3stream.ops.quality import QualityMetrics
 
