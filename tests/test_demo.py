@@ -35,3 +35,7 @@ def test_demo_answers_every_request_and_the_trained_checkpoint_wins(
     assert figures["better"] == "d3-demo-qwen3_5-tiny-seed0"
     assert figures["accuracy"][0] >= figures["accuracy"][1] + 0.3
     assert figures["brier"][0] < figures["brier"][1]
+    # d3stream evaluate ran beside the worker: every labelled answer evaluated once, labels before and after.
+    live = summary["live_evaluation"]
+    assert live["evaluations"] == live["expected"] == len(summary["labelled_ids"])
+    assert summary["live_equals_offline"], (live, figures)

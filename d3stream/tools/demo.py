@@ -10,8 +10,11 @@ answers back and prints them with a summary.
 Then it shows the re-evaluation story: the same request topic is replayed through the random checkpoint
 (``replay.run_replay``, as ``d3stream replay`` does) and both answer sets are compared against the labels
 of the labelled requests (``compare.compare``, as ``d3stream compare --labels`` does), so the summary says
-which checkpoint is right, not just that they differ. It exits 0 only when every published request has
-its answer, live and replayed.
+which checkpoint is right, not just that they differ. Meanwhile ``d3stream evaluate`` runs beside the
+worker (``evaluate.run_worker``): half of the labels are published before their requests are answered, the
+other half after, and the live evaluation it publishes is printed beside the offline one; for the served
+checkpoint both come from the same answers and labels and must be equal. It exits 0 only when every
+published request has its answer, live and replayed, and the live figures equal the offline ones.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 
 from d3stream.config import cache_root
 from d3stream.tools import tasks
+from d3stream.tools.evaluate import run_worker
 
 DEMO_BUCKET = "d3stream-demo"
 # Held-out tickets and pictures published next to the showcase, for the labelled re-evaluation.
@@ -161,6 +165,7 @@ def reevaluation(
         "accuracy": [figures.a.accuracy, figures.b.accuracy],
         "brier": [figures.a.brier, figures.b.brier],
         "ece": [figures.a.ece, figures.b.ece],
+        "log_loss": [figures.a.log_loss, figures.b.log_loss],
         "agreement": report.overall.agreement,
         "better": names[0] if (figures.a.accuracy or 0) >= (figures.b.accuracy or 0) else names[1],
     }
@@ -227,29 +232,73 @@ async def _serve_and_reevaluate(
     records = _sample_records(store, examples)
     settings = _demo_settings(broker, store)
     _step(status, "demo: publishing")
-    for topic in ("demo.requests", "demo.answers"):
-        broker.create_topic(topic, exist_ok=True)
+    for topic in ("demo.requests", "demo.answers", "demo.labels"):
+        broker.create_topic(topic, settings.topic_partitions, exist_ok=True)
+    labels = [(e.id.encode(), json.dumps({"id": e.id, "labels": e.labels, "source": "demo"}).encode())
+              for e in examples]
+    # Half of the labels are known before the requests are even answered: they wait for their answers.
+    await produce(broker.bootstrap_servers, "demo.labels", labels[::2])
     await produce(broker.bootstrap_servers, "demo.requests", records)
     # The service reads credentials from the standard AWS chain, as it would in production.
     os.environ["AWS_ACCESS_KEY_ID"] = store.access_key
     os.environ["AWS_SECRET_ACCESS_KEY"] = store.secret_key
-    _step(status, "demo: serving")
-    answers, dead_letters = await _serve(settings, model, broker, len(records), progress, timeout_s)
+    _step(status, "demo: serving (and evaluating live)")
+    stop_evaluating = asyncio.Event()
+    evaluating = asyncio.ensure_future(run_worker(settings, stop_evaluating))
+    try:
+        answers, dead_letters = await _serve(settings, model, broker, len(records), progress, timeout_s)
+        # The other half arrives after the answers, as a closed ticket's truth does.
+        await produce(broker.bootstrap_servers, "demo.labels", labels[1::2])
+        live = await _live_figures(settings, answers, {e.id for e in examples}, timeout_s)
+    finally:
+        stop_evaluating.set()
+        await evaluating
     _step(status, "demo: replaying through the random checkpoint")
     baseline = D3.from_pretrained(baseline_path)
     replayed = await _replayed(settings, baseline)
     status.update()
     published = {key.decode() for key, _ in records}
+    offline = reevaluation(records_to_answers(answers), replayed, examples, (model.model_name, baseline.model_name))
     return {
         "published": len(records),
         "answered": len(published & {answer["id"] for answer in answers}),
         "errors": sum(1 for answer in answers if answer.get("error")),
         "dead_letters": dead_letters,
         "replayed": len(published & set(replayed)),
-        "reevaluation": reevaluation(records_to_answers(answers), replayed, examples, (model.model_name, baseline.model_name)),
+        "reevaluation": offline,
+        "live_evaluation": live,
+        "live_equals_offline": same_figures(live, offline),
         "answers": answers,
         "labelled_ids": [example.id for example in examples],
     }
+
+
+FIGURES = ("accuracy", "brier", "ece", "log_loss")
+
+
+def same_figures(live: dict[str, Any], offline: dict[str, Any]) -> bool:
+    """Whether the live evaluation of the served checkpoint has exactly the offline re-evaluation's figures."""
+    served = offline["checkpoints"][0]
+    model = next((m for m in live["models"] if m["model"] == served and m["role"] == "live"), None)
+    return model is not None and [model[k] for k in FIGURES] == [offline[k][0] for k in FIGURES]
+
+
+async def _live_figures(settings: Any, answers: list[dict[str, Any]], labelled: set[str],
+                        timeout_s: float) -> dict[str, Any]:
+    """What ``d3stream evaluate --report`` prints once every labelled answer is evaluated: the served model's
+    figures from the evaluation topic."""
+    from d3stream.tools.compare import TopicRange, read_topic
+    from d3stream.tools.evaluate import figures, figures_json
+
+    expected = sum(1 for answer in answers if answer["id"] in labelled and not answer.get("error"))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = await read_topic(settings.bootstrap_servers, TopicRange(settings.evaluation_topic), timeout_s=timeout_s)
+        if len(records) >= expected or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    models = figures(records)
+    return {**figures_json(models), "evaluations": len(records), "expected": expected}
 
 
 def _step(status: Any, description: str) -> None:
@@ -285,6 +334,12 @@ def _demo_settings(broker: Any, store: Any) -> Any:
         s3_region=store.region,
         media_allowlist=[DEMO_BUCKET],
         linger_ms=20,
+        label_topic="demo.labels",
+        evaluation_topic="demo.evaluations",
+        label_dead_letter_topic="demo.labels.dead-letters",
+        evaluate_state_topic="demo.evaluate.state",
+        evaluate_group_id="d3stream-demo-evaluate",
+        metrics_port=None,
     )
 
 
