@@ -969,6 +969,11 @@ def _run_service_bench(args: argparse.Namespace) -> int:
             report["kafka"] = bench_service.kafka_overhead(args.kafka, progress=step)
             bar.update(bar.total - bar.n)
         tables.append(bench_service.kafka_markdown(report["kafka"]))
+    if args.evaluate:
+        from d3stream.tools.bench_evaluate import evaluate_bench, evaluate_markdown
+
+        report["evaluate"] = evaluate_bench(args.evaluate)
+        tables.append(evaluate_markdown(report["evaluate"]))
     if args.soak or args.ask or args.head_of_line:
         if args.checkpoint:
             root = Path(args.checkpoint)
@@ -1037,7 +1042,7 @@ def _run_scheduling_bench(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.scheduling:
         return _run_scheduling_bench(args)
-    if args.kafka or args.soak or args.ask or args.head_of_line:
+    if args.kafka or args.soak or args.ask or args.head_of_line or args.evaluate:
         return _run_service_bench(args)
     report, calibration = run_bench(args)
     table = markdown(report, calibration if args.calibrate else None)
@@ -1090,6 +1095,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak", type=int, nargs="?", const=100_000, default=0, metavar="N",
                         help="instead: serve N small requests (default 100,000) with the checkpoint and report "
                         "whether the resident set size stays flat")
+    parser.add_argument("--evaluate", type=int, nargs="?", const=20_000, default=0, metavar="N",
+                        help="instead: d3stream evaluate's throughput (N answers and labels joined by one worker on "
+                        "an embedded broker, default 20000) and its memory per 100,000 waiting answers")
     parser.add_argument("--ask", type=int, nargs="?", const=300, default=0, metavar="N",
                         help="instead: N asks (default 300, 20/s) of the client's ask() against a worker on an "
                         "embedded broker, beside the worker's own end-to-end latency, in both delivery modes")

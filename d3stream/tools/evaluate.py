@@ -136,17 +136,23 @@ async def _shadow_topic(settings: Settings) -> str | None:
         await admin.close()
 
 
+async def make_evaluator(settings: Settings, metrics: Any = None) -> Any:
+    """An evaluate worker (``kafka/evaluating.Evaluator``) for ``settings``, its readiness on ``metrics``."""
+    from d3stream.kafka.evaluating import Evaluator
+    from d3stream.ops.quality import QualityMetrics
+
+    metrics = metrics or QualityMetrics()
+    evaluator = Evaluator(settings, metrics, load_drift(settings), shadow_topic=await _shadow_topic(settings))
+    metrics.set_ready_check(lambda: evaluator.ready)
+    return evaluator
+
+
 async def run_worker(settings: Settings, stopping: asyncio.Event | None = None, *,
                      metrics: Any = None) -> Any:
     """Run one evaluate worker until ``stopping`` is set (SIGTERM and SIGINT set it when none is given);
     returns the Evaluator (its counts)."""
-    from d3stream.kafka.evaluating import Evaluator
-    from d3stream.ops.quality import QualityMetrics
-
     stopping = stopping or _on_signals()
-    metrics = metrics or QualityMetrics()
-    evaluator = Evaluator(settings, metrics, load_drift(settings), shadow_topic=await _shadow_topic(settings))
-    metrics.set_ready_check(lambda: evaluator.ready)
+    evaluator = await make_evaluator(settings, metrics)
     await evaluator.start()
     try:
         await evaluator.run(stopping)
