@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 from d3stream_client.contract import Source, decode_answer
-from d3stream_client.publisher import produce
-from d3stream_client.validation import decode_label
+from d3stream_client.publisher import Publisher, produce
+from d3stream_client.validation import EventError, decode_label
 from prometheus_client import generate_latest
 
 from d3stream.config import load_settings
@@ -259,7 +259,12 @@ def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_e
     async def scenario() -> Any:
         await prepare_topics(settings, EvaluateTopics.from_settings(settings, shadow_topic))
         await produce(servers, shadow_topic, _keyed(shadow[:5]))
-        await produce(servers, settings.label_topic, _keyed(early) + hostile)
+        async with Publisher(servers, settings.label_topic) as publisher:  # the client's checked labels
+            for label in early:
+                await publisher.publish_label(label)
+            with pytest.raises(EventError, match="invalid_label|does not match"):
+                await publisher.publish_label({"id": "x", "labels": {}})
+        await produce(servers, settings.label_topic, hostile)
         stopping = asyncio.Event()
         worker = asyncio.ensure_future(run_worker(settings, stopping, metrics=metrics))
         await produce(servers, settings.answer_topic, _keyed(live + live[:7]))  # seven at-least-once repeats

@@ -19,8 +19,8 @@ import msgspec
 from aiokafka import AIOKafkaProducer
 
 from d3stream_client.connection import start_client, without
-from d3stream_client.contract import HEADERS, Request
-from d3stream_client.validation import DEFAULT_LIMITS, RequestLimits, validate_request
+from d3stream_client.contract import HEADERS, Label, Request
+from d3stream_client.validation import DEFAULT_LIMITS, RequestLimits, validate_label, validate_request
 
 # Sends in flight before the next is awaited: enough to fill batches, few enough to bound memory.
 PIPELINE_DEPTH = 500
@@ -117,6 +117,14 @@ class Publisher:
             chunk = records[start:start + PIPELINE_DEPTH]
             published.extend(await asyncio.gather(*[_landed(key, await self._send(key, value)) for key, value in chunk]))
         return published
+
+    async def publish_label(self, label: Label | dict[str, Any] | bytes) -> Published:
+        """Check one label event against the schema (EventError ``invalid_label`` otherwise) and publish it keyed
+        by its request id, on this publisher's topic (the label topic: ``Publisher(servers, "d3.labels")``), so
+        it lands on the partition of its answer."""
+        value = validate_label(label)
+        key = str(msgspec.json.decode(value)["id"]).encode()
+        return await self.publish_prepared(key, value)
 
     async def publish_raw(self, records: Iterable[tuple[bytes | None, bytes]],
                           on_sent: Callable[[], None] | None = None) -> int:
