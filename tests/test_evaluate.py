@@ -31,6 +31,7 @@ from d3stream_client.publisher import Publisher, produce
 from d3stream_client.validation import EventError, decode_label
 from prometheus_client import generate_latest
 
+from d3stream.cli import main as cli_main
 from d3stream.config import load_settings
 from d3stream.core.agreement import Tally, label_key, label_stats, parse_slot, score
 from d3stream.core.drift import Drift, psi
@@ -38,7 +39,7 @@ from d3stream.core.evaluation import JoinState, LabelEntry, answer_entry
 from d3stream.kafka.evaluating import EvaluateSetupError, EvaluateTopics, prepare_topics
 from d3stream.ops.quality import QualityMetrics
 from d3stream.tools import compare
-from d3stream.tools.evaluate import figures, figures_json, read_figures, run_worker
+from d3stream.tools.evaluate import figures, figures_json, load_drift, read_figures, run_worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -188,6 +189,19 @@ def test_the_tally_gives_identical_figures_in_any_order() -> None:
     assert forward.n == 900 and 0 < forward.accuracy < 1 and forward.log_loss > 0 and 0 <= forward.ece <= 1
 
 
+def test_a_reference_file_fixes_the_drift_reference(tmp_path: Path) -> None:
+    rng = random.Random(9)
+    reference = tmp_path / "reference.jsonl"
+    reference.write_text("".join(json.dumps(answer_event(f"r{n}", rng)) + "\n" for n in range(200)), encoding="utf-8")
+    drift = load_drift(load_settings({"evaluate_drift_reference": str(reference), "evaluate_drift_window": "50"},
+                                     environ={}))
+    first = parse_slot({"type": "choice", "choice": "sales", "probabilities": {"billing": 0, "tech": 0, "sales": 1}})
+    assert first is not None
+    tracked = drift.add("live:m9", "team", first)
+    assert tracked.reference_fixed and sum(tracked.reference.values()) == 200
+    assert tracked.psi is not None and tracked.psi > 1  # one answer, all on one option: far from the reference
+
+
 def test_drift_is_near_zero_on_the_same_distribution_and_large_on_a_shifted_one() -> None:
     rng = random.Random(6)
     drift = Drift(window=500)
@@ -240,7 +254,7 @@ async def _until(servers: str, topic: str, count: int, timeout_s: float = 90.0) 
 
 
 def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_equal_compare(
-        kafka_broker: Any, topic_names: Any, tmp_path: Path) -> None:
+        kafka_broker: Any, topic_names: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     settings = _settings(kafka_broker, topic_names)
     servers = settings.bootstrap_servers
     shadow_topic = f"{settings.answer_topic}.shadow"
@@ -304,6 +318,19 @@ def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_e
     assert offline is not None and live_figures.overall == offline.a
     assert read_figures(settings) == figures(evaluations)
     assert figures_json(figures(evaluations))["models"][0]["n"] == 120
+    # What an operator types: the report, and compare --labels on the topics themselves.
+    capsys.readouterr()
+    connection = ["--bootstrap-servers", servers]
+    assert cli_main(["evaluate", "--report", "--json", "--evaluation-topic", settings.evaluation_topic,
+                     *connection]) == 0
+    reported = json.loads(capsys.readouterr().out)["models"]
+    assert [(m["role"], m["model"], m["n"]) for m in reported] == [("live", "m1", 120), ("shadow", "m2", 60)]
+    # (The label file, not the topic: the topic also holds the keyless label the evaluator dead-letters.)
+    assert cli_main(["compare", f"kafka:{settings.answer_topic}", f"kafka:{settings.answer_topic}", "--labels",
+                     str(tmp_path / "labels.jsonl"), "--json", "--out", str(tmp_path / "report"), *connection]) == 0
+    headline = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert [headline[k] for k in ("accuracy_a", "brier_a", "ece_a", "log_loss_a")] == \
+        [reported[0][k] for k in ("accuracy", "brier", "ece", "log_loss")]
 
 
 async def _logged(path: Path, text: str, timeout_s: float = 60.0) -> None:
