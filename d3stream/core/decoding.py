@@ -64,14 +64,17 @@ class DecodedMedia:
     videos: list[media_io.Video]
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of decoded pixels (a media object named twice counts once)."""
-        seen: dict[int, int] = {}
+    def memory(self) -> media_io.MediaMemory:
+        """What the media hold: decoded pixels and vision inputs until the request is answered, the processor's
+        copies until it is prepared (``media_io.image_memory``, ``video_memory``; an object named twice counts
+        once)."""
+        seen: dict[int, media_io.MediaMemory] = {}
         for image in self.images:
-            seen[id(image)] = image.width * image.height * len(image.getbands())
+            seen[id(image)] = media_io.image_memory(image.width * image.height)
         for video in self.videos:
-            seen[id(video)] = int(video.frames.nbytes)
-        return sum(seen.values())
+            count, height, width = video.frames.shape[:3]
+            seen[id(video)] = media_io.video_memory(int(count), int(height * width))
+        return sum(seen.values(), media_io.MediaMemory(0, 0))
 
 
 def decode_videos(datas: Sequence[bytes], budget: media_io.MediaBudget, labels: Sequence[str]) -> list[media_io.Video]:
@@ -267,15 +270,19 @@ class MediaDecoder:
         return sizes
 
     def estimate(self, image_pixels: Sequence[int], videos: int) -> int:
-        """Decoded bytes a request's media may reach, from its image headers and the budget left for its
-        videos: what it holds of the in-flight media budget while it decodes."""
-        pixels = sum(image_pixels)
+        """Bytes a request's media may come to hold while it is prepared (``DecodedMedia.memory``'s total),
+        from its image headers and, for its videos, the most frames and pixels the limits let them have: what
+        it takes of the in-flight media budget while it decodes (given back down to what it holds once
+        decoded, and once prepared)."""
+        total = sum(media_io.image_memory(pixels).total for pixels in image_pixels)
         if videos:
-            video_pixels = media_io.VIDEO_MAX_FRAMES * media_io.MAX_VIDEO_SOURCE_PIXELS * videos
-            if self.max_pixels is not None:
-                video_pixels = min(video_pixels, max(0, self.max_pixels - pixels))
-            pixels += video_pixels
-        return 3 * pixels
+            frames = media_io.VIDEO_MAX_FRAMES * videos
+            pixels = frames * media_io.MAX_VIDEO_SOURCE_PIXELS
+            if self.max_pixels is not None:  # every sampled frame's pixels count against max_media_pixels
+                pixels = min(pixels, max(0, self.max_pixels - sum(image_pixels)))
+            per_pixel = media_io.VIDEO_KEPT_PER_SOURCE_PIXEL + media_io.VIDEO_PREPARING_PER_SOURCE_PIXEL
+            total += int(per_pixel * pixels + media_io.VIDEO_KEPT_PER_PROCESSED_PIXEL * media_io.VIDEO_MAX_PIXELS * frames)
+        return total
 
     async def decode(self, images: Sequence[bytes], videos: Sequence[bytes],
                      reserve: Callable[[int], Awaitable[Any]] | None = None) -> DecodedMedia:

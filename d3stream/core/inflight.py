@@ -47,8 +47,12 @@ class InFlightLedger:
         self.counts.questions += record.questions
 
     def prepared(self, records: Sequence[RequestRecord]) -> None:
-        """These requests were prepared (``record.tokens`` set): their prompt tokens count from now on."""
+        """These requests were prepared (``record.tokens`` set): their prompt tokens count from now on, and the
+        media budget they took for the processor's copies goes back."""
         self.counts.tokens += sum(record.tokens for record in records)
+        for record in records:
+            if record.media_bytes > record.media_kept:
+                self.keep_media(record, record.media_kept)
 
     def try_quota(self, record: RequestRecord) -> bool:
         """Take the request's tokens of its tenant's quota if they fit now (always, with quotas off)."""

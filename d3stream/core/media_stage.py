@@ -77,6 +77,8 @@ class MediaStage:
             return Refusal("invalid_request", str(exc))
         except ValueError as exc:
             return Refusal("media_unreadable", str(exc))
-        self.ledger.keep_media(record, decoded.nbytes)  # what the media really take; the rest of the estimate back
+        memory = decoded.memory
+        self.ledger.keep_media(record, memory.total)  # what the media really take; the rest of the estimate back
+        record.media_kept = memory.kept  # what is left once the request is prepared
         record.decoded = (decoded.images, decoded.videos)
         return None

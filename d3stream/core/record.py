@@ -55,6 +55,7 @@ class RequestRecord:
     media: list[MediaRecord] = field(default_factory=list)  # the objects read for it (provenance)
     decoded: Media = None  # its decoded images and videos
     media_bytes: int = 0  # held of the in-flight media budget
+    media_kept: int = 0  # of which what stays held once the request is prepared (the processor's copies are gone)
     tokens: int = 0  # its prompt tokens, once prepared
     quota_tokens: int = 0  # taken of its tenant's quota (tenant_max_inflight_tokens), given back when answered
 

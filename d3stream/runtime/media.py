@@ -59,6 +59,40 @@ MAX_VIDEO_BYTES = 32_000_000
 MAX_VIDEO_SOURCE_PIXELS = 8_294_400
 MAX_VIDEO_SECONDS = 300
 VIDEO_FORMATS = ("mp4", "webm", "quicktime", "x-matroska")
+# What one image or video frame costs in memory, per pixel of the source and per pixel after the processor's
+# resize, in two parts. Kept from its decode until its request is answered: the decoded RGB pixels (3 bytes a
+# source pixel), the vision inputs the processor returns (float32 patches, an image's pixels twice for the
+# temporal patch: 24 bytes a resized pixel) and what the allocator keeps around them. Preparing, on top of
+# that until the request is prepared: the processor's copies while it converts and resizes. Requests are
+# prepared one at a time and the next one's copies reuse the memory of the last, so a worker's peak is the
+# kept parts of every request in flight plus the preparing parts of those not prepared yet. Measured as the
+# peak RSS growth of decoding and preparing one and three requests of six 16-megapixel PNGs, and a 1080p clip,
+# on the tiny checkpoints' processor (docs/MEASUREMENTS.md); tests/test_media_memory.py keeps the count within
+# 25 % of it.
+IMAGE_KEPT_PER_SOURCE_PIXEL = 3.6
+IMAGE_KEPT_PER_PROCESSED_PIXEL = 24.0
+IMAGE_PREPARING_PER_SOURCE_PIXEL = 4.4
+IMAGE_PREPARING_PER_PROCESSED_PIXEL = 22.0
+VIDEO_KEPT_PER_SOURCE_PIXEL = 3.5
+VIDEO_KEPT_PER_PROCESSED_PIXEL = 12.0
+VIDEO_PREPARING_PER_SOURCE_PIXEL = 3.0
+
+
+@dataclass(frozen=True)
+class MediaMemory:
+    """Bytes media hold: ``kept`` until the request is answered, ``preparing`` more until it is prepared."""
+
+    kept: int
+    preparing: int
+
+    @property
+    def total(self) -> int:
+        return self.kept + self.preparing
+
+    def __add__(self, other: MediaMemory) -> MediaMemory:
+        return MediaMemory(self.kept + other.kept, self.preparing + other.preparing)
+
+
 # A container frame rate outside this range is not believed; the clip is read as 24 fps instead.
 VIDEO_SOURCE_FPS = (0.1, 1000.0)
 VIDEO_UNKNOWN_FPS = 24.0
@@ -174,6 +208,20 @@ def _open_checked(data: bytes) -> Any:
         probe.close()
         raise
     return probe
+
+
+def image_memory(pixels: int) -> MediaMemory:
+    """What one image of ``pixels`` source pixels holds (``MediaMemory``)."""
+    processed = min(max(pixels, IMAGE_MIN_PIXELS), IMAGE_MAX_PIXELS)
+    return MediaMemory(int(IMAGE_KEPT_PER_SOURCE_PIXEL * pixels + IMAGE_KEPT_PER_PROCESSED_PIXEL * processed),
+                       int(IMAGE_PREPARING_PER_SOURCE_PIXEL * pixels + IMAGE_PREPARING_PER_PROCESSED_PIXEL * processed))
+
+
+def video_memory(frames: int, frame_pixels: int) -> MediaMemory:
+    """What a video of ``frames`` sampled frames of ``frame_pixels`` pixels holds, like ``image_memory``."""
+    processed = min(max(frame_pixels, VIDEO_MIN_PIXELS), VIDEO_MAX_PIXELS)
+    kept = VIDEO_KEPT_PER_SOURCE_PIXEL * frame_pixels + VIDEO_KEPT_PER_PROCESSED_PIXEL * processed
+    return MediaMemory(int(frames * kept), int(frames * VIDEO_PREPARING_PER_SOURCE_PIXEL * frame_pixels))
 
 
 def image_header(data: bytes) -> tuple[int, int]:

@@ -1,0 +1,98 @@
+"""Run as ``python -m tests.media_memory_probe CHECKPOINT images|images3|video``: decode and prepare one request's
+media (``images3``: three such requests, one after the other, all kept, as a worker holds them until they are
+answered) in a fresh process, and print (JSON) the peak RSS growth beside the most the media budget counted.
+
+The process is fresh so that nothing else's memory moves its RSS; a thread samples the RSS every 5 ms from
+just before the first decode until the last request is prepared (its vision inputs included). The budget's
+count follows the worker's ledger: a request holds its whole share while it is prepared, and its kept part
+after that (``InFlightLedger.prepared``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+from PIL import Image
+
+
+def _rss() -> int:
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def images(count: int = 6, side: int = 4000) -> list[bytes]:
+    """``count`` PNGs of ``side`` x ``side`` pixels (16 megapixels by default), smooth enough to stay under the
+    8 MB object limit."""
+    y, x = np.mgrid[0:side, 0:side]
+    out = []
+    for n in range(count):
+        pixels = np.stack([x * 255 // side, y * 255 // side, (x + y + 50 * n) % 256], -1).astype(np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG", compress_level=1)
+        out.append(buffer.getvalue())
+    return out
+
+
+def video() -> bytes:
+    """A 4-second 1080p clip (sampled at 2 fps: eight frames)."""
+    from d3stream.tools.demo import sample_mp4
+
+    return sample_mp4(frames=40, width=1920, height=1080, fps=10.0)
+
+
+def main(checkpoint: str, case: str) -> dict[str, float]:
+    from d3stream.core.decoding import MediaDecoder
+    from d3stream.runtime import D3
+
+    media = [video()] if case == "video" else images()
+    model = D3.from_pretrained(checkpoint, device="cpu")
+    model.prepare("warm", {"q": {"type": "noul"}}, decoded_images=[Image.new("RGB", (64, 64))])
+    decoder = MediaDecoder(timeout_s=300, max_pixels=200_000_000, max_video_frames=1_000)
+    decoder.warm()
+    base = _rss()
+    peak = [base]
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    reserved: list[int] = []
+
+    async def decode() -> object:
+        async def reserve(amount: int) -> None:
+            reserved.append(amount)
+
+        if case != "video":
+            return await decoder.decode([bytes(m) for m in media], [], reserve)
+        return await decoder.decode([], media, reserve)
+
+    counted = kept = 0
+    prepared = []
+    for _ in range(3 if case == "images3" else 1):
+        decoded = asyncio.run(decode())
+        memory = decoded.memory  # type: ignore[attr-defined]
+        counted = max(counted, kept + memory.total)  # while it is prepared
+        prepared.append(model.prepare("state", {"q": {"type": "noul"}},
+                                      decoded_images=decoded.images or None,  # type: ignore[attr-defined]
+                                      decoded_videos=decoded.videos or None))  # type: ignore[attr-defined]
+        kept += memory.kept
+    sampling.set()
+    sampler.join()
+    assert all(p.media is not None for p in prepared)
+    decoder.close()
+    return {"reserved": reserved[0], "held": memory.total, "counted": counted, "peak_growth": peak[0] - base}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], sys.argv[2])))
