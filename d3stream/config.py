@@ -255,8 +255,8 @@ HELP: dict[str, str] = {
     "(0: never)",
     "prefix_tolerance": "largest |dp| a verification may show; above it the worker logs it and serves full prompts",
     "media_cache_bytes": "bytes of vision-tower features kept for media seen again (LRU by content hash; 0: off)",
-    "max_inflight_media_bytes": "decoded media bytes held at once: a request waits for its share (estimated from "
-    "headers) before it decodes; partitions pause while it is full",
+    "max_inflight_media_bytes": "bytes decoded media, the processor's copies and the vision inputs hold at once: a "
+    "request waits for its share (estimated from headers) before it decodes; partitions pause while it is full",
     "max_media_references": "most images + videos one request may name (more: invalid_request, nothing fetched)",
     "max_media_pixels": "most decoded pixels of one request's media, every image reference and sampled video "
     "frame counted, from the headers before decoding (more: invalid_request)",
