@@ -50,7 +50,7 @@ SLOW_FIXTURES = frozenset({
 LONG_MODULES = (
     "test_scaleout", "test_delivery", "test_runtime", "test_hostile", "test_service", "test_ordering", "test_client",
     "test_bench",
-    "test_unwritable", "test_demo", "test_evaluate", "test_replay", "test_shadow", "test_limits", "test_security", "test_training",
+    "test_unwritable", "test_demo", "test_evaluate", "test_media_memory", "test_replay", "test_shadow", "test_limits", "test_security", "test_training",
     "test_rollout", "test_media_limits", "test_checkpoint",
 )
 

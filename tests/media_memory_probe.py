@@ -1,6 +1,7 @@
-"""Run as ``python -m tests.media_memory_probe CHECKPOINT images|images3|video``: decode and prepare one request's
-media (``images3``: three such requests, one after the other, all kept, as a worker holds them until they are
-answered) in a fresh process, and print (JSON) the peak RSS growth beside the most the media budget counted.
+"""Run as ``python -m tests.media_memory_probe CHECKPOINT images|video``: decode and prepare one request's media
+in a fresh process (``images``: then two more such requests, all kept, as a worker holds them until they are
+answered), and print (JSON) the peak RSS growth beside the most the media budget counted, after the first
+request and after the last.
 
 The process is fresh so that nothing else's memory moves its RSS; a thread samples the RSS every 5 ms from
 just before the first decode until the last request is prepared (its vision inputs included). The budget's
@@ -79,7 +80,8 @@ def main(checkpoint: str, case: str) -> dict[str, float]:
 
     counted = kept = 0
     prepared = []
-    for _ in range(3 if case == "images3" else 1):
+    first: dict[str, int] = {}
+    for _ in range(3 if case == "images" else 1):
         decoded = asyncio.run(decode())
         memory = decoded.memory  # type: ignore[attr-defined]
         counted = max(counted, kept + memory.total)  # while it is prepared
@@ -87,11 +89,13 @@ def main(checkpoint: str, case: str) -> dict[str, float]:
                                       decoded_images=decoded.images or None,  # type: ignore[attr-defined]
                                       decoded_videos=decoded.videos or None))  # type: ignore[attr-defined]
         kept += memory.kept
+        first = first or {"counted": counted, "peak_growth": peak[0] - base}
     sampling.set()
     sampler.join()
     assert all(p.media is not None for p in prepared)
     decoder.close()
-    return {"reserved": reserved[0], "held": memory.total, "counted": counted, "peak_growth": peak[0] - base}
+    return {"reserved": reserved[0], "held": memory.total, "first_counted": first["counted"],
+            "first_peak_growth": first["peak_growth"], "counted": counted, "peak_growth": peak[0] - base}
 
 
 if __name__ == "__main__":

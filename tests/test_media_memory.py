@@ -21,13 +21,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("case", ["images", "images3", "video"])
+@pytest.mark.parametrize("case", ["images", "video"])
 def test_the_media_budget_counts_the_memory_decoding_and_preparing_take(qwen35_checkpoint: Path, case: str) -> None:
     probe = subprocess.run([sys.executable, "-m", "tests.media_memory_probe", str(qwen35_checkpoint), case],
                            cwd=ROOT, capture_output=True, text=True, timeout=280, check=False)
     assert probe.returncode == 0, probe.stderr[-3000:]
     figures = json.loads(probe.stdout.strip().splitlines()[-1])
-    counted, peak = figures["counted"], figures["peak_growth"]
     assert figures["reserved"] >= figures["held"]  # the share taken before decoding is never below what it keeps
-    assert abs(counted - peak) <= 0.25 * peak, (
-        f"{case}: the budget counted {counted / 2**20:.0f} MiB, the process grew by {peak / 2**20:.0f} MiB")
+    # One request, then (images) three of them held at once.
+    for counted, peak in ((figures["first_counted"], figures["first_peak_growth"]),
+                          (figures["counted"], figures["peak_growth"])):
+        assert abs(counted - peak) <= 0.25 * peak, (
+            f"{case}: the budget counted {counted / 2**20:.0f} MiB, the process grew by {peak / 2**20:.0f} MiB")

@@ -94,10 +94,13 @@ async def _committed(bootstrap: str, group: str, partition: TopicPartition) -> t
 
 
 @pytest.mark.subprocess
-def test_a_worker_killed_while_answers_complete_out_of_order_loses_and_doubles_nothing(
-        stack, proxy, qwen35_checkpoint, tmp_path):
+@pytest.mark.parametrize("how", ["kill", "rebalance"])
+def test_a_worker_killed_or_rebalanced_while_answers_complete_out_of_order_loses_and_doubles_nothing(
+        stack, proxy, qwen35_checkpoint, tmp_path, how):
     keys = _keys_on(1, 21, "ticket")
-    slow = _slow_image(stack, proxy, "b", 8.0)
+    # For the rebalance the slow fetch outlasts the second worker's start (its model loads first) and the
+    # first one's revocation drain (rebalance_drain_s), so the slow request is handed over unanswered.
+    slow = _slow_image(stack, proxy, "b", 8.0 if how == "kill" else 60.0)
     first = [_record("slow", keys[0], slow)] + [_record(f"early-{n}", key) for n, key in enumerate(keys[1:11])]
     later = [_record(f"late-{n}", key) for n, key in enumerate(keys[11:])]
     ids = [json.loads(value)["id"] for _, value in first + later]
@@ -112,6 +115,8 @@ def test_a_worker_killed_while_answers_complete_out_of_order_loses_and_doubles_n
     env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = stack.store.access_key, stack.store.secret_key
     env.pop("D3STREAM_CONFIG", None)
     worker = WorkerProcess(env, tmp_path / "worker.log")
+    # The rebalance: a second worker joins the group mid-stream; every partition is revoked and assigned again.
+    second = WorkerProcess({**env, "D3STREAM_GROUP_INSTANCE_ID": f"{stack.group}-1"}, tmp_path / "second.log")
     partition = TopicPartition(stack.requests, 1)
 
     async def scenario() -> tuple[collections.Counter, set[int], int, str]:
@@ -127,17 +132,29 @@ def test_a_worker_killed_while_answers_complete_out_of_order_loses_and_doubles_n
                 assert worker.process.poll() is None, worker.log_path.read_text()[-3000:]
                 assert "slow" not in reader.counts(), "the slow request must still be pending at the kill"
                 point, metadata = await _committed(bootstrap, stack.group, partition)
-                worker.kill()
-                proxy.clear()  # the restarted worker fetches the image at once: the test need not wait twice
-                worker.start()
+                if how == "kill":
+                    proxy.clear()  # the restarted worker fetches the image at once: the test need not wait twice
+                    worker.kill()
+                    worker.start()
+                else:
+                    second.start()
+                    await reader.wait(lambda: second.log_path.exists()
+                                      and '"partitions assigned"' in second.log_path.read_text(), 120,
+                                      what="the second worker in the group")
+                    proxy.clear()  # the new owner fetches the image at once
                 await produce(bootstrap, stack.requests, later)
-                await reader.wait(lambda: set(ids) <= set(reader.counts()) or worker.process.poll() is not None,
-                                  120, what="every answer after the restart")
-                assert worker.process.poll() is None, worker.log_path.read_text()[-3000:]
+                running = [w for w in (worker, second) if w.process is not None]
+                await reader.wait(lambda: set(ids) <= set(reader.counts())
+                                  or any(w.process.poll() is not None for w in running), 120,
+                                  what=f"every answer after the {how}")
+                assert all(w.process.poll() is None for w in running), worker.log_path.read_text()[-3000:]
             finally:
-                assert worker.terminate(60) == 0, worker.log_path.read_text()[-3000:]
+                for w in (worker, second):
+                    if w.process is not None:
+                        assert w.terminate(60) == 0, w.log_path.read_text()[-3000:]
             await reader.caught_up()
-            return reader.counts(), decode_done(point, metadata), point, worker.log_path.read_text()
+            logs = "".join(w.log_path.read_text() for w in (worker, second) if w.log_path.exists())
+            return reader.counts(), decode_done(point, metadata), point, logs
 
     counts, named, point, log = run(scenario())
     assert point == 0, "the slow request at offset 0 held the commit point"
