@@ -38,7 +38,14 @@ from d3stream_client.validation import EventError, decode_label
 from d3stream.config import Settings
 from d3stream.core.agreement import calibration_bin
 from d3stream.core.drift import Drift
-from d3stream.core.evaluation import ENTRY_OVERHEAD_BYTES, Joined, JoinState, LabelEntry, answer_entry
+from d3stream.core.evaluation import (
+    ENTRY_OVERHEAD_BYTES,
+    Joined,
+    JoinState,
+    LabelEntry,
+    Outcomes,
+    answer_entry,
+)
 from d3stream.kafka.connection import client_options
 from d3stream.ops.quality import QualityMetrics
 
@@ -278,9 +285,11 @@ class Evaluator:
             await self._rebuild(unit.partition)
             return
         unit.next_offsets.update(batch.offsets)
-        self._count(unit, batch, outcomes)
+        self._count(batch, outcomes)
 
-    def _count(self, unit: Unit, batch: Batch, outcomes: Any) -> None:
+    def _count(self, batch: Batch, outcomes: Outcomes) -> None:
+        """The metrics of one committed batch: its joins, what the state counted, the drift it moved and the
+        size of the state."""
         metrics = self.metrics
         for joined in batch.joined:
             model_key = f"{joined.evaluation.role}:{joined.evaluation.model}"
