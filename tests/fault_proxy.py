@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import http.client
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -99,6 +98,7 @@ class _Failure(_Rule):
 @dataclass
 class _Delay(_Rule):
     seconds: float = 0.0
+    released: threading.Event = field(default_factory=threading.Event)  # set by release(): the wait ends
 
 
 @dataclass
@@ -150,7 +150,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if delay is not None:
             entry.fault = "delay"
-            time.sleep(delay.seconds)
+            delay.released.wait(delay.seconds)
         if failure is not None:
             entry.fault = "fail"
             payload = (
@@ -296,8 +296,15 @@ class FaultProxy:
         with self._lock:
             self._refusing = on
 
+    def release(self) -> None:
+        """Let the responses held back now go at once, and switch the delays off."""
+        with self._lock:
+            for delay in self._delays:
+                delay.released.set()
+            self._delays.clear()
+
     def clear(self) -> None:
-        """Switch every fault off."""
+        """Switch every fault off (responses already held back stay held for their delay: ``release``)."""
         with self._lock:
             self._failures.clear()
             self._delays.clear()

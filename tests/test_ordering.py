@@ -141,7 +141,7 @@ def test_a_worker_killed_or_rebalanced_while_answers_complete_out_of_order_loses
                     await reader.wait(lambda: second.log_path.exists()
                                       and '"partitions assigned"' in second.log_path.read_text(), 120,
                                       what="the second worker in the group")
-                    proxy.clear()  # the new owner fetches the image at once
+                    proxy.release()  # the new owner fetches the image at once; the old one's fetch ends too
                 await produce(bootstrap, stack.requests, later)
                 running = [w for w in (worker, second) if w.process is not None]
                 await reader.wait(lambda: set(ids) <= set(reader.counts())
