@@ -45,6 +45,21 @@ MAX_KEY_BYTES = 1024
 MAX_REASON_CHARS = 2000
 
 
+def dead_letter_event(reason: str, source: Source, key: bytes | None, raw: bytes, max_bytes: int) -> DeadLetter:
+    """A record kept with the reason it could not be taken: its raw bytes (base64) up to ``max_bytes``, and the
+    size and SHA-256 of all of them, so a truncated one can still be identified."""
+    kept = raw[: max(0, max_bytes)]
+    return DeadLetter(
+        reason=reason[:MAX_REASON_CHARS],
+        source=source,
+        key=key.decode("utf-8", "replace") if key else None,
+        value=base64.b64encode(kept).decode(),
+        value_bytes=len(raw),
+        value_sha256=hashlib.sha256(raw).hexdigest(),
+        value_truncated=len(kept) < len(raw),
+    )
+
+
 def provenance_digest(record: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
@@ -121,17 +136,8 @@ class AnswerBuilder:
         keeps the size and hash only."""
         read = record.input
         raw = read.value or b""
-        kept = raw[: max(0, self.settings.dead_letter_max_bytes)]
         key = (read.key or b"")[:MAX_KEY_BYTES] or None
-        letter = DeadLetter(
-            reason=reason[:MAX_REASON_CHARS],
-            source=record.source,
-            key=key.decode("utf-8", "replace") if key else None,
-            value=base64.b64encode(kept).decode(),
-            value_bytes=len(raw),
-            value_sha256=hashlib.sha256(raw).hexdigest(),
-            value_truncated=len(kept) < len(raw),
-        )
+        letter = dead_letter_event(reason, record.source, key, raw, self.settings.dead_letter_max_bytes)
         self.dead_letters += 1
         self.metrics.count_dead_letter()
         topic = self.settings.dead_letter_topic

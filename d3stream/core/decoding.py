@@ -280,8 +280,7 @@ class MediaDecoder:
             pixels = frames * media_io.MAX_VIDEO_SOURCE_PIXELS
             if self.max_pixels is not None:  # every sampled frame's pixels count against max_media_pixels
                 pixels = min(pixels, max(0, self.max_pixels - sum(image_pixels)))
-            per_pixel = media_io.VIDEO_KEPT_PER_SOURCE_PIXEL + media_io.VIDEO_PREPARING_PER_SOURCE_PIXEL
-            total += int(per_pixel * pixels + media_io.VIDEO_KEPT_PER_PROCESSED_PIXEL * media_io.VIDEO_MAX_PIXELS * frames)
+            total += media_io.video_memory(frames, pixels // frames).total
         return total
 
     async def decode(self, images: Sequence[bytes], videos: Sequence[bytes],

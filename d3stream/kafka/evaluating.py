@@ -22,8 +22,6 @@ id), go to ``label_dead_letter_topic`` with the reason; the evaluator keeps goin
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 from d3stream_client.connection import partition_for
-from d3stream_client.contract import DeadLetter, Role, Source, decode_answer, encode
+from d3stream_client.contract import Role, Source, decode_answer, encode
 from d3stream_client.validation import EventError, decode_label
 
 from d3stream.config import Settings
 from d3stream.core.agreement import calibration_bin
+from d3stream.core.answers import dead_letter_event
 from d3stream.core.drift import Drift
 from d3stream.core.evaluation import (
     ENTRY_OVERHEAD_BYTES,
@@ -112,13 +111,8 @@ class Batch:
 
 def dead_letter(record: ConsumerRecord, reason: str) -> bytes:
     """A label record that could not be joined, with the reason and (the start of) its bytes."""
-    raw = record.value or b""
-    kept = raw[:MAX_DEAD_LETTER_BYTES]
-    return encode(DeadLetter(
-        reason=reason, source=Source(topic=record.topic, partition=record.partition, offset=record.offset,
-                                     timestamp=record.timestamp),
-        key=record.key.decode("utf-8", "replace") if record.key else None, value=base64.b64encode(kept).decode(),
-        value_bytes=len(raw), value_sha256=hashlib.sha256(raw).hexdigest(), value_truncated=len(kept) < len(raw)))
+    source = Source(topic=record.topic, partition=record.partition, offset=record.offset, timestamp=record.timestamp)
+    return encode(dead_letter_event(reason, source, record.key, record.value or b"", MAX_DEAD_LETTER_BYTES))
 
 
 class Evaluator:

@@ -290,16 +290,30 @@ def load_answers(
     """
     parsed = parse_source(source)
     if isinstance(parsed, TopicRange):
-        if settings is not None:  # a config.Settings: the whole connection (security, kafka_options)
-            from d3stream.kafka.connection import client_options
-
-            options = client_options(settings, "consumer", client_id=settings.client_id)
-            bootstrap_servers = options.pop("bootstrap_servers")
-            security = options
-        servers = bootstrap_servers or default_bootstrap_servers()
-        records = asyncio.run(read_topic(servers, parsed, timeout_s=timeout_s, security=security, settings=settings))
+        records = read_range(parsed, settings=settings, timeout_s=timeout_s, bootstrap_servers=bootstrap_servers,
+                             security=security)
         return records_to_answers(records, str(parsed))
     return records_to_answers(read_jsonl(parsed), str(source))
+
+
+def read_range(
+    source: TopicRange,
+    *,
+    settings: Settings | None = None,
+    timeout_s: float = 60.0,
+    bootstrap_servers: str | None = None,
+    security: Mapping[str, object] | None = None,
+) -> list[object]:
+    """``read_topic`` outside an event loop, connected as ``settings`` say (the whole connection: security,
+    kafka_options), else to ``bootstrap_servers`` (default: ``default_bootstrap_servers``) with ``security``."""
+    if settings is not None:
+        from d3stream.kafka.connection import client_options
+
+        options = client_options(settings, "consumer", client_id=settings.client_id)
+        bootstrap_servers = options.pop("bootstrap_servers")
+        security = options
+    servers = bootstrap_servers or default_bootstrap_servers()
+    return asyncio.run(read_topic(servers, source, timeout_s=timeout_s, security=security, settings=settings))
 
 
 Labels = dict[tuple[str, str], object]  # expected answer (a label, JSON) by (request id, question id)
@@ -339,13 +353,7 @@ def load_labels(source: str | Path, *, settings: Settings | None = None, timeout
     range (records that are not JSON are skipped there: the evaluator dead-letters them)."""
     parsed = parse_source(source)
     if isinstance(parsed, TopicRange):
-        options: dict[str, Any] = {}
-        if settings is not None:
-            from d3stream.kafka.connection import client_options
-
-            options = client_options(settings, "consumer", client_id=settings.client_id)
-        servers = options.pop("bootstrap_servers", None) or default_bootstrap_servers()
-        records = asyncio.run(read_topic(servers, parsed, timeout_s=timeout_s, security=options, settings=settings))
+        records = read_range(parsed, settings=settings, timeout_s=timeout_s)
         return labels_of([r for r in records if isinstance(r, dict) and "labels" in r], str(parsed))
     return labels_of(read_jsonl(parsed), str(source))
 
