@@ -32,7 +32,7 @@ from d3stream_client.publisher import produce
 from d3stream.config import Settings
 from d3stream.runtime import D3
 from d3stream.service import Service
-from d3stream.tools.bench_service import _service_run, small_requests
+from d3stream.tools.bench_service import serve_until_answered, small_requests
 
 CONFIGS: tuple[tuple[str, float | None], ...] = (("no shadow", None), ("shadow, share 1.0", 1.0),
                                                   ("shadow, share 0.25", 0.25))
@@ -105,12 +105,12 @@ def measure(live_dir: Path, shadow_dir: Path, requests: int, threads: int | None
         # A warm-up round first (first passes, allocator, broker), so the first configuration pays nothing extra.
         warm = _settings(bootstrap, "shadow-cost-warm", 1.0, "candidate", threads, device)
         asyncio.run(produce(bootstrap, warm.request_topics[0], small_requests(max(20, requests // 5), seed=99)))
-        asyncio.run(_service_run(warm, live, max(20, requests // 5), shadow=shadow))
+        asyncio.run(serve_until_answered(warm, live, max(20, requests // 5), shadow=shadow))
         for number, (name, share) in enumerate(CONFIGS):
             prefix = f"shadow-cost-{number}"
             settings = _settings(bootstrap, prefix, share, "candidate", threads, device)
             asyncio.run(produce(bootstrap, settings.request_topics[0], small_requests(requests, seed=number)))
-            seconds, _ = asyncio.run(_service_run(settings, live, requests, shadow=shadow if share else None))
+            seconds, _ = asyncio.run(serve_until_answered(settings, live, requests, shadow=shadow if share else None))
             throughput = requests / seconds
             rate = rate or throughput / 4  # every configuration is paced at a quarter of the no-shadow throughput
             paced = _settings(bootstrap, f"{prefix}-paced", share, "candidate", threads, device)

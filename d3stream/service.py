@@ -55,6 +55,7 @@ from d3stream.ops.collector import tuned_collector
 from d3stream.ops.metrics import Metrics
 from d3stream.ops.tracing import Tracing
 from d3stream.runtime.cache import lent_media_caches
+from d3stream.runtime.cpu_threads import release_idle_teams
 
 __all__ = ["OffsetTracker", "Service", "answer_identity", "default_token_budget"]
 
@@ -102,6 +103,8 @@ class Service:
         self._owns_tracing = tracing is None
         self.tracing = tracing if tracing is not None else Tracing.from_settings(settings)
         _use_torch_threads(settings.torch_threads)
+        # The model thread takes the intra-op threads: a team this thread kept from loading would slow every pass.
+        release_idle_teams()
         # A shadow checkpoint of its own (--shadow NAME=PATH), loaded by the caller; replays have none.
         self.shadow_model = shadow if replay_id is None and scheduler is None else None
         self.read = read or LiveRead(settings.request_topics)

@@ -201,3 +201,14 @@ def test_the_head_of_line_benchmark_reports_text_latency_for_each_run(stack, qwe
         assert report[name]["image"]["p50_ms"] > 0
     assert "text_p95_vs_fast_store" in report[RUNS[1][0]]
     assert head_of_line_markdown(report).count("| slow store") == 2
+
+
+def test_the_stream_benchmark_answers_every_request_both_ways(stack, qwen35_checkpoint):
+    from d3stream.tools.bench_stream import RUNS, stream_bench, stream_markdown
+
+    report = stream_bench(qwen35_checkpoint, 16, rounds=1, stack=(stack.broker, stack.store))
+    assert report["with_images"] >= 1 and report["images"] >= report["with_images"]
+    for name in RUNS:  # a run that answered any request with an error raises instead of reporting
+        assert report[name]["requests_per_s"] > 0 and len(report["by_round"][name]) == 1
+    assert report["mixed_ratio"] > 0 and report["text_ratio"] > 0
+    assert "| mixed (images) |" in stream_markdown(report)

@@ -324,3 +324,28 @@ def test_cost_shares_on_the_shared_prefix_path_add_up_to_its_passes(pipeline_ser
     assert all(a.provenance.cost.device_seconds > 0 for a in answers)
     measured = service.metrics.registry.get_sample_value("d3stream_pass_seconds_sum")
     assert sum(a.provenance.cost.device_seconds for a in answers) == pytest.approx(measured, rel=1e-9)
+
+
+def test_on_a_cpu_the_model_thread_takes_the_intraop_threads_and_the_prepare_thread_runs_torch_inline(
+        pipeline_service):
+    """Two OpenMP teams on a CPU worker slow every pass 2-2.5x (runtime/cpu_threads.py): the prepare thread's torch
+    ops (the image processor) run inline, and the model thread keeps its count whichever thread starts first."""
+    import torch
+
+    before = torch.get_num_threads()
+    service = pipeline_service(torch_threads=2)
+
+    async def counts() -> list[int]:
+        loop = asyncio.get_running_loop()
+        model_first = await loop.run_in_executor(service.model_thread, torch.get_num_threads)
+        prepare = await service.pipeline.prepare_thread.run(torch.get_num_threads)
+        model_after = await loop.run_in_executor(service.model_thread, torch.get_num_threads)
+        return [model_first, prepare, model_after]
+
+    try:
+        assert asyncio.run(counts()) == [2, 1, 2]
+    finally:
+        service.pipeline.close()
+        service.model_thread.shutdown()
+        service.fetcher.close()
+        torch.set_num_threads(before)

@@ -30,8 +30,8 @@ HAND_BACK_EVERY = 32
 class JobThread:
     """A single worker thread that runs callables for the event loop, many per wake-up."""
 
-    def __init__(self, name: str, priorities: int = 3):
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    def __init__(self, name: str, priorities: int = 3, initializer: Callable[[], object] | None = None):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=initializer)
         # Deques, not a heap under a lock: appending and popping are atomic, and a lock held by the worker
         # when the interpreter switches threads would stall the event loop for a whole switch interval.
         self._queued: list[deque[tuple[Callable[[], Any], asyncio.Future[Any]]]] = [

@@ -33,6 +33,7 @@ from d3stream.core.batching import BatchScheduler, PassRecord, resolve
 from d3stream.core.record import RequestRecord
 from d3stream.core.seams import DeadlineExceeded, DecisionModel, Position, Scheduling
 from d3stream.ops.metrics import Metrics
+from d3stream.runtime.cpu_threads import intraop_initializer
 from d3stream.runtime.model import Prepared, Row
 
 if TYPE_CHECKING:
@@ -43,9 +44,11 @@ log = structlog.get_logger(__name__)
 Outcome = tuple[Any, PassRecord] | BaseException
 
 
-def model_thread() -> ThreadPoolExecutor:
-    """The one thread every pass of a device runs on."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
+def model_thread(intraop_threads: int | None = None) -> ThreadPoolExecutor:
+    """The one thread every pass of a device runs on, with ``intraop_threads`` for torch's CPU ops (None: what
+    the calling thread has; ``runtime.cpu_threads``)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model",
+                              initializer=intraop_initializer(intraop_threads))
 
 
 def default_token_budget(device: str) -> int:

@@ -60,6 +60,7 @@ from d3stream.core.streams import Streams
 from d3stream.ops.metrics import Metrics
 from d3stream.ops.tracing import forwarded_headers, header_names
 from d3stream.runtime import Prepared
+from d3stream.runtime.cpu_threads import use_intraop_threads
 from d3stream.runtime.media import reason
 
 log = structlog.get_logger(__name__)
@@ -113,8 +114,11 @@ class RequestPipeline:
         self.request_limits = RequestLimits.from_settings(settings)
         # Request headers the answers carry: the trace headers, then forward_headers.
         self._forwarded_names = header_names(settings.forward_headers)
-        # Prompt preparation and prefix planning: one thread, woken once for many requests.
-        self.prepare_thread = JobThread("d3stream-prepare")
+        # Prompt preparation and prefix planning: one thread, woken once for many requests. On a CPU its torch
+        # ops (the image processor) run inline, leaving the intra-op threads to the model thread (cpu_threads.py).
+        on_cpu = str(self.default.model.device).startswith("cpu")
+        self.prepare_thread = JobThread("d3stream-prepare",
+                                        initializer=partial(use_intraop_threads, 1) if on_cpu else None)
         # A model that also answers a share of the requests, to a topic of its own (shadow.py).
         self.shadow = Shadow(settings, shadow, prepare_thread=self.prepare_thread, metrics=metrics) if shadow else None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -193,6 +194,7 @@ class MediaFetcher:
         self.allowlist = Allowlist(list(allowlist))
         self._executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="d3stream-s3")
         self._client = client
+        self._client_lock = threading.Lock()
         self._client_options: dict[str, Any] = {
             "endpoint_url": endpoint_url,
             "region_name": region,
@@ -217,9 +219,12 @@ class MediaFetcher:
 
     @property
     def client(self) -> Any:
-        if self._client is None:
-            self._client = s3_client(**self._client_options)
-        return self._client
+        # One client for every fetch thread (botocore clients are thread-safe). Built once under a lock: the
+        # first requests' threads would otherwise each build one, about half a CPU-second apiece.
+        with self._client_lock:
+            if self._client is None:
+                self._client = s3_client(**self._client_options)
+            return self._client
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -974,14 +974,14 @@ def _run_service_bench(args: argparse.Namespace) -> int:
 
         report["evaluate"] = evaluate_bench(args.evaluate)
         tables.append(evaluate_markdown(report["evaluate"]))
-    if args.soak or args.ask or args.head_of_line:
+    if args.soak or args.ask or args.head_of_line or args.stream:
         if args.checkpoint:
             root = Path(args.checkpoint)
         else:
             from d3stream.tools.demo import demo_checkpoint
 
             root = demo_checkpoint(progress=args.progress)
-    if args.head_of_line or args.ask:
+    if args.head_of_line or args.ask or args.stream:
         _client_side_benches(args, root, report, tables)
     if args.soak:
         with tqdm(total=args.soak, desc="soak", unit="req", file=sys.stderr, disable=not args.progress) as bar:
@@ -1007,7 +1007,27 @@ def _run_service_bench(args: argparse.Namespace) -> int:
 
 
 def _client_side_benches(args: argparse.Namespace, root: Path, report: dict[str, Any], tables: list[str]) -> None:
-    """``--head-of-line`` and ``--ask``: what a subscriber or a caller of the client waits, on the embedded stack."""
+    """``--head-of-line``, ``--ask`` and ``--stream``: what a subscriber or a caller of the client waits, and what
+    an operator's stream gets against a plain loop, on the embedded stack."""
+    if args.stream:
+        from tqdm import tqdm
+
+        from d3stream.tools.bench_stream import RUNS, stream_bench, stream_markdown
+
+        rounds = max(2, args.repeat)
+        with tqdm(total=len(RUNS) * (rounds + 1), desc="stream", unit="run", file=sys.stderr,
+                  disable=not args.progress) as bar:
+            steps: list[str] = []
+
+            def step(name: str) -> None:  # called as each run starts: the previous one is done
+                bar.update(1 if steps else 0)
+                steps.append(name)
+                bar.set_postfix_str(name)
+
+            report["stream"] = stream_bench(root, args.stream, rounds=rounds, seed=args.seed, threads=args.threads,
+                                            progress=step)
+            bar.update(bar.total - bar.n)
+        tables.append(stream_markdown(report["stream"]))
     if args.head_of_line:
         from d3stream.tools.bench_ordering import head_of_line, head_of_line_markdown
 
@@ -1042,7 +1062,7 @@ def _run_scheduling_bench(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.scheduling:
         return _run_scheduling_bench(args)
-    if args.kafka or args.soak or args.ask or args.head_of_line or args.evaluate:
+    if args.kafka or args.soak or args.ask or args.head_of_line or args.evaluate or args.stream:
         return _run_service_bench(args)
     report, calibration = run_bench(args)
     table = markdown(report, calibration if args.calibrate else None)
@@ -1105,6 +1125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: text requests behind slow-store image requests on the same partitions, on an "
                         "embedded broker and store: ordering key and partition against a fast store, streams of "
                         "SECONDS (default 20)")
+    parser.add_argument("--stream", type=int, nargs="?", const=300, default=0, metavar="N",
+                        help="instead: an operator's stream of N requests (default 300, 1 in 10 with images) "
+                        "through d3stream against an aiokafka loop calling system_one per request, text only and "
+                        "mixed, on an embedded broker and store (rounds: --repeat, at least 2)")
     parser.add_argument("--scheduling", type=float, nargs="?", const=6.0, default=0.0, metavar="SECONDS",
                         help="instead: priority lanes, expired requests and tenant quotas over the request pipeline "
                         "(no broker), streams of SECONDS (default 6) on the checkpoint; docs/SCHEDULING.md")

@@ -200,7 +200,7 @@ async def until_joined(service: Service, task: asyncio.Task[None]) -> None:
         await asyncio.sleep(0.002)
 
 
-async def _service_run(settings: Settings, model: DecisionModel, count: int,
+async def serve_until_answered(settings: Settings, model: DecisionModel, count: int,
                        **service_options: Any) -> tuple[float, Service]:
     """Serve until ``count`` requests are answered and committed; seconds from assignment to done.
     ``service_options`` go to ``Service`` (e.g. ``shadow``: bench/shadow_cost.py)."""
@@ -286,7 +286,7 @@ def _one_kafka_run(raw: bool, mode: DeliveryMode, bootstrap: str, topics: dict[s
         delivery=mode, metrics_port=None, create_topics=False, log_level="warning",
         max_inflight_requests=4096, commit_interval_ms=100, linger_ms=2, compression="none",
     )
-    seconds, _ = asyncio.run(_service_run(settings, NullModel(), count))
+    seconds, _ = asyncio.run(serve_until_answered(settings, NullModel(), count))
     return seconds
 
 

@@ -5,6 +5,9 @@
 * ``images``: 1-4 images of mixed sizes per request, drawn from a pool (so images repeat across requests);
 * ``mixed``: the three above plus medium requests, interleaved.
 
+``make_stream`` draws the operator's stream of ``bench --stream``: small text requests, one in ten with 1-4
+images.
+
 Kept apart from the harness so what is measured (here) reads apart from how it is measured (``bench.py``);
 the same seed and tokenizer always give the same requests, which is what lets two runs compare.
 """
@@ -165,3 +168,15 @@ def make_workload(name: str, count: int, seed: int, tokenizer: Tokenizer, *,
     draw = _Draw(rng, text, pool)
     shape = {"small": draw.small, "long-state": draw.long_state, "images": draw.with_images}.get(name, draw.mixed)
     return [shape() for _ in range(count)]
+
+
+STREAM_IMAGES_EVERY = 10  # one request in ten carries images
+
+
+def make_stream(count: int, seed: int, tokenizer: Tokenizer) -> list[Request]:
+    """``count`` requests of an operator's stream: small text requests, and every ``STREAM_IMAGES_EVERY``-th
+    (from the fifth) one with 1-4 images from a pool of ten; a deterministic function of ``seed``."""
+    rng = np.random.default_rng([seed, len(WORKLOADS)])
+    draw = _Draw(rng, _Text(rng, tokenizer), _image_pool(rng, 10))
+    middle = STREAM_IMAGES_EVERY // 2
+    return [draw.with_images() if n % STREAM_IMAGES_EVERY == middle else draw.small() for n in range(count)]

@@ -27,7 +27,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
@@ -40,7 +40,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from d3stream.config import Settings
 from d3stream.core.batching import PassRecord
-from d3stream.core.passes import Outcome
+from d3stream.core.passes import Outcome, model_thread
 from d3stream.core.seams import DecisionModel, Position, Scheduling
 from d3stream.kafka.connection import client_options, connecting
 from d3stream.ops.metrics import Metrics
@@ -137,7 +137,7 @@ class OrderedPasses:
                  executor: Executor | None = None, on_pass: Callable[[PassRecord], None] | None = None):
         self._run = run
         self.rows_per_pass = rows_per_pass
-        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
+        self._executor = executor or model_thread()
         self._on_pass = on_pass
         self._queues: dict[PartitionKey, deque[_Slot]] = {}
         self._ready: dict[PartitionKey, list[tuple[tuple[Row, int], _RowFuture]]] = {}

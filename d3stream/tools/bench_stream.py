@@ -1,0 +1,222 @@
+"""``d3stream bench --stream N``: d3stream against the loop a user would write instead, on a mixed stream.
+
+The question an operator asks before running d3stream: how many more requests per second does it answer
+than the obvious loop? Both read the same N requests from one topic of the embedded broker and fetch
+their images from the embedded object store, with the same loaded model and the same torch threads:
+
+* **loop**: aiokafka ``getmany``; per record, parse the JSON, ``get_object`` each image with boto3, call
+  ``system_one`` (one request at a time, ``batch_size`` questions per pass, as the reference runtime does),
+  send the answer; after each fetched batch wait for the acknowledgements and commit (at least once);
+* **d3stream**: ``Service`` with default settings (``exactly_once``), told only where the broker and the
+  store are.
+
+The stream is ``bench_workloads.make_stream``: small text requests with one in ten
+carrying 1-4 JPEG images of 224x224 to 1280x720 from a pool of ten objects. The same requests without their
+images give the text-only pair beside it. The four runs take turns for ``rounds`` rounds after one unmeasured
+warm-up of each, and each keeps its best: on a 2-core machine single runs vary by a fifth. The clock starts
+at the first fetched record (loop) or when the group is joined (d3stream) and stops when every answer is
+acknowledged and its offset committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from d3stream.config import Settings
+from d3stream.runtime import D3
+from d3stream.tools.bench_workloads import Request, make_stream
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+    from d3stream.tools.infra import KafkaBroker, ObjectStore
+
+BUCKET = "bench-stream"
+PARTITIONS = 4
+RUNS = ("loop_text", "d3stream_text", "loop_mixed", "d3stream_mixed")
+
+
+def stream_records(requests: Sequence[Request], uris: dict[int, str], *,
+                   with_images: bool) -> list[tuple[bytes, bytes]]:
+    """The requests as (key, value) records; ``uris`` maps a pool image (by ``id``) to its object's URI."""
+    records = []
+    for number, request in enumerate(requests):
+        event: dict[str, Any] = {"id": f"r{number:06d}", "state": request.state, "questions": request.questions}
+        if with_images and request.images:
+            event["images"] = [uris[id(image)] for image in request.images]
+        records.append((event["id"].encode(), json.dumps(event).encode()))
+    return records
+
+
+def _jpeg(image: Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=85)
+    return buffer.getvalue()
+
+
+def upload_pool(store: ObjectStore, requests: Sequence[Request]) -> dict[int, str]:
+    """Put every distinct image of the requests into the store as a JPEG; its URI by image ``id``."""
+    client = store.client()
+    store.create_bucket(BUCKET)
+    uris: dict[int, str] = {}
+    for request in requests:
+        for image in request.images:
+            if id(image) not in uris:
+                key = f"pool/{len(uris)}-{image.width}x{image.height}.jpg"
+                client.put_object(Bucket=BUCKET, Key=key, Body=_jpeg(image))
+                uris[id(image)] = f"s3://{BUCKET}/{key}"
+    return uris
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+
+def _answer_one(model: D3, s3: Any, value: bytes) -> dict[str, Any]:
+    """What the loop publishes for one record: ``system_one``'s answer, or the error that stopped it."""
+    try:
+        request = json.loads(value)
+        images = []
+        for uri in request.get("images", []):
+            bucket, _, key = uri.removeprefix("s3://").partition("/")
+            images.append(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+        response = model.system_one(state=request["state"], questions=request["questions"], images=images or None)
+        return {"id": request["id"], **response}
+    except (ValueError, KeyError) as exc:
+        return {"id": None, "error": str(exc)}
+
+
+async def user_loop(model: D3, s3: Any, bootstrap: str, source: str, sink: str, group: str, count: int) -> float:
+    """Answer ``count`` requests one at a time; seconds from the first fetched record to the last commit."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
+                                auto_offset_reset="earliest")
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=2)
+    await producer.start()
+    await consumer.start()
+    try:
+        done = 0
+        started: float | None = None
+        while done < count:
+            batches = await consumer.getmany(timeout_ms=200, max_records=64)
+            if not batches:
+                continue
+            if started is None:
+                started = time.perf_counter()
+            sends = []
+            for records in batches.values():
+                for record in records:
+                    answer = _answer_one(model, s3, record.value)
+                    if "error" in answer:  # the stream is well formed: a loop that fails is not measured
+                        raise RuntimeError(f"the loop could not answer a request: {answer['error']}")
+                    sends.append(await producer.send(sink, json.dumps(answer).encode(), key=record.key))
+                done += len(records)
+            await asyncio.gather(*sends)
+            await consumer.commit({partition: records[-1].offset + 1 for partition, records in batches.items()})
+        return time.perf_counter() - (started or time.perf_counter())
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
+# ---------------------------------------------------------------------------------------------- the runs
+
+
+def _settings(broker: KafkaBroker, store: ObjectStore, topics: dict[str, str], group: str,
+              threads: int | None) -> Settings:
+    return Settings(
+        bootstrap_servers=broker.bootstrap_servers, request_topics=[topics["source"]], answer_topic=topics["answers"],
+        dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"], group_id=group, client_id=group,
+        metrics_port=None, create_topics=False, log_level="warning", torch_threads=threads,
+        s3_endpoint_url=store.endpoint_url, s3_region=store.region, media_allowlist=[BUCKET],
+    )
+
+
+def _one_run(name: str, model: D3, stack: tuple[KafkaBroker, ObjectStore], topics: dict[str, str], group: str,
+             count: int, threads: int | None) -> float:
+    from d3stream.tools.bench_service import serve_until_answered
+
+    broker, store = stack
+    if name.startswith("loop"):
+        return asyncio.run(user_loop(model, store.client(), broker.bootstrap_servers, topics["source"],
+                                     topics["loop-out"], group, count))
+    seconds, service = asyncio.run(serve_until_answered(_settings(broker, store, topics, group, threads), model, count))
+    if service.counts["errors"]:
+        raise RuntimeError(f"{name}: {service.counts['errors']} requests were answered with an error")
+    return seconds
+
+
+def stream_bench(checkpoint: Path, count: int = 300, *, rounds: int = 3, seed: int = 0, threads: int | None = None,
+                 stack: tuple[KafkaBroker, ObjectStore] | None = None,
+                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The four runs side by side on one broker and store (default: a fresh embedded pair); figures as a dict."""
+    if stack is None:
+        from d3stream.tools.infra import local_stack
+
+        with local_stack(partitions=PARTITIONS) as fresh:
+            return stream_bench(checkpoint, count, rounds=rounds, seed=seed, threads=threads, stack=fresh,
+                                progress=progress)
+    import torch
+    from d3stream_client.publisher import produce
+
+    broker, store = stack
+    os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = store.access_key, store.secret_key
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model = D3.from_pretrained(checkpoint, device="cpu")
+    requests = make_stream(count, seed, model.tokenizer)
+    uris = upload_pool(store, requests)
+    prefix = f"stream-{time.time_ns()}"
+    kinds = {"text": stream_records(requests, uris, with_images=False),
+             "mixed": stream_records(requests, uris, with_images=True)}
+    topics: dict[str, dict[str, str]] = {}
+    for kind, records in kinds.items():
+        topics[kind] = {name: f"{prefix}.{kind}.{name}" for name in ("source", "loop-out", "answers", "dlq", "prov")}
+        for topic in topics[kind].values():
+            broker.create_topic(topic, PARTITIONS, exist_ok=True)
+        asyncio.run(produce(broker.bootstrap_servers, topics[kind]["source"], records))
+    with_images = sum(1 for request in requests if request.images)
+    report: dict[str, Any] = {
+        "requests": count, "with_images": with_images, "images": sum(len(r.images) for r in requests),
+        "questions": sum(len(r.questions) for r in requests), "partitions": PARTITIONS, "rounds": rounds,
+        "torch_threads": torch.get_num_threads(), "checkpoint": str(checkpoint), "by_round": {},
+    }
+    for round_number in range(-1, rounds):  # round -1 warms both paths up, unmeasured
+        for name in RUNS:
+            if progress is not None:
+                progress(f"{name} ({'warm-up' if round_number < 0 else f'{round_number + 1}/{rounds}'})")
+            group = f"{prefix}-{name}-{round_number + 1}"
+            seconds = _one_run(name, model, stack, topics[name.split("_")[1]], group, count, threads)
+            if round_number < 0:
+                continue
+            rate = round(count / seconds, 2)
+            report["by_round"].setdefault(name, []).append(rate)
+            if name not in report or rate > report[name]["requests_per_s"]:
+                report[name] = {"seconds": round(seconds, 2), "requests_per_s": rate}
+    for kind in ("text", "mixed"):
+        report[f"{kind}_ratio"] = round(report[f"d3stream_{kind}"]["requests_per_s"]
+                                        / report[f"loop_{kind}"]["requests_per_s"], 2)
+    return report
+
+
+def stream_markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"{report['requests']:,} requests ({report['questions']:,} questions; {report['with_images']} with "
+        f"{report['images']} images in the mixed stream), {report['partitions']} partitions, torch threads "
+        f"{report['torch_threads']}, best of {report['rounds']} rounds after a warm-up:",
+        "",
+        "| stream | loop (aiokafka + system_one) | d3stream | d3stream ÷ loop |",
+        "|---|---:|---:|---:|",
+    ]
+    for kind in ("text", "mixed"):
+        lines.append(f"| {'text only' if kind == 'text' else 'mixed (images)'} | "
+                     f"{report[f'loop_{kind}']['requests_per_s']:,.1f} req/s | "
+                     f"{report[f'd3stream_{kind}']['requests_per_s']:,.1f} req/s | {report[f'{kind}_ratio']:.2f}x |")
+    return "\n".join(lines)
