@@ -1025,7 +1025,7 @@ def _client_side_benches(args: argparse.Namespace, root: Path, report: dict[str,
                 bar.set_postfix_str(name)
 
             report["stream"] = stream_bench(root, args.stream, rounds=rounds, seed=args.seed, threads=args.threads,
-                                            progress=step)
+                                            images_per_request=args.stream_images, progress=step)
             bar.update(bar.total - bar.n)
         tables.append(stream_markdown(report["stream"]))
     if args.head_of_line:
@@ -1129,6 +1129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: an operator's stream of N requests (default 300, 1 in 10 with images) "
                         "through d3stream against an aiokafka loop calling system_one per request, text only and "
                         "mixed, on an embedded broker and store (rounds: --repeat, at least 2)")
+    parser.add_argument("--stream-images", type=int, default=1, metavar="K",
+                        help="--stream: each image request carries 1 to K images (default 1)")
     parser.add_argument("--scheduling", type=float, nargs="?", const=6.0, default=0.0, metavar="SECONDS",
                         help="instead: priority lanes, expired requests and tenant quotas over the request pipeline "
                         "(no broker), streams of SECONDS (default 6) on the checkpoint; docs/SCHEDULING.md")

@@ -11,8 +11,8 @@ their images from the embedded object store, with the same loaded model and the 
   store are.
 
 The stream is ``bench_workloads.make_stream``: small text requests with one in ten
-carrying 1-4 JPEG images of 224x224 to 1280x720 from a pool of ten objects. The same requests without their
-images give the text-only pair beside it. The four runs take turns for ``rounds`` rounds after one unmeasured
+carrying a JPEG image of 224x224 to 1280x720 from a pool of ten objects (``--stream-images K``: 1 to K of
+them). The same requests without their images give the text-only pair beside it. The four runs take turns for ``rounds`` rounds after one unmeasured
 warm-up of each, and each keeps its best: on a 2-core machine single runs vary by a fifth. The clock starts
 at the first fetched record (loop) or when the group is joined (d3stream) and stops when every answer is
 acknowledged and its offset committed.
@@ -154,15 +154,15 @@ def _one_run(name: str, model: D3, stack: tuple[KafkaBroker, ObjectStore], topic
 
 
 def stream_bench(checkpoint: Path, count: int = 300, *, rounds: int = 3, seed: int = 0, threads: int | None = None,
-                 stack: tuple[KafkaBroker, ObjectStore] | None = None,
+                 images_per_request: int = 1, stack: tuple[KafkaBroker, ObjectStore] | None = None,
                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The four runs side by side on one broker and store (default: a fresh embedded pair); figures as a dict."""
     if stack is None:
         from d3stream.tools.infra import local_stack
 
         with local_stack(partitions=PARTITIONS) as fresh:
-            return stream_bench(checkpoint, count, rounds=rounds, seed=seed, threads=threads, stack=fresh,
-                                progress=progress)
+            return stream_bench(checkpoint, count, rounds=rounds, seed=seed, threads=threads,
+                                images_per_request=images_per_request, stack=fresh, progress=progress)
     import torch
     from d3stream_client.publisher import produce
 
@@ -171,7 +171,7 @@ def stream_bench(checkpoint: Path, count: int = 300, *, rounds: int = 3, seed: i
     if threads is not None:
         torch.set_num_threads(threads)
     model = D3.from_pretrained(checkpoint, device="cpu")
-    requests = make_stream(count, seed, model.tokenizer)
+    requests = make_stream(count, seed, model.tokenizer, images_per_request)
     uris = upload_pool(store, requests)
     prefix = f"stream-{time.time_ns()}"
     kinds = {"text": stream_records(requests, uris, with_images=False),

@@ -5,8 +5,8 @@
 * ``images``: 1-4 images of mixed sizes per request, drawn from a pool (so images repeat across requests);
 * ``mixed``: the three above plus medium requests, interleaved.
 
-``make_stream`` draws the operator's stream of ``bench --stream``: small text requests, one in ten with 1-4
-images.
+``make_stream`` draws the operator's stream of ``bench --stream``: small text requests, one in ten with an
+image (``images_per_request`` of them, at most).
 
 Kept apart from the harness so what is measured (here) reads apart from how it is measured (``bench.py``);
 the same seed and tokenizer always give the same requests, which is what lets two runs compare.
@@ -140,9 +140,9 @@ class _Draw:
     def long_state(self, tokens: int = 2000, questions: int = 10) -> Request:
         return Request(self.text.tokens(tokens), _questions(self.rng, self.text, questions), kind="long-state")
 
-    def with_images(self) -> Request:
+    def with_images(self, most: int = 4) -> Request:
         rng, text, pool = self.rng, self.text, self.pool
-        picked = [pool[int(i)] for i in rng.integers(0, len(pool), size=int(rng.integers(1, 5)))]
+        picked = [pool[int(i)] for i in rng.integers(0, len(pool), size=int(rng.integers(1, most + 1)))]
         return Request(text.tokens(int(rng.integers(10, 120))), _questions(rng, text, int(rng.integers(1, 4))),
                        picked, kind="images")
 
@@ -173,10 +173,12 @@ def make_workload(name: str, count: int, seed: int, tokenizer: Tokenizer, *,
 STREAM_IMAGES_EVERY = 10  # one request in ten carries images
 
 
-def make_stream(count: int, seed: int, tokenizer: Tokenizer) -> list[Request]:
+def make_stream(count: int, seed: int, tokenizer: Tokenizer, images_per_request: int = 1) -> list[Request]:
     """``count`` requests of an operator's stream: small text requests, and every ``STREAM_IMAGES_EVERY``-th
-    (from the fifth) one with 1-4 images from a pool of ten; a deterministic function of ``seed``."""
+    (from the fifth) one with 1 to ``images_per_request`` images from a pool of ten (224x224 to 1280x720); a
+    deterministic function of ``seed``."""
     rng = np.random.default_rng([seed, len(WORKLOADS)])
     draw = _Draw(rng, _Text(rng, tokenizer), _image_pool(rng, 10))
     middle = STREAM_IMAGES_EVERY // 2
-    return [draw.with_images() if n % STREAM_IMAGES_EVERY == middle else draw.small() for n in range(count)]
+    return [draw.with_images(images_per_request) if n % STREAM_IMAGES_EVERY == middle else draw.small()
+            for n in range(count)]
