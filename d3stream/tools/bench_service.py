@@ -134,8 +134,19 @@ def small_requests(count: int, seed: int = 0) -> list[tuple[bytes, bytes]]:
 # ----------------------------------------------------------------------------------- kafka overhead
 
 
-async def _raw_loop(bootstrap: str, source: str, sink: str, group: str, count: int, transactional: bool) -> float:
-    """Consume ``count`` requests and publish one answer-sized record each; seconds from assignment to done."""
+def _null_answer(value: bytes) -> bytes:
+    """The raw loop's answer: as large as d3stream's, no work behind it."""
+    request = json.loads(value)
+    return json.dumps({"id": request["id"], "answers": {k: {"p": 0.5} for k in request["questions"]},
+                       "padding": "x" * RAW_PADDING}).encode()
+
+
+async def consume_answer_loop(bootstrap: str, source: str, sink: str, group: str, count: int, *,
+                              answer: Callable[[bytes], bytes] = _null_answer, transactional: bool = False,
+                              max_records: int = 2000) -> float:
+    """A plain aiokafka consumer-producer: ``answer`` each of ``count`` requests in turn and publish what it
+    returns; after each fetched batch, wait for the acknowledgements and commit (in the batch's transaction when
+    ``transactional``). Seconds from the first fetched record to the last commit."""
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
@@ -149,7 +160,7 @@ async def _raw_loop(bootstrap: str, source: str, sink: str, group: str, count: i
         done = 0
         started: float | None = None
         while done < count:
-            batches = await consumer.getmany(timeout_ms=200, max_records=2000)
+            batches = await consumer.getmany(timeout_ms=200, max_records=max_records)
             if not batches:
                 continue
             if started is None:
@@ -160,10 +171,7 @@ async def _raw_loop(bootstrap: str, source: str, sink: str, group: str, count: i
             sends = []
             for partition, records in batches.items():
                 for record in records:
-                    request = json.loads(record.value)
-                    answer = json.dumps({"id": request["id"], "answers": {k: {"p": 0.5} for k in request["questions"]},
-                                         "padding": "x" * RAW_PADDING}).encode()
-                    sends.append(await producer.send(sink, answer, key=record.key))
+                    sends.append(await producer.send(sink, answer(record.value), key=record.key))
                 offsets[partition] = records[-1].offset + 1
                 done += len(records)
             await asyncio.gather(*sends)
@@ -248,8 +256,8 @@ def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker 
     if progress is not None:
         progress("warm-up")
     for transactional in (False, True):  # the broker's code paths of both modes
-        asyncio.run(_raw_loop(bootstrap, topics["requests"], topics["warm-up"], f"{prefix}-warm-up-{transactional}",
-                              count, transactional))
+        asyncio.run(consume_answer_loop(bootstrap, topics["requests"], topics["warm-up"],
+                                        f"{prefix}-warm-up-{transactional}", count, transactional=transactional))
     report: dict[str, Any] = {"requests": count, "partitions": 4, "rounds": rounds, "topics": topics}
     runs: tuple[tuple[str, bool, DeliveryMode], ...] = (  # (name, the raw loop?, delivery mode)
         ("raw_at_least_once", True, "at_least_once"),
@@ -278,8 +286,8 @@ def _one_kafka_run(raw: bool, mode: DeliveryMode, bootstrap: str, topics: dict[s
     """Seconds one path (the raw loop, transactional for ``exactly_once``; or d3stream in ``mode``) takes to
     answer ``count`` requests from the start, as consumer group ``group``."""
     if raw:
-        return asyncio.run(_raw_loop(bootstrap, topics["requests"], topics["raw-out"], group, count,
-                                     DELIVERY_MODES[mode].transactional))
+        return asyncio.run(consume_answer_loop(bootstrap, topics["requests"], topics["raw-out"], group, count,
+                                               transactional=DELIVERY_MODES[mode].transactional))
     settings = Settings(
         bootstrap_servers=bootstrap, request_topics=[topics["requests"]], answer_topic=topics["answers"],
         dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"], group_id=group, client_id=group,

@@ -92,38 +92,17 @@ def _answer_one(model: D3, s3: Any, value: bytes) -> dict[str, Any]:
         return {"id": None, "error": str(exc)}
 
 
-async def user_loop(model: D3, s3: Any, bootstrap: str, source: str, sink: str, group: str, count: int) -> float:
-    """Answer ``count`` requests one at a time; seconds from the first fetched record to the last commit."""
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+def loop_answer(model: D3, s3: Any) -> Callable[[bytes], bytes]:
+    """What the loop publishes for a record; a request it cannot answer stops the run (the stream is well formed,
+    and a loop that fails is not measured)."""
 
-    consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
-                                auto_offset_reset="earliest")
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=2)
-    await producer.start()
-    await consumer.start()
-    try:
-        done = 0
-        started: float | None = None
-        while done < count:
-            batches = await consumer.getmany(timeout_ms=200, max_records=64)
-            if not batches:
-                continue
-            if started is None:
-                started = time.perf_counter()
-            sends = []
-            for records in batches.values():
-                for record in records:
-                    answer = _answer_one(model, s3, record.value)
-                    if "error" in answer:  # the stream is well formed: a loop that fails is not measured
-                        raise RuntimeError(f"the loop could not answer a request: {answer['error']}")
-                    sends.append(await producer.send(sink, json.dumps(answer).encode(), key=record.key))
-                done += len(records)
-            await asyncio.gather(*sends)
-            await consumer.commit({partition: records[-1].offset + 1 for partition, records in batches.items()})
-        return time.perf_counter() - (started or time.perf_counter())
-    finally:
-        await consumer.stop()
-        await producer.stop()
+    def answer(value: bytes) -> bytes:
+        answered = _answer_one(model, s3, value)
+        if "error" in answered:
+            raise RuntimeError(f"the loop could not answer a request: {answered['error']}")
+        return json.dumps(answered).encode()
+
+    return answer
 
 
 # ---------------------------------------------------------------------------------------------- the runs
@@ -141,12 +120,12 @@ def _settings(broker: KafkaBroker, store: ObjectStore, topics: dict[str, str], g
 
 def _one_run(name: str, model: D3, stack: tuple[KafkaBroker, ObjectStore], topics: dict[str, str], group: str,
              count: int, threads: int | None) -> float:
-    from d3stream.tools.bench_service import serve_until_answered
+    from d3stream.tools.bench_service import consume_answer_loop, serve_until_answered
 
     broker, store = stack
     if name.startswith("loop"):
-        return asyncio.run(user_loop(model, store.client(), broker.bootstrap_servers, topics["source"],
-                                     topics["loop-out"], group, count))
+        return asyncio.run(consume_answer_loop(broker.bootstrap_servers, topics["source"], topics["loop-out"], group,
+                                               count, answer=loop_answer(model, store.client()), max_records=64))
     seconds, service = asyncio.run(serve_until_answered(_settings(broker, store, topics, group, threads), model, count))
     if service.counts["errors"]:
         raise RuntimeError(f"{name}: {service.counts['errors']} requests were answered with an error")
