@@ -230,8 +230,8 @@ HELP: dict[str, str] = {
     "2 per noul): each option is echoed in the answer, which must fit the answer topic's message limit",
     "max_request_tokens": "most prompt tokens summed over a request's question prompts (media tokens included); "
     "over it the request gets invalid_request before any device time",
-    "torch_threads": "intra-op threads for CPU inference (default: torch's choice); on a shared CPU leave a "
-    "core to the event loop and Kafka clients, or passes slow down many times over",
+    "torch_threads": "intra-op threads of the model thread for CPU inference (default: torch's choice; the other "
+    "threads run torch ops on one); on a shared CPU leave a core to the event loop and Kafka clients",
     "warmup": "run the model over a spread of batch shapes before consuming",
     "max_batch_rows": "most question prompts in one forward pass",
     "max_batch_tokens": "most padded tokens (rows x longest prompt) in one pass; default 16384 on GPU, 4096 on CPU",
