@@ -115,7 +115,7 @@ class Service:
         self.limits = Limits(max_request_size=settings.max_request_size,
                              compression=producer_compression(settings.compression))
         # One device, one model thread: every model's passes take turns on it, never side by side.
-        self.model_thread = model_thread()
+        self.model_thread = model_thread(settings.torch_threads)
         self.worker = Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__)
         self.hosted, self.shadow = self._host_served(scheduler, replay_id)
         default = self.hosted[0]

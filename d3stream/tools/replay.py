@@ -360,7 +360,9 @@ async def run_replay(
     total = await plan_total(settings, plan)
     settings = _replay_settings(settings, plan, replay_id, out_file, deterministic)
     metrics = Metrics()
-    ordered = (OrderedPasses(model.forward, rows_per_pass, on_pass=metrics.observe_pass_record)
+    # Its own model thread, with the settings' intra-op threads (it is made before the Service applies them).
+    ordered = (OrderedPasses(model.forward, rows_per_pass, executor=model_thread(settings.torch_threads),
+                             on_pass=metrics.observe_pass_record)
                if deterministic else None)
     read = RangeRead(plan, out_file=out_file, on_partition_read=ordered.close_partition if ordered else None)
     service = Service(settings, model, metrics=metrics, read=read, scheduler=ordered, answer_file=out_file,
