@@ -33,6 +33,7 @@ import fcntl
 import hashlib
 import http.client
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -107,6 +108,16 @@ def _java() -> str:
             "java (17 or newer) is not on PATH and JAVA_HOME is not set; it runs Kafka and S3Proxy"
         )
     return found
+
+
+# Extra JVM flags for both servers, after the defaults (a later flag wins). The test suite sets
+# ``-XX:TieredStopAtLevel=1``: its many short-lived servers then spend about half the CPU on JIT compiling
+# (measured: 2.9 instead of 6.1 CPU-s to start a broker, two thirds of the idle CPU).
+JVM_OPTIONS_ENV = "D3STREAM_EMBEDDED_JVM_OPTIONS"
+
+
+def _jvm_options() -> list[str]:
+    return shlex.split(os.environ.get(JVM_OPTIONS_ENV, ""))
 
 
 def java_available() -> str | None:
@@ -587,6 +598,7 @@ class KafkaBroker(_LocalServer):
             "-Xms64m",
             "-XX:+UseG1GC",
             "-XX:MaxGCPauseMillis=20",
+            *_jvm_options(),
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={log4j_path}",
             "-cp",
@@ -772,6 +784,7 @@ class ObjectStore(_LocalServer):
             _java(),
             f"-Xmx{self.heap}",
             "-Xms32m",
+            *_jvm_options(),
             "-Djava.awt.headless=true",
             "-Dlogback.statusListenerClass=ch.qos.logback.core.status.NopStatusListener",
             "-jar",
