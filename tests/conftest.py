@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-# The suite keeps two cores busy with two pytest workers, the worker processes they start and the JVMs, so a
+# The suite keeps two cores busy with its pytest workers, the worker processes they start and the JVMs, so a
 # second OpenMP thread per process only spins and waits: one thread each made the model-heavy modules 15 %
 # faster (measured side by side). Set before torch is imported; the worker processes inherit it. A test that
 # is about thread counts sets its own (tests/test_pipeline.py). The servers' JVMs compile with C1 only
@@ -53,8 +53,8 @@ SLOW_FIXTURES = frozenset({
 
 
 # Modules of long scenarios (worker processes killed and restarted, scale-out groups, training), longest first.
-# `make test` runs the suite on two workers (pytest-xdist), which take tests in collection order: when these
-# start first, the short tests fill the gaps and both workers end together, instead of one finishing a
+# `make test` runs the suite on three workers (pytest-xdist), which take tests in collection order: when these
+# start first, the short tests fill the gaps and the workers end together, instead of one finishing a
 # 70-second scenario alone at the end.
 LONG_MODULES = (
     "test_scaleout", "test_delivery", "test_runtime", "test_hostile", "test_service", "test_ordering", "test_client",
