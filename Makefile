@@ -31,7 +31,7 @@ test: lint
 # The quick loop (tests/conftest.py says what each marker means): the tests that need no JVM (no Kafka broker or
 # S3 store), start no other Python process and are not slow (training, extra models, fuzzing through a model).
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not infra and not subprocess and not slow"
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) -m "not infra and not subprocess and not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check d3stream tests clients/python
