@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from collections.abc import Callable
 
 import pytest
 
-from d3stream.tools.infra import KafkaBroker, ObjectStore
+from d3stream.tools.infra import JVM_OPTIONS_ENV, KafkaBroker, ObjectStore, _jvm_options
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -146,3 +147,19 @@ def test_object_store_restart_keeps_objects(object_store: ObjectStore, s3_bucket
     got = s3.get_object(Bucket=s3_bucket, Key="k")
     assert got["Body"].read() == b"persist me"
     assert got["ETag"] == put["ETag"]
+
+
+def test_both_servers_start_with_the_extra_jvm_options(
+    kafka_broker: KafkaBroker, object_store: ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``D3STREAM_EMBEDDED_JVM_OPTIONS`` reaches both JVMs (the suite sets C1-only compiling in tests/conftest.py),
+    after the defaults, so a flag given there wins over a default of the same name."""
+    wanted = os.environ[JVM_OPTIONS_ENV].split()
+    assert wanted, "tests/conftest.py sets the option for the suite's servers"
+    for server in (kafka_broker, object_store):
+        with open(f"/proc/{server.pid}/cmdline", "rb") as cmdline:
+            arguments = cmdline.read().decode().split("\0")
+        assert all(flag in arguments for flag in wanted), arguments[:12]
+        assert arguments.index(wanted[0]) > next(i for i, a in enumerate(arguments) if a.startswith("-Xmx"))
+    monkeypatch.setenv(JVM_OPTIONS_ENV, "-Xmx1g  -Dd3stream.note='two words'")
+    assert _jvm_options() == ["-Xmx1g", "-Dd3stream.note=two words"]
