@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 from collections.abc import Callable
 
 import pytest
@@ -154,7 +153,7 @@ def test_both_servers_start_with_the_extra_jvm_options(
 ) -> None:
     """``D3STREAM_EMBEDDED_JVM_OPTIONS`` reaches both JVMs (the suite sets C1-only compiling in tests/conftest.py),
     after the defaults, so a flag given there wins over a default of the same name."""
-    wanted = os.environ[JVM_OPTIONS_ENV].split()
+    wanted = _jvm_options()
     assert wanted, "tests/conftest.py sets the option for the suite's servers"
     for server in (kafka_broker, object_store):
         with open(f"/proc/{server.pid}/cmdline", "rb") as cmdline:
