@@ -159,30 +159,38 @@ class AnswerBuilder:
         key = answer.id.encode()
         fit = self.fit(topic, key, value, headers)
         if fit.fits:
-            return answer, Outgoing(topic, key, value, headers=headers, replacement=partial(self._refused, record, answer))
-        smaller = self._too_large(record, answer, fit.reason)
+            # The replacement is made from the answer and headers alone: a record kept by its own outgoing
+            # record would be a reference cycle, freed only when the cyclic collector happens to run, and with
+            # it the request's decoded media and prepared inputs (issue 36).
+            return answer, Outgoing(topic, key, value, headers=headers,
+                                    replacement=partial(self._refused, answer, headers))
+        smaller = self._too_large(answer, headers, fit.reason)
         return smaller, Outgoing(topic, smaller.id.encode(), encode(smaller), headers=headers)
 
-    def _refused(self, record: RequestRecord, answer: Answer, cause: str) -> Outgoing:
+    def _refused(self, answer: Answer, headers: list[tuple[str, bytes]], cause: str) -> Outgoing:
         """What replaces an answer the broker refused as too large (``Outgoing.replacement``)."""
         topic = self.settings.answer_topic
         self.metrics.count_answer("answer_too_large")
-        smaller = self._too_large(record, answer, f"the broker refused it for topic {topic!r}: {cause}")
-        return Outgoing(topic, smaller.id.encode(), encode(smaller), headers=record.headers)
+        smaller = self._too_large(answer, headers, f"the broker refused it for topic {topic!r}: {cause}")
+        return Outgoing(topic, smaller.id.encode(), encode(smaller), headers=headers)
 
-    def _too_large(self, record: RequestRecord, answer: Answer, reason: str) -> Answer:
-        """An ``answer_too_large`` error answer for ``answer``: no answers and no echoed metadata; the
-        provenance loses its media list and the id its text if even that does not fit."""
+    def _too_large(self, answer: Answer, headers: list[tuple[str, bytes]], reason: str) -> Answer:
+        """An ``answer_too_large`` error answer for ``answer``, under its id and with its provenance: no answers
+        and no echoed metadata; the provenance loses its media list and the id its text if even that does not
+        fit."""
         message = (
             f"the answer to this request is too large to publish: {reason}. Ask fewer questions or fewer options "
             "per request, or raise the answer topic's max.message.bytes (and max_request_size)"
         )
-        smaller = self.error(record, "answer_too_large", message, request_id=answer.id)
-        smaller.answer_id = answer.answer_id
+        log.info("request refused", id=answer.id, code="answer_too_large", reason=message[:300],
+                 offset=answer.source.offset)
+        smaller = Answer(id=answer.id, source=answer.source, model=self.model_record.name,
+                         error=ErrorInfo(code="answer_too_large", message=message), provenance=answer.provenance,
+                         answer_id=answer.answer_id)
         for shrink in (_without_media, _without_id):
-            if self.fit(self.settings.answer_topic, smaller.id.encode(), encode(smaller), record.headers).fits:
+            if self.fit(self.settings.answer_topic, smaller.id.encode(), encode(smaller), headers).fits:
                 break
-            smaller = shrink(smaller, record.source)
+            smaller = shrink(smaller, answer.source)
         return smaller
 
 

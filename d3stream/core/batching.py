@@ -278,24 +278,29 @@ class BatchScheduler(Generic[T]):
                 continue
             if not self._planned:
                 await self._linger()
-            now = time.perf_counter()
-            if self._recut_due(now):
-                self._released = now
-                self._cut(now, time.time())
-            if not self._planned:  # every waiting row had expired
-                continue
-            group = self._planned.popleft()
-            if self._dated:
-                group = self._unexpired(group, time.time())
-                self._dated -= sum(1 for waiting in group if waiting.submission.scheduling.deadline is not None)
-            if not group:
-                continue
-            try:
-                await self._run_pass(group)
-            except Exception as exc:  # noqa: BLE001 - the batcher must outlive any one pass
-                log.exception("pass could not be completed")
-                for waiting in group:
-                    waiting.settle(exc)
+            await self._next_pass()
+
+    async def _next_pass(self) -> None:
+        """Cut passes if due, and run the next one. A function of its own so that nothing of the pass outlives
+        it: the loop waits, idle, for the next row, and a pass's rows lead to their requests' media."""
+        now = time.perf_counter()
+        if self._recut_due(now):
+            self._released = now
+            self._cut(now, time.time())
+        if not self._planned:  # every waiting row had expired
+            return
+        group = self._planned.popleft()
+        if self._dated:
+            group = self._unexpired(group, time.time())
+            self._dated -= sum(1 for waiting in group if waiting.submission.scheduling.deadline is not None)
+        if not group:
+            return
+        try:
+            await self._run_pass(group)
+        except Exception as exc:  # noqa: BLE001 - the batcher must outlive any one pass
+            log.exception("pass could not be completed")
+            for waiting in group:
+                waiting.settle(exc)
 
     async def _linger(self) -> None:
         """Wait up to ``linger_ms`` after the oldest new row for company, unless a pass is full already. Rows

@@ -278,6 +278,10 @@ class RequestPipeline:
         prepare_ms = ms(seconds)
         for record, outcome in zip(records, outcomes, strict=True):
             record.prepare_at, record.timings.prepare = started, prepare_ms
+            if self.shadow is not None and self.shadow.follows(hosted.name, record):
+                record.media_kept = record.media_bytes  # the shadow prepares from them too: all of it stays held
+            else:
+                record.drop_decoded()
             if isinstance(outcome, BaseException):
                 code = "invalid_request" if isinstance(outcome, ValueError) else "internal_error"
                 refused.append(self._refused(record, Refusal(code, reason(outcome))))
@@ -386,6 +390,9 @@ class RequestPipeline:
         answer.answer_id = answer_identity(answer, hosted.provenance_sha256)  # deterministic per model
         record.answer, outgoing = hosted.answers.fitted(record, answer)
         record.records.append(outgoing)
+        record.drop_prepared()
+        if self.shadow is None or answer.error is not None or not self.shadow.follows(hosted.name, record):
+            record.drop_decoded()
         return record
 
 

@@ -7,6 +7,12 @@ request, its model, tenant, lane and what it holds in flight), what the passes m
 rows, their probabilities, the passes that carried it) and, at the end, its answer event and the records to
 publish for it. Nothing re-wraps it on the way, so what a stage learns is simply there for the next one.
 
+What a record holds is let go as soon as nothing further needs it, since a worker keeps records until their
+answers are delivered and large media must not wait that long: the decoded media once it is prepared
+(``drop_decoded``), its prompts and vision inputs once its answer is built (``drop_prepared``). Nothing a
+record holds refers back to it, so it is freed the moment the last stage lets go of it, without waiting for
+Python's cyclic collector (which large pixel and tensor buffers do not prompt to run).
+
 A stage that ends a request early does not build an answer itself: it returns a ``Refusal`` (an error code
 and a message), and the pipeline turns every refusal into an error answer in one place.
 """
@@ -36,7 +42,7 @@ class Refusal:
     late_ms: int | None = None  # deadline_exceeded: how late it was
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class RequestRecord:
     """One request on its way through a worker (see the module's docstring)."""
 
@@ -81,6 +87,18 @@ class RequestRecord:
     records: list[Outgoing] = field(default_factory=list)
     finished: bool = False  # its answer event is built (whatever happens next, it gets no second one)
     shadowed: bool = False  # its shadow answer is among its records (core/shadow.py)
+
+    def drop_decoded(self) -> None:
+        """Its decoded images and videos are no longer needed: it is prepared (the vision inputs hold what the
+        passes read), or ended before it was."""
+        self.decoded = None
+
+    def drop_prepared(self) -> None:
+        """Its answer is built: its prompts, vision inputs and row probabilities are no longer needed. What is
+        left (the answer and the records to publish) waits for delivery."""
+        self.prepared = None
+        self.plan = None
+        self.probabilities = {}
 
     @property
     def position(self) -> Position:

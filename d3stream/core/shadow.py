@@ -94,6 +94,12 @@ class Shadow:
                                      model_record=live.model_record, worker=live.worker, fit=live.fit,
                                      metrics=metrics, replay_id=live.replay_id)
 
+    def follows(self, live: str, record: RequestRecord) -> bool:
+        """Whether the shadow will also answer this request of the ``live`` model, should that answer it
+        (so its decoded media must wait for the shadow's prepare)."""
+        request = record.request
+        return live != self.name and request is not None and chosen(request.id, self.share)
+
     def split(self, answered: list[RequestRecord]) -> tuple[list[RequestRecord], list[RequestRecord]]:
         """Which answered requests go on now, and which the shadow answers first (``answer``): the chosen
         ones the live model answered. A refusal or a live error goes on at once: the shadow compares answers."""
@@ -115,6 +121,8 @@ class Shadow:
         try:
             lanes = [self._lane(record) for record in pending]
             prepared = await self.prepare_thread.run(partial(self._prepare_all, pending), priority=min(lanes))
+            for record in (*pending, *own):
+                record.drop_decoded()  # the shadow was the last to need them
             passing: list[RequestRecord] = []
             index_of: dict[int, int] = {}
             ready: list[RequestRecord] = []
@@ -141,6 +149,8 @@ class Shadow:
                     finished.append(pending[index])
                 yield finished
         except Exception as exc:  # noqa: BLE001 - a shadow fault is the shadow's error answer, never the live one's
+            for record in (*pending, *own):
+                record.drop_decoded()
             left = [index for index, record in enumerate(pending) if not record.shadowed]
             log.exception("shadow answers failed", shadow=self.name, requests=len(left))
             for index in left:
@@ -190,6 +200,7 @@ class Shadow:
         """The shadow answer as the last record of the live request (one transaction), and measured."""
         answer.answer_id = answer_identity(answer, self.hosted.provenance_sha256)
         answer, outgoing = self.answers.fitted(own, answer)
+        own.drop_prepared()
         record.records.append(as_shadow(outgoing))
         record.shadowed = True
         assert record.answer is not None  # the live answer is there: it is what the shadow follows

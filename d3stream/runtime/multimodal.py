@@ -63,7 +63,7 @@ class MediaPlanner:
         inputs: dict[str, torch.Tensor] = {}
         image_slots = self._process_images(images, inputs) if images else []
         video_slots = self._process_videos(videos, inputs) if videos else []
-        return RequestMedia(images, videos, inputs, image_slots, video_slots)
+        return RequestMedia(inputs, image_slots, video_slots)
 
     def _process_images(self, images: list[Image.Image], inputs: dict[str, torch.Tensor]) -> list[list[int]]:
         """The images' pixel values and grids into ``inputs``; the token ids of each image's placeholder."""

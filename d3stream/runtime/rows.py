@@ -16,12 +16,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from d3stream.runtime import format as builtin_format
-from d3stream.runtime import media as media_io
 from d3stream.runtime.questions import Question, answer_object, average_orders, question_error
 
 if TYPE_CHECKING:
     import torch
-    from PIL import Image
 
 
 @dataclass
@@ -34,10 +32,9 @@ class Features:
 
 @dataclass
 class RequestMedia:
-    """The images and videos of one request, processed once and shared by all of its rows."""
+    """The images and videos of one request, processed once and shared by all of its rows. It keeps the
+    processor's output, not the decoded media: those can go once the request is prepared."""
 
-    images: list[Image.Image]
-    videos: list[media_io.Video]
     inputs: dict[str, torch.Tensor]  # pixel_values / image_grid_thw / pixel_values_videos / video_grid_thw
     image_slots: list[list[int]]  # token ids that replace each image placeholder
     video_slots: list[list[int]]  # token ids that replace each video placeholder
