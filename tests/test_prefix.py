@@ -288,7 +288,11 @@ def test_media_cache_is_bounded_by_bytes(qwen35_model, counted_encodes, monkeypa
 
 def test_media_cache_keys_depend_on_processor_settings_and_content(qwen35_model, monkeypatch):
     model = qwen35_model
+    # Prepared without a cache, a request takes no content digests (its decoded media go once it is
+    # prepared): the cache has no keys for it, so it is encoded and not kept.
+    assert MediaFeatureCache().keys(model, model.prepare("s", {"stop": STOP}, images=[IMAGE_A]).media, "image") is None
     cache = MediaFeatureCache()
+    monkeypatch.setattr(model, "media_cache", cache)  # from now on the digests are taken while preparing
     media = model.prepare("s", {"stop": STOP}, images=[IMAGE_A, IMAGE_B]).media
     keys = cache.keys(model, media, "image")
     assert len(set(keys)) == 2 and cache.keys(model, media, "image") == keys

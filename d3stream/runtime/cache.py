@@ -115,8 +115,9 @@ def video_digest(video: Video) -> str:
     return digest.hexdigest()
 
 
-# How each media kind's decoded content is hashed for its cache key.
-_CONTENT_DIGESTS: dict[str, Callable[[Any], str]] = {IMAGE.name: image_digest, VIDEO.name: video_digest}
+def content_digests(images: list[Image.Image], videos: list[Video]) -> dict[str, list[str]]:
+    """The content digest of each image and video, by media kind (``RequestMedia.contents``)."""
+    return {IMAGE.name: [image_digest(image) for image in images], VIDEO.name: [video_digest(video) for video in videos]}
 
 
 class MediaFeatureCache:
@@ -200,17 +201,18 @@ class MediaFeatureCache:
         identity = ((model.manifest or {}).get("identity") or {}).get("model_sha256")
         return f"{model.root}|{identity}|{model.device}|{vision_dtype(model)}"
 
-    def keys(self, model: EncodingModel, media: RequestMedia, kind: str) -> list[str]:
-        """The cache key of each image (``kind="image"``) or video of a request's media."""
+    def keys(self, model: EncodingModel, media: RequestMedia, kind: str) -> list[str] | None:
+        """The cache key of each image (``kind="image"``) or video of a request's media; None when it was
+        prepared without content digests (no cache then): encoded, not looked up or kept."""
+        if media.contents is None:
+            return None
         found = media_kind(kind)
         settings = settings_digest(getattr(model.processor, found.processor_attribute))
-        items = getattr(media, found.request_attribute)
-        content = _CONTENT_DIGESTS[found.name]
         grids = media.inputs[found.grid_input].tolist()
         namespace = self.model_namespace(model)
         return [
-            hashlib.sha256(f"{namespace}|{kind}|{settings}|{grid}|{content(item)}".encode()).hexdigest()
-            for item, grid in zip(items, grids, strict=True)
+            hashlib.sha256(f"{namespace}|{kind}|{settings}|{grid}|{content}".encode()).hexdigest()
+            for content, grid in zip(media.contents[found.name], grids, strict=True)
         ]
 
     def request_features(self, model: EncodingModel, media: RequestMedia) -> dict[str, Features]:
@@ -222,6 +224,7 @@ class MediaFeatureCache:
             if media_type.pixels_input not in media.inputs:
                 continue
             keys = self.keys(model, media, kind)
+            assert keys is not None  # the encoder asks only for requests prepared with content digests
             found: dict[str, Entry] = {}
             missing: list[int] = []
             for number, key in enumerate(keys):

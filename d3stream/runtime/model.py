@@ -249,6 +249,7 @@ class ModelAttributes:
     @media_cache.setter
     def media_cache(self, value: MediaFeatureCache | None) -> None:
         self.vision.media_cache = value
+        self.prompts.media.digest_contents = value is not None  # the cache's keys are taken while preparing
 
     def limit_prompt_tokens(self, limit: int | None) -> None:
         """Serve at most ``limit`` tokens per prompt (the tighter of it and the checkpoint's own limit):

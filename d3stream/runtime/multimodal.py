@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from d3stream.runtime import media as media_io
+from d3stream.runtime.cache import content_digests
 from d3stream.runtime.loading import Checkpoint
 from d3stream.runtime.rows import RequestMedia
 
@@ -27,6 +28,9 @@ class MediaPlanner:
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
+        # Take each item's content digest while processing (the feature cache's keys): set while the model
+        # has a feature cache. Not later: a request's decoded media are let go once it is prepared.
+        self.digest_contents = False
 
     def load_images(self, images: Sequence[object], *, strict: bool = False) -> list[Image.Image]:
         """Decode a request's images; ValueError names the image that could not be read."""
@@ -63,7 +67,8 @@ class MediaPlanner:
         inputs: dict[str, torch.Tensor] = {}
         image_slots = self._process_images(images, inputs) if images else []
         video_slots = self._process_videos(videos, inputs) if videos else []
-        return RequestMedia(inputs, image_slots, video_slots)
+        contents = content_digests(images, videos) if self.digest_contents else None
+        return RequestMedia(inputs, image_slots, video_slots, contents=contents)
 
     def _process_images(self, images: list[Image.Image], inputs: dict[str, torch.Tensor]) -> list[list[int]]:
         """The images' pixel values and grids into ``inputs``; the token ids of each image's placeholder."""

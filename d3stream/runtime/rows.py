@@ -40,6 +40,9 @@ class RequestMedia:
     video_slots: list[list[int]]  # token ids that replace each video placeholder
     # Vision-tower output by media kind ("image", "video"), filled the first time a row runs.
     features: dict[str, Features] | None = None
+    # The content digest of each image and video by media kind, the feature cache's keys (``cache.py``): taken
+    # while preparing, when the decoded media are at hand, and only when a cache will ask (None otherwise).
+    contents: dict[str, list[str]] | None = None
 
     @property
     def visual_tokens(self) -> int:

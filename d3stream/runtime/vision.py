@@ -115,12 +115,17 @@ class VisionEncoder:
         """The features of one kind of media for each of ``users``: cached items looked up, the others encoded
         in groups of at most ``media_batch_patches`` patches."""
         cache = self.media_cache
-        # Every item of the pass under one key: its cache key, or its place when there is no cache.
-        item_keys: list[list[str]] = [
-            cache.keys(self.checkpoint, m, kind.name) if cache is not None
-            else [f"{n}/{i}" for i in range(len(m.inputs[kind.grid_input]))]
-            for n, m in enumerate(users)
-        ]
+        # Every item of the pass under one key: its cache key, or its place (never looked up or kept) when there
+        # is no cache or the request was prepared without content digests.
+        item_keys: list[list[str]] = []
+        cached: set[str] = set()
+        for n, media in enumerate(users):
+            keys = cache.keys(self.checkpoint, media, kind.name) if cache is not None else None
+            if keys is None:
+                keys = [f"{n}/{i}" for i in range(len(media.inputs[kind.grid_input]))]
+            else:
+                cached.update(keys)
+            item_keys.append(keys)
         found: dict[str, Entry] = {}
         missing: dict[str, Item] = {}  # key -> an item to encode
         for media, keys in zip(users, item_keys, strict=True):
@@ -128,20 +133,21 @@ class VisionEncoder:
             for key, item in zip(keys, items, strict=True):
                 if key in found or key in missing:
                     continue  # the same media twice in the pass: encoded (or looked up) once
-                entry = cache.get(key) if cache is not None else None
+                entry = cache.get(key) if cache is not None and key in cached else None
                 if entry is None:
                     missing[key] = item
                 else:
                     found[key] = entry
-        found.update(self._encode_missing(kind.name, missing))
+        found.update(self._encode_missing(kind.name, missing, cached))
         made = []
         for keys in item_keys:
             entries = [found[key] for key in keys]
             made.append(Features([entry.pooled for entry in entries], _deepstack([e.deepstack for e in entries])))
         return made
 
-    def _encode_missing(self, kind: str, missing: dict[str, Item]) -> dict[str, Entry]:
-        """Encode the items under ``missing`` in patch-budget groups; each one's entry, also put in the cache."""
+    def _encode_missing(self, kind: str, missing: dict[str, Item], cached: set[str]) -> dict[str, Entry]:
+        """Encode the items under ``missing`` in patch-budget groups; each one's entry, also put in the cache
+        when its key is a cache key (in ``cached``)."""
         cache = self.media_cache
         keys_to_encode = list(missing)
         encoded: dict[str, Entry] = {}
@@ -152,7 +158,7 @@ class VisionEncoder:
                 size = tensor_bytes(pooled) + sum(tensor_bytes(t) for t in layers or [])
                 entry = Entry(pooled, layers, size)
                 encoded[key] = entry
-                if cache is not None:
+                if cache is not None and key in cached:
                     cache.put(key, entry)
                     cache.encoded += 1
         return encoded
@@ -180,7 +186,7 @@ class VisionEncoder:
 
     def _encode_one_request(self, media: RequestMedia) -> dict[str, Features]:
         """The features of one request's media, all its images in one call (``media_batch_patches`` = 0)."""
-        if self.media_cache is not None:
+        if self.media_cache is not None and media.contents is not None:
             return self.media_cache.request_features(self.checkpoint, media)
         features: dict[str, Features] = {}
         device = self.checkpoint.device
