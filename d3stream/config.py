@@ -109,7 +109,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_media_pixels: int = 100_000_000
     max_video_frames: int = 128
     media_decode_timeout_s: float = 10.0
-    media_decode_processes: int = 1
+    media_decode_processes: int = 4
     # Object storage
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
@@ -264,7 +264,9 @@ HELP: dict[str, str] = {
     "(more: invalid_request)",
     "media_decode_timeout_s": "deadline of one request's media decode; a video decode past it is killed, and the "
     "request answered media_unreadable",
-    "media_decode_processes": "worker processes that decode videos (killed and replaced at the deadline)",
+    "media_decode_processes": "media decodes that run side by side: videos in as many worker processes (killed "
+    "and replaced at the deadline), images on as many threads. Decodes past it wait for a free slot, each held "
+    "for at most media_decode_timeout_s",
     "s3_endpoint_url": "S3-compatible endpoint (default: AWS)",
     "s3_region": "S3 region",
     "media_allowlist": "buckets or bucket/prefix pairs requests may name (comma-separated); empty allows none",

@@ -227,6 +227,80 @@ def test_a_video_decode_bomb_is_abandoned_while_text_requests_flow_and_stop_is_p
     assert service.decoder.processes.abandoned == 2
 
 
+def test_a_legitimate_video_behind_three_bombs_is_answered_before_any_of_them(stack, qwen35_model):
+    """With the default decoding pool, three bombs decoding at once hold three slots and a small legitimate clip
+    read after them decodes in the fourth: it is answered while they still decode, not after their deadlines
+    one after another (issue 36: 30 s behind three bombs with one decoding process). Each video's size comes
+    from its header before it decodes, so the media budget lets all four decode at once."""
+    deadline = 20.0
+    bomb = data_url(make_mp4_bomb(30_000, 320, 180, fps=1000, keyframe="first"), "video/mp4")
+    bombs = [f"bomb-{n}" for n in range(3)]
+    taken = {partition_of(rid) for rid in bombs}
+    clip_id = next(rid for rid in ids_off_partition("clip", -1, 100) if partition_of(rid) not in taken)
+    text_id = next(rid for rid in ids_off_partition("text", -1, 100) if partition_of(rid) not in taken)
+    clip = data_url(make_mp4(20, 64, 48, 10, seed=6), "video/mp4")
+    settings = stack.settings(media_decode_timeout_s=deadline)
+    assert settings.media_decode_processes == 4  # the default pool
+    service = Service(settings, qwen35_model)
+    bootstrap = stack.broker.bootstrap_servers
+
+    async def scenario():
+        async with Reader(bootstrap, stack.answers) as reader:
+            task = asyncio.create_task(service.run())
+            try:
+                await reader.wait(lambda: assigned_and_ready(service), 60, task, what="the assignment")
+                await produce(bootstrap, stack.requests, [record(request(rid, videos=[bomb])) for rid in bombs])
+                await reader.wait(lambda: service.decoder.processes.busy == 3, 60, task,
+                                  what="three bombs decoding side by side")
+                await produce(bootstrap, stack.requests,
+                              [record(request(clip_id, videos=[clip])), record(request(text_id))])
+                await reader.wait_ids([clip_id, text_id], 120, task)
+                bombs_answered_before_the_clip = [rid for rid in bombs if rid in reader.counts()]
+                await reader.wait_ids(bombs, 120, task)
+            finally:
+                await stop(service, task)
+            return reader, bombs_answered_before_the_clip
+
+    reader, bombs_answered_before_the_clip = run(scenario())
+    by_id = reader.by_id()
+    assert "error" not in by_id[clip_id] and "error" not in by_id[text_id]
+    assert bombs_answered_before_the_clip == [], "the clip waited for bombs' deadlines"
+    for rid in bombs:
+        error = by_id[rid]["error"]
+        assert error["code"] == "media_unreadable" and "media_decode_timeout_s" in error["message"], error
+    assert sorted(reader.counts().values()) == [1] * 5
+
+
+def test_three_image_requests_read_together_decode_side_by_side(stack, qwen35_model, monkeypatch):
+    """Each decode of the three requests waits until all three are decoding at once: that happens only when their
+    images decode side by side (on one decoding thread the first waits alone, and the requests fail)."""
+    import threading
+
+    from d3stream.core import decoding
+
+    all_three = threading.Barrier(3, timeout=60)
+    decode_images = decoding._decode_images
+
+    def together(datas, numbers, began):
+        all_three.wait()
+        return decode_images(datas, numbers, began)
+
+    monkeypatch.setattr(decoding, "_decode_images", together)
+    requests = [request(f"images-{n}", images=[stack.put(f"m/{n}-{k}.png", make_png(640, 480, seed=10 * n + k))
+                                               for k in range(3)])
+                for n in range(3)]
+    settings = stack.settings(media_decode_timeout_s=120)
+
+    async def scenario():
+        return await serve(stack, settings, qwen35_model, [record(r) for r in requests], [r["id"] for r in requests],
+                           timeout=120)
+
+    service, reader = run(scenario())
+    by_id = reader.by_id()
+    assert all("error" not in by_id[r["id"]] for r in requests), {r["id"]: by_id[r["id"]].get("error") for r in requests}
+    assert not all_three.broken
+
+
 def test_many_references_are_refused_before_work_and_repeats_fetched_once(stack, qwen35_model):
     big = make_smooth_png(4000, 4000)  # 16 Mpx, ~60 KB
     small = make_png(64, 64, seed=9)

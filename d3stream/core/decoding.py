@@ -7,15 +7,20 @@ long):
   header, and are spent against the request's ``MediaBudget`` (``max_media_pixels``,
   ``max_video_frames``) before anything is decoded; an image is counted once per reference, since the
   processor resizes each reference on its own, but decoded once however often it is named.
-* **Not on the prepare thread.** Images decode on their own thread and videos in a worker process, so a
-  text-only request never waits behind a decode.
-* **A deadline for every decode** (``media_decode_timeout_s``). Videos run in a worker process (spawned,
-  not forked: the parent runs torch and asyncio threads) that is killed and replaced when its job runs
-  past the deadline: FFmpeg seeks from the previous keyframe, which a hostile file can put 100,000 frames
-  back, and a thread could not be stopped. Images stay in a thread: their decode is bounded by the
-  16-megapixel header check (about 0.1 s for the largest), a process hop would double it (the decoded
-  pixels are pickled back), and the deadline still answers the request in time; the thread then finishes
-  the bounded decode on its own.
+* **Not on the prepare thread, and not in one line.** Up to ``media_decode_processes`` decodes run side by
+  side: videos each in a worker process of their own, images on as many threads. A text-only request never
+  waits behind a decode, and one request's heavy or hostile media delay another's only while every slot is
+  taken, each for at most one deadline.
+* **A deadline for every decode** (``media_decode_timeout_s``), counted from when the decode gets its slot,
+  not while it waits for one. Videos run in worker processes (spawned, not forked: the parent runs torch and
+  asyncio threads); a job past the deadline has its process killed and replaced: FFmpeg seeks from the
+  previous keyframe, which a hostile file can put 100,000 frames back, and a thread could not be stopped.
+  Images stay in threads: their decode is bounded by the 16-megapixel header check (about 0.1 s for the
+  largest), a process hop would double it (the decoded pixels are pickled back), and the deadline still
+  answers the request in time; the thread then finishes the bounded decode on its own.
+
+The first decoding process starts with the worker (the first video should not wait for it), the others when
+first needed; each holds about 30 MB of its own (docs/MEMORY.md).
 
 A decode past its deadline raises ``DecodeTimeout`` (a ``ValueError``: the service answers
 ``media_unreadable``); a budget overrun raises ``runtime.media.MediaBudgetExceeded``.
@@ -34,6 +39,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -88,6 +94,17 @@ def decode_videos(datas: Sequence[bytes], budget: media_io.MediaBudget, labels: 
         except ValueError as exc:
             raise ValueError(f"{label}: {exc}") from exc
     return videos
+
+
+def probe_videos(datas: Sequence[bytes], labels: Sequence[str]) -> list[media_io.VideoHeader]:
+    """Each video's header after the strict checks, no frame decoded (runs in the decoding process)."""
+    headers = []
+    for data, label in zip(datas, labels, strict=True):
+        try:
+            headers.append(media_io.checked_video_header(data))
+        except ValueError as exc:
+            raise ValueError(f"{label}: {exc}") from exc
+    return headers
 
 
 # -------------------------------------------------------------------------------------- worker process
@@ -209,14 +226,13 @@ class ProcessDecoder:
         raise ValueError(value)
 
     def warm(self) -> None:
-        """Start the processes now (spawning one takes a second), so the first video does not wait."""
-        slots = [self._idle.get() for _ in range(self._slots)]
+        """Start one process now (starting one takes about half a second of CPU), so the first video does not
+        wait; the others start when first needed."""
+        slot = self._idle.get()
         try:
-            for slot in slots:
-                slot.ensure_started()
+            slot.ensure_started()
         finally:
-            for slot in slots:
-                self._idle.put(slot)
+            self._idle.put(slot)
 
     def close(self) -> None:
         """Kill the processes; a job still waiting fails with DecodeCrashed."""
@@ -246,7 +262,8 @@ class MediaDecoder:
         self.timeout_s = timeout_s
         self.max_pixels = max_pixels
         self.max_video_frames = max_video_frames
-        self._images = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-decode-images")
+        # As many image decodes at once as video decodes: images of several requests decode side by side.
+        self._images = ThreadPoolExecutor(max_workers=max(1, processes), thread_name_prefix="d3stream-decode-images")
         self.processes = ProcessDecoder(processes, timeout_s)
 
     @classmethod
@@ -269,46 +286,48 @@ class MediaDecoder:
             sizes.append(width * height)
         return sizes
 
-    def estimate(self, image_pixels: Sequence[int], videos: int) -> int:
+    def estimate(self, image_pixels: Sequence[int], videos: Sequence[media_io.VideoHeader] = ()) -> int:
         """Bytes a request's media may come to hold while it is prepared (``DecodedMedia.memory``'s total),
-        from its image headers and, for its videos, the most frames and pixels the limits let them have: what
-        it takes of the in-flight media budget while it decodes (given back down to what it holds once
-        decoded, and once prepared)."""
+        from its image and video headers: what it takes of the in-flight media budget while it decodes (given
+        back down to what it holds once decoded, and once prepared)."""
         total = sum(media_io.image_memory(pixels).total for pixels in image_pixels)
-        if videos:
-            frames = media_io.VIDEO_MAX_FRAMES * videos
-            pixels = frames * media_io.MAX_VIDEO_SOURCE_PIXELS
-            if self.max_pixels is not None:  # every sampled frame's pixels count against max_media_pixels
-                pixels = min(pixels, max(0, self.max_pixels - sum(image_pixels)))
-            total += media_io.video_memory(frames, pixels // frames).total
+        for header in videos:
+            total += media_io.video_memory(header.sampled, header.width * header.height).total
         return total
 
     async def decode(self, images: Sequence[bytes], videos: Sequence[bytes],
                      reserve: Callable[[int], Awaitable[Any]] | None = None) -> DecodedMedia:
         """Decode one request's media (one entry per reference; equal bytes are decoded once).
 
-        Image headers are read and the budget spent first; then ``reserve(bytes)`` is awaited with the
-        decoded size the media may reach (the service's in-flight media budget), then videos and images
-        are decoded. ValueError (or MediaBudgetExceeded, or DecodeTimeout) names the reference."""
+        Image headers are read and the budget spent first, and the videos' headers read in a decoding process
+        (a job of its own, under the deadline: a video's size is known before it takes memory); then
+        ``reserve(bytes)`` is awaited with the decoded size the media may reach (the service's in-flight media
+        budget), then videos and images are decoded. ValueError (or MediaBudgetExceeded, or DecodeTimeout)
+        names the reference."""
         budget = self.budget()
         loop = asyncio.get_running_loop()
         image_pixels = await loop.run_in_executor(self._images, self.image_pixels, images) if images else []
         for number, pixels in enumerate(image_pixels):
             budget.spend(f"images[{number}]", pixels)
+        distinct_videos = _distinct(videos)
+        labels = [f"videos[{first}]" for first in distinct_videos.values()]
+        headers = await self.processes.run(probe_videos, list(distinct_videos), labels) if videos else []
         if reserve is not None:
-            await reserve(self.estimate(image_pixels, len(videos)))
+            await reserve(self.estimate(image_pixels, headers))
         decoded_videos: list[media_io.Video] = []
         if videos:
-            distinct = _distinct(videos)
-            labels = [f"videos[{first}]" for first in distinct.values()]
-            result = await self.processes.run(decode_videos, list(distinct), budget, labels)
-            by_content = dict(zip(distinct, result, strict=True))
+            result = await self.processes.run(decode_videos, list(distinct_videos), budget, labels)
+            by_content = dict(zip(distinct_videos, result, strict=True))
             decoded_videos = [by_content[data] for data in videos]
         decoded_images: list[Any] = []
         if images:
             distinct = _distinct(images)
-            job = loop.run_in_executor(self._images, _decode_images, list(distinct), list(distinct.values()))
+            began: asyncio.Future[None] = loop.create_future()
+            job = loop.run_in_executor(self._images, _decode_images, list(distinct), list(distinct.values()),
+                                       partial(loop.call_soon_threadsafe, _settle, began))
             try:
+                either: list[asyncio.Future[Any]] = [began, job]
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)  # a free thread: the deadline starts
                 result = await asyncio.wait_for(asyncio.shield(job), self.timeout_s)
             except TimeoutError:
                 raise DecodeTimeout(
@@ -371,7 +390,14 @@ def _distinct(items: Sequence[bytes]) -> dict[bytes, int]:
     return first
 
 
-def _decode_images(datas: list[bytes], numbers: list[int]) -> list[Any]:
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _decode_images(datas: list[bytes], numbers: list[int], began: Callable[[], Any]) -> list[Any]:
+    """Decode images (on a decoding thread), saying first that the decode began: its deadline starts now."""
+    began()
     decoded = []
     for data, number in zip(datas, numbers, strict=True):
         try:

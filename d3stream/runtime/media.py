@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
 import math
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,23 +62,20 @@ MAX_VIDEO_SOURCE_PIXELS = 8_294_400
 MAX_VIDEO_SECONDS = 300
 VIDEO_FORMATS = ("mp4", "webm", "quicktime", "x-matroska")
 # What one image or video frame costs in memory, per pixel of the source and per pixel after the processor's
-# resize, in two parts. Kept from its decode until its request is answered: the decoded RGB pixels (3 bytes a
-# source pixel), the vision inputs the processor returns (float32 patches, an image's pixels twice for the
-# temporal patch: 24 bytes a resized pixel) and what the allocator keeps around them. Preparing, on top of
-# that until the request is prepared: the processor's copies while it converts and resizes. Requests are
-# prepared one at a time and the next one's copies reuse the memory of the last, so a worker's peak is the
-# kept parts of every request in flight plus the preparing parts of those not prepared yet. Measured as the
-# peak RSS growth of decoding and preparing one and three requests of six 16-megapixel PNGs, and a 1080p clip,
-# on the tiny checkpoints' processor (docs/MEASUREMENTS.md); tests/test_media_memory.py keeps the count within
-# 25 % of it.
-IMAGE_KEPT_PER_SOURCE_PIXEL = 3.6
-IMAGE_KEPT_PER_PROCESSED_PIXEL = 24.0
-IMAGE_PREPARING_PER_SOURCE_PIXEL = 4.4
-IMAGE_PREPARING_PER_PROCESSED_PIXEL = 22.0
-VIDEO_KEPT_PER_SOURCE_PIXEL = 3.5
+# resize, in two parts. Kept from its decode until its request is answered: the vision inputs the processor
+# returns (float32 patches, an image's pixels twice for the temporal patch: 24 bytes a resized pixel) and what
+# the allocator keeps around them. Preparing, on top of that until the request is prepared: the decoded RGB
+# pixels (3 bytes a source pixel; let go once the request is prepared, core/record.py) and the processor's
+# copies while it converts and resizes. Requests are prepared one at a time and the next one's copies reuse the
+# memory of the last, so a worker's peak is the kept parts of every request in flight plus the preparing parts
+# of those not prepared yet. Measured as the peak RSS growth of decoding and preparing one and three requests
+# of six 16-megapixel PNGs, and a 1080p clip, on the tiny checkpoints' processor (docs/MEASUREMENTS.md);
+# tests/test_media_memory.py keeps the count within 25 % of it.
+IMAGE_KEPT_PER_PROCESSED_PIXEL = 26.5
+IMAGE_PREPARING_PER_SOURCE_PIXEL = 8.0
+IMAGE_PREPARING_PER_PROCESSED_PIXEL = 19.5
 VIDEO_KEPT_PER_PROCESSED_PIXEL = 12.0
-VIDEO_PREPARING_PER_SOURCE_PIXEL = 3.0
-
+VIDEO_PREPARING_PER_SOURCE_PIXEL = 6.5
 
 @dataclass(frozen=True)
 class MediaMemory:
@@ -213,15 +212,15 @@ def _open_checked(data: bytes) -> Any:
 def image_memory(pixels: int) -> MediaMemory:
     """What one image of ``pixels`` source pixels holds (``MediaMemory``)."""
     processed = min(max(pixels, IMAGE_MIN_PIXELS), IMAGE_MAX_PIXELS)
-    return MediaMemory(int(IMAGE_KEPT_PER_SOURCE_PIXEL * pixels + IMAGE_KEPT_PER_PROCESSED_PIXEL * processed),
+    return MediaMemory(int(IMAGE_KEPT_PER_PROCESSED_PIXEL * processed),
                        int(IMAGE_PREPARING_PER_SOURCE_PIXEL * pixels + IMAGE_PREPARING_PER_PROCESSED_PIXEL * processed))
 
 
 def video_memory(frames: int, frame_pixels: int) -> MediaMemory:
     """What a video of ``frames`` sampled frames of ``frame_pixels`` pixels holds, like ``image_memory``."""
     processed = min(max(frame_pixels, VIDEO_MIN_PIXELS), VIDEO_MAX_PIXELS)
-    kept = VIDEO_KEPT_PER_SOURCE_PIXEL * frame_pixels + VIDEO_KEPT_PER_PROCESSED_PIXEL * processed
-    return MediaMemory(int(frames * kept), int(frames * VIDEO_PREPARING_PER_SOURCE_PIXEL * frame_pixels))
+    return MediaMemory(int(frames * VIDEO_KEPT_PER_PROCESSED_PIXEL * processed),
+                       int(frames * VIDEO_PREPARING_PER_SOURCE_PIXEL * frame_pixels))
 
 
 def image_header(data: bytes) -> tuple[int, int]:
@@ -394,6 +393,63 @@ def _read_sampled(reader: Any, indices: list[int]) -> tuple[list[np.ndarray], li
     return frames, kept, read
 
 
+@dataclass(frozen=True)
+class VideoHeader:
+    """What a video's container says, read before any frame is: its frame size and rate, its length in frames
+    and the frames that will be sampled."""
+
+    width: int
+    height: int
+    fps: float
+    total: int
+    indices: list[int]
+
+    @property
+    def sampled(self) -> int:
+        """Frames the processor will take (the sampled count, made even)."""
+        return len(self.indices) + len(self.indices) % 2
+
+
+def _read_header(reader: Any, source: str, strict: bool) -> VideoHeader:
+    """The header of an opened video, after the strict frame-size and length checks."""
+    import cv2
+
+    if not reader.isOpened():
+        raise ValueError("the video could not be opened")
+    width = int(reader.get(cv2.CAP_PROP_FRAME_WIDTH))
+    height = int(reader.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    if width <= 0 or height <= 0:
+        raise ValueError("the video has no frame size")
+    if strict and width * height > MAX_VIDEO_SOURCE_PIXELS:
+        raise ValueError(f"video frames must have at most {MAX_VIDEO_SOURCE_PIXELS:,} pixels")
+    fps = float(reader.get(cv2.CAP_PROP_FPS) or 0.0)
+    if not (math.isfinite(fps) and VIDEO_SOURCE_FPS[0] <= fps <= VIDEO_SOURCE_FPS[1]):
+        fps = VIDEO_UNKNOWN_FPS
+    total = int(reader.get(cv2.CAP_PROP_FRAME_COUNT) or 0)
+    if total <= 0:  # the container does not say: count the frames (bounded when strict)
+        total = _count_frames(source, fps, strict)
+    if total <= 0:
+        raise ValueError("the video has no frames")
+    if strict and total / fps > MAX_VIDEO_SECONDS:
+        raise ValueError(f"each video must be at most {MAX_VIDEO_SECONDS} seconds long")
+    return VideoHeader(width, height, fps, total, sample_indices(total, fps))
+
+
+def _video_header(source: str, *, strict: bool) -> VideoHeader:
+    """The header of a video file; no frame decoded."""
+    import cv2
+
+    reader = None
+    try:
+        reader = _open_video(source)
+        return _read_header(reader, source, strict)
+    except cv2.error as exc:
+        raise ValueError(f"invalid video data ({type(exc).__name__})") from exc
+    finally:
+        if reader is not None:
+            reader.release()
+
+
 def _decode_video(source: str, *, strict: bool, budget: MediaBudget | None = None, what: str = "the video") -> Video:
     """Decode a video file with OpenCV (FFmpeg) and sample its frames; ``budget`` is spent on the sampled
     frames (from the header, before any is read)."""
@@ -402,29 +458,12 @@ def _decode_video(source: str, *, strict: bool, budget: MediaBudget | None = Non
     reader = None
     try:
         reader = _open_video(source)
-        if not reader.isOpened():
-            raise ValueError("the video could not be opened")
-        width = int(reader.get(cv2.CAP_PROP_FRAME_WIDTH))
-        height = int(reader.get(cv2.CAP_PROP_FRAME_HEIGHT))
-        if width <= 0 or height <= 0:
-            raise ValueError("the video has no frame size")
-        if strict and width * height > MAX_VIDEO_SOURCE_PIXELS:
-            raise ValueError(f"video frames must have at most {MAX_VIDEO_SOURCE_PIXELS:,} pixels")
-        fps = float(reader.get(cv2.CAP_PROP_FPS) or 0.0)
-        if not (math.isfinite(fps) and VIDEO_SOURCE_FPS[0] <= fps <= VIDEO_SOURCE_FPS[1]):
-            fps = VIDEO_UNKNOWN_FPS
-        total = int(reader.get(cv2.CAP_PROP_FRAME_COUNT) or 0)
-        if total <= 0:  # the container does not say: count the frames (bounded when strict)
-            total = _count_frames(source, fps, strict)
-        if total <= 0:
-            raise ValueError("the video has no frames")
-        if strict and total / fps > MAX_VIDEO_SECONDS:
-            raise ValueError(f"each video must be at most {MAX_VIDEO_SECONDS} seconds long")
-        indices = sample_indices(total, fps)
+        header = _read_header(reader, source, strict)
         if budget is not None:
-            count = len(indices) + len(indices) % 2  # the count is made even
-            budget.spend(f"{what} ({count} frames of {width}x{height})", count * width * height, count)
-        frames, kept, read = _read_sampled(reader, indices)
+            count = header.sampled
+            budget.spend(f"{what} ({count} frames of {header.width}x{header.height})",
+                         count * header.width * header.height, count)
+        frames, kept, read = _read_sampled(reader, header.indices)
     except cv2.error as exc:
         raise ValueError(f"invalid video data ({type(exc).__name__})") from exc
     finally:
@@ -432,28 +471,46 @@ def _decode_video(source: str, *, strict: bool, budget: MediaBudget | None = Non
             reader.release()
     if not frames:
         raise ValueError("no frame of the video could be decoded")
-    return _assemble(frames, kept, fps, total, read)
+    return _assemble(frames, kept, header.fps, header.total, read)
+
+
+@contextlib.contextmanager
+def _as_file(data: bytes) -> Iterator[str]:
+    """Bytes as a temporary file, so they read exactly like the same file given by path."""
+    with tempfile.NamedTemporaryFile(prefix="d3-video-", delete=False) as handle:
+        handle.write(data)
+    try:
+        yield handle.name
+    finally:
+        os.unlink(handle.name)
 
 
 def _decode_video_bytes(data: bytes, *, strict: bool, budget: MediaBudget | None = None,
                         what: str = "the video") -> Video:
-    # Bytes decode through a temporary file so they read exactly like the same file given by path.
-    with tempfile.NamedTemporaryFile(prefix="d3-video-", delete=False) as handle:
-        handle.write(data)
-    try:
-        return _decode_video(handle.name, strict=strict, budget=budget, what=what)
-    finally:
-        os.unlink(handle.name)
+    with _as_file(data) as path:
+        return _decode_video(path, strict=strict, budget=budget, what=what)
+
+
+def _check_video_bytes(data: bytes) -> None:
+    if len(data) > MAX_VIDEO_BYTES:
+        raise ValueError(f"the video has {len(data):,} bytes, over the {MAX_VIDEO_BYTES:,} byte limit")
+    if container_of(data) is None:
+        raise ValueError("the video is not an MP4, WebM, QuickTime or Matroska file")
 
 
 def checked_video_bytes(data: bytes, budget: MediaBudget | None = None, what: str = "the video") -> Video:
     """Strictly read encoded video bytes from outside: container, size, length and frame-size limits, and
     the sampled frames against ``budget`` before any is read."""
-    if len(data) > MAX_VIDEO_BYTES:
-        raise ValueError(f"the video has {len(data):,} bytes, over the {MAX_VIDEO_BYTES:,} byte limit")
-    if container_of(data) is None:
-        raise ValueError("the video is not an MP4, WebM, QuickTime or Matroska file")
+    _check_video_bytes(data)
     return _decode_video_bytes(data, strict=True, budget=budget, what=what)
+
+
+def checked_video_header(data: bytes) -> VideoHeader:
+    """The header of encoded video bytes from outside, after the same strict checks as ``checked_video_bytes``;
+    no frame decoded: how much memory its decode will take is known before it starts."""
+    _check_video_bytes(data)
+    with _as_file(data) as path:
+        return _video_header(path, strict=True)
 
 
 def frames_video(value: Any) -> Video:
