@@ -974,7 +974,7 @@ def _run_service_bench(args: argparse.Namespace) -> int:
 
         report["evaluate"] = evaluate_bench(args.evaluate)
         tables.append(evaluate_markdown(report["evaluate"]))
-    if args.soak or args.ask or args.head_of_line or args.stream:
+    if args.soak or args.soak_images or args.ask or args.head_of_line or args.stream:
         if args.checkpoint:
             root = Path(args.checkpoint)
         else:
@@ -997,6 +997,16 @@ def _run_service_bench(args: argparse.Namespace) -> int:
             f"({'flat' if soak['flat_within_5pct'] else 'NOT flat'} within 5 %), since the first tenth "
             f"{soak['growth_since_first_tenth']:+.1%}."
         )
+    if args.soak_images:
+        from d3stream.tools.bench_memory import image_soak, image_soak_markdown, progress_steps
+
+        with tqdm(total=progress_steps(args.soak_images), desc="soak-images", unit="step", file=sys.stderr, disable=not args.progress) as bar:
+            def stage(name: str) -> None:
+                bar.update(1)
+                bar.set_postfix_str(name)
+
+            report["soak_images"] = image_soak(root, args.soak_images, tick=stage)
+        tables.append(image_soak_markdown(report["soak_images"]))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     if args.json:
@@ -1004,6 +1014,7 @@ def _run_service_bench(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(tables))
     return 0
+
 
 
 def _client_side_benches(args: argparse.Namespace, root: Path, report: dict[str, Any], tables: list[str]) -> None:
@@ -1062,7 +1073,7 @@ def _run_scheduling_bench(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.scheduling:
         return _run_scheduling_bench(args)
-    if args.kafka or args.soak or args.ask or args.head_of_line or args.evaluate or args.stream:
+    if args.kafka or args.soak or args.soak_images or args.ask or args.head_of_line or args.evaluate or args.stream:
         return _run_service_bench(args)
     report, calibration = run_bench(args)
     table = markdown(report, calibration if args.calibrate else None)
@@ -1115,6 +1126,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak", type=int, nargs="?", const=100_000, default=0, metavar="N",
                         help="instead: serve N small requests (default 100,000) with the checkpoint and report "
                         "whether the resident set size stays flat")
+    parser.add_argument("--soak-images", type=int, nargs="?", const=20, default=0, metavar="N",
+                        help="instead: N requests of six 16-megapixel PNGs (default 20) one at a time, then three at "
+                        "once, on one worker with the default settings and an embedded broker and store; the "
+                        "worker's RSS at its peak, after each answer and at idle (docs/MEMORY.md)")
     parser.add_argument("--evaluate", type=int, nargs="?", const=20_000, default=0, metavar="N",
                         help="instead: d3stream evaluate's throughput (N answers and labels joined by one worker on "
                         "an embedded broker, default 20000) and its memory per 100,000 waiting answers")
