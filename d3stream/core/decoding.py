@@ -42,13 +42,15 @@ from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
 from d3stream.runtime import media as media_io
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 # The directory d3stream is imported from, so the decoding process imports this same copy.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -85,26 +87,26 @@ class DecodedMedia:
 
 def decode_videos(datas: Sequence[bytes], budget: media_io.MediaBudget, labels: Sequence[str]) -> list[media_io.Video]:
     """Strictly decode videos against one budget (runs in the decoding process)."""
-    videos = []
-    for data, label in zip(datas, labels, strict=True):
-        try:
-            videos.append(media_io.checked_video_bytes(data, budget, label))
-        except media_io.MediaBudgetExceeded:
-            raise
-        except ValueError as exc:
-            raise ValueError(f"{label}: {exc}") from exc
-    return videos
+    return _each_named(lambda data, label: media_io.checked_video_bytes(data, budget, label), datas, labels)
 
 
 def probe_videos(datas: Sequence[bytes], labels: Sequence[str]) -> list[media_io.VideoHeader]:
     """Each video's header after the strict checks, no frame decoded (runs in the decoding process)."""
-    headers = []
+    return _each_named(lambda data, label: media_io.checked_video_header(data), datas, labels)
+
+
+def _each_named(read: Callable[[bytes, str], T], datas: Sequence[bytes], labels: Sequence[str]) -> list[T]:
+    """``read(data, label)`` of each item; a ValueError names the item it came from (a budget overrun already
+    names what it counted)."""
+    results = []
     for data, label in zip(datas, labels, strict=True):
         try:
-            headers.append(media_io.checked_video_header(data))
+            results.append(read(data, label))
+        except media_io.MediaBudgetExceeded:
+            raise
         except ValueError as exc:
             raise ValueError(f"{label}: {exc}") from exc
-    return headers
+    return results
 
 
 # -------------------------------------------------------------------------------------- worker process
@@ -398,13 +400,8 @@ def _settle(future: asyncio.Future[None]) -> None:
 def _decode_images(datas: list[bytes], numbers: list[int], began: Callable[[], Any]) -> list[Any]:
     """Decode images (on a decoding thread), saying first that the decode began: its deadline starts now."""
     began()
-    decoded = []
-    for data, number in zip(datas, numbers, strict=True):
-        try:
-            decoded.append(media_io.checked_image_bytes(data))
-        except ValueError as exc:
-            raise ValueError(f"images[{number}]: {exc}") from exc
-    return decoded
+    return _each_named(lambda data, label: media_io.checked_image_bytes(data), datas,
+                       [f"images[{number}]" for number in numbers])
 
 
 if __name__ == "__main__":  # the decoding process: python -m d3stream.core.decoding <socket fd>

@@ -84,18 +84,12 @@ def ask_latency(checkpoint: Path, count: int = 300, *, rate: float = 20.0, broke
         with KafkaBroker(partitions=4) as fresh:
             return ask_latency(checkpoint, count, rate=rate, broker=fresh, threads=threads)
     model = D3.from_pretrained(checkpoint, device="cpu")
+    from d3stream.tools.bench_service import worker_settings
+
     report: dict[str, Any] = {}
     for mode in MODES:
         prefix = f"ask-{mode.replace('_', '-')}-{time.time_ns()}"
-        topics = {name: f"{prefix}.{name}" for name in ("requests", "answers", "dlq", "prov")}
-        for topic in topics.values():
-            broker.create_topic(topic, 4, exist_ok=True)
-        settings = Settings(
-            bootstrap_servers=broker.bootstrap_servers, request_topics=[topics["requests"]],
-            answer_topic=topics["answers"], dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"],
-            group_id=prefix, client_id=prefix, delivery=mode, metrics_port=None, create_topics=False,
-            log_level="warning", torch_threads=threads,
-        )
+        settings = worker_settings(broker, prefix, 4, delivery=mode, torch_threads=threads)
         report[mode] = asyncio.run(_asks(settings, model, count, rate, prefix))
     return report
 

@@ -168,6 +168,7 @@ def image_soak(checkpoint: Path, count: int = 20, *, stack: tuple[KafkaBroker, O
         with local_stack(partitions=1) as fresh:
             return image_soak(checkpoint, count, stack=fresh, tick=tick)
     from d3stream.runtime import D3
+    from d3stream.tools.bench_service import worker_settings
 
     broker, store = stack
     os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = store.access_key, store.secret_key
@@ -184,16 +185,8 @@ def image_soak(checkpoint: Path, count: int = 20, *, stack: tuple[KafkaBroker, O
             client.put_object(Bucket=BUCKET, Key=key, Body=large_png(number * IMAGES_PER_REQUEST + image))
             uris.append(f"s3://{BUCKET}/{key}")
         requests.append(uris)
-    prefix = f"soak-images-{time.time_ns()}"
-    topics = {name: f"{prefix}.{name}" for name in ("requests", "answers", "dlq", "prov")}
-    for topic in topics.values():
-        broker.create_topic(topic, 1, exist_ok=True)
-    settings = Settings(
-        bootstrap_servers=broker.bootstrap_servers, request_topics=[topics["requests"]],
-        answer_topic=topics["answers"], dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"],
-        group_id=prefix, client_id=prefix, metrics_port=None, create_topics=False, log_level="warning",
-        s3_endpoint_url=store.endpoint_url, s3_region=store.region, media_allowlist=[BUCKET],
-    )
+    settings = worker_settings(broker, f"soak-images-{time.time_ns()}", 1, s3_endpoint_url=store.endpoint_url,
+                               s3_region=store.region, media_allowlist=[BUCKET])
     with RssSampler() as sampler:
         figures = asyncio.run(_soak(settings, model, broker.bootstrap_servers, requests, sampler, tick))
     budget_mb = _mb(settings.max_inflight_media_bytes)

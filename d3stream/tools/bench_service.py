@@ -317,6 +317,20 @@ def kafka_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def worker_settings(broker: KafkaBroker, prefix: str, partitions: int, **overrides: Any) -> Settings:
+    """A benchmark worker's settings on topics ``<prefix>.requests|answers|dlq|prov`` of ``broker`` (created
+    here, ``partitions`` each), its group and client named ``prefix``; ``overrides`` on top."""
+    topics = {name: f"{prefix}.{name}" for name in ("requests", "answers", "dlq", "prov")}
+    for topic in topics.values():
+        broker.create_topic(topic, partitions, exist_ok=True)
+    values: dict[str, Any] = dict(
+        bootstrap_servers=broker.bootstrap_servers, request_topics=[topics["requests"]],
+        answer_topic=topics["answers"], dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"],
+        group_id=prefix, client_id=prefix, metrics_port=None, create_topics=False, log_level="warning",
+    )
+    return Settings(**{**values, **overrides})
+
+
 # ---------------------------------------------------------------------------------------- RSS soak
 
 
@@ -369,15 +383,8 @@ def rss_soak(model: DecisionModel | str | os.PathLike[str], total: int = 100_000
         with KafkaBroker(partitions=4) as broker:
             return rss_soak(model, total, chunk=chunk, threads=threads, broker=broker, prefix=prefix, tick=tick)
     bootstrap = broker.bootstrap_servers
-    topics = {name: f"{prefix}.{name}" for name in ("requests", "answers", "dlq", "prov")}
-    for topic in topics.values():
-        broker.create_topic(topic, 4, exist_ok=True)
-    settings = Settings(
-        bootstrap_servers=bootstrap, request_topics=[topics["requests"]], answer_topic=topics["answers"],
-        dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"], group_id=f"{prefix}-soak",
-        client_id=f"{prefix}-soak", metrics_port=None, create_topics=False, log_level="warning",
-        torch_threads=threads,
-    )
+    settings = worker_settings(broker, prefix, 4, group_id=f"{prefix}-soak", client_id=f"{prefix}-soak",
+                               torch_threads=threads)
     started = time.perf_counter()
     samples = asyncio.run(_soak(settings, model, bootstrap, total, chunk, tick))
     return soak_verdict(samples, total, time.perf_counter() - started)
