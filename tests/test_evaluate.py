@@ -165,6 +165,37 @@ def test_a_state_restored_from_its_changelog_joins_nothing_twice() -> None:
         == [["refund"]]
 
 
+def test_a_score_label_that_is_a_string_names_a_level_by_its_text_even_a_digit() -> None:
+    """On a "1".."5" scale the label "3" is the level whose text is "3" (key "2"), the label 3 is level 3; the
+    evaluator and compare read labels through the same function, and training does too."""
+    levels = ["1", "2", "3", "4", "5"]
+    raw = {"type": "score", "score": 2.0, "probabilities": {str(i): 0.2 for i in range(5)}, "confidence": 0.2,
+           "legend": {str(i): text for i, text in enumerate(levels)}}
+    slot = parse_slot(raw)
+    assert slot is not None
+    assert label_key(slot, "3") == "2"
+    assert label_key(slot, 3) == "3"
+    assert label_key(slot, "6") is None  # a string that is no level's text names no level
+    # An answer from before the legend was recorded: a digit string is the only reading left, an index.
+    bare = parse_slot({key: value for key, value in raw.items() if key != "legend"})
+    assert bare is not None and label_key(bare, "3") == "3"
+    from d3stream.runtime.questions import normalize_question
+    from d3stream.tools.train import _option_index
+
+    question = normalize_question({"type": "score", "criteria": levels})
+    assert _option_index(question, "3") == 2 and _option_index(question, 3) == 3
+
+
+def test_compare_skips_label_topic_records_that_are_not_labels() -> None:
+    """A label topic may hold what the evaluator dead-letters (no id, no labels, not an object): compare reads
+    past it instead of stopping."""
+    records = [{"id": "t1", "labels": {"team": "tech"}}, {"labels": {"team": "sales"}}, "text",
+               {"id": "t2", "labels": {}}, {"id": "t3", "labels": {"refund": True}}]
+    events = compare.label_events(records, "kafka:labels")
+    assert [event["id"] for event in events] == ["t1", "t3"]
+    assert compare.labels_of(events) == {("t1", "team"): "tech", ("t3", "refund"): True}
+
+
 # --------------------------------------------------------------------------------------------- figures
 
 
@@ -299,6 +330,8 @@ def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_e
     assert {k for k in pairs if k[1] == "shadow"} == {(i, "shadow", "m2") for i in ids[10:50:2]}
     assert all(set(e["questions"]) == {"team", "refund", "urgency"} for e in evaluations)
     assert any(e["lag_ms"] < 0 for e in evaluations) and any(e["lag_ms"] > 0 for e in evaluations)
+    # No label here names its labeled_at: each gets its record's timestamp, as the schema says.
+    assert all(e["labeled_at"] == e["label"]["timestamp"] > 0 for e in evaluations)
     reasons = [d["reason"] for d in dead]
     assert sum(r.startswith("invalid_label") for r in reasons) == 2
     assert all(r.startswith(("invalid_label", "misplaced_label")) for r in reasons)
@@ -331,6 +364,13 @@ def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_e
     headline = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert [headline[k] for k in ("accuracy_a", "brier_a", "ece_a", "log_loss_a")] == \
         [reported[0][k] for k in ("accuracy", "brier", "ece", "log_loss")]
+    # The label topic itself, with the records the evaluator dead-lettered: skipped, the same figures.
+    assert cli_main(["compare", f"kafka:{settings.answer_topic}", f"kafka:{settings.answer_topic}", "--labels",
+                     f"kafka:{settings.label_topic}", "--json", "--out", str(tmp_path / "report-topic"),
+                     *connection]) == 0
+    from_topic = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert [from_topic[k] for k in ("accuracy_a", "brier_a", "ece_a", "log_loss_a")] == \
+        [headline[k] for k in ("accuracy_a", "brier_a", "ece_a", "log_loss_a")]
 
 
 async def _logged(path: Path, text: str, timeout_s: float = 60.0) -> None:

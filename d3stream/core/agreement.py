@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from d3stream.runtime.kinds import finite_number, question_type
+from d3stream.runtime.kinds import finite_number, label_option, question_type
 
 # Equal-width bins of [0, 1] the expected calibration error is measured over.
 ECE_BINS = 10
@@ -58,14 +58,11 @@ def parse_slot(raw: Any) -> Slot | None:
 
 
 def label_key(slot: Slot, expected: Any) -> str | None:
-    """The option key a label names, in the slot's own terms (a score level by its index or its text); None
-    when it names none of the slot's options (a label of another question type, an unknown option)."""
-    kind = question_type(slot.type)
-    key = kind.label_key(expected) if kind is not None else None
-    if key in slot.probabilities:
-        return key
-    named = [level for level, text in slot.legend if text == expected] if isinstance(expected, str) else []
-    return named[0] if len(named) == 1 else None
+    """The option key a label names, in the slot's own terms (a score level by its text when the label is a
+    string, by its index when it is an integer: ``kinds.label_option``); None when it names none of the slot's
+    options (a label of another question type, an unknown option)."""
+    key = label_option(slot.type, expected, slot.legend)
+    return key if key in slot.probabilities else None
 
 
 @dataclass(frozen=True)

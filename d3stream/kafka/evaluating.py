@@ -223,7 +223,10 @@ class Evaluator:
         batch.labels += 1
         source = Source(topic=record.topic, partition=record.partition, offset=record.offset,
                         timestamp=record.timestamp)
-        entry = LabelEntry(dict(label.labels), source, label.source, label.labeled_at)
+        # Without labeled_at, the label was known when it was published: its record's timestamp (the schema).
+        stamped = record.timestamp if record.timestamp is not None and record.timestamp >= 0 else None
+        labeled_at = label.labeled_at if label.labeled_at is not None else stamped
+        entry = LabelEntry(dict(label.labels), source, label.source, labeled_at)
         batch.joined.extend(unit.state.take_label(label.id, entry))
 
     def _take_answer(self, unit: Unit, record: ConsumerRecord, role: Role, batch: Batch) -> None:

@@ -298,6 +298,18 @@ def question_type(name: Any) -> QuestionType | None:
     return _QUESTION_TYPES_BY_NAME.get(name) if isinstance(name, str) else None
 
 
+def label_option(type_name: Any, expected: Any, legend: Sequence[tuple[str, str]] = ()) -> str | None:
+    """The option key a label names for a question of that type (None: none). ``legend`` is a score's level
+    texts by key, as its answer gives them: a score label that is a string names a level by its text, even a
+    digit (on a ``["1", ..., "5"]`` scale, ``"3"`` is the level whose text is "3"), and an integer is a level
+    index. Without the texts (an answer from before they were recorded) a digit string is read as an index."""
+    if type_name == "score" and isinstance(expected, str) and legend:
+        named = [key for key, text in legend if text == expected]
+        return named[0] if len(named) == 1 else None
+    kind = question_type(type_name)
+    return kind.label_key(expected) if kind is not None else None
+
+
 def spoken_list(names: Sequence[str]) -> str:
     """``choice, noul or score``: names as an error message or a description lists them."""
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"

@@ -33,6 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+import structlog
+from d3stream_client.contract import Label
+
 from d3stream.core.agreement import (
     ECE_BINS,
     GroupStats,
@@ -52,6 +56,8 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from d3stream.config import Settings
+
+log = structlog.get_logger(__name__)
 
 DEFAULT_TOP = 10
 DEFAULT_OUT = "compare-report"
@@ -353,9 +359,30 @@ def load_labels(source: str | Path, *, settings: Settings | None = None, timeout
     range (records that are not JSON are skipped there: the evaluator dead-letters them)."""
     parsed = parse_source(source)
     if isinstance(parsed, TopicRange):
-        records = read_range(parsed, settings=settings, timeout_s=timeout_s)
-        return labels_of([r for r in records if isinstance(r, dict) and "labels" in r], str(parsed))
+        return labels_of(label_events(read_range(parsed, settings=settings, timeout_s=timeout_s), str(parsed)),
+                         str(parsed))
     return labels_of(read_jsonl(parsed), str(source))
+
+
+def label_events(records: Iterable[object], source: str) -> list[dict[str, Any]]:
+    """The records of a label topic that are label events, as the evaluator reads them (the label schema);
+    the others (no id, no labels, not JSON) are skipped, and how many is logged: the evaluator dead-letters
+    them, and one of them must not stop a comparison."""
+    events: list[dict[str, Any]] = []
+    skipped: dict[str, int] = {}
+    for record in records:
+        try:
+            msgspec.convert(record, Label)
+        except msgspec.ValidationError as exc:
+            reason = str(exc).split(" - at ")[0] if isinstance(record, dict) else "not a JSON object"
+            skipped[reason] = skipped.get(reason, 0) + 1
+            continue
+        assert isinstance(record, dict)  # converted to a Label: a JSON object
+        events.append(record)
+    if skipped:
+        log.warning("records that are not labels were skipped", source=source, skipped=sum(skipped.values()),
+                    reasons=skipped)
+    return events
 
 
 # -- one answered question -------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from d3stream.runtime import D3, Row
-from d3stream.runtime.kinds import Question, question_type
+from d3stream.runtime.kinds import Question, canonical_text, label_option
 from d3stream.runtime.package import read_manifest, write_manifest
 from d3stream.tools import tasks
 
@@ -83,8 +83,9 @@ class _Trainable:
 def _option_index(question: Question, label: object) -> int:
     """The code index of a label (the choice key, true/false, the score level), read as ``compare --labels``
     reads labels."""
-    kind = question_type(question.kind)
-    key = kind.label_key(label) if kind is not None else None
+    legend = list(zip(question.keys, map(canonical_text, question.descriptions), strict=True)) \
+        if question.kind == "score" else []
+    key = label_option(question.kind, label, legend)
     if key is None:
         raise ValueError(f"the label {label!r} names no option of a {question.kind} question")
     return question.keys.index(key)

@@ -240,7 +240,7 @@ class Label(msgspec.Struct, kw_only=True, omit_defaults=True):
     labels: Annotated[dict[str, LabelValue], msgspec.Meta(
         min_length=1,
         description="question id -> the true answer: a choice's option key, a noul's true or false, a score's "
-                    "level index or level text")]
+                    "level index (an integer) or level text (a string, even a digit)")]
     labeled_at: Annotated[int, msgspec.Meta(
         ge=0, description="epoch milliseconds when the truth was known (default: the record's timestamp)")] | None = None
     source: Annotated[str, msgspec.Meta(max_length=256, description="who or what labelled it (agent, refund-system)")
