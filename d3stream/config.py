@@ -133,7 +133,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     evaluate_group_id: str = "d3stream-evaluate"
     evaluate_state_topic: str = "d3.evaluate.state"
     evaluate_window_s: float = 604_800.0
-    evaluate_max_state_bytes: int = 1_073_741_824
+    evaluate_max_state_bytes: int = 68_719_476_736
+    evaluate_state_dir: str | None = None
     evaluate_drift_window: int = 1_000
     evaluate_drift_reference: str | None = None
     # Lifecycle and logs
@@ -152,8 +153,11 @@ HELP: dict[str, str] = {
     "evaluate_group_id": "consumer group of the evaluate workers (they split the partitions)",
     "evaluate_state_topic": "compacted topic holding the evaluator's waiting answers and labels (its changelog)",
     "evaluate_window_s": "how long (in stream time) an answer waits for its label, and a label for its answer",
-    "evaluate_max_state_bytes": "bytes of waiting answers and labels one evaluate worker holds at most "
-    "(the oldest are dropped first, counted as evicted)",
+    "evaluate_max_state_bytes": "bytes of waiting answers and labels one evaluate worker keeps on local disk at "
+    "most (the default, 64 GiB, holds a week of about 270 answers of three questions a second: 410 bytes each); "
+    "over it the oldest are evicted first, counted as evicted",
+    "evaluate_state_dir": "where d3stream evaluate keeps its waiting answers and labels, a file per partition (a "
+    "volume of its own in Kubernetes; default: $D3STREAM_CACHE/evaluate, else ~/.cache/d3stream/evaluate)",
     "evaluate_drift_window": "answers per model and question in the drift window (and in the reference window)",
     "evaluate_drift_reference": "JSON-lines file of answers whose distribution is the drift reference "
     "(default: each model's first window of answers)",

@@ -59,6 +59,7 @@ COMPONENTS = {
     "grafana-dashboard": {"ConfigMap"},
     "keda-autoscaling": {"ScaledObject"},
     "model-volume": {"PersistentVolumeClaim"},
+    "evaluate": {"StatefulSet", "Service"},
 }
 # Where the container images expect a checkpoint volume: the model-volume component mounts it there.
 IMAGE_MODEL_PATH = "/models/d3"
@@ -561,7 +562,7 @@ def test_probes_use_the_metrics_endpoint(rendered: list[dict]) -> None:
 def test_metrics_are_scraped(rendered: list[dict]) -> None:
     settings = _settings(rendered)
     pod_labels = _one(rendered, "Deployment")["spec"]["template"]["metadata"]["labels"]
-    service = _one(rendered, "Service")
+    service = _named(rendered, "Service", "d3stream-metrics")
     assert _matches(service["spec"]["selector"], pod_labels)
     container_ports = {p["name"]: p["containerPort"] for p in _container(rendered)["ports"]}
     by_name = {p["name"]: p for p in service["spec"]["ports"]}
@@ -571,13 +572,39 @@ def test_metrics_are_scraped(rendered: list[dict]) -> None:
 
 
 def test_the_service_monitor_scrapes_the_metrics_port(with_operators: list[dict]) -> None:
-    service = _one(with_operators, "Service")
-    by_name = {p["name"]: p for p in service["spec"]["ports"]}
     monitor = _one(with_operators, "ServiceMonitor")
-    assert _matches(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
-    for endpoint in monitor["spec"]["endpoints"]:
-        assert endpoint["port"] in by_name
-        assert endpoint.get("path", "/metrics") == "/metrics"
+    for service in _of_kind(with_operators, "Service"):  # the workers' and, with its component, the evaluator's
+        by_name = {p["name"]: p for p in service["spec"]["ports"]}
+        assert _matches(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["port"] in by_name
+            assert endpoint.get("path", "/metrics") == "/metrics"
+
+
+def test_the_evaluator_keeps_its_state_on_a_volume_of_its_own(base_with_every_component: list[dict]) -> None:
+    """The evaluate component: d3stream evaluate (not the image's serve), its settings from the workers'
+    ConfigMap, its state directory on a claim per pod large enough for the state budget, its metrics scraped."""
+    objects = base_with_every_component
+    stateful = _named(objects, "StatefulSet", "d3stream-evaluate")
+    pod = stateful["spec"]["template"]
+    [container] = pod["spec"]["containers"]
+    assert container["command"] == ["d3stream", "evaluate"]
+    [settings_map] = [source["configMapRef"]["name"] for source in container["envFrom"]]
+    assert [source["configMapRef"]["name"] for source in _container(objects)["envFrom"]] == [settings_map]
+    environ = {**_named(objects, "ConfigMap", settings_map)["data"],
+               **{v["name"]: v["value"] for v in container["env"] if "value" in v}}
+    assert not sorted(k for k in environ if k.startswith("D3STREAM_") and k not in SETTING_ENV)
+    settings = load_settings({}, environ={k: v for k, v in environ.items() if k.startswith("D3STREAM_")})
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    [claim] = stateful["spec"]["volumeClaimTemplates"]
+    assert mounts[claim["metadata"]["name"]] == settings.evaluate_state_dir
+    storage = claim["spec"]["resources"]["requests"]["storage"]
+    assert storage.endswith("Gi") and int(storage[:-2]) * 2**30 > settings.evaluate_max_state_bytes
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == settings.metrics_port
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    service = _named(objects, "Service", stateful["spec"]["serviceName"])
+    assert _matches(service["spec"]["selector"], pod["metadata"]["labels"])
 
 
 def _exported_series() -> set[str]:
@@ -627,6 +654,8 @@ def _busy_worker_series() -> dict[str, list[dict[str, str]]]:
     quality.count_pair("live:d3-v4", "team", Scored("choice", "billing", "billing", 0.7, 0.7, True, 0.1, 0.4), 7)
     quality.count_by_model(quality.answers, {"live:d3-v4": 1, "shadow:d3-v5": 1})
     quality.count_by_model(quality.expired, {"live:d3-v4": 1})
+    quality.count_by_model(quality.evicted_answers, {"live:d3-v4": 1})
+    quality.after_eviction.labels(kind="label").inc()
     quality.unmatched.inc()
     quality.waiting.labels(kind="answers").set(1)
     quality.label_lag.labels(role="live").observe(60)

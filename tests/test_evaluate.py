@@ -21,6 +21,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from d3stream.cli import main as cli_main
 from d3stream.config import load_settings
 from d3stream.core.agreement import Tally, label_key, label_stats, parse_slot, score
 from d3stream.core.drift import Drift, psi
-from d3stream.core.evaluation import JoinState, LabelEntry, answer_entry
+from d3stream.core.evaluation import JoinState, LabelEntry, answer_entry, decode_waiting
 from d3stream.kafka.evaluating import EvaluateSetupError, EvaluateTopics, prepare_topics
 from d3stream.ops.quality import QualityMetrics
 from d3stream.tools import compare
@@ -137,7 +138,8 @@ def test_the_window_expires_waiting_answers_and_labels_and_the_budget_evicts_the
     assert outcomes.expired_answers == {"live:m1": 1} and outcomes.unmatched_labels == 1
     assert len(state) == 1 and (state.answers_waiting, state.labels_waiting) == (1, 0)
     assert state.drain_changes()["a"] is None  # tombstones for the changelog
-    # Over the byte budget, the oldest entries go first, counted as evicted.
+    # Over the byte budget, the oldest entries go first, counted as evicted, not as expired: each leaves a
+    # marker for the rest of its window.
     for n in range(20):
         _answer(state, answer_event(f"e{n}", rng), 1_500 + n)
     state.drain_changes()
@@ -145,8 +147,21 @@ def test_the_window_expires_waiting_answers_and_labels_and_the_budget_evicts_the
     dropped = state.expire()
     assert state.bytes <= state.max_bytes and dropped >= 10
     changes = state.drain_changes()
-    assert changes["c"] is None and changes["e0"] is None and "e19" not in changes  # oldest first
-    assert state.take_outcomes().evicted == dropped
+    assert {"c", "e0"} <= set(changes) and "e19" not in changes  # oldest first
+    assert decode_waiting(changes["e0"]).evicted and decode_waiting(changes["e0"]).answers == []
+    outcomes = state.take_outcomes()
+    assert outcomes.evicted == dropped and outcomes.evicted_answers == {"live:m1": dropped}
+    assert outcomes.expired_answers == {}
+    assert state.answers_waiting == 21 - dropped  # c and e0-e19, less the evicted
+    # A label for an evicted answer is counted as such when it comes, and does not wait.
+    assert _label(state, label_event("e0", rng), 1_600) == []
+    assert state.take_outcomes().after_eviction == {"label": 1} and state.labels_waiting == 0
+    # The markers go at the end of their window, quietly.
+    state.tick(1_500 + 1_000 + 20)
+    state.expire()
+    outcomes = state.take_outcomes()
+    assert outcomes.expired_answers == {"live:m1": 20 - dropped + 1} and outcomes.evicted == 0
+    assert len(state) == 0 and state.bytes == 0
 
 
 def test_a_state_restored_from_its_changelog_joins_nothing_twice() -> None:
@@ -256,7 +271,9 @@ def test_drift_is_near_zero_on_the_same_distribution_and_large_on_a_shifted_one(
 
 
 def _settings(broker: Any, topic_names: Any, **overrides: Any) -> Any:
+    """A test's own topics, group and state directory (its files outlive the test's workers, as a volume does)."""
     return load_settings({
+        "evaluate_state_dir": tempfile.mkdtemp(prefix="d3-evaluate-state-"),
         "bootstrap_servers": broker.bootstrap_servers,
         "answer_topic": topic_names("answers"), "label_topic": topic_names("labels"),
         "evaluation_topic": topic_names("evaluations"), "label_dead_letter_topic": topic_names("label-dlq"),
@@ -393,6 +410,7 @@ def test_two_workers_one_killed_and_restarted_mid_stream_lose_and_double_nothing
            "D3STREAM_LABEL_DEAD_LETTER_TOPIC": settings.label_dead_letter_topic,
            "D3STREAM_EVALUATE_STATE_TOPIC": settings.evaluate_state_topic,
            "D3STREAM_EVALUATE_GROUP_ID": settings.evaluate_group_id,
+           "D3STREAM_EVALUATE_STATE_DIR": settings.evaluate_state_dir,
            "D3STREAM_TRANSACTIONAL_ID_PREFIX": settings.transactional_id_prefix, "D3STREAM_TOPIC_PARTITIONS": "4",
            "D3STREAM_SESSION_TIMEOUT_MS": "6000", "D3STREAM_METRICS_PORT": "0", "D3STREAM_LOG_FORMAT": "json"}
 
@@ -436,9 +454,101 @@ def test_two_workers_one_killed_and_restarted_mid_stream_lose_and_double_nothing
     assert max(counts.values()) == 1, f"doubled: {[i for i, c in counts.items() if c > 1][:10]}"
     logs = [(tmp_path / f"{name}.log").read_text(encoding="utf-8") for name in ("w1", "w2")]
     assert all("evaluating partition" in text for text in logs), "both workers took partitions"
-    restored = [json.loads(line)["waiting"] for text in logs for line in text.splitlines()
-                if '"evaluating partition"' in line]
-    assert max(restored) > 0, "the killed worker's waiting answers were restored from the changelog by the other"
+    adopted = [json.loads(line) for text in logs for line in text.splitlines() if '"evaluating partition"' in line]
+    # The killed worker's files were not closed: the other restored its partitions from the changelog. Files
+    # closed at a rebalance were brought up to date from the changelog's tail.
+    assert any(a["mode"] == "restore" and a["records"] > 0 and a["waiting"] > 0 for a in adopted), adopted
+    assert any(a["mode"] == "tail" and a["waiting"] > 0 for a in adopted), adopted
+
+
+async def _evaluate_until(settings: Any, servers: str, count: int, metrics: Any = None) -> Any:
+    """One evaluate worker in this process until ``count`` evaluations are on the topic; it stops cleanly."""
+    stopping = asyncio.Event()
+    worker = asyncio.ensure_future(run_worker(settings, stopping, metrics=metrics))
+    found = await _until(servers, settings.evaluation_topic, count)
+    await asyncio.sleep(0.5)  # nothing more may come
+    stopping.set()
+    evaluator = await worker
+    assert len(found) >= count, f"{len(found)} of {count} evaluations"
+    return evaluator
+
+
+def test_a_clean_restart_reads_only_the_changelog_tail_and_a_new_machine_restores_it_all(
+        kafka_broker: Any, topic_names: Any) -> None:
+    """The state lives on local disk: a worker stopped cleanly reads none of the changelog again when it starts,
+    however much waits; on a machine without the files (or after a crash) the changelog restores it all. Either
+    way every answer is joined with its label once."""
+    settings = _settings(kafka_broker, topic_names)
+    servers = settings.bootstrap_servers
+    rng = random.Random(9)
+    ids = [f"w-{n:03d}" for n in range(90)]
+    answers, labels = [answer_event(i, rng) for i in ids], [label_event(i, rng) for i in ids]
+
+    async def scenario() -> tuple[list[Any], list[Any], list[Any], list[dict[str, Any]]]:
+        await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
+        await produce(servers, settings.answer_topic, _keyed(answers))
+        await produce(servers, settings.label_topic, _keyed(labels[:10]))
+        first = await _evaluate_until(settings, servers, 10)  # 80 answers left waiting
+        await produce(servers, settings.label_topic, _keyed(labels[10:40]))
+        second = await _evaluate_until(settings, servers, 40)  # the same files: a clean restart
+        for state_file in Path(settings.evaluate_state_dir).rglob("*"):  # a new machine
+            if state_file.is_file():
+                state_file.unlink()
+        await produce(servers, settings.label_topic, _keyed(labels[40:]))
+        third = await _evaluate_until(settings, servers, 90)
+        return first.restores, second.restores, third.restores, await _read(servers, settings.evaluation_topic)
+
+    first, second, third, evaluations = asyncio.run(scenario())
+    assert {r["mode"] for r in first} == {"restore"} and sum(r["records"] for r in first) == 0  # nothing yet
+    assert {r["mode"] for r in second} == {"tail"} and sum(r["records"] for r in second) == 0
+    assert sum(r["answers_waiting"] for r in second) == 80 and sum(r["waiting"] for r in second) == 90
+    assert {r["mode"] for r in third} == {"restore"} and sum(r["answers_waiting"] for r in third) == 50
+    assert sum(r["records"] for r in third) >= 90
+    assert sorted(collections.Counter(e["id"] for e in evaluations).items()) == [(i, 1) for i in ids]
+
+
+def test_over_the_disk_budget_the_oldest_answers_are_evicted_counted_and_their_labels_counted_on_arrival(
+        kafka_broker: Any, topic_names: Any) -> None:
+    settings = _settings(kafka_broker, topic_names, topic_partitions=1, evaluate_max_state_bytes=24_000)
+    servers = settings.bootstrap_servers
+    rng = random.Random(10)
+    ids = [f"e-{n:03d}" for n in range(120)]
+    metrics = QualityMetrics()
+
+    def taken_in() -> float:
+        return sum(sample.value for family in metrics.answers.collect() for sample in family.samples
+                   if sample.name.endswith("_total"))
+
+    async def scenario() -> list[dict[str, Any]]:
+        await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
+        stopping = asyncio.Event()
+        worker = asyncio.ensure_future(run_worker(settings, stopping, metrics=metrics))
+        await produce(servers, settings.answer_topic, _keyed([answer_event(i, rng) for i in ids]))
+        deadline = time.monotonic() + 60
+        while taken_in() < len(ids):
+            assert time.monotonic() < deadline and not worker.done(), f"{taken_in()} answers taken in"
+            await asyncio.sleep(0.1)
+        # The newest answer's label: joined; the oldest one's: its answer was evicted on the way.
+        await produce(servers, settings.label_topic, _keyed([label_event(ids[-1], rng), label_event(ids[0], rng)]))
+        await _until(servers, settings.evaluation_topic, 1)
+        await asyncio.sleep(0.5)
+        stopping.set()
+        await worker
+        return await _read(servers, settings.evaluation_topic)
+
+    evaluations = asyncio.run(scenario())
+    assert [e["id"] for e in evaluations] == [ids[-1]]
+    exposition = generate_latest(metrics.registry).decode()
+    series = {line.split(" ")[0]: float(line.split(" ")[1]) for line in exposition.splitlines()
+              if line.startswith("d3stream_eval_") and " " in line}
+    evicted = series['d3stream_eval_evicted_answers_total{model="m1",role="live"}']
+    assert evicted >= 60 and series["d3stream_eval_evicted_total"] == evicted
+    assert series.get('d3stream_eval_expired_answers_total{model="m1",role="live"}', 0.0) == 0.0
+    assert series['d3stream_eval_after_eviction_total{kind="label"}'] == 1.0
+    assert series['d3stream_eval_waiting{kind="labels"}'] == 0.0  # the late label does not wait a week
+    assert series["d3stream_eval_state_bytes"] <= 24_000
+    assert series["d3stream_eval_window_seconds"] == settings.evaluate_window_s
+    assert 0 < series["d3stream_eval_state_coverage_seconds"] < settings.evaluate_window_s
 
 
 def test_a_label_topic_with_another_partition_count_is_refused_naming_the_fix(

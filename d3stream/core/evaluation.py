@@ -10,28 +10,31 @@ far and joins a question's label with each model's answer to it exactly once:
 * a label event joins each of its questions with every model's answer that is waiting, and an answer joins
   with every label already waiting; a question is joined once per model, whatever comes again;
 * an entry is dropped ``window_ms`` of stream time after its request id was first seen (then an answer never
-  labelled counts as expired, a label never answered as unmatched), or earlier when the partition's state
-  is over its byte budget (evicted).
+  labelled counts as expired, a label never answered as unmatched), or earlier, oldest first, when the
+  partition's state is over its byte budget: then it is evicted, its answers count as evicted (not expired:
+  they did not wait their window), and a marker of a few dozen bytes stays for the rest of its window, so a
+  label or answer that comes later for it is counted as arriving after the eviction, at once, instead of
+  waiting a window for a partner that is gone.
 
-Each entry is kept encoded (msgpack, the very bytes of the changelog record that makes it durable), so the
-byte budget is what the state really holds. The figures come from ``agreement`` (``score``, ``Tally``): the
+Each entry is kept encoded (msgpack, the very bytes of the changelog record that makes it durable) in the
+partition's ``state_store.WaitingStore``, on local disk: memory does not grow with how many entries wait, and
+the byte budget is what the file holds. The figures come from ``agreement`` (``score``, ``Tally``): the
 evaluator and ``d3stream compare --labels`` share one implementation.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import msgspec
 from d3stream_client.contract import Answer, Evaluation, LabelledQuestion, LabelValue, Role, Source
 
 from d3stream.core.agreement import Scored, Slot, label_key, parse_slot, score
+from d3stream.core.state_store import Held, Totals, WaitingStore
 
-# What an entry costs beyond its encoded bytes: the dict slot, the key string, the bytes object and the tuple
-# (measured by ``d3stream bench --evaluate``: with this the count is within a few percent of the heap it uses).
-ENTRY_OVERHEAD_BYTES = 320
+# Entries read from the store per step of a window or budget walk.
+WALK_STEP = 512
 
 
 class SlotRecord(msgspec.Struct, array_like=True):
@@ -78,6 +81,7 @@ class Waiting(msgspec.Struct, array_like=True):
     answers: list[AnswerEntry] = []
     labels: list[LabelEntry] = []
     joined: dict[str, list[str]] = {}  # model key -> question ids joined (or found unusable) for it
+    evicted: bool = False  # only a marker: the entry was evicted before its window (what it held is gone)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -102,16 +106,25 @@ def model_of(answer: Answer) -> str:
 
 def answer_entry(answer: Answer, source: Source, role: Role) -> AnswerEntry | None:
     """The answer's scorable questions; None for an error answer (there is nothing to score)."""
+    read = read_answer(answer, source, role)
+    return read[0] if read is not None else None
+
+
+def read_answer(answer: Answer, source: Source, role: Role) -> tuple[AnswerEntry, dict[str, Slot]] | None:
+    """The answer's entry and its questions read as slots (what drift and the estimates take, read once);
+    None for an error answer."""
     if answer.error is not None or not isinstance(answer.answers, dict):
         return None
     questions: dict[str, SlotRecord] = {}
+    slots: dict[str, Slot] = {}
     for question_id, raw in answer.answers.items():
         slot = parse_slot(raw)
         if slot is not None:
+            slots[question_id] = slot
             questions[question_id] = SlotRecord(slot.type, list(slot.probabilities),
                                                 list(slot.probabilities.values()), slot.decision,
                                                 list(slot.legend))
-    return AnswerEntry(model_of(answer), role, answer.answer_id, source, questions)
+    return AnswerEntry(model_of(answer), role, answer.answer_id, source, questions), slots
 
 
 @dataclass
@@ -123,9 +136,12 @@ class Outcomes:
     duplicate_labels: int = 0  # label questions already labelled for that request
     unknown_questions: dict[str, int] = field(default_factory=dict)  # model key -> labels of no question it answered
     unscorable: dict[str, int] = field(default_factory=dict)  # model key -> labels naming none of its options
-    expired_answers: dict[str, int] = field(default_factory=dict)  # model key -> answers no label ever joined
-    unmatched_labels: int = 0  # label events no answer ever joined
+    expired_answers: dict[str, int] = field(default_factory=dict)  # model key -> answers no label joined in the window
+    unmatched_labels: int = 0  # label events no answer joined in the window
     evicted: int = 0  # entries dropped before their window, over the byte budget
+    evicted_answers: dict[str, int] = field(default_factory=dict)  # model key -> unjoined answers among them
+    evicted_labels: int = 0  # unjoined label events among them
+    after_eviction: dict[str, int] = field(default_factory=dict)  # answers and labels of an evicted request, by kind
 
     def bump(self, counts: dict[str, int], key: str) -> None:
         counts[key] = counts.get(key, 0) + 1
@@ -149,44 +165,72 @@ class JoinState:
     """One partition's waiting answers and labels, by request id, joined exactly once per question and model.
 
     Every change is noted for the changelog (``drain_changes``: the new encoded value, or None when the entry
-    is gone); ``restore`` rebuilds the state from those records.
+    is gone) and written to the partition's store, whose open batch the caller commits with the changelog;
+    ``restore`` rebuilds the store from changelog records, ``apply`` brings it up to date with a changelog's
+    tail.
     """
 
-    def __init__(self, *, window_ms: int, max_bytes: int) -> None:
+    def __init__(self, *, window_ms: int, max_bytes: int, store: WaitingStore | None = None) -> None:
         self.window_ms = window_ms
         self.max_bytes = max_bytes
+        self.store = store if store is not None else WaitingStore()
         self.stream_ms = 0  # the largest record timestamp seen: the clock the window is measured on
-        # id -> (first seen, encoded, answers waiting for a label, label events waiting for an answer)
-        self._entries: OrderedDict[str, tuple[int, bytes, int, int]] = OrderedDict()
         self._changes: dict[str, bytes | None] = {}
-        self.bytes = 0
-        self.answers_waiting = 0
-        self.labels_waiting = 0
         self.outcomes = Outcomes()
+        self._count_totals()
+
+    def _count_totals(self, *, scan: bool = False) -> None:
+        """The sums as the store's last batch committed them (or counted from its entries)."""
+        totals = None if scan else self.store.saved_totals()
+        if totals is None:
+            totals = self.store.totals()
+        self.bytes, self.answers_waiting, self.labels_waiting = totals.bytes, totals.answers, totals.labels
+        self.entries = totals.entries
+        self.stream_ms = max(self.stream_ms, self.store.newest_first_ms() or 0)
+
+    def totals(self) -> Totals:
+        return Totals(self.bytes, self.answers_waiting, self.labels_waiting, self.entries)
+
+    def commit(self) -> None:
+        """The batch's changes are in the changelog: make them durable in the store."""
+        self.store.commit(self.totals())
+
+    def rollback(self) -> None:
+        """The batch's changelog transaction failed: the store and the sums go back to the last commit."""
+        self.store.rollback()
+        self._changes.clear()
+        self._count_totals()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self.entries
 
     # -------------------------------------------------------------------------------- taking records in
 
     def take_answer(self, request_id: str, entry: AnswerEntry) -> list[Joined] | None:
         """An answer read from the answer (or shadow) topic; the evaluations it completes, None when the request
-        has an answer of that model already (a repeat: the first one counts)."""
+        has an answer of that model already (a repeat: the first one counts) or its state was evicted."""
         self.tick(entry.source.timestamp)
-        waiting = self._get(request_id, entry.source.timestamp)
+        waiting, before = self._get(request_id, entry.source.timestamp)
+        if waiting.evicted:
+            self.outcomes.bump(self.outcomes.after_eviction, "answer")
+            return None
         if any(a.model_key == entry.model_key for a in waiting.answers):
             self.outcomes.duplicate_answers += 1
             return None
         self.outcomes.bump(self.outcomes.answers, entry.model_key)
         waiting.answers.append(entry)
         joined = [j for label in waiting.labels if (j := self._join(request_id, waiting, entry, label)) is not None]
-        self._put(request_id, waiting)
+        self._put(request_id, waiting, before)
         return joined
 
     def take_label(self, request_id: str, label: LabelEntry) -> list[Joined]:
-        """A label event; the evaluations it completes. Questions labelled before are dropped from it."""
+        """A label event; the evaluations it completes. Questions labelled before are dropped from it, and the
+        whole event when its request's state was evicted (it could only wait for nothing)."""
         self.tick(label.source.timestamp)
-        waiting = self._get(request_id, label.source.timestamp)
+        waiting, before = self._get(request_id, label.source.timestamp)
+        if waiting.evicted:
+            self.outcomes.bump(self.outcomes.after_eviction, "label")
+            return []
         labelled = {question for earlier in waiting.labels for question in earlier.labels}
         fresh = {question: value for question, value in label.labels.items() if question not in labelled}
         self.outcomes.duplicate_labels += len(label.labels) - len(fresh)
@@ -195,7 +239,7 @@ class JoinState:
         label = msgspec.structs.replace(label, labels=fresh)
         waiting.labels.append(label)
         joined = [j for answer in waiting.answers if (j := self._join(request_id, waiting, answer, label)) is not None]
-        self._put(request_id, waiting)
+        self._put(request_id, waiting, before)
         return joined
 
     def _join(self, request_id: str, waiting: Waiting, answer: AnswerEntry, label: LabelEntry) -> Joined | None:
@@ -232,62 +276,92 @@ class JoinState:
         if timestamp is not None and timestamp > self.stream_ms:
             self.stream_ms = timestamp
 
+    @property
+    def covers_ms(self) -> int:
+        """Stream time the state reaches back: from the oldest entry's first sight to now (markers count: an
+        evicted request is still known)."""
+        oldest = self.store.oldest_first_ms()
+        return 0 if oldest is None else max(0, self.stream_ms - oldest)
+
     def expire(self) -> int:
-        """Drop the entries first seen more than ``window_ms`` before the stream time, then the oldest ones while
-        the state is over its byte budget; how many were dropped."""
+        """Drop the entries first seen more than ``window_ms`` before the stream time, then evict the oldest ones
+        while the state is over its byte budget (markers last); how many entries were dropped or evicted."""
         dropped = 0
         horizon = self.stream_ms - self.window_ms
-        while self._entries:
-            request_id, (first_ms, *_) = next(iter(self._entries.items()))
-            over_budget = self.bytes > self.max_bytes
-            if first_ms >= horizon and not over_budget:
-                break
-            self._drop(request_id, evicted=first_ms >= horizon)
-            dropped += 1
+        while rows := self.store.seen_before(horizon, WALK_STEP):
+            for request_id, held in rows:
+                self._drop(request_id, held)
+            dropped += len(rows)
+        while self.bytes > self.max_bytes and (rows := self.store.oldest_live(WALK_STEP)):
+            dropped += self._evict_while_over(rows)
+        while self.bytes > self.max_bytes and (rows := self.store.oldest_markers(WALK_STEP)):
+            for request_id, held in rows:
+                if self.bytes <= self.max_bytes:
+                    break
+                self._forget(request_id, held)
         return dropped
 
-    def _drop(self, request_id: str, *, evicted: bool) -> None:
-        first_ms, value, answers, labels = self._entries.pop(request_id)
-        self.bytes -= len(value) + len(request_id) + ENTRY_OVERHEAD_BYTES
-        self.answers_waiting -= answers
-        self.labels_waiting -= labels
-        self._changes[request_id] = None
-        waiting = decode_waiting(value)
+    def _evict_while_over(self, rows: list[tuple[str, Held]]) -> int:
+        evicted = 0
+        for request_id, held in rows:
+            if self.bytes <= self.max_bytes:
+                break
+            self._evict(request_id, held)
+            evicted += 1
+        return evicted
+
+    def _drop(self, request_id: str, held: Held) -> None:
+        """Its window is over: what still waited counts as expired (answers) or unmatched (labels)."""
+        self._forget(request_id, held)
+        if held.marker:
+            return
+        waiting = decode_waiting(held.value)
         for answer in waiting.answers:
             if answer.model_key not in waiting.joined:
                 self.outcomes.bump(self.outcomes.expired_answers, answer.model_key)
         if waiting.labels and not waiting.answers:
             self.outcomes.unmatched_labels += len(waiting.labels)
-        if evicted:
-            self.outcomes.evicted += 1
+
+    def _evict(self, request_id: str, held: Held) -> None:
+        """Over the byte budget before its window: what waited counts as evicted, and a marker stays."""
+        waiting = decode_waiting(held.value)
+        for answer in waiting.answers:
+            if answer.model_key not in waiting.joined:
+                self.outcomes.bump(self.outcomes.evicted_answers, answer.model_key)
+        if waiting.labels and not waiting.answers:
+            self.outcomes.evicted_labels += len(waiting.labels)
+        self.outcomes.evicted += 1
+        self._put(request_id, Waiting(first_ms=waiting.first_ms, evicted=True), held)
+
+    def _forget(self, request_id: str, held: Held) -> None:
+        self.store.delete(request_id)
+        self._count(request_id, held, -1)
+        self._changes[request_id] = None
 
     # ------------------------------------------------------------------------------ entries and changelog
 
-    def _get(self, request_id: str, timestamp: int | None) -> Waiting:
-        held = self._entries.get(request_id)
+    def _get(self, request_id: str, timestamp: int | None) -> tuple[Waiting, Held | None]:
+        """The request's record (a new one when it has none yet) and its entry as stored (None: none)."""
+        held = self.store.get(request_id)
         if held is None:
-            return Waiting(first_ms=timestamp if timestamp is not None else self.stream_ms)
-        return decode_waiting(held[1])
+            return Waiting(first_ms=timestamp if timestamp is not None else self.stream_ms), None
+        return decode_waiting(held.value), held
 
-    def _put(self, request_id: str, waiting: Waiting) -> None:
+    def _put(self, request_id: str, waiting: Waiting, before: Held | None) -> None:
+        """Store the request's record in place of ``before`` (what ``_get`` found)."""
         value = encode_waiting(waiting)
-        held = self._entries.get(request_id)
-        if held is not None:
-            self.bytes -= len(held[1])
-            self.answers_waiting -= held[2]
-            self.labels_waiting -= held[3]
-        else:
-            self.bytes += len(request_id) + ENTRY_OVERHEAD_BYTES
-        self._hold(request_id, waiting, value)
+        if before is not None:
+            self._count(request_id, before, -1)
+        held = _held(waiting, value)
+        self.store.put(request_id, held)
+        self._count(request_id, held, +1)
         self._changes[request_id] = value
 
-    def _hold(self, request_id: str, waiting: Waiting, value: bytes) -> None:
-        answers = sum(1 for answer in waiting.answers if answer.model_key not in waiting.joined)
-        labels = len(waiting.labels) if not waiting.answers else 0
-        self._entries[request_id] = (waiting.first_ms, value, answers, labels)
-        self.bytes += len(value)
-        self.answers_waiting += answers
-        self.labels_waiting += labels
+    def _count(self, request_id: str, held: Held, sign: int) -> None:
+        self.bytes += sign * held.size(request_id)
+        self.answers_waiting += sign * held.answers
+        self.labels_waiting += sign * held.labels
+        self.entries += sign
 
     def take_outcomes(self) -> Outcomes:
         """What was counted since the last call."""
@@ -299,21 +373,48 @@ class JoinState:
         changes, self._changes = self._changes, {}
         return changes
 
-    def restore(self, records: Iterator[tuple[str, bytes | None]]) -> None:
-        """Rebuild from changelog records (key, value; None deletes), oldest first; the order of first sight
-        is taken from the entries themselves."""
-        latest: dict[str, bytes] = {}
-        for request_id, value in records:
-            if value is None:
-                latest.pop(request_id, None)
-            else:
-                latest[request_id] = value
-        restored = sorted(((decode_waiting(value), request_id, value) for request_id, value in latest.items()),
-                          key=lambda item: item[0].first_ms)
-        self._entries.clear()
-        self.bytes = self.answers_waiting = self.labels_waiting = 0
-        for waiting, request_id, value in restored:
-            self.bytes += len(request_id) + ENTRY_OVERHEAD_BYTES
-            self._hold(request_id, waiting, value)
-            self.stream_ms = max(self.stream_ms, waiting.first_ms)
+    def restore(self, records: Iterable[tuple[str, bytes | None]]) -> None:
+        """Rebuild the store from changelog records (key, value; None deletes), oldest first, in its open batch."""
+        self.restore_begin()
+        self.apply(records, counted=False)
+        self.restore_end()
+
+    def restore_begin(self) -> None:
+        """Before a restore from the whole changelog: nothing held."""
+        self.store.clear()
         self._changes.clear()
+        self.bytes = self.answers_waiting = self.labels_waiting = self.entries = 0
+
+    def restore_end(self) -> None:
+        """After it: the sums counted from what was restored."""
+        self._count_totals(scan=True)
+
+    def apply(self, records: Iterable[tuple[str, bytes | None]], *, counted: bool = True) -> int:
+        """Write changelog records (key, value; None deletes) to the store, oldest first, in its open batch:
+        a changelog's tail that other owners wrote since this file's offset, or (``counted`` off, between
+        ``restore_begin`` and ``restore_end``) a whole changelog. How many records were applied. No outcome is
+        counted again: their writers counted them."""
+        applied = 0
+        store = self.store
+        for request_id, value in records:
+            if counted and (before := store.get(request_id)) is not None:
+                self._count(request_id, before, -1)
+            if value is None:
+                store.delete(request_id)
+            else:
+                held = _held(decode_waiting(value), value)
+                store.put(request_id, held)
+                if counted:
+                    self._count(request_id, held, +1)
+                    self.tick(held.first_ms)
+            applied += 1
+        return applied
+
+
+def _held(waiting: Waiting, value: bytes) -> Held:
+    """The store's entry of an encoded record: its answers waiting for a label and labels waiting for an answer."""
+    if waiting.evicted:
+        return Held(waiting.first_ms, value, marker=True)
+    answers = sum(1 for answer in waiting.answers if answer.model_key not in waiting.joined)
+    labels = len(waiting.labels) if not waiting.answers else 0
+    return Held(waiting.first_ms, value, answers, labels)

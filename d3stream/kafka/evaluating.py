@@ -6,14 +6,22 @@ labels, so partition ``p`` of every one of these topics holds the same request i
 group's range assignor hands every topic's partition ``p`` to the same worker, so several workers split
 the units between them; the evaluator refuses to start when the partition counts differ, naming the fix.
 
-State is kept in Kafka, as Kafka Streams keeps it: each unit's waiting answers and labels
-(``core/evaluation.JoinState``) are written, one record per request id, to partition ``p`` of a compacted
-changelog topic (``evaluate_state_topic``), in the same transaction as the unit's evaluation records and
-its input offsets. So a pair is joined once: a crash before the commit leaves neither the evaluations nor
-the offsets nor the state change, and the unit's next owner (fencing the old one by the unit's
-transactional id) restores the state from the changelog and reads on from the committed offsets. Rebuilding
-the state from the input topics at start was the alternative; it would re-read up to ``evaluate_window_s``
-(days) of answers and labels at every start or rebalance, where the changelog holds only what still waits.
+State is kept as Kafka Streams keeps it: each unit's waiting answers and labels (``core/evaluation.JoinState``)
+live in a file on local disk (``core/state_store.WaitingStore``, under ``evaluate_state_dir``), and every change
+is also written, one record per request id, to partition ``p`` of a compacted changelog topic
+(``evaluate_state_topic``), in the same transaction as the unit's evaluation records and its input offsets.
+So a pair is joined once: a crash before the commit leaves neither the evaluations nor the offsets nor the
+state change (the file's batch is committed only after the Kafka transaction, with the changelog offset it
+reaches), and the unit's next owner (fencing the old one by the unit's transactional id) brings its state up
+to date and reads on from the committed offsets:
+
+* a file closed cleanly (a stop, a rebalance) is brought up to date from its changelog offset: only the
+  changelog's tail is read, whatever the state's size;
+* after a crash, or on a machine without the file, the whole partition is restored from the changelog.
+
+Rebuilding the state from the input topics at start was the alternative; it would re-read up to
+``evaluate_window_s`` (days) of answers and labels at every start, where the changelog holds only what still
+waits.
 
 Label records that are not labels, and labels on another partition than their id's (not keyed by request
 id), go to ``label_dead_letter_topic`` with the reason; the evaluator keeps going.
@@ -22,10 +30,13 @@ id), go to ``label_dead_letter_topic`` with the reason; the evaluator keeps goin
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import structlog
@@ -33,19 +44,20 @@ from d3stream_client.connection import partition_for
 from d3stream_client.contract import Role, Source, decode_answer, encode
 from d3stream_client.validation import EventError, decode_label
 
-from d3stream.config import Settings
+from d3stream.config import Settings, cache_root
 from d3stream.core.agreement import calibration_bin
 from d3stream.core.answers import dead_letter_event
 from d3stream.core.drift import Drift
 from d3stream.core.evaluation import (
-    ENTRY_OVERHEAD_BYTES,
     Joined,
     JoinState,
     LabelEntry,
     Outcomes,
-    answer_entry,
+    read_answer,
 )
+from d3stream.core.state_store import ROW_OVERHEAD_BYTES, WaitingStore
 from d3stream.kafka.connection import client_options
+from d3stream.kafka.publishing import RecordBatches
 from d3stream.ops.quality import QualityMetrics
 
 if TYPE_CHECKING:
@@ -86,6 +98,39 @@ class EvaluateTopics:
         return "live" if topic == self.answers else "shadow" if topic == self.shadow else None
 
 
+# A changelog whose tombstone retention cannot be read is taken to have Kafka's default (a day).
+DEFAULT_DELETE_RETENTION_MS = 86_400_000
+# Changelog records read per step while a unit's state is brought up to date.
+RESTORE_STEP = 10_000
+
+
+def state_path(settings: Settings, partition: int) -> Path:
+    """The file of one unit's state: ``evaluate_state_dir`` (default ``$D3STREAM_CACHE/evaluate``), then the
+    cluster (a digest of ``bootstrap_servers``), the group and the changelog topic, so workers of several
+    clusters, groups or changelogs can share a volume, and a file is never brought up to date from another
+    cluster's changelog of the same name (a local broker started anew, say)."""
+    root = Path(settings.evaluate_state_dir).expanduser() if settings.evaluate_state_dir else cache_root() / "evaluate"
+    cluster = hashlib.sha256(settings.bootstrap_servers.encode()).hexdigest()[:12]
+    return (root / cluster / _file_name(settings.evaluate_group_id)
+            / f"{_file_name(settings.evaluate_state_topic)}-{partition}.sqlite3")
+
+
+def _file_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+class Record(NamedTuple):
+    """One record the evaluator publishes (a None value: a deletion from the changelog)."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+
+    @property
+    def headers(self) -> list[tuple[str, bytes]]:
+        return []  # aiokafka's batch builder takes a list
+
+
 @dataclass
 class Unit:
     """One partition number: its join state and the transactional producer its results leave through."""
@@ -93,7 +138,13 @@ class Unit:
     partition: int
     state: JoinState
     producer: AIOKafkaProducer
+    batches: RecordBatches  # its records handed to the producer as batches built here (publishing.py)
     next_offsets: dict[str, int] = field(default_factory=dict)  # by input topic: the first offset not taken in
+
+    def close(self, changelog_offset: int | None) -> None:
+        """Close its state file: with the changelog offset it accounts for (everything committed), marked clean,
+        so its next owner on this machine reads only the changelog's tail; without, not (a whole restore)."""
+        self.state.store.close(changelog_offset)
 
 
 @dataclass
@@ -121,6 +172,7 @@ class Evaluator:
     def __init__(self, settings: Settings, metrics: QualityMetrics, drift: Drift, *, shadow_topic: str | None) -> None:
         self.settings = settings
         self.metrics = metrics
+        metrics.window.set(settings.evaluate_window_s)
         self.drift = drift
         self.topics = EvaluateTopics.from_settings(settings, shadow_topic)
         self.partitions = 0
@@ -130,6 +182,8 @@ class Evaluator:
         self._consumer: AIOKafkaConsumer | None = None
         self._restorer: AIOKafkaConsumer | None = None
         self._joined_group = False
+        self._tombstone_retention_ms = DEFAULT_DELETE_RETENTION_MS
+        self.restores: list[dict[str, Any]] = []  # how each unit's state was brought up to date (tests, logs)
 
     @property
     def ready(self) -> bool:
@@ -142,6 +196,7 @@ class Evaluator:
         from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
         self.partitions = await prepare_topics(self.settings, self.topics)
+        self._tombstone_retention_ms = await tombstone_retention_ms(self.settings, self.topics.state)
         settings = self.settings
         self._restorer = AIOKafkaConsumer(**client_options(
             settings, "consumer", client_id=f"{settings.client_id}-evaluate-restore", group_id=None,
@@ -160,7 +215,7 @@ class Evaluator:
     async def stop(self) -> None:
         async with self._lock:
             for unit in list(self.units.values()):
-                await _quietly_stop(unit.producer)
+                await self._give_up(unit)
             self.units.clear()
         for consumer in (self._consumer, self._restorer):
             if consumer is not None:
@@ -236,16 +291,17 @@ class Evaluator:
             answer = None
         source = Source(topic=record.topic, partition=record.partition, offset=record.offset,
                         timestamp=record.timestamp)
-        entry = answer_entry(answer, source, role) if answer is not None else None
-        if answer is None or entry is None:
+        read = read_answer(answer, source, role) if answer is not None else None
+        if answer is None or read is None:
             batch.error_answers[role] = batch.error_answers.get(role, 0) + 1
             return
+        entry, slots = read
         joined = unit.state.take_answer(answer.id, entry)
         if joined is None:
             return  # a model's second answer to the request: ignored, its first counts
         batch.joined.extend(joined)
-        for question_id, slot_record in entry.questions.items():
-            self.drift.add(entry.model_key, question_id, slot_record.slot())
+        for question_id, slot in slots.items():
+            self.drift.add(entry.model_key, question_id, slot)
             batch.drifted.add((entry.model_key, question_id))
 
     # ------------------------------------------------------------------------------------ commits
@@ -259,14 +315,17 @@ class Evaluator:
         changes = unit.state.drain_changes()
         outcomes = unit.state.take_outcomes()
         producer = unit.producer
+        # The changelog records go to the unit's partition: keyed by request id as the answers are, on a topic
+        # with as many partitions (prepare_topics checks), so the partitioner puts them there.
+        records: list[Record] = [Record(self.topics.evaluations, joined.evaluation.id.encode(),
+                                        encode(joined.evaluation)) for joined in batch.joined]
+        records += [Record(self.topics.state, request_id.encode(), value) for request_id, value in changes.items()]
+        records += [Record(self.topics.dead_letters, key, value) for key, value in batch.dead_letters]
         try:
             await producer.begin_transaction()
-            for joined in batch.joined:
-                await producer.send(self.topics.evaluations, encode(joined.evaluation), key=joined.evaluation.id.encode())
-            for request_id, value in changes.items():
-                await producer.send(self.topics.state, value, key=request_id.encode(), partition=unit.partition)
-            for key, value in batch.dead_letters:
-                await producer.send(self.topics.dead_letters, value, key=key)
+            failures = await unit.batches.send(records)
+            if failures:
+                raise failures[0][1]
             offsets = {TopicPartition(topic, unit.partition): offset for topic, offset in batch.offsets.items()}
             if offsets:
                 await producer.send_offsets_to_transaction(offsets, self.settings.evaluate_group_id)
@@ -275,12 +334,16 @@ class Evaluator:
             log.info("fenced: another evaluate worker owns this partition now", partition=unit.partition)
             self.units.pop(unit.partition, None)
             await _quietly_stop(producer)
+            unit.state.rollback()
+            unit.close(None)  # another owner writes the changelog now: this file may fall behind it
             return
         except KafkaError as exc:
             log.warning("evaluation transaction failed; restoring the partition from what was committed",
                         partition=unit.partition, error=f"{type(exc).__name__}: {exc}")
+            unit.state.rollback()
             await self._rebuild(unit.partition)
             return
+        unit.state.commit()  # the file follows the changelog
         unit.next_offsets.update(batch.offsets)
         self._count(batch, outcomes)
 
@@ -303,10 +366,14 @@ class Evaluator:
         metrics.count_by_model(metrics.unknown_questions, outcomes.unknown_questions)
         metrics.count_by_model(metrics.unscorable, outcomes.unscorable)
         metrics.count_by_model(metrics.expired, outcomes.expired_answers)
+        metrics.count_by_model(metrics.evicted_answers, outcomes.evicted_answers)
         metrics.duplicates.labels(kind="answer").inc(outcomes.duplicate_answers)
         metrics.duplicates.labels(kind="label").inc(outcomes.duplicate_labels)
         metrics.unmatched.inc(outcomes.unmatched_labels)
         metrics.evicted.inc(outcomes.evicted)
+        metrics.evicted_labels.inc(outcomes.evicted_labels)
+        for kind, count in outcomes.after_eviction.items():
+            metrics.after_eviction.labels(kind=kind).inc(count)
         for model_key, question_id in batch.drifted:
             drift = self.drift.questions[(model_key, question_id)]
             metrics.set_drift(model_key, question_id, drift.psi, drift.mean, drift.shares())
@@ -314,6 +381,8 @@ class Evaluator:
         metrics.waiting.labels(kind="answers").set(sum(s.answers_waiting for s in states))
         metrics.waiting.labels(kind="labels").set(sum(s.labels_waiting for s in states))
         metrics.state_bytes.set(sum(s.bytes for s in states))
+        covered = [s.covers_ms for s in states if len(s)]
+        metrics.coverage.set(min(covered) / 1e3 if covered else 0.0)
 
     # ------------------------------------------------------------------------------- assignment
 
@@ -330,13 +399,29 @@ class Evaluator:
             for partition in partitions:
                 unit = self.units.pop(partition, None)
                 if unit is not None:
-                    await _quietly_stop(unit.producer)
+                    await self._give_up(unit)
             self._rebudget()
+
+    async def _give_up(self, unit: Unit) -> None:
+        """Stop the unit's producer and close its state file clean, at the changelog's end: every batch of it is
+        committed (each commits before the next is taken), and no one else writes its changelog partition yet."""
+        from aiokafka import TopicPartition
+
+        await _quietly_stop(unit.producer)
+        assert self._restorer is not None
+        tp = TopicPartition(self.topics.state, unit.partition)
+        try:
+            end = (await self._restorer.end_offsets([tp]))[tp]
+        except Exception:  # noqa: BLE001 - without the offset the file is not clean: a whole restore next time
+            log.warning("changelog end not read; the partition's state will be restored whole next time",
+                        partition=unit.partition, exc_info=True)
+            end = None
+        unit.close(end)
 
     async def _rebuild(self, partition: int) -> None:
         unit = self.units.pop(partition, None)
         if unit is not None:
-            await _quietly_stop(unit.producer)
+            await self._give_up(unit)  # rolled back: the file holds what the changelog holds
         await self._adopt(partition)
         self._rebudget()
 
@@ -349,11 +434,8 @@ class Evaluator:
             linger_ms=5, transactional_id=f"{settings.transactional_id_prefix}-evaluate-"
                                           f"{settings.evaluate_group_id}-{partition}"))
         await producer.start()  # init_transactions: the previous owner's open transaction ends first
-        state = JoinState(window_ms=int(settings.evaluate_window_s * 1000), max_bytes=settings.evaluate_max_state_bytes)
-        started = time.perf_counter()
-        records = await self._changelog(partition)
-        state.restore(iter(records))
-        unit = Unit(partition, state, producer)
+        state = await self._bring_up_to_date(partition)
+        unit = Unit(partition, state, producer, RecordBatches(producer))
         assert self._consumer is not None
         for topic in self.topics.inputs:
             tp = TopicPartition(topic, partition)
@@ -362,32 +444,57 @@ class Evaluator:
                 self._consumer.seek(tp, committed)
                 unit.next_offsets[topic] = committed
         self.units[partition] = unit
-        log.info("evaluating partition", partition=partition, waiting=len(state), state_records=len(records),
-                 restore_ms=round((time.perf_counter() - started) * 1e3, 1))
 
-    def _rebudget(self) -> None:
-        # The memory bound is the worker's: each unit holds an equal share of it.
-        share = self.settings.evaluate_max_state_bytes // max(1, len(self.units))
-        for unit in self.units.values():
-            unit.state.max_bytes = max(share, ENTRY_OVERHEAD_BYTES)
-
-    async def _changelog(self, partition: int) -> list[tuple[str, bytes | None]]:
-        """The unit's changelog records, oldest first, up to the end (read_committed)."""
+    async def _bring_up_to_date(self, partition: int) -> JoinState:
+        """The unit's state from its file and the changelog: the changelog's tail after the file's offset when
+        the file was closed cleanly, else the whole changelog into a wiped file."""
         from aiokafka import TopicPartition
 
         assert self._restorer is not None
+        settings = self.settings
+        started = time.perf_counter()
         tp = TopicPartition(self.topics.state, partition)
         self._restorer.assign([tp])
-        start = (await self._restorer.beginning_offsets([tp]))[tp]
-        end = (await self._restorer.end_offsets([tp]))[tp]
-        records: list[tuple[str, bytes | None]] = []
+        log_start = (await self._restorer.beginning_offsets([tp]))[tp]
+        log_end = (await self._restorer.end_offsets([tp]))[tp]
+        store = WaitingStore(state_path(settings, partition))
+        resume = store.resume_from(log_start, log_end, self._tombstone_retention_ms)
+        store.opened()  # not clean until closed: a crash from here on means a whole restore next time
+        state = JoinState(window_ms=int(settings.evaluate_window_s * 1000), max_bytes=settings.evaluate_max_state_bytes,
+                          store=store)
+        if resume is None:
+            state.restore_begin()
+        records = 0
+        async for chunk in self._changelog(tp, log_start if resume is None else resume, log_end):
+            records += state.apply(chunk, counted=resume is not None)
+        if resume is None:
+            state.restore_end()
+        state.commit()
+        seconds = time.perf_counter() - started
+        how = {"partition": partition, "mode": "tail" if resume is not None else "restore", "records": records,
+               "waiting": len(state), "answers_waiting": state.answers_waiting, "seconds": round(seconds, 3)}
+        self.restores.append(how)
+        log.info("evaluating partition", **how, records_per_s=round(records / seconds) if seconds > 0 else None)
+        return state
+
+    def _rebudget(self) -> None:
+        # The disk bound is the worker's: each unit holds an equal share of it.
+        share = self.settings.evaluate_max_state_bytes // max(1, len(self.units))
+        for unit in self.units.values():
+            unit.state.max_bytes = max(share, ROW_OVERHEAD_BYTES)
+
+    async def _changelog(self, tp: TopicPartition, start: int, end: int) -> AsyncIterator[list[tuple[str, bytes | None]]]:
+        """The unit's changelog records from ``start`` up to ``end`` (read_committed), oldest first, a step at
+        a time: a whole partition is never held in memory."""
+        assert self._restorer is not None
         if start >= end:
-            return records
+            return
         self._restorer.seek(tp, start)
         while await self._restorer.position(tp) < end:
-            fetched = await self._restorer.getmany(tp, timeout_ms=500, max_records=10_000)
-            records.extend((r.key.decode(), r.value) for r in fetched.get(tp, []) if r.key is not None)
-        return records
+            fetched = await self._restorer.getmany(tp, timeout_ms=500, max_records=RESTORE_STEP)
+            records = [(r.key.decode(), r.value) for r in fetched.get(tp, []) if r.key is not None and r.offset < end]
+            if records:
+                yield records
 
 
 def _listener(evaluator: Evaluator) -> Any:
@@ -416,6 +523,30 @@ async def _quietly_stop(producer: AIOKafkaProducer) -> None:
         await producer.stop()
     except Exception:  # noqa: BLE001 - a producer being discarded; its transaction ends with it
         log.debug("producer stop failed", exc_info=True)
+
+
+async def tombstone_retention_ms(settings: Settings, topic: str) -> int:
+    """The changelog's ``delete.retention.ms``: how long a deletion stays readable in a compacted topic, so how
+    old a cleanly closed state file may be and still be brought up to date from the tail."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+    from aiokafka.errors import KafkaError
+
+    admin = AIOKafkaAdminClient(**client_options(settings, "admin", client_id=f"{settings.client_id}-evaluate"))
+    await admin.start()
+    try:
+        responses = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, topic, configs={"delete.retention.ms": None})])
+    except KafkaError:
+        return DEFAULT_DELETE_RETENTION_MS
+    finally:
+        await admin.close()
+    for response in responses:
+        for error_code, _message, _kind, _topic, entries in (tuple(r)[:5] for r in response.resources):
+            for name, value, *_ in entries if error_code == 0 else ():
+                if name == "delete.retention.ms" and value is not None:
+                    return int(value)
+    return DEFAULT_DELETE_RETENTION_MS
 
 
 async def prepare_topics(settings: Settings, topics: EvaluateTopics) -> int:

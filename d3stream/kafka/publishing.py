@@ -20,7 +20,7 @@ import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import structlog
 from aiokafka.partitioner import DefaultPartitioner
@@ -105,7 +105,24 @@ class _Waiting:
 
 
 # (record, the call it belongs to, its index in that call's records)
-_Queued = tuple[Outgoing, _Waiting, int]
+class Publishable(Protocol):
+    """What ``RecordBatches`` publishes: an ``Outgoing`` record, or any record with these fields (the
+    evaluator's changelog records, whose value None is a deletion)."""
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def key(self) -> bytes | None: ...
+
+    @property
+    def value(self) -> bytes | None: ...
+
+    @property
+    def headers(self) -> Sequence[tuple[str, bytes]]: ...
+
+
+_Queued = tuple[Publishable, _Waiting, int]
 
 
 class RecordBatches:
@@ -135,7 +152,7 @@ class RecordBatches:
         self._pumps: set[tuple[str, int]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def send(self, records: Sequence[Outgoing]) -> list[tuple[int, BaseException]]:
+    async def send(self, records: Sequence[Publishable]) -> list[tuple[int, BaseException]]:
         """Publish ``records`` and wait until every one is acknowledged or failed; the failures, as (index in
         ``records``, error), in no particular order (empty: all were acknowledged)."""
         from aiokafka.errors import KafkaError
@@ -149,7 +166,7 @@ class RecordBatches:
         limit = self._alone_over
         for index, record in enumerate(records):
             partitions = placement.get(record.topic)
-            if record.key is None or partitions is None or len(record.value) + len(record.key) > limit:
+            if record.key is None or partitions is None or len(record.value or b"") + len(record.key) > limit:
                 try:
                     alone.append((index, await self.producer.send(record.topic, value=record.value, key=record.key,
                                                                   headers=record.headers)))

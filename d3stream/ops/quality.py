@@ -93,6 +93,17 @@ class QualityMetrics:
                                  "an answer.", registry=r)
         self.evicted = Counter(f"{PREFIX}_evicted", "Waiting entries dropped before their window: the state was over "
                                "evaluate_max_state_bytes.", registry=r)
+        self.evicted_answers = Counter(f"{PREFIX}_evicted_answers", "Answers dropped unlabelled before their window "
+                                       "(evicted over evaluate_max_state_bytes, not expired).", _MODEL, registry=r)
+        self.evicted_labels = Counter(f"{PREFIX}_evicted_labels", "Label events dropped unanswered before their "
+                                      "window (evicted over evaluate_max_state_bytes).", registry=r)
+        self.after_eviction = Counter(f"{PREFIX}_after_eviction", "Answers and labels of a request whose waiting "
+                                      "state was evicted: counted on arrival, not kept.", ["kind"], registry=r)
+        self.coverage = Gauge(f"{PREFIX}_state_coverage_seconds", "Stream time the waiting state reaches back (the "
+                              "least of this worker's partitions): below evaluate_window_s while entries are "
+                              "evicted, answers are dropped before their labels can come.", registry=r)
+        self.window = Gauge(f"{PREFIX}_window_seconds", "evaluate_window_s: how long an answer may wait for its label.",
+                            registry=r)
         self.waiting = Gauge(f"{PREFIX}_waiting", "Answers waiting for a label (kind answers) and label events waiting "
                              "for an answer (kind labels).", ["kind"], registry=r)
         self.state_bytes = Gauge(f"{PREFIX}_state_bytes", "Bytes of waiting state this worker holds.", registry=r)

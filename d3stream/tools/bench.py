@@ -974,6 +974,20 @@ def _run_service_bench(args: argparse.Namespace) -> int:
 
         report["evaluate"] = evaluate_bench(args.evaluate)
         tables.append(evaluate_markdown(report["evaluate"]))
+    if args.evaluate_volume:
+        from d3stream.tools.bench_evaluate import volume_bench, volume_markdown
+
+        with tqdm(total=5, desc="evaluate-volume", unit="step", file=sys.stderr, disable=not args.progress) as bar:
+            stages: list[str] = []
+
+            def stage(name: str) -> None:  # called as each step starts: the previous one is done
+                bar.update(1 if stages else 0)
+                stages.append(name)
+                bar.set_postfix_str(name)
+
+            report["evaluate_volume"] = volume_bench(args.evaluate_volume, tick=stage)
+            bar.update(bar.total - bar.n)
+        tables.append(volume_markdown(report["evaluate_volume"]))
     if args.soak or args.soak_images or args.ask or args.head_of_line or args.stream:
         if args.checkpoint:
             root = Path(args.checkpoint)
@@ -1073,7 +1087,8 @@ def _run_scheduling_bench(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.scheduling:
         return _run_scheduling_bench(args)
-    if args.kafka or args.soak or args.soak_images or args.ask or args.head_of_line or args.evaluate or args.stream:
+    if (args.kafka or args.soak or args.soak_images or args.ask or args.head_of_line or args.evaluate
+            or args.evaluate_volume or args.stream):
         return _run_service_bench(args)
     report, calibration = run_bench(args)
     table = markdown(report, calibration if args.calibrate else None)
@@ -1133,6 +1148,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evaluate", type=int, nargs="?", const=20_000, default=0, metavar="N",
                         help="instead: d3stream evaluate's throughput (N answers and labels joined by one worker on "
                         "an embedded broker, default 20000) and its memory per 100,000 waiting answers")
+    parser.add_argument("--evaluate-volume", type=int, nargs="?", const=2_000_000, default=0, metavar="N",
+                        help="instead: d3stream evaluate at production volume: one worker with the default settings "
+                        "takes in N answers stamped over three days (default 2,000,000), joins labels spread over "
+                        "them, restarts cleanly and restores after a crash; rates, memory and disk")
     parser.add_argument("--ask", type=int, nargs="?", const=300, default=0, metavar="N",
                         help="instead: N asks (default 300, 20/s) of the client's ask() against a worker on an "
                         "embedded broker, beside the worker's own end-to-end latency, in both delivery modes")

@@ -1,4 +1,5 @@
-"""``d3stream bench --evaluate N``: how fast ``d3stream evaluate`` joins, and what its waiting state costs.
+"""``d3stream bench --evaluate N``: how fast ``d3stream evaluate`` joins, and what its waiting state costs;
+``d3stream bench --evaluate-volume N``: the same at production volume, N answers waiting (``volume_bench``).
 
 Two figures the live evaluator is sized by:
 
@@ -15,9 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 import tracemalloc
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from d3stream_client.contract import Source, decode_answer
@@ -135,3 +144,233 @@ def evaluate_markdown(report: dict[str, Any]) -> str:
             f"{memory['waiting_answers']:,} answers waiting for labels (3 questions each): "
             f"{memory['state_mb_per_100k']:g} MB of state as evaluate_max_state_bytes counts it, "
             f"{memory['heap_mb_per_100k']:g} MB of Python heap.")
+
+
+# ------------------------------------------------------------------------------------------- at volume
+
+VOLUME_PARTITIONS = 4
+VOLUME_DAYS = 3.0  # the answers' timestamps span this much stream time, ending now
+VOLUME_LABELS = 20_000
+PRODUCE_CHUNK = 20_000
+
+
+def _stamped_answers(count: int, days: float, start_ms: int) -> Iterator[list[tuple[bytes, bytes, int]]]:
+    """``count`` answer records (key, value, timestamp) spread evenly over ``days`` from ``start_ms``, a chunk at
+    a time (millions of them are never all in memory)."""
+    rng = random.Random(3)
+    step = days * 86_400_000 / max(1, count)
+    for first in range(0, count, PRODUCE_CHUNK):
+        yield [(f"ticket-{n:09d}".encode(), json.dumps(answer_event(f"ticket-{n:09d}", rng)).encode(),
+                start_ms + int(n * step)) for n in range(first, min(count, first + PRODUCE_CHUNK))]
+
+
+async def _produce_stamped(servers: str, topic: str, chunks: Iterable[list[tuple[bytes, bytes, int]]],
+                           tick: Callable[[int], None] | None = None) -> int:
+    """Publish records with their own timestamps (the stream time the evaluator's window runs on)."""
+    from aiokafka import AIOKafkaProducer
+
+    producer = AIOKafkaProducer(bootstrap_servers=servers, acks=1, linger_ms=20, max_batch_size=1 << 20,
+                                compression_type=None)
+    await producer.start()
+    sent = 0
+    try:
+        for chunk in chunks:
+            futures = [await producer.send(topic, value, key=key, timestamp_ms=stamp) for key, value, stamp in chunk]
+            await asyncio.gather(*futures)
+            sent += len(chunk)
+            if tick is not None:
+                tick(sent)
+    finally:
+        await producer.stop()
+    return sent
+
+
+class _Worker:
+    """One ``d3stream evaluate`` process on the bench's topics, its metrics read over HTTP."""
+
+    def __init__(self, env: dict[str, str], port: int, log: Path) -> None:
+        self.env, self.port, self.log = env, port, log
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> float:
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "d3stream", "evaluate"], env=self.env,
+                                            stdout=out, stderr=subprocess.STDOUT)
+        return time.perf_counter()
+
+    def series(self) -> dict[str, float]:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            return {}
+        figures: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("d3stream_eval_") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                base = name.split("{")[0]
+                figures[base] = figures.get(base, 0.0) + float(value)
+        return figures
+
+    def ready(self) -> bool:
+        return self.series().get("d3stream_eval_ready", 0.0) == 1.0
+
+    async def until(self, predicate: Callable[[dict[str, float]], bool], what: str, timeout_s: float) -> float:
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the evaluate worker ended ({self.process.returncode}) while waiting for {what}: "
+                                   f"see {self.log}")
+            if predicate(self.series()):
+                return time.perf_counter()
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"no {what} within {timeout_s:g} s: see {self.log}")
+            await asyncio.sleep(0.25)
+
+    def rss_mb(self) -> float:
+        import psutil
+
+        assert self.process is not None
+        return psutil.Process(self.process.pid).memory_info().rss / 2**20
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=300)
+
+    def adopted(self) -> list[dict[str, Any]]:
+        """The worker's "evaluating partition" log lines since the log was last read (JSON)."""
+        lines = self.log.read_text(encoding="utf-8").splitlines()
+        found = [json.loads(line) for line in lines if '"evaluating partition"' in line]
+        self.log.write_text("", encoding="utf-8")
+        return found
+
+
+def volume_bench(waiting: int = 2_000_000, *, labels: int = VOLUME_LABELS, days: float = VOLUME_DAYS,
+                 tick: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """One evaluate worker with the default settings (window and state budget) on a fresh embedded broker:
+    it takes in ``waiting`` answers stamped over ``days`` of stream time (ingest rate, resident memory with
+    all of them waiting, disk bytes), joins ``labels`` labels spread from the oldest answer to the newest (join
+    rate, the oldest and newest joined), is stopped cleanly and started again (the changelog's tail only),
+    then killed and started on a fresh state directory (a whole restore: its rate)."""
+    from d3stream.tools.infra import KafkaBroker, ensure_jars
+
+    ensure_jars()
+    prefix = f"bench-volume-{time.time_ns()}"
+    with KafkaBroker(partitions=VOLUME_PARTITIONS) as broker, tempfile.TemporaryDirectory(prefix="d3-volume-") as tmp:
+        return asyncio.run(_volume(broker.bootstrap_servers, broker, prefix, Path(tmp), waiting, labels, days, tick))
+
+
+async def _volume(servers: str, broker: Any, prefix: str, tmp: Path, waiting: int, label_count: int, days: float,
+                  tick: Callable[[str], None] | None) -> dict[str, Any]:
+    from d3stream.tools.scaleout import free_port
+
+    settings = Settings(bootstrap_servers=servers, answer_topic=f"{prefix}.answers", label_topic=f"{prefix}.labels",
+                        evaluation_topic=f"{prefix}.evaluations", label_dead_letter_topic=f"{prefix}.labels-dlq",
+                        evaluate_state_topic=f"{prefix}.state", evaluate_group_id=prefix, client_id=prefix,
+                        transactional_id_prefix=prefix, topic_partitions=VOLUME_PARTITIONS)
+    for topic in (settings.answer_topic, settings.label_topic):
+        broker.create_topic(topic, VOLUME_PARTITIONS, exist_ok=True)
+    port = free_port()
+    state_dir = tmp / "state"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "D3STREAM_BOOTSTRAP_SERVERS": servers,
+           "D3STREAM_LOG_FORMAT": "json",
+           "D3STREAM_METRICS_PORT": str(port), "D3STREAM_EVALUATE_STATE_DIR": str(state_dir),
+           **{f"D3STREAM_{name.upper()}": str(getattr(settings, name)) for name in (
+               "answer_topic", "label_topic", "evaluation_topic", "label_dead_letter_topic", "evaluate_state_topic",
+               "evaluate_group_id", "client_id", "transactional_id_prefix", "topic_partitions")}}
+    worker = _Worker(env, port, tmp / "evaluate.log")
+    start_ms = int(time.time() * 1000 - days * 86_400_000)
+
+    def step(name: str) -> None:
+        if tick is not None:
+            tick(name)
+
+    step("publishing answers")
+    await _produce_stamped(servers, settings.answer_topic, _stamped_answers(waiting, days, start_ms))
+    report: dict[str, Any] = {"waiting": waiting, "days": days, "partitions": VOLUME_PARTITIONS,
+                              "window_days": settings.evaluate_window_s / 86_400,
+                              "budget_gib": settings.evaluate_max_state_bytes / 2**30}
+    step("taking answers in")
+    started = worker.start()
+    joined_at = await worker.until(lambda s: s.get("d3stream_eval_ready") == 1.0, "readiness", 300)
+    done = await worker.until(lambda s: s.get("d3stream_eval_answers_total", 0) >= waiting, "every answer", 3_600)
+    series = worker.series()
+    report["ingest"] = {"seconds": round(done - joined_at, 1), "answers_per_s": round(waiting / (done - joined_at)),
+                        "rss_mb": round(worker.rss_mb()), "state_bytes": int(series["d3stream_eval_state_bytes"]),
+                        "disk_bytes": sum(f.stat().st_size for f in state_dir.rglob("*") if f.is_file()),
+                        "evicted": int(series.get("d3stream_eval_evicted_total", 0)),
+                        "coverage_days": round(series.get("d3stream_eval_state_coverage_seconds", 0) / 86_400, 2)}
+    del started
+    step("joining labels")
+    rng = random.Random(4)
+    chosen = sorted({0, waiting - 1, *(rng.randrange(waiting) for _ in range(label_count - 2))})
+    label_records = [(f"ticket-{n:09d}".encode(),
+                      json.dumps(label_event(f"ticket-{n:09d}", rng)).encode()) for n in chosen]
+    before = worker.series().get("d3stream_eval_pairs_total", 0)
+    sent_at = time.perf_counter()
+    await produce(servers, settings.label_topic, label_records)
+    done = await worker.until(lambda s: s.get("d3stream_eval_pairs_total", 0) - before >= 3 * len(chosen),
+                              "every label joined", 1_800)
+    report["join"] = {"labels": len(chosen), "seconds": round(done - sent_at, 1),
+                      "pairs_per_s": round(len(chosen) / (done - sent_at)), "rss_mb": round(worker.rss_mb())}
+    evaluations = await _evaluated(servers, settings.evaluation_topic, {f"ticket-{n:09d}" for n in (0, waiting - 1)})
+    report["join"]["oldest_joined"] = f"ticket-{0:09d}" in evaluations
+    report["join"]["newest_joined"] = f"ticket-{waiting - 1:09d}" in evaluations
+    report["join"]["oldest_age_days"] = round((time.time() * 1000 - start_ms) / 86_400_000, 2)
+    step("clean restart")
+    worker.adopted()
+    worker.stop()
+    started = worker.start()
+    ready = await worker.until(lambda s: s.get("d3stream_eval_ready") == 1.0, "readiness after a restart", 600)
+    adopted = worker.adopted()
+    report["restart"] = {"seconds": round(ready - started, 1), "modes": sorted({a["mode"] for a in adopted}),
+                         "changelog_records": sum(a["records"] for a in adopted),
+                         "waiting": sum(a["waiting"] for a in adopted)}
+    step("crash and restore")
+    worker.stop(signal.SIGKILL)
+    shutil.rmtree(state_dir)  # a new machine: nothing on disk
+    started = worker.start()
+    ready = await worker.until(lambda s: s.get("d3stream_eval_ready") == 1.0, "readiness after a restore", 3_600)
+    adopted = worker.adopted()
+    records = sum(a["records"] for a in adopted)
+    restore_seconds = sum(a["seconds"] for a in adopted)
+    report["restore"] = {"seconds": round(ready - started, 1), "modes": sorted({a["mode"] for a in adopted}),
+                         "changelog_records": records, "records_per_s": round(records / max(restore_seconds, 1e-9)),
+                         "waiting": sum(a["waiting"] for a in adopted), "rss_mb": round(worker.rss_mb())}
+    worker.stop()
+    return report
+
+
+async def _evaluated(servers: str, topic: str, wanted: set[str]) -> set[str]:
+    from d3stream.tools.compare import TopicRange, read_topic
+
+    records = await read_topic(servers, TopicRange(topic), timeout_s=300)
+    return {r["id"] for r in records if isinstance(r, dict) and r.get("id") in wanted}
+
+
+def volume_markdown(report: dict[str, Any]) -> str:
+    ingest, join, restart, restore = report["ingest"], report["join"], report["restart"], report["restore"]
+    return "\n".join([
+        f"d3stream evaluate at volume: one worker, default settings (window {report['window_days']:g} days, state "
+        f"budget {report['budget_gib']:g} GiB on disk), {report['partitions']} partitions, "
+        f"{report['waiting']:,} answers of three questions stamped over {report['days']:g} days:",
+        "",
+        "| step | figure |",
+        "|---|---:|",
+        f"| taking the answers in | {ingest['answers_per_s']:,} answers/s ({ingest['seconds']:,} s) |",
+        f"| resident memory with all of them waiting | {ingest['rss_mb']:,} MB |",
+        f"| state on disk | {ingest['state_bytes'] / 2**20:,.0f} MB counted, {ingest['disk_bytes'] / 2**20:,.0f} MB "
+        f"of files; evicted {ingest['evicted']:,}; covers {ingest['coverage_days']:g} days |",
+        f"| joining {join['labels']:,} labels spread over the window | {join['pairs_per_s']:,} pairs/s "
+        f"({join['seconds']:,} s); oldest ({join['oldest_age_days']:g} days) joined: {join['oldest_joined']}, "
+        f"newest: {join['newest_joined']} |",
+        f"| clean restart ({', '.join(restart['modes'])}) | ready in {restart['seconds']:,} s, "
+        f"{restart['changelog_records']:,} changelog records read, {restart['waiting']:,} entries |",
+        f"| crash on a new machine ({', '.join(restore['modes'])}) | ready in {restore['seconds']:,} s: "
+        f"{restore['changelog_records']:,} changelog records at {restore['records_per_s']:,}/s; "
+        f"{restore['rss_mb']:,} MB resident after |",
+    ])
