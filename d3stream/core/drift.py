@@ -67,11 +67,13 @@ class QuestionDrift:
     current: Counter[str] = field(default_factory=Counter)
     value_sum: float = 0.0
     values: int = 0
+    learnt: int = 0  # answers taken into a reference learnt from the stream
 
     def add(self, slot: Slot) -> None:
         bin_, value = drift_bin(slot), answer_value(slot)
-        if not self.reference_fixed and sum(self.reference.values()) < self.window:
+        if not self.reference_fixed and self.learnt < self.window:
             self.reference[bin_] += 1
+            self.learnt += 1
         self.recent.append((bin_, value))
         self.current[bin_] += 1
         if value is not None:
@@ -89,7 +91,7 @@ class QuestionDrift:
     @property
     def psi(self) -> float | None:
         """PSI of the window against the reference, once the reference is complete."""
-        if not self.reference_fixed and sum(self.reference.values()) < self.window:
+        if not self.reference_fixed and self.learnt < self.window:
             return None
         return psi(self.reference, self.current)
 

@@ -226,7 +226,6 @@ class Evaluator:
         assert self._consumer is not None
         while not stopping.is_set():
             fetched = await self._consumer.getmany(timeout_ms=200, max_records=MAX_BATCH_RECORDS)
-            self._joined_group = True
             if fetched:
                 await self.take(fetched)
 
@@ -251,6 +250,8 @@ class Evaluator:
     def _take_records(self, unit: Unit, topic: str, records: list[ConsumerRecord], batch: Batch) -> None:
         first = unit.next_offsets.get(topic, 0)
         role = self.topics.role(topic)
+        # Their entries read ahead, together (answers and labels are keyed by request id).
+        unit.state.store.prefetch(record.key.decode("utf-8", "replace") for record in records if record.key)
         for record in records:
             if record.offset < first:
                 continue  # fetched before this unit was restored: taken in by the state already
@@ -392,6 +393,7 @@ class Evaluator:
             for partition in sorted(set(partitions) - set(self.units)):
                 await self._adopt(partition)
             self._rebudget()
+            self._joined_group = True  # ready: in the group, and every partition's state up to date
 
     async def revoked(self, partitions: Sequence[int]) -> None:
         """Give units up (everything taken in is committed already: each batch commits before the next)."""

@@ -228,7 +228,7 @@ class _Worker:
                 return time.perf_counter()
             if time.perf_counter() > deadline:
                 raise RuntimeError(f"no {what} within {timeout_s:g} s: see {self.log}")
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(1.0)  # each look renders the worker's metrics: not too often
 
     def rss_mb(self) -> float:
         import psutil
