@@ -21,9 +21,11 @@ from d3stream.runtime.kinds import finite_number, label_option, question_type
 ECE_BINS = 10
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Slot:
     """One answered question, normalised: every option's probability and the decision (an option key).
+    Treated as immutable (not frozen: a frozen dataclass costs twice as much to make, and the evaluator makes
+    tens of thousands a second).
 
     ``noul`` has the options ``"false"`` and ``"true"``; ``score`` has its levels (``"0"``, ``"1"``, ...).
     """
