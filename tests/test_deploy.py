@@ -655,6 +655,7 @@ def _busy_worker_series() -> dict[str, list[dict[str, str]]]:
     quality.count_by_model(quality.answers, {"live:d3-v4": 1, "shadow:d3-v5": 1})
     quality.count_by_model(quality.expired, {"live:d3-v4": 1})
     quality.count_by_model(quality.evicted_answers, {"live:d3-v4": 1})
+    quality.set_estimate("live:d3-v4", "team", 0.7, 0.4, 0.8)
     quality.after_eviction.labels(kind="label").inc()
     quality.unmatched.inc()
     quality.waiting.labels(kind="answers").set(1)

@@ -34,7 +34,7 @@ from prometheus_client import generate_latest
 
 from d3stream.cli import main as cli_main
 from d3stream.config import load_settings
-from d3stream.core.agreement import Tally, label_key, label_stats, parse_slot, score
+from d3stream.core.agreement import Slot, Tally, label_key, label_stats, parse_slot, score
 from d3stream.core.drift import Drift, psi
 from d3stream.core.evaluation import JoinState, LabelEntry, answer_entry, decode_waiting
 from d3stream.kafka.evaluating import EvaluateSetupError, EvaluateTopics, prepare_topics
@@ -235,6 +235,49 @@ def test_the_tally_gives_identical_figures_in_any_order() -> None:
     assert forward.n == 900 and 0 < forward.accuracy < 1 and forward.log_loss > 0 and 0 <= forward.ece <= 1
 
 
+def _choice_slots(probabilities: Any) -> list[Slot]:
+    keys = [f"o{i}" for i in range(probabilities.shape[1])]
+    return [Slot("choice", dict(zip(keys, map(float, row), strict=True)), keys[int(row.argmax())])
+            for row in probabilities]
+
+
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_the_estimates_equal_an_independent_computation_and_match_reality_only_while_calibrated(
+        calibrated: bool) -> None:
+    """CBPE on synthetic answers: the evaluator's window estimates equal a direct numpy computation of the
+    estimators (mean p of the decision, mean 1 - sum p^2, mean entropy); with labels drawn from the answers'
+    own probabilities the estimation error is near 0, with labels from sharper ones (an underconfident model) it
+    is not, and it says which way."""
+    import numpy as np
+
+    from d3stream.core.estimation import Estimates
+
+    rng = np.random.default_rng(11)
+    answers = rng.dirichlet([1.0, 1.0, 1.0], size=20_000)
+    truth = answers if calibrated else answers**3 / (answers**3).sum(axis=1, keepdims=True)
+    labels = [int(rng.choice(3, p=row)) for row in truth]
+    slots = _choice_slots(answers)
+    estimates = Estimates(window=len(slots))
+    tally = Tally()
+    for slot, label in zip(slots, labels, strict=True):
+        estimates.add("live:m", "q", slot)
+        tally.add(score(slot, f"o{label}"))
+    window = estimates.questions[("live:m", "q")].estimate
+    assert window is not None
+    assert window.accuracy == pytest.approx(answers.max(axis=1).mean(), abs=1e-9)
+    assert window.brier == pytest.approx((1.0 - (answers**2).sum(axis=1)).mean(), abs=1e-9)
+    assert window.log_loss == pytest.approx((-(answers * np.log(answers)).sum(axis=1)).mean(), abs=1e-9)
+    stats = tally.stats()
+    assert stats.estimated_accuracy == pytest.approx(window.accuracy, abs=1e-9)
+    assert stats.estimated_brier == pytest.approx(window.brier, abs=1e-9)
+    realized_accuracy = np.mean([int(row.argmax()) == label for row, label in zip(answers, labels, strict=True)])
+    assert stats.accuracy_error == pytest.approx(window.accuracy - realized_accuracy, abs=1e-9)
+    if calibrated:  # 20,000 draws: the sampling error is under 0.01 (about three standard errors)
+        assert abs(stats.accuracy_error) < 0.01 and abs(stats.brier_error) < 0.01
+    else:  # the truth is sharper than the answers: they expected less accuracy and more Brier than came
+        assert stats.accuracy_error < -0.05 and stats.brier_error > 0.05
+
+
 def test_a_reference_file_fixes_the_drift_reference(tmp_path: Path) -> None:
     rng = random.Random(9)
     reference = tmp_path / "reference.jsonl"
@@ -356,6 +399,11 @@ def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_e
     exposition = generate_latest(metrics.registry).decode()
     assert 'd3stream_eval_pairs_total{model="m1",question="team",role="live",type="choice"} 40.0' in exposition
     assert 'd3stream_eval_duplicates_total{kind="answer"} 7.0' in exposition
+    # The estimates before labels (every answer of the window) and, beside the realized sums, the labelled
+    # pairs' expectations.
+    assert 'd3stream_eval_estimated_accuracy{model="m1",question="team",role="live"}' in exposition
+    assert 'd3stream_eval_estimated_brier{model="m2",question="urgency",role="shadow"}' in exposition
+    assert 'd3stream_eval_expected_correct_total{model="m1",question="team",role="live",type="choice"}' in exposition
     # ids 0-9 wait for labels that never come: ten live answers and five shadow ones.
     assert 'd3stream_eval_waiting{kind="answers"} 15.0' in exposition
     assert 'd3stream_eval_waiting{kind="labels"} 10.0' in exposition  # ids 50-59 wait for answers

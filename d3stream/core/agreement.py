@@ -119,6 +119,12 @@ class LabelStats:
     ece: float | None
     log_loss: float | None = None
     bins: tuple[CalibrationBin, ...] = ()
+    # What the answers expected of themselves (core/estimation.py) over the same labelled questions, and the
+    # estimation error: expected minus realized (near 0 while the model is calibrated).
+    estimated_accuracy: float | None = None
+    estimated_brier: float | None = None
+    accuracy_error: float | None = None
+    brier_error: float | None = None
 
 
 def mean(values: Sequence[float]) -> float | None:
@@ -169,6 +175,15 @@ class Scored:
     correct: bool
     brier: float
     log_loss: float
+    # What the answer expects of itself against a label drawn from its probabilities (core/estimation.py):
+    # its expected accuracy is ``confidence``, its expected Brier term this. None: not recorded (an evaluation
+    # record from before the estimates).
+    expected_brier: float | None = None
+
+
+def expected_brier(slot: Slot) -> float:
+    """1 - sum of p^2: the Brier term a calibrated answer expects (``estimation``)."""
+    return 1.0 - sum([p * p for p in slot.probabilities.values()])
 
 
 def score(slot: Slot, key: str) -> Scored:
@@ -183,6 +198,7 @@ def score(slot: Slot, key: str) -> Scored:
         correct=slot.decision == key,
         brier=brier(slot, key),
         log_loss=-math.log(max(p_label, LOG_LOSS_FLOOR)),
+        expected_brier=expected_brier(slot),
     )
 
 
@@ -218,6 +234,11 @@ class Tally:
     bin_counts: list[int] = field(default_factory=list)
     bin_correct: list[int] = field(default_factory=list)
     bin_confidence: list[int] = field(default_factory=list)
+    expected_n: int = 0  # scored questions that carry their expected Brier term
+    expected_correct_sum: int = 0  # of those: the sums of their confidence and expected Brier terms
+    expected_brier_sum: int = 0
+    realized_correct: int = 0  # and of their realized ones, so the estimation error compares like with like
+    realized_brier_sum: int = 0
 
     def __post_init__(self) -> None:
         for counts in (self.bin_counts, self.bin_correct, self.bin_confidence):
@@ -232,6 +253,12 @@ class Tally:
         self.bin_counts[b] += 1
         self.bin_correct[b] += scored.correct
         self.bin_confidence[b] += _fixed(scored.confidence)
+        if scored.expected_brier is not None:
+            self.expected_n += 1
+            self.expected_correct_sum += _fixed(scored.confidence)
+            self.expected_brier_sum += _fixed(scored.expected_brier)
+            self.realized_correct += scored.correct
+            self.realized_brier_sum += _fixed(scored.brier)
 
     def stats(self) -> LabelStats:
         """The figures (None where there is nothing to average)."""
@@ -246,6 +273,7 @@ class Tally:
             return LabelStats(0, None, None, None, None, bins)
         # ECE = sum_b (n_b / N) |accuracy_b - mean confidence_b| = sum_b |correct_b - confidence sum_b| / N.
         gaps = sum(abs(self.bin_correct[b] * _FIXED - self.bin_confidence[b]) for b in range(self.bins))
+        expected_n = self.expected_n
         return LabelStats(
             n=n,
             accuracy=self.correct / n,
@@ -253,6 +281,12 @@ class Tally:
             ece=gaps / (_FIXED * n),
             log_loss=self.log_loss_sum / (_FIXED * n),
             bins=bins,
+            estimated_accuracy=self.expected_correct_sum / (_FIXED * expected_n) if expected_n else None,
+            estimated_brier=self.expected_brier_sum / (_FIXED * expected_n) if expected_n else None,
+            accuracy_error=(self.expected_correct_sum - self.realized_correct * _FIXED) / (_FIXED * expected_n)
+            if expected_n else None,
+            brier_error=(self.expected_brier_sum - self.realized_brier_sum) / (_FIXED * expected_n)
+            if expected_n else None,
         )
 
 

@@ -158,7 +158,8 @@ class Joined:
 def _question(scored: Scored, label: LabelValue) -> LabelledQuestion:
     return LabelledQuestion(type=scored.type, label=label, label_option=scored.label_option,
                             predicted=scored.predicted, p_label=scored.p_label, confidence=scored.confidence,
-                            correct=scored.correct, brier=scored.brier, log_loss=scored.log_loss)
+                            correct=scored.correct, brier=scored.brier, log_loss=scored.log_loss,
+                            expected_brier=scored.expected_brier)
 
 
 class JoinState:

@@ -48,6 +48,7 @@ from d3stream.config import Settings, cache_root
 from d3stream.core.agreement import calibration_bin
 from d3stream.core.answers import dead_letter_event
 from d3stream.core.drift import Drift
+from d3stream.core.estimation import Estimates
 from d3stream.core.evaluation import (
     Joined,
     JoinState,
@@ -174,6 +175,8 @@ class Evaluator:
         self.metrics = metrics
         metrics.window.set(settings.evaluate_window_s)
         self.drift = drift
+        # What the drift window's answers expect of themselves, per model and question (CBPE, estimation.py).
+        self.estimates = Estimates(settings.evaluate_drift_window)
         self.topics = EvaluateTopics.from_settings(settings, shadow_topic)
         self.partitions = 0
         self.units: dict[int, Unit] = {}
@@ -303,6 +306,7 @@ class Evaluator:
         batch.joined.extend(joined)
         for question_id, slot in slots.items():
             self.drift.add(entry.model_key, question_id, slot)
+            self.estimates.add(entry.model_key, question_id, slot)
             batch.drifted.add((entry.model_key, question_id))
 
     # ------------------------------------------------------------------------------------ commits
@@ -378,6 +382,9 @@ class Evaluator:
         for model_key, question_id in batch.drifted:
             drift = self.drift.questions[(model_key, question_id)]
             metrics.set_drift(model_key, question_id, drift.psi, drift.mean, drift.shares())
+            estimate = self.estimates.questions[(model_key, question_id)].estimate
+            if estimate is not None:
+                metrics.set_estimate(model_key, question_id, estimate.accuracy, estimate.brier, estimate.log_loss)
         states = [u.state for u in self.units.values()]
         metrics.waiting.labels(kind="answers").set(sum(s.answers_waiting for s in states))
         metrics.waiting.labels(kind="labels").set(sum(s.labels_waiting for s in states))

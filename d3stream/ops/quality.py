@@ -12,7 +12,16 @@ shadow) and question (``question``, ``type``):
                 / sum by (model, role) (increase(d3stream_eval_pairs_total[1h]))
 
 (ECE's bins are the ``bin`` label, the tenths of the decided option's probability: the same ten bins as
-``d3stream compare``.) Drift needs no labels: the PSI of each model's answer window against its reference,
+``d3stream compare``.) Estimates need no labels (``core/estimation.py``, CBPE): the gauges
+``d3stream_eval_estimated_accuracy``, ``_estimated_brier`` and ``_estimated_log_loss`` are the means the
+answers of the drift window expect of themselves. Beside the realized sums, the labelled pairs' expectations:
+
+    estimation error (accuracy) = (increase(d3stream_eval_expected_correct_total[6h])
+                                   - increase(d3stream_eval_correct_total[6h])) / increase(d3stream_eval_pairs_total[6h])
+    estimation error (Brier)    = (increase(d3stream_eval_expected_brier_total[6h])
+                                   - increase(d3stream_eval_brier_total[6h])) / increase(d3stream_eval_pairs_total[6h])
+
+Drift needs no labels either: the PSI of each model's answer window against its reference,
 and the window's answer shares and means, are gauges. ``deploy/prometheus/d3stream-rules.yaml`` records
 these figures and alerts on them.
 """
@@ -51,6 +60,8 @@ class ScoredQuestion(Protocol):
     def log_loss(self) -> float: ...
     @property
     def confidence(self) -> float: ...
+    @property
+    def expected_brier(self) -> float | None: ...
 
 
 class QualityMetrics:
@@ -81,6 +92,19 @@ class QualityMetrics:
                                            [*_QUESTION, "bin"], registry=r)
         self.calibration_confidence = Counter(f"{PREFIX}_calibration_confidence", "Sum of the decided option's "
                                               "probability by bin.", [*_QUESTION, "bin"], registry=r)
+        self.expected_correct = Counter(f"{PREFIX}_expected_correct", "Sum over joined questions of the decided "
+                                        "option's probability: the correct count the answers expected (CBPE).",
+                                        _QUESTION, registry=r)
+        self.expected_brier = Counter(f"{PREFIX}_expected_brier", "Sum over joined questions of 1 - sum p^2: the "
+                                      "Brier sum the answers expected (CBPE).", _QUESTION, registry=r)
+        self.estimated_accuracy = Gauge(f"{PREFIX}_estimated_accuracy", "Mean probability of the decided option "
+                                        "over the drift window's answers: the accuracy expected before labels.",
+                                        [*_MODEL, "question"], registry=r)
+        self.estimated_brier = Gauge(f"{PREFIX}_estimated_brier", "Mean of 1 - sum p^2 over the drift window's "
+                                     "answers: the Brier score expected before labels.", [*_MODEL, "question"],
+                                     registry=r)
+        self.estimated_log_loss = Gauge(f"{PREFIX}_estimated_log_loss", "Mean entropy of the drift window's answers: "
+                                        "the log loss expected before labels.", [*_MODEL, "question"], registry=r)
         self.label_lag = Histogram(f"{PREFIX}_label_lag_seconds", "From an answer record to its label record (0 when "
                                    "the label came first).", ["role"], buckets=LAG_BUCKETS, registry=r)
         self.unknown_questions = Counter(f"{PREFIX}_unknown_questions", "Labels of a question the model's answer does "
@@ -141,6 +165,15 @@ class QualityMetrics:
         self.calibration_pairs.labels(**labels, bin=b).inc()
         self.calibration_correct.labels(**labels, bin=b).inc(1 if scored.correct else 0)
         self.calibration_confidence.labels(**labels, bin=b).inc(scored.confidence)
+        self.expected_correct.labels(**labels).inc(scored.confidence)
+        self.expected_brier.labels(**labels).inc(scored.expected_brier or 0.0)
+
+    def set_estimate(self, model_key: str, question: str, accuracy: float, brier: float, log_loss: float) -> None:
+        """What the drift window's answers of a model to a question expect of themselves (CBPE)."""
+        model, role = _split(model_key)
+        self.estimated_accuracy.labels(model, role, question).set(accuracy)
+        self.estimated_brier.labels(model, role, question).set(brier)
+        self.estimated_log_loss.labels(model, role, question).set(log_loss)
 
     def count_by_model(self, series: Counter, counts: Mapping[str, int]) -> None:
         """Add ``counts`` (by model key, ``role:model``) to one of the per-model counters."""

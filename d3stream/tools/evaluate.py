@@ -1,7 +1,7 @@
 """``d3stream evaluate``: live evaluation, and its figures read back.
 
     d3stream evaluate                      # the worker: join labels with answers, publish evaluations, metrics
-    d3stream evaluate --report [--json]    # accuracy, Brier, log loss and ECE per model from the evaluations
+    d3stream evaluate --report [--json]    # accuracy, Brier, log loss, ECE and the estimates per model
 
 The worker (``kafka/evaluating.py``) joins the label topic with the answer topic and the shadow topic, per
 partition and exactly once, publishes one evaluation record per joined request and model
@@ -54,7 +54,7 @@ def figures(evaluations: Iterable[object]) -> list[ModelFigures]:
             scored = Scored(type=question["type"], label_option=question["label_option"],
                             predicted=question["predicted"], p_label=question["p_label"],
                             confidence=question["confidence"], correct=question["correct"], brier=question["brier"],
-                            log_loss=question["log_loss"])
+                            log_loss=question["log_loss"], expected_brier=question.get("expected_brier"))
             overall.add(scored)
             by_question.setdefault(question_id, Tally()).add(scored)
     return [ModelFigures(model, role, requests[0], overall.stats(),
@@ -65,7 +65,8 @@ def figures(evaluations: Iterable[object]) -> list[ModelFigures]:
 
 def _stats_json(stats: LabelStats) -> dict[str, Any]:
     return {"n": stats.n, "accuracy": stats.accuracy, "brier": stats.brier, "log_loss": stats.log_loss,
-            "ece": stats.ece}
+            "ece": stats.ece, "estimated_accuracy": stats.estimated_accuracy, "estimated_brier": stats.estimated_brier,
+            "accuracy_error": stats.accuracy_error, "brier_error": stats.brier_error}
 
 
 def figures_json(models: list[ModelFigures]) -> dict[str, Any]:
@@ -82,11 +83,15 @@ def render(models: list[ModelFigures]) -> str:
     if not models:
         return "no evaluations yet: are labels arriving on the label topic, and is d3stream evaluate running?"
     lines = [f"{'role':<8}{'model':<24}{'question':<16}{'n':>8}{'accuracy':>10}{'Brier':>9}{'log loss':>10}"
-             f"{'ECE':>9}"]
+             f"{'ECE':>9}{'est. acc.':>11}{'est. Brier':>11}{'acc. err.':>11}{'Brier err.':>11}"]
     for m in models:
         for question, stats in [("(all)", m.overall), *m.by_question.items()]:
             lines.append(f"{m.role:<8}{m.model:<24}{question:<16}{stats.n:>8}{_fmt(stats.accuracy):>10}"
-                         f"{_fmt(stats.brier):>9}{_fmt(stats.log_loss):>10}{_fmt(stats.ece):>9}")
+                         f"{_fmt(stats.brier):>9}{_fmt(stats.log_loss):>10}{_fmt(stats.ece):>9}"
+                         f"{_fmt(stats.estimated_accuracy):>11}{_fmt(stats.estimated_brier):>11}"
+                         f"{_fmt(stats.accuracy_error):>11}{_fmt(stats.brier_error):>11}")
+    lines.append("est.: what the answers expected of themselves from their own probabilities (CBPE); err.: expected "
+                 "minus realized over the same labelled questions, near 0 while the model is calibrated")
     return "\n".join(lines)
 
 

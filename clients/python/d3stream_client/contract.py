@@ -264,6 +264,9 @@ class LabelledQuestion(msgspec.Struct, kw_only=True):
     correct: bool
     brier: Annotated[float, msgspec.Meta(description="sum over the options of (p - onehot(label))^2")]
     log_loss: Annotated[float, msgspec.Meta(description="-ln p_label (p_label clipped at 1e-15)")]
+    expected_brier: Annotated[float, msgspec.Meta(
+        description="1 - sum of p^2: the Brier term the answer expected of itself if calibrated (its expected "
+                    "accuracy is confidence)")] | None = None
 
 
 class Evaluation(msgspec.Struct, kw_only=True, omit_defaults=True):
