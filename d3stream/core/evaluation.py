@@ -208,13 +208,14 @@ class JoinState:
     # -------------------------------------------------------------------------------- taking records in
 
     def take_answer(self, request_id: str, entry: AnswerEntry) -> list[Joined] | None:
-        """An answer read from the answer (or shadow) topic; the evaluations it completes, None when the request
-        has an answer of that model already (a repeat: the first one counts) or its state was evicted."""
+        """An answer read from the answer (or shadow) topic; the evaluations it completes (none when its
+        request's state was evicted: it is counted, not kept), None when the request has an answer of that model
+        already (a repeat: the first one counts)."""
         self.tick(entry.source.timestamp)
         waiting, before = self._get(request_id, entry.source.timestamp)
         if waiting.evicted:
             self.outcomes.bump(self.outcomes.after_eviction, "answer")
-            return None
+            return []
         if any(a.model_key == entry.model_key for a in waiting.answers):
             self.outcomes.duplicate_answers += 1
             return None
@@ -409,6 +410,7 @@ class JoinState:
                     self._count(request_id, held, +1)
                     self.tick(held.first_ms)
             applied += 1
+        store.flush()  # a whole changelog must not wait in the store's write buffer
         return applied
 
 

@@ -11,9 +11,10 @@ Two kinds of library records are known not to mean what their level says, and ar
 (``_Levels``) so that a run that works reads clean:
 
 * aiokafka's reports of a group coordinator that is not there yet (a broker that has just started, a
-  coordinator that moved), which it retries by itself: ``info`` while the condition is young; one that
-  lasts longer than ``TRANSIENT_GRACE_S`` (a broker whose offsets topic cannot be created, say) is a real
-  problem and is logged at its own level again.
+  coordinator that moved), and of a produce it retries (``NotEnoughReplicas`` right after a topic is
+  created, a leader that moved), which it retries by itself: ``info`` while the condition is young; one that
+  lasts longer than ``TRANSIENT_GRACE_S`` (a broker whose offsets topic cannot be created, a partition whose
+  replicas stay out of sync) is a real problem and is logged at its own level again.
 * transformers' warnings that a Gated DeltaNet op falls back to its reference PyTorch code (the fast
   kernels are CUDA-only): ``debug``. Commands say it once, in plain words, from what the model really runs
   (:func:`kernel_notice`).
@@ -45,6 +46,8 @@ _COORDINATOR_STARTING = frozenset({
     ("aiokafka.consumer.group_coordinator",
      "Heartbeat failed for group %s: coordinator (node %s) is either not started or not valid"),
     ("aiokafka.cluster", "Topic %s is not available during auto-create initialization"),
+    # Only the errors it may retry reach this template (the others fail the batch).
+    ("aiokafka.producer.sender", "Got error produce response on topic-partition %s, retrying. Error: %s"),
 })
 
 # transformers.integrations.hub_kernels: "`chunk_gated_delta_rule` is falling back to its reference PyTorch
