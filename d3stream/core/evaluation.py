@@ -317,21 +317,18 @@ class JoinState:
         self._forget(request_id, held)
         if held.marker:
             return
-        waiting = decode_waiting(held.value)
-        for answer in waiting.answers:
-            if answer.model_key not in waiting.joined:
-                self.outcomes.bump(self.outcomes.expired_answers, answer.model_key)
-        if waiting.labels and not waiting.answers:
-            self.outcomes.unmatched_labels += len(waiting.labels)
+        models, labels = _still_waiting(decode_waiting(held.value))
+        for model_key in models:
+            self.outcomes.bump(self.outcomes.expired_answers, model_key)
+        self.outcomes.unmatched_labels += labels
 
     def _evict(self, request_id: str, held: Held) -> None:
         """Over the byte budget before its window: what waited counts as evicted, and a marker stays."""
         waiting = decode_waiting(held.value)
-        for answer in waiting.answers:
-            if answer.model_key not in waiting.joined:
-                self.outcomes.bump(self.outcomes.evicted_answers, answer.model_key)
-        if waiting.labels and not waiting.answers:
-            self.outcomes.evicted_labels += len(waiting.labels)
+        models, labels = _still_waiting(waiting)
+        for model_key in models:
+            self.outcomes.bump(self.outcomes.evicted_answers, model_key)
+        self.outcomes.evicted_labels += labels
         self.outcomes.evicted += 1
         self._put(request_id, Waiting(first_ms=waiting.first_ms, evicted=True), held)
 
@@ -414,10 +411,16 @@ class JoinState:
         return applied
 
 
+def _still_waiting(waiting: Waiting) -> tuple[list[str], int]:
+    """What of a request still waits: the model keys of its answers no label joined, and its label events
+    when no answer came."""
+    models = [answer.model_key for answer in waiting.answers if answer.model_key not in waiting.joined]
+    return models, len(waiting.labels) if not waiting.answers else 0
+
+
 def _held(waiting: Waiting, value: bytes) -> Held:
     """The store's entry of an encoded record: its answers waiting for a label and labels waiting for an answer."""
     if waiting.evicted:
         return Held(waiting.first_ms, value, marker=True)
-    answers = sum(1 for answer in waiting.answers if answer.model_key not in waiting.joined)
-    labels = len(waiting.labels) if not waiting.answers else 0
-    return Held(waiting.first_ms, value, answers, labels)
+    models, labels = _still_waiting(waiting)
+    return Held(waiting.first_ms, value, len(models), labels)

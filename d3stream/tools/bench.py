@@ -959,14 +959,7 @@ def _run_service_bench(args: argparse.Namespace) -> int:
     tables: list[str] = []
     if args.kafka:
         with tqdm(total=4, desc="kafka", unit="run", file=sys.stderr, disable=not args.progress) as bar:
-            started: list[str] = []
-
-            def step(name: str) -> None:  # called as each run starts: the previous one is done
-                bar.update(1 if started else 0)
-                started.append(name)
-                bar.set_postfix_str(name)
-
-            report["kafka"] = bench_service.kafka_overhead(args.kafka, progress=step)
+            report["kafka"] = bench_service.kafka_overhead(args.kafka, progress=_stepper(bar))
             bar.update(bar.total - bar.n)
         tables.append(bench_service.kafka_markdown(report["kafka"]))
     if args.evaluate:
@@ -978,14 +971,7 @@ def _run_service_bench(args: argparse.Namespace) -> int:
         from d3stream.tools.bench_evaluate import volume_bench, volume_markdown
 
         with tqdm(total=5, desc="evaluate-volume", unit="step", file=sys.stderr, disable=not args.progress) as bar:
-            stages: list[str] = []
-
-            def stage(name: str) -> None:  # called as each step starts: the previous one is done
-                bar.update(1 if stages else 0)
-                stages.append(name)
-                bar.set_postfix_str(name)
-
-            report["evaluate_volume"] = volume_bench(args.evaluate_volume, tick=stage)
+            report["evaluate_volume"] = volume_bench(args.evaluate_volume, tick=_stepper(bar))
             bar.update(bar.total - bar.n)
         tables.append(volume_markdown(report["evaluate_volume"]))
     if args.soak or args.soak_images or args.ask or args.head_of_line or args.stream:
@@ -1031,6 +1017,18 @@ def _run_service_bench(args: argparse.Namespace) -> int:
 
 
 
+def _stepper(bar: Any) -> Callable[[str], None]:
+    """A progress callback called as each run or step of a benchmark starts: the previous one is done."""
+    started: list[str] = []
+
+    def step(name: str) -> None:
+        bar.update(1 if started else 0)
+        started.append(name)
+        bar.set_postfix_str(name)
+
+    return step
+
+
 def _client_side_benches(args: argparse.Namespace, root: Path, report: dict[str, Any], tables: list[str]) -> None:
     """``--head-of-line``, ``--ask`` and ``--stream``: what a subscriber or a caller of the client waits, and what
     an operator's stream gets against a plain loop, on the embedded stack."""
@@ -1042,15 +1040,8 @@ def _client_side_benches(args: argparse.Namespace, root: Path, report: dict[str,
         rounds = max(2, args.repeat)
         with tqdm(total=len(RUNS) * (rounds + 1), desc="stream", unit="run", file=sys.stderr,
                   disable=not args.progress) as bar:
-            steps: list[str] = []
-
-            def step(name: str) -> None:  # called as each run starts: the previous one is done
-                bar.update(1 if steps else 0)
-                steps.append(name)
-                bar.set_postfix_str(name)
-
             report["stream"] = stream_bench(root, args.stream, rounds=rounds, seed=args.seed, threads=args.threads,
-                                            images_per_request=args.stream_images, progress=step)
+                                            images_per_request=args.stream_images, progress=_stepper(bar))
             bar.update(bar.total - bar.n)
         tables.append(stream_markdown(report["stream"]))
     if args.head_of_line:
