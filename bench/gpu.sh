@@ -99,7 +99,7 @@ EOF
 if [ ! -f "$CKPT/MODEL_MANIFEST.json" ]; then
     started=$SECONDS
     PYTHONPATH="$BASE_PATH" "$PYTHON" -c \
-        'import sys; from d3stream.tools.build_checkpoint import build_checkpoint as b; print(b(sys.argv[1], size=sys.argv[2]))' \
+        'import sys; from d3stream.dev.build_checkpoint import build_checkpoint as b; print(b(sys.argv[1], size=sys.argv[2]))' \
         "$CKPT" "$SIZE"
     echo "checkpoint built in $((SECONDS - started)) s" | tee -a "$OUT/preflight.log"
 fi
@@ -109,7 +109,7 @@ if ! PYTHONPATH="$RUN_PATH" "$PYTHON" - "$CKPT" "$DEVICE" "$OUT/kernels.json" "$
 import json
 import sys
 
-from d3stream.tools.bench import kernel_check
+from d3stream.benchmarks.bench import kernel_check
 from d3stream.runtime import D3
 
 checkpoint, device, out, tickets, pictures = sys.argv[1:]
@@ -128,7 +128,7 @@ fi
 
 status=0
 # shellcheck disable=SC2086  # SWEEP and BENCH_ARGS are lists of flags
-PYTHONPATH="$RUN_PATH" timeout "${LIMIT_S:-420}" "$PYTHON" -m d3stream.tools.bench --workload "${WORKLOAD:-all}" \
+PYTHONPATH="$RUN_PATH" timeout "${LIMIT_S:-420}" "$PYTHON" -m d3stream.benchmarks.bench --workload "${WORKLOAD:-all}" \
     --device "$DEVICE" --checkpoint "$CKPT" ${SWEEP:---calibrate} --scale "${SCALE:-1}" --no-progress \
     --variant buckets --variant media_per_request \
     --out "$OUT/bench.json" --markdown "$OUT/bench.md" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1 || status=$?

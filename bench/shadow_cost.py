@@ -32,7 +32,7 @@ from d3stream_client.publisher import produce
 from d3stream.config import Settings
 from d3stream.runtime import D3
 from d3stream.service import Service
-from d3stream.tools.bench_service import serve_until_answered, small_requests
+from d3stream.benchmarks.bench_service import serve_until_answered, small_requests
 
 CONFIGS: tuple[tuple[str, float | None], ...] = (("no shadow", None), ("shadow, share 1.0", 1.0),
                                                   ("shadow, share 0.25", 0.25))
@@ -93,7 +93,7 @@ async def _latencies(settings: Settings, live: Any, shadow: Any, records: list[t
 
 
 def measure(live_dir: Path, shadow_dir: Path, requests: int, threads: int | None, device: str | None) -> dict[str, Any]:
-    from d3stream.tools.infra import KafkaBroker, ensure_jars
+    from d3stream.dev.infra import KafkaBroker, ensure_jars
 
     live = D3.from_pretrained(live_dir, device=device, model_name="live")
     shadow = D3.from_pretrained(shadow_dir, device=device, model_name="candidate")
@@ -150,7 +150,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         live_dir, shadow_dir = args.live, args.shadow
         if live_dir is None or shadow_dir is None:
-            from d3stream.tools.build_checkpoint import build_checkpoint
+            from d3stream.dev.build_checkpoint import build_checkpoint
 
             live_dir = live_dir or Path(build_checkpoint(Path(folder) / "live", size="tiny", seed=0, vision=False))
             shadow_dir = shadow_dir or Path(build_checkpoint(Path(folder) / "shadow", size="tiny", seed=1, vision=False))

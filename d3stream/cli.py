@@ -14,7 +14,7 @@ from typing import Any
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
-    from d3stream.tools.build_checkpoint import build_checkpoint
+    from d3stream.dev.build_checkpoint import build_checkpoint
 
     out = build_checkpoint(
         Path(args.out),
@@ -33,7 +33,7 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _demo_task(args: argparse.Namespace) -> int:
-    from d3stream.tools import tasks
+    from d3stream.dev import tasks
 
     seed = tasks.HELDOUT_SEED if args.seed is None else args.seed
     examples = tasks.draw(seed, args.tickets, args.pictures, prefix="heldout" if args.seed is None else None)

@@ -274,9 +274,9 @@ def _print_live_evaluation(live: dict, offline: dict, same: bool) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from d3stream.dev.demo import run_demo
+    from d3stream.dev.infra import InfraError
     from d3stream.ops.logs import configure_logging
-    from d3stream.tools.demo import run_demo
-    from d3stream.tools.infra import InfraError
 
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
     try:
@@ -289,7 +289,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        from d3stream.tools.tasks import showcase
+        from d3stream.dev.tasks import showcase
 
         texts = {e.id: e.request["state"]["text"] for e in showcase() if isinstance(e.request["state"], dict)}
         shown = [a for a in answers if not a["id"].startswith("heldout-")]
@@ -313,8 +313,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _chaos(args: argparse.Namespace) -> int:
+    from d3stream.benchmarks.chaos import delivery_costs, iter_table, run_chaos
     from d3stream.ops.logs import configure_logging
-    from d3stream.tools.chaos import delivery_costs, iter_table, run_chaos
 
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
     if args.delivery_costs:
@@ -394,7 +394,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     chaos.add_argument("--rate", type=float, default=100.0, help="arrival rate for the latency run of --delivery-costs")
     chaos.set_defaults(run=_chaos)
 
-    from d3stream.tools import bench, compare, evaluate, replay
+    from d3stream.benchmarks import bench
+    from d3stream.jobs import compare, evaluate, replay
 
     bench.register(commands)
     compare.register(commands)

@@ -1,4 +1,4 @@
-"""Pytest plugin: real Kafka and S3 servers for the test session (see ``d3stream.tools.infra``).
+"""Pytest plugin: real Kafka and S3 servers for the test session (see ``d3stream.dev.infra``).
 
 Enable with ``pytest_plugins = ["tests.infra_fixtures"]`` in ``tests/conftest.py`` (or ``-p tests.infra_fixtures``).
 The servers start lazily -- only when a test asks for a fixture -- once per session, and stop at its
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from d3stream.tools.infra import KafkaBroker, ObjectStore, java_available
+from d3stream.dev.infra import KafkaBroker, ObjectStore, java_available
 
 
 def _require_infra() -> None:

@@ -1,7 +1,7 @@
 """Pytest plugin: tiny D3 checkpoints and loaded models, built once per test session.
 
 Enable with ``pytest_plugins = ["tests.model_fixtures"]`` (``tests/conftest.py`` does). Everything is lazy:
-a checkpoint is built (``d3stream.tools.build_checkpoint.build_checkpoint``, ``size="tiny"``, seed 0) the
+a checkpoint is built (``d3stream.dev.build_checkpoint.build_checkpoint``, ``size="tiny"``, seed 0) the
 first time a test asks for it, a model is loaded the first time a test asks for that, and both live for
 the rest of the session. Loaded models are shared: a test that changes one must undo it (use
 ``monkeypatch``), or load its own copy with ``load_model``.
@@ -117,7 +117,7 @@ def build(out: str | os.PathLike, *, sharpen: bool = True, **options: Any) -> Pa
     ``checkpoint_root``): the first takes a file lock and builds, the others wait and reuse it."""
     from filelock import FileLock
 
-    from d3stream.tools.build_checkpoint import build_checkpoint
+    from d3stream.dev.build_checkpoint import build_checkpoint
 
     out = Path(out)
     built = out.parent / f".{out.name}.built"

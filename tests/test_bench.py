@@ -1,4 +1,4 @@
-"""``d3stream bench`` (d3stream/tools/bench.py): structure of its report on a tiny checkpoint, never its speed."""
+"""``d3stream bench`` (d3stream/benchmarks/bench.py): structure of its report on a tiny checkpoint, never its speed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from d3stream.tools import bench
+from d3stream.benchmarks import bench
 
 PATH_KEYS = {
     "seconds", "questions", "questions_per_s", "requests_per_s", "input_tokens_per_s", "computed_tokens_per_s",
@@ -144,7 +144,7 @@ def test_best_seconds_takes_each_pass_at_its_fastest():
 
 
 def test_null_model_validates_questions_and_answers_uniformly():
-    from d3stream.tools.bench_service import QUESTIONS, NullModel
+    from d3stream.benchmarks.bench_service import QUESTIONS, NullModel
 
     model = NullModel()
     prepared = model.prepare("a state", {"ok": QUESTIONS[1], "bad": {"type": "choice", "criteria": {}}})
@@ -159,8 +159,8 @@ def test_kafka_overhead_runs_raw_and_service_side_by_side(kafka_broker, unique_n
     """Every request answered once by each path (the figures themselves are for the README, not asserted)."""
     import asyncio
 
-    from d3stream.tools.bench_service import kafka_markdown, kafka_overhead
-    from d3stream.tools.chaos import count_topic
+    from d3stream.benchmarks.bench_service import kafka_markdown, kafka_overhead
+    from d3stream.benchmarks.chaos import count_topic
 
     prefix = unique_name("kb")
     report = kafka_overhead(300, rounds=2, broker=kafka_broker, prefix=prefix)
@@ -178,7 +178,7 @@ def test_kafka_overhead_runs_raw_and_service_side_by_side(kafka_broker, unique_n
 
 
 def test_rss_soak_reports_samples_and_a_verdict(kafka_broker, unique_name, qwen35_text_model):
-    from d3stream.tools.bench_service import rss_soak
+    from d3stream.benchmarks.bench_service import rss_soak
 
     report = rss_soak(qwen35_text_model, 400, chunk=100, threads=None, broker=kafka_broker, prefix=unique_name("soak"))
     assert report["requests"] == 400 and report["samples"][-1][0] == 400
@@ -187,7 +187,7 @@ def test_rss_soak_reports_samples_and_a_verdict(kafka_broker, unique_name, qwen3
 
 
 def test_soak_verdict_tells_flat_from_growing():
-    from d3stream.tools.bench_service import soak_verdict
+    from d3stream.benchmarks.bench_service import soak_verdict
 
     mb = 2**20
     flat = [(n, 1000 * mb + (n % 3) * mb) for n in range(0, 100_000, 2_000)]

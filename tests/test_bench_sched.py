@@ -1,11 +1,11 @@
-"""The plumbing of ``d3stream bench --scheduling`` (d3stream/tools/bench_sched.py) with tiny counts: every figure
+"""The plumbing of ``d3stream bench --scheduling`` (d3stream/benchmarks/bench_sched.py) with tiny counts: every figure
 is there and the expired burst costs no pass. No timing is asserted."""
 
 from __future__ import annotations
 
 import pytest
 
-from d3stream.tools.bench_sched import STAGES, scheduling_bench, scheduling_markdown
+from d3stream.benchmarks.bench_sched import STAGES, scheduling_bench, scheduling_markdown
 
 
 @pytest.mark.slow  # runs the scheduling benchmark

@@ -1,4 +1,4 @@
-"""The offline random-weight checkpoint builder (d3stream.tools.build_checkpoint) and package manifests."""
+"""The offline random-weight checkpoint builder (d3stream.dev.build_checkpoint) and package manifests."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from d3stream import config  # noqa: E402
+from d3stream.dev import build_checkpoint as ck  # noqa: E402
 from d3stream.runtime import format as d3_format  # noqa: E402
 from d3stream.runtime import package  # noqa: E402
-from d3stream.tools import build_checkpoint as ck  # noqa: E402
 
 VARIANTS = {
     "qwen3_5": {"backbone": "qwen3_5", "vision": True},

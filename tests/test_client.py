@@ -34,8 +34,8 @@ from d3stream_client.contract import Answer, Source, decode_answer
 from d3stream_client.publisher import produce
 from d3stream_client.validation import RequestLimits
 
+from d3stream.benchmarks.chaos import WorkerProcess, worker_env
 from d3stream.service import Service
-from d3stream.tools.chaos import WorkerProcess, worker_env
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, Reader, assigned_and_ready, committed, run, stop
 
 CLIENT = Path(__file__).resolve().parents[1] / "clients" / "python"
@@ -352,7 +352,7 @@ def test_the_produce_command_helper_publishes_records_as_they_are(stack):
 
 
 def test_the_ask_benchmark_reports_ask_and_worker_latency_in_both_modes(stack, qwen35_checkpoint):
-    from d3stream.tools.bench_ask import ask_latency, ask_markdown
+    from d3stream.benchmarks.bench_ask import ask_latency, ask_markdown
 
     report = ask_latency(qwen35_checkpoint, 12, rate=40, broker=stack.broker)
     assert set(report) == {"exactly_once", "at_least_once"}

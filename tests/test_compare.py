@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from d3stream.tools.compare import (
+from d3stream.dev.infra import KafkaBroker
+from d3stream.jobs.compare import (
     Report,
     SourceError,
     TopicRange,
@@ -24,7 +25,6 @@ from d3stream.tools.compare import (
     register,
     write_report,
 )
-from d3stream.tools.infra import KafkaBroker
 
 approx = pytest.approx
 

@@ -1,9 +1,9 @@
 """Delivery guarantees under crashes, broker restarts, zombies and rebalances, on the real broker.
 
-* Crash cycles: real ``d3stream serve`` processes (``d3stream.tools.chaos.WorkerProcess``) SIGKILLed at random
-  moments while a stream of valid and hostile requests (``d3stream.tools.chaos.build_stream``) is being served,
+* Crash cycles: real ``d3stream serve`` processes (``d3stream.benchmarks.chaos.WorkerProcess``) SIGKILLed at random
+  moments while a stream of valid and hostile requests (``d3stream.benchmarks.chaos.build_stream``) is being served,
   then restarted; the answer topic is counted with a fresh ``read_committed`` reader
-  (``d3stream.tools.chaos.count_topic``). exactly_once: every request exactly one committed answer.
+  (``d3stream.benchmarks.chaos.count_topic``). exactly_once: every request exactly one committed answer.
   at_least_once: every request at least one, and the duplicates carry the same key and ``answer_id``.
 * The broker restarts under an in-process service: nothing lost, nothing doubled.
 * A zombie: two ``CommitInTransaction`` policies whose producers share a partition's transactional id. Once the
@@ -31,11 +31,11 @@ from typing import Any
 import pytest
 from d3stream_client.publisher import produce
 
+from d3stream.benchmarks.chaos import WorkerProcess, build_stream, count_topic, worker_env
 from d3stream.kafka.commits import Answered, CommitInTransaction
 from d3stream.kafka.offsets import OffsetTracker
 from d3stream.kafka.publishing import Outgoing
 from d3stream.service import Service
-from d3stream.tools.chaos import WorkerProcess, build_stream, count_topic, worker_env
 from tests.media_makers import make_png
 from tests.stream_helpers import (
     Q_CHOICE,
@@ -585,7 +585,7 @@ def test_work_that_outlives_the_rebalance_drain_is_not_committed_twice(stack, qw
 def test_the_delivery_cost_pacer_publishes_everything_a_tick_at_a_time(kafka_broker, topic_names):
     """``chaos.publish_paced`` (the paced stream of ``chaos --delivery-costs``): every record, in order, spread
     over ticks of a tenth of a second (25 records at 100/s: ticks at 0, 0.1 and 0.2 s)."""
-    from d3stream.tools.chaos import publish_paced
+    from d3stream.benchmarks.chaos import publish_paced
 
     topic = topic_names("paced")
     kafka_broker.create_topic(topic, 1)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
-from d3stream.tools.demo import HELDOUT_PICTURES, HELDOUT_TICKETS, run_demo
-from d3stream.tools.tasks import showcase
+from d3stream.dev.demo import HELDOUT_PICTURES, HELDOUT_TICKETS, run_demo
+from d3stream.dev.tasks import showcase
 
 # The showcase, the held-out draw, then video, mixed, invalid-question and malformed records.
 PUBLISHED = len(showcase()) + HELDOUT_TICKETS + HELDOUT_PICTURES + 4

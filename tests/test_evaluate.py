@@ -37,10 +37,10 @@ from d3stream.config import load_settings
 from d3stream.core.agreement import Slot, Tally, label_key, label_stats, parse_slot, score
 from d3stream.core.drift import Drift, psi
 from d3stream.core.evaluation import JoinState, LabelEntry, answer_entry, decode_waiting
+from d3stream.jobs import compare
+from d3stream.jobs.evaluate import figures, figures_json, load_drift, read_figures, run_worker
 from d3stream.kafka.evaluating import EvaluateSetupError, EvaluateTopics, prepare_topics
 from d3stream.ops.quality import QualityMetrics
-from d3stream.tools import compare
-from d3stream.tools.evaluate import figures, figures_json, load_drift, read_figures, run_worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -194,8 +194,8 @@ def test_a_score_label_that_is_a_string_names_a_level_by_its_text_even_a_digit()
     # An answer from before the legend was recorded: a digit string is the only reading left, an index.
     bare = parse_slot({key: value for key, value in raw.items() if key != "legend"})
     assert bare is not None and label_key(bare, "3") == "3"
+    from d3stream.dev.train import _option_index
     from d3stream.runtime.questions import normalize_question
-    from d3stream.tools.train import _option_index
 
     question = normalize_question({"type": "score", "criteria": levels})
     assert _option_index(question, "3") == 2 and _option_index(question, 3) == 3

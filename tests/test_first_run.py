@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from aiokafka.errors import GroupAuthorizationFailedError, GroupCoordinatorNotAvailableError
 
+from d3stream.dev import infra
 from d3stream.ops import logs
-from d3stream.tools import infra
 
 COORDINATOR = "aiokafka.consumer.group_coordinator"
 KERNELS = "transformers.integrations.hub_kernels"

@@ -618,7 +618,7 @@ def sasl_broker(kafka_broker):
     """A second broker whose only client listener is SASL_PLAINTEXT with PLAIN users admin and d3worker.
 
     (It asks for ``kafka_broker`` only to share its skip-or-fail rule when java or the jars are missing.)"""
-    from d3stream.tools.infra import KafkaBroker
+    from d3stream.dev.infra import KafkaBroker
 
     port, controller = free_port(), free_port()
     jaas = (

@@ -23,8 +23,8 @@ import pytest
 from d3stream_client.contract import HEADERS
 
 from d3stream.config import Settings, check_settings
+from d3stream.jobs.replay import ReplayRange, run_replay
 from d3stream.ops.tracing import Tracing, forwarded_headers, header_names, traces_url
-from d3stream.tools.replay import ReplayRange, run_replay
 from tests.media_makers import make_png
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, Reader, free_port, read_all, record, run, serve
 
@@ -68,7 +68,7 @@ def test_header_and_tracing_settings_are_checked():
         check_settings(Settings(forward_headers_max_bytes=-1))
     assert Tracing.from_settings(Settings()) is None  # off by default: the service builds no spans at all
     # ... and never imports OpenTelemetry (checked in a fresh interpreter: this session may have imported it).
-    probe = ("import sys, d3stream.service, d3stream.tools.replay; from d3stream.config import Settings; "
+    probe = ("import sys, d3stream.service, d3stream.jobs.replay; from d3stream.config import Settings; "
              "from d3stream.ops.tracing import Tracing; assert Tracing.from_settings(Settings()) is None; "
              "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120,

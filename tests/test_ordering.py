@@ -23,9 +23,9 @@ from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from d3stream_client.connection import partition_for
 
+from d3stream.benchmarks.chaos import WorkerProcess, worker_env
 from d3stream.kafka.offsets import decode_done, window_offsets
 from d3stream.service import Service
-from d3stream.tools.chaos import WorkerProcess, worker_env
 from tests.media_makers import make_png
 from tests.stream_helpers import Q_NOUL, Reader, run, serve
 
@@ -192,7 +192,7 @@ def test_a_full_read_window_pauses_the_partition_and_nothing_is_lost(stack, prox
 
 
 def test_the_head_of_line_benchmark_reports_text_latency_for_each_run(stack, qwen35_checkpoint):
-    from d3stream.tools.bench_ordering import RUNS, head_of_line, head_of_line_markdown
+    from d3stream.benchmarks.bench_ordering import RUNS, head_of_line, head_of_line_markdown
 
     report = head_of_line(qwen35_checkpoint, seconds=2, delay_s=0.5, stack=(stack.broker, stack.store))
     assert report["stream"]["delay_s"] == 0.5
@@ -204,7 +204,7 @@ def test_the_head_of_line_benchmark_reports_text_latency_for_each_run(stack, qwe
 
 
 def test_the_stream_benchmark_answers_every_request_both_ways(stack, qwen35_checkpoint):
-    from d3stream.tools.bench_stream import RUNS, stream_bench, stream_markdown
+    from d3stream.benchmarks.bench_stream import RUNS, stream_bench, stream_markdown
 
     report = stream_bench(qwen35_checkpoint, 16, rounds=1, stack=(stack.broker, stack.store))
     assert report["with_images"] >= 1 and report["images"] >= report["with_images"]

@@ -16,10 +16,10 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from d3stream_client.publisher import produce
 
+from d3stream.benchmarks.chaos import count_topic
 from d3stream.config import Settings
+from d3stream.jobs.replay import ReplayRange, parse_time, replay_drift, run_replay
 from d3stream.service import Service
-from d3stream.tools.chaos import count_topic
-from d3stream.tools.replay import ReplayRange, parse_time, replay_drift, run_replay
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from d3stream.dev.tasks import showcase
 from d3stream.runtime import D3
 from d3stream.runtime.model import kernel_path
 from d3stream.runtime.package import write_manifest
-from d3stream.tools.tasks import showcase
 from tests.media_makers import frames_array, noise_image
 from tests.model_fixtures import copy_checkpoint, device_for_tests, float32, load_model
 

@@ -1,7 +1,7 @@
 """Scale-out: a consumer group of real ``d3stream serve`` workers stays healthy while workers die and come back.
 
 * Two and three workers in one group (``exactly_once``), session timeouts of 6 s and 10 s, a paced stream, a
-  worker SIGKILLed and restarted mid-stream (``d3stream.tools.scaleout.churn``): every request is answered exactly
+  worker SIGKILLed and restarted mid-stream (``d3stream.benchmarks.scaleout.churn``): every request is answered exactly
   once, the group settles (every worker up, all partitions owned, one generation) within
   ``session_timeout + SETTLE_MARGIN_S`` of the kill, and a kill and restart cost at most
   ``MAX_REBALANCES_PER_CHANGE`` group generations. No tracebacks, no never-retrieved future exceptions.
@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from d3stream.benchmarks.scaleout import churn, worker_settings
 from d3stream.config import Settings, check_settings, load_settings
 from d3stream.service import Service
-from d3stream.tools.scaleout import churn, worker_settings
 from tests.stream_helpers import Q_NOUL, GatedModel, Reader, assigned_and_ready, record, run, stop
 
 pytestmark = pytest.mark.timeout(300)

@@ -95,7 +95,7 @@ def pki(tmp_path_factory) -> dict[str, Path]:
 def secured_broker(kafka_broker, pki):
     """A broker with PLAINTEXT (admin), SSL (client certificates required) and SASL_SSL (SCRAM-SHA-512,
     OAUTHBEARER) listeners. (It asks for ``kafka_broker`` only to share its skip-or-fail rule.)"""
-    from d3stream.tools.infra import KafkaBroker
+    from d3stream.dev.infra import KafkaBroker
 
     plain, ssl_port, sasl_port, controller = (free_port() for _ in range(4))
     unsecured = "org.apache.kafka.common.security.oauthbearer.internals.unsecured"

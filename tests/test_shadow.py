@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from d3stream_client.publisher import produce
 
+from d3stream.benchmarks.chaos import WorkerProcess, count_topic, worker_env
 from d3stream.cli import main as cli_main
 from d3stream.config import load_settings
 from d3stream.core.shadow import chosen
 from d3stream.models.shadow import parse_shadow, shadow_hosted
 from d3stream.service import provenance_digest
-from d3stream.tools.chaos import WorkerProcess, count_topic, worker_env
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, Reader, close_to, read_all, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)

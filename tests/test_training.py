@@ -1,6 +1,6 @@
 """The trained demo checkpoint (``make-checkpoint --train demo``): its answers follow the requests.
 
-On the held-out draw of the synthetic task (``d3stream.tools.tasks.heldout``: a seed never trained on) the trained
+On the held-out draw of the synthetic task (``d3stream.dev.tasks.heldout``: a seed never trained on) the trained
 checkpoint must beat the random-weight checkpoint it was trained from by a wide margin in accuracy, and in
 Brier score too, measured as ``d3stream compare --labels`` measures it (``compare.compare`` with the label
 records). It is an ordinary checkpoint: its manifest verifies in full and says what was trained; training is
@@ -16,10 +16,11 @@ import shutil
 import pytest
 
 from d3stream.core import agreement
+from d3stream.dev import tasks
+from d3stream.dev.build_checkpoint import build_checkpoint
+from d3stream.dev.train import train_demo
+from d3stream.jobs import compare
 from d3stream.runtime.package import package_files, sha256_file, verify_package
-from d3stream.tools import compare, tasks
-from d3stream.tools.build_checkpoint import build_checkpoint
-from d3stream.tools.train import train_demo
 from tests.model_fixtures import DEMO_TEST_STEPS
 
 # The trained checkpoint's held-out accuracy must exceed the random one's by at least this much (measured

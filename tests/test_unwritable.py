@@ -32,9 +32,9 @@ from typing import Any
 import pytest
 from d3stream_client.publisher import produce
 
+from d3stream.benchmarks.chaos import WorkerProcess, count_topic, worker_env
 from d3stream.commands import WORKER_FATAL_EXIT
 from d3stream.kafka.limits import BROKER_DEFAULT_MAX_MESSAGE_BYTES
-from d3stream.tools.chaos import WorkerProcess, count_topic, worker_env
 from tests.stream_helpers import Q_NOUL, Reader, committed, read_all, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)
@@ -213,7 +213,7 @@ def authorizing_broker(kafka_broker):
     """A second broker with Kafka's StandardAuthorizer, which allows what no ACL names (so only the DENY ACLs a
     test adds apply; clients connect as User:ANONYMOUS). It asks for ``kafka_broker`` only to share its
     skip-or-fail rule when java or the jars are missing."""
-    from d3stream.tools.infra import KafkaBroker
+    from d3stream.dev.infra import KafkaBroker
 
     extra = {"authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
              "allow.everyone.if.no.acl.found": "true"}

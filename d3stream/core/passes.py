@@ -1,8 +1,8 @@
 """Forward passes for prepared requests: the row scheduler, shared-prefix reuse, and what each request rode in.
 
 Rows (question prompts) of many requests are packed into passes by a ``RowScheduler``: the token-budget
-``batching.BatchScheduler`` when serving, or a replay's ``OrderedPasses`` whose passes depend only on the
-source order (replay.py). A request with two or more rows on a causal checkpoint is first *planned*
+``batching.BatchScheduler`` when serving, or a replay's ``ordered.OrderedPasses`` whose passes depend only on the
+source order. A request with two or more rows on a causal checkpoint is first *planned*
 (``runtime.prefix.PrefixRunner.plan``: where its shared prefix ends) and then goes, whole, to a second
 scheduler whose calls run ``PrefixRunner.run_requests``: prefix passes fill each request's cache, suffix
 passes answer rows of many requests from their caches. Both schedulers share one model thread, so passes

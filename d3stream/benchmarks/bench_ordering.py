@@ -32,11 +32,11 @@ from d3stream_client.subscriber import AnswerSubscription
 
 from d3stream.config import Ordering, Settings
 from d3stream.core.storage import FetchedMedia, MediaFetcher, S3Location
+from d3stream.dev.demo import sample_png
 from d3stream.runtime import D3
-from d3stream.tools.demo import sample_png
 
 if TYPE_CHECKING:
-    from d3stream.tools.infra import KafkaBroker, ObjectStore
+    from d3stream.dev.infra import KafkaBroker, ObjectStore
 
 QUESTION = {"type": "choice", "criteria": {"billing": "a payment or a refund", "tech": "the app or the site",
                                            "account": "logging in or the profile"}}
@@ -76,8 +76,8 @@ def _stream(seconds: float, image_uri: str, seed: int) -> list[tuple[float, str,
 
 async def _one_run(settings: Settings, model: D3, fetcher: MediaFetcher, stream: list[tuple[float, str, dict]],
                    drain_s: float) -> dict[str, list[float]]:
+    from d3stream.benchmarks.bench_service import until_joined
     from d3stream.service import Service
-    from d3stream.tools.bench_service import until_joined
 
     service = Service(settings, model, fetcher=fetcher)
     task = asyncio.create_task(service.run())
@@ -117,7 +117,7 @@ def head_of_line(checkpoint: Path, *, seconds: float = 20.0, delay_s: float = 1.
                  stack: tuple[KafkaBroker, ObjectStore] | None = None, threads: int | None = 1) -> dict[str, Any]:
     """The three runs side by side on one broker and store (default: a fresh embedded pair)."""
     if stack is None:
-        from d3stream.tools.infra import local_stack
+        from d3stream.dev.infra import local_stack
 
         with local_stack(partitions=3) as fresh:
             return head_of_line(checkpoint, seconds=seconds, delay_s=delay_s, seed=seed, stack=fresh, threads=threads)

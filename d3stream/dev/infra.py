@@ -5,7 +5,7 @@ reproduce (transactions and ``read_committed``, consumer-group rebalances, a bro
 running consumer, S3 ETags and range reads). So tests start the actual programs:
 
 * **Kafka** 4.x in KRaft mode (one JVM acting as broker and controller), built from the Maven Central jars
-  listed in ``d3stream/tools/jvm/pom.xml`` -- no tarball download, no Docker.
+  listed in ``d3stream/dev/jvm/pom.xml`` -- no tarball download, no Docker.
 * **S3Proxy** (same pom, its self-contained jar) with the jclouds ``filesystem`` backend, so objects are
   ordinary files in a temporary folder and survive a stop/start of the server.
 
@@ -66,7 +66,7 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 POM_PATH = Path(__file__).parent / "jvm" / "pom.xml"
-"""The Maven pom naming the Kafka and S3Proxy jars (a data file; ``d3stream/tools/jvm`` is not a package)."""
+"""The Maven pom naming the Kafka and S3Proxy jars (a data file; ``d3stream/dev/jvm`` is not a package)."""
 
 _T = TypeVar("_T")
 

@@ -217,7 +217,7 @@ def write_task(out: str | Path, examples: list[Example]) -> tuple[Path, Path]:
 
 def answer_records(model: Any, examples: Iterable[Example]) -> dict[str, dict[str, Any]]:
     """Answer records by request id, from a loaded ``D3`` run in process (no Kafka): the input of
-    ``d3stream.tools.compare.compare`` with ``label_records`` as its labels."""
+    ``d3stream.jobs.compare.compare`` with ``label_records`` as its labels."""
     answers = {}
     for example in examples:
         request = example.request

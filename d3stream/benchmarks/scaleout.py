@@ -11,7 +11,7 @@ a container. For each such membership change it records
 
 and at the end counts every committed answer (``read_committed``): each request must be answered once.
 
-``python -m d3stream.tools.scaleout`` runs it on the embedded broker with and without static membership and
+``python -m d3stream.benchmarks.scaleout`` runs it on the embedded broker with and without static membership and
 prints the figures the README quotes; ``tests/test_scaleout.py`` runs it small, with assertions.
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from d3stream.tools.chaos import WorkerProcess, count_topic, worker_env
+from d3stream.benchmarks.chaos import WorkerProcess, count_topic, worker_env
 
 # Series read from each worker; all unlabelled.
 WATCHED = ("d3stream_group_generation", "d3stream_partitions_owned", "d3stream_rebalances_total",
@@ -346,8 +346,8 @@ def worker_settings(bootstrap: str, topics: Mapping[str, object], group: str, ch
 async def _report(workers: int, kills: int, cases: list[tuple[bool, int]]) -> list[dict[str, Any]]:
     import tempfile
 
-    from d3stream.tools.demo import demo_checkpoint
-    from d3stream.tools.infra import local_stack
+    from d3stream.dev.demo import demo_checkpoint
+    from d3stream.dev.infra import local_stack
 
     results = []
     folder = Path(tempfile.mkdtemp(prefix="d3stream-scaleout-"))
@@ -382,7 +382,7 @@ def _line(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m d3stream.tools.scaleout", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m d3stream.benchmarks.scaleout", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--cases", default="dynamic:6000,dynamic:10000,static:10000,static:45000",

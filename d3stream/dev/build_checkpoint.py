@@ -24,7 +24,7 @@ runtime loads like a trained checkpoint, without any network access:
 * ``MODEL_MANIFEST.json`` (:mod:`d3stream.runtime.package`) over all of it.
 
 ``train="demo"`` (tiny ``qwen3_5`` only) then fits the last decoder layer, the final norm and the readout
-on the synthetic support-ticket and picture task of :mod:`d3stream.tools.tasks` (:mod:`.train`, about a minute
+on the synthetic support-ticket and picture task of :mod:`d3stream.dev.tasks` (:mod:`.train`, about a minute
 on one CPU thread) before the manifest is written, so the answers follow the requests; the manifest's
 ``identity.trained`` says what was trained and how.
 
@@ -50,9 +50,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from d3stream.config import cache_root
+from d3stream.dev.progress import Progress
 from d3stream.runtime import format as d3_format
 from d3stream.runtime.package import write_manifest
-from d3stream.tools.progress import Progress
 
 if TYPE_CHECKING:
     import tokenizers
@@ -682,7 +682,7 @@ def build_checkpoint(
         with _steps(progress, steps, f"d3 checkpoint {name}") as bar:
             _write_files(staging, recipe, name, bar)
             if train is not None:
-                from d3stream.tools.train import DEFAULT_STEPS, train_demo
+                from d3stream.dev.train import DEFAULT_STEPS, train_demo
 
                 train_demo(
                     staging,

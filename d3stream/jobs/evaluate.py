@@ -97,8 +97,8 @@ def render(models: list[ModelFigures]) -> str:
 
 def read_figures(settings: Settings, timeout_s: float = 120.0) -> list[ModelFigures]:
     """The figures of everything on the evaluation topic now (committed records)."""
+    from d3stream.jobs.compare import TopicRange, read_topic
     from d3stream.kafka.connection import client_options
-    from d3stream.tools.compare import TopicRange, read_topic
 
     options = client_options(settings, "consumer", client_id=settings.client_id)
     servers = options.pop("bootstrap_servers")
@@ -111,7 +111,7 @@ def load_drift(settings: Settings) -> Drift:
     """The drift tracker, with the reference file's distribution when ``evaluate_drift_reference`` names one."""
     from d3stream.core.agreement import parse_slot
     from d3stream.core.drift import Drift, reference_bins
-    from d3stream.tools.compare import read_jsonl
+    from d3stream.jobs.compare import read_jsonl
 
     reference = None
     if settings.evaluate_drift_reference:
@@ -176,10 +176,10 @@ def _on_signals() -> asyncio.Event:
 
 def _run(args: argparse.Namespace) -> int:
     from d3stream.config import load_settings
+    from d3stream.jobs.compare import SourceError
     from d3stream.kafka.connection import check_connection, connecting
     from d3stream.kafka.evaluating import EvaluateSetupError
     from d3stream.ops.logs import configure_logging
-    from d3stream.tools.compare import SourceError
 
     try:
         settings = load_settings(args)

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from d3stream.config import DeliveryMode
+    from d3stream.dev.infra import KafkaBroker, ObjectStore
+    from d3stream.dev.progress import Progress
     from d3stream.runtime import D3
-    from d3stream.tools.infra import KafkaBroker, ObjectStore
-    from d3stream.tools.progress import Progress
 
 CHAOS_BUCKET = "d3stream-chaos"
 
@@ -313,8 +313,8 @@ async def run_chaos(
     from d3stream_client.publisher import produce
     from tqdm import tqdm
 
-    from d3stream.tools.demo import demo_checkpoint, sample_png
-    from d3stream.tools.infra import local_stack
+    from d3stream.dev.demo import demo_checkpoint, sample_png
+    from d3stream.dev.infra import local_stack
 
     started = time.perf_counter()
     rng = random.Random(seed)
@@ -430,9 +430,9 @@ async def publish_paced(bootstrap: str, topic: str, stream: list[tuple[bytes, by
 
 async def delivery_costs(requests: int = 1000, rate: float = 100.0, progress: bool = False) -> list[dict[str, Any]]:
     """Both delivery modes on the same stream and machine: flood throughput, and latency at ``rate``/s."""
+    from d3stream.dev.demo import demo_checkpoint
+    from d3stream.dev.infra import local_stack
     from d3stream.runtime import D3
-    from d3stream.tools.demo import demo_checkpoint
-    from d3stream.tools.infra import local_stack
 
     rows = []
     with local_stack(progress=progress) as (broker, _store):

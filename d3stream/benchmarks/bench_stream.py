@@ -29,14 +29,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from d3stream.benchmarks.bench_workloads import Request, make_stream
 from d3stream.config import Settings
 from d3stream.runtime import D3
-from d3stream.tools.bench_workloads import Request, make_stream
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-    from d3stream.tools.infra import KafkaBroker, ObjectStore
+    from d3stream.dev.infra import KafkaBroker, ObjectStore
 
 BUCKET = "bench-stream"
 PARTITIONS = 4
@@ -110,7 +110,7 @@ def _settings(broker: KafkaBroker, store: ObjectStore, topics: dict[str, str], g
 
 def _one_run(name: str, model: D3, stack: tuple[KafkaBroker, ObjectStore], topics: dict[str, str], group: str,
              count: int, threads: int | None) -> float:
-    from d3stream.tools.bench_service import consume_answer_loop, serve_until_answered
+    from d3stream.benchmarks.bench_service import consume_answer_loop, serve_until_answered
 
     broker, store = stack
     if name.startswith("loop"):
@@ -127,7 +127,7 @@ def stream_bench(checkpoint: Path, count: int = 300, *, rounds: int = 3, seed: i
                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The four runs side by side on one broker and store (default: a fresh embedded pair); figures as a dict."""
     if stack is None:
-        from d3stream.tools.infra import local_stack
+        from d3stream.dev.infra import local_stack
 
         with local_stack(partitions=PARTITIONS) as fresh:
             return stream_bench(checkpoint, count, rounds=rounds, seed=seed, threads=threads,

@@ -25,44 +25,27 @@ import argparse
 import asyncio
 import json
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from datetime import datetime
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import structlog
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
-from aiokafka.structs import ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer
 
 from d3stream.config import Settings
-from d3stream.core.batching import PassRecord
-from d3stream.core.passes import Outcome, model_thread
-from d3stream.core.seams import DecisionModel, Position, Scheduling
+from d3stream.core.ordered import OrderedPasses
+from d3stream.core.passes import model_thread
+from d3stream.core.seams import DecisionModel
 from d3stream.kafka.connection import client_options, connecting
+from d3stream.kafka.ranges import RangeRead, ReplayRange, resolve_bounds
 from d3stream.ops.metrics import Metrics
-from d3stream.runtime import Row
 from d3stream.service import Service
 
 log = structlog.get_logger(__name__)
 
 
 # ------------------------------------------------------------------------------------------ the range
-
-
-@dataclass
-class ReplayRange:
-    """What to replay: a topic, optionally some partitions, and where to start and stop."""
-
-    topic: str
-    partitions: list[int] | None = None
-    start_offset: int | None = None
-    end_offset: int | None = None  # exclusive
-    start_time: int | None = None  # epoch milliseconds, inclusive
-    end_time: int | None = None  # epoch milliseconds, exclusive
 
 
 def parse_time(text: str | None) -> int | None:
@@ -73,240 +56,6 @@ def parse_time(text: str | None) -> int | None:
         return int(text)
     moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     return int(moment.timestamp() * 1000)
-
-
-async def resolve_bounds(consumer: AIOKafkaConsumer, plan: ReplayRange) -> dict[TopicPartition, tuple[int, int]]:
-    """[start, end) offsets of every partition of the range, fixed when the replay starts."""
-    known = consumer.partitions_for_topic(plan.topic)
-    if not known:
-        await consumer._client.force_metadata_update()  # noqa: SLF001 - a fresh client knows no topics yet
-        known = consumer.partitions_for_topic(plan.topic)
-    if not known:
-        raise ValueError(f"topic {plan.topic!r} does not exist (setting: --from-topic)")
-    chosen = sorted(known) if plan.partitions is None else sorted(set(plan.partitions) & set(known))
-    if plan.partitions is not None and len(chosen) != len(set(plan.partitions)):
-        missing = sorted(set(plan.partitions) - set(known))
-        raise ValueError(f"topic {plan.topic!r} has no partition(s) {missing} (setting: --partitions)")
-    partitions = [TopicPartition(plan.topic, number) for number in chosen]
-    firsts = await consumer.beginning_offsets(partitions)
-    lasts = await consumer.end_offsets(partitions)
-
-    async def by_time(moment: int | None, fallback: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
-        if moment is None:
-            return fallback
-        found = await consumer.offsets_for_times({p: moment for p in partitions})
-        return {p: (found[p].offset if found.get(p) is not None else lasts[p]) for p in partitions}
-
-    starts = await by_time(plan.start_time, firsts)
-    ends = await by_time(plan.end_time, lasts)
-    bounds = {}
-    for partition in partitions:
-        start = max(starts[partition], plan.start_offset or 0, firsts[partition])
-        end = min(ends[partition], lasts[partition] if plan.end_offset is None else plan.end_offset)
-        bounds[partition] = (start, max(start, end))
-    return bounds
-
-
-# ------------------------------------------------------------------------------------ ordered passes
-
-
-# One row's answer: its probabilities and the record of the pass that ran it.
-_RowFuture = asyncio.Future[tuple[list[float], PassRecord]]
-
-
-@dataclass
-class _Slot:
-    offset: int
-    rows: list[Row] | None = None  # None while the request is not prepared yet
-    futures: list[_RowFuture] = field(default_factory=list)
-
-
-PartitionKey = tuple[str, int]
-
-
-def _settled_with(settled: Callable[[int, list[Outcome]], object], number: int,
-                  done: asyncio.Future[list[Outcome]]) -> None:
-    settled(number, list(done.result()))
-
-
-class OrderedPasses:
-    """A row scheduler whose passes depend only on the source order: per partition, rows in offset order,
-    ``rows_per_pass`` at a time (the last pass of a partition takes what is left)."""
-
-    def __init__(self, run: Callable[[list[Row]], list[list[float]]], rows_per_pass: int,
-                 executor: Executor | None = None, on_pass: Callable[[PassRecord], None] | None = None):
-        self._run = run
-        self.rows_per_pass = rows_per_pass
-        self._executor = executor or model_thread()
-        self._on_pass = on_pass
-        self._queues: dict[PartitionKey, deque[_Slot]] = {}
-        self._ready: dict[PartitionKey, list[tuple[tuple[Row, int], _RowFuture]]] = {}
-        self._closed: set[PartitionKey] = set()
-        self._lock = asyncio.Lock()
-        self._running: set[asyncio.Task[None]] = set()
-        self.passes: list[list[tuple[PartitionKey, int]]] = []  # (partition, offset) of each row, per pass
-
-    @property
-    def passes_run(self) -> int:
-        return len(self.passes)
-
-    def expect(self, positions: Sequence[Position]) -> None:
-        for topic, partition, offset in positions:
-            self._queues.setdefault((topic, partition), deque()).append(_Slot(offset))
-
-    def finished(self, position: Position) -> None:
-        """The request of ``position`` is answered; if it never submitted rows it holds nothing back."""
-        topic, partition, offset = position
-        for slot in self._queues.get((topic, partition), ()):
-            if slot.offset == offset and slot.rows is None:
-                slot.rows = []
-        self._advance((topic, partition))
-
-    def close_partition(self, partition: TopicPartition) -> None:
-        """The partition's range is fully fetched: its last, partial pass may run."""
-        key = (partition.topic, partition.partition)
-        self._closed.add(key)
-        self._advance(key)
-
-    def enqueue_many(self, requests: Sequence[tuple[Sequence[Row], Position, Scheduling]],
-                     settled: Callable[[int, list[Outcome]], object]) -> None:
-        """Each request's rows placed by ``enqueue``; ``settled`` once a request's rows have all run."""
-        for number, (rows, position, _) in enumerate(requests):
-            done = self.enqueue(rows, position)
-            done.add_done_callback(partial(_settled_with, settled, number))
-
-    def enqueue(self, rows: Sequence[Row], position: Position,
-                scheduling: Scheduling | None = None) -> asyncio.Future[list[Outcome]]:
-        """Fill the request's place in its partition's order; its passes run once every earlier request of the
-        partition is placed (or answered without rows). ``scheduling`` is ignored: passes follow the source
-        order only (and replays do not honour deadlines)."""
-        topic, partition, offset = position
-        slot = next(s for s in self._queues[(topic, partition)] if s.offset == offset)
-        loop = asyncio.get_running_loop()
-        slot.futures = [loop.create_future() for _ in rows]
-        slot.rows = list(rows)
-        self._advance((topic, partition))
-        return asyncio.gather(*slot.futures, return_exceptions=True)
-
-    def _advance(self, partition: PartitionKey) -> None:
-        queue = self._queues.get(partition, deque())
-        ready = self._ready.setdefault(partition, [])
-        while queue and queue[0].rows is not None:
-            slot = queue.popleft()
-            ready += [((row, slot.offset), future) for row, future in zip(slot.rows or [], slot.futures, strict=True)]
-        while len(ready) >= self.rows_per_pass:
-            self._launch(partition, ready[: self.rows_per_pass])
-            del ready[: self.rows_per_pass]
-        if ready and not queue and partition in self._closed:
-            self._launch(partition, list(ready))
-            ready.clear()
-
-    def _launch(self, partition: PartitionKey, group: list[tuple[tuple[Row, int], _RowFuture]]) -> None:
-        self.passes.append([(partition, offset) for (_, offset), _ in group])
-        task = asyncio.get_running_loop().create_task(self._run_pass(group))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
-
-    async def _run_pass(self, group: list[tuple[tuple[Row, int], _RowFuture]]) -> None:
-        rows = [row for (row, _), _ in group]
-        loop = asyncio.get_running_loop()
-        async with self._lock:  # one pass at a time on the model thread
-            started = time.perf_counter()
-            try:
-                results = await loop.run_in_executor(self._executor, self._run, rows)
-            except Exception as exc:  # noqa: BLE001 - deterministic mode does not re-split: the pass fails whole
-                for _, future in group:
-                    if not future.done():
-                        future.set_exception(exc)
-                return
-        lengths = [row.length for row in rows]
-        record = PassRecord(len(rows), sum(lengths), len(rows) * max(lengths), time.perf_counter() - started)
-        if self._on_pass is not None:
-            self._on_pass(record)
-        for (_, future), result in zip(group, results, strict=True):
-            if not future.done():
-                future.set_result((result, record))
-
-    async def close(self) -> None:
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
-
-
-# ------------------------------------------------------------------------------------- the read policy
-
-
-def written_sources(path: Path) -> set[tuple[str, int, int]]:
-    """(topic, partition, offset) of every answer a replay file already holds."""
-    sources: set[tuple[str, int, int]] = set()
-    if not path.is_file():
-        return sources
-    with open(path, "rb") as handle:
-        for line in handle:
-            try:
-                source = json.loads(line)["source"]
-                sources.add((source["topic"], int(source["partition"]), int(source["offset"])))
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line from a crash: that request is answered again
-    return sources
-
-
-class RangeRead:
-    """A replay's read policy: a fixed range of one topic (from the replay group's commits on), finished once
-    every partition's position reached the range's end and nothing is in flight.
-
-    On resume into a file, records whose answers the file already holds are skipped, so the file gets each
-    request once even though the group's commit may lag the file by a flush interval."""
-
-    def __init__(self, plan: ReplayRange, *, out_file: Path | None = None,
-                 on_partition_read: Callable[[TopicPartition], None] | None = None):
-        self.plan = plan
-        self.bounds: dict[TopicPartition, tuple[int, int]] = {}
-        self._skip = written_sources(out_file) if out_file else set()
-        self._positions_done: set[TopicPartition] = set()
-        self._on_partition_read = on_partition_read
-
-    async def subscribe(self, consumer: AIOKafkaConsumer, listener: ConsumerRebalanceListener) -> bool:
-        self.bounds = await resolve_bounds(consumer, self.plan)
-        if self.plan.partitions is None:
-            consumer.subscribe([self.plan.topic], listener=listener)
-            return False
-        partitions = list(self.bounds)
-        consumer.assign(partitions)
-        await self.assigned(consumer, partitions, [])
-        return True
-
-    async def assigned(self, consumer: AIOKafkaConsumer, partitions: Sequence[TopicPartition],
-                       settling: Sequence[TopicPartition]) -> None:
-        for partition in partitions:
-            # A settling partition (exactly_once) is positioned once settled, through start_position; a
-            # committed offset read here could predate the previous owner's last transaction.
-            if partition not in settling:
-                committed = await consumer.committed(partition)
-                consumer.seek(partition, self.start_position(partition, committed))
-            self._positions_done.discard(partition)
-
-    def start_position(self, partition: TopicPartition, committed: int | None) -> int:
-        start, _ = self.bounds.get(partition, (0, 0))
-        return max(start, committed or 0)
-
-    def accept(self, record: ConsumerRecord) -> bool:
-        start, end = self.bounds.get(TopicPartition(record.topic, record.partition), (0, 0))
-        return start <= record.offset < end and (record.topic, record.partition, record.offset) not in self._skip
-
-    async def finished(self, consumer: AIOKafkaConsumer, in_flight: int) -> bool:
-        assignment = consumer.assignment()
-        if not assignment:
-            return False
-        for partition in assignment:
-            if partition in self._positions_done:
-                continue
-            _, end = self.bounds.get(partition, (0, 0))
-            if await consumer.position(partition) >= end:
-                self._positions_done.add(partition)
-                consumer.pause(partition)
-                if self._on_partition_read is not None:
-                    self._on_partition_read(partition)
-        return all(p in self._positions_done for p in assignment) and in_flight == 0
 
 
 def _replay_settings(settings: Settings, plan: ReplayRange, replay_id: str, out_file: Path | None,
@@ -364,7 +113,8 @@ async def run_replay(
     ordered = (OrderedPasses(model.forward, rows_per_pass, executor=model_thread(settings.torch_threads),
                              on_pass=metrics.observe_pass_record)
                if deterministic else None)
-    read = RangeRead(plan, out_file=out_file, on_partition_read=ordered.close_partition if ordered else None)
+    read = RangeRead(plan, out_file=out_file, on_partition_read=(
+        (lambda read: ordered.close_partition(read.topic, read.partition)) if ordered else None))
     service = Service(settings, model, metrics=metrics, read=read, scheduler=ordered, answer_file=out_file,
                       replay_id=replay_id)
     bar = tqdm(total=total, desc=f"replay {replay_id}", unit="req", disable=not progress, dynamic_ncols=True)
@@ -547,7 +297,7 @@ def _run_command(args: argparse.Namespace, settings: Settings, model: DecisionMo
     except (ValueError, ConnectionError) as exc:
         raise _Refused(str(exc)) from exc
     if args.compare_with:
-        from d3stream.tools.compare import SourceError
+        from d3stream.jobs.compare import SourceError
 
         try:
             summary["drift"] = replay_drift(args.compare_with,
@@ -569,7 +319,7 @@ def _print_summary(summary: dict[str, Any], *, as_json: bool) -> None:
 def replay_drift(recorded: str, replayed: str, settings: Settings) -> dict[str, Any]:
     """How far the replayed answers are from the recorded ones (joined by request and question id); a
     ``kafka:`` source is read through the same connection settings as the replay."""
-    from d3stream.tools import compare
+    from d3stream.jobs import compare
 
     report = compare.compare(
         compare.load_answers(recorded, settings=settings),

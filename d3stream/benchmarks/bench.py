@@ -39,7 +39,7 @@ against full prompts). Peak memory: resident set size sampled during each path, 
 ``torch.cuda.max_memory_allocated``. Model FLOPs: 2 x non-embedding parameters x tokens run + 4 x
 full-attention layers x heads x head_dim x scored (query, key) pairs (vision tower not counted).
 
-``python -m d3stream.tools.bench`` works as well as ``d3stream bench`` (``register`` adds it to the CLI).
+``python -m d3stream.benchmarks.bench`` works as well as ``d3stream bench`` (``register`` adds it to the CLI).
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
+from d3stream.benchmarks.bench_workloads import DEFAULT_REQUESTS, WORKLOADS, Request, make_workload
+from d3stream.dev.progress import Progress
+from d3stream.dev.tasks import heldout
+
 # The runtime's public names only (the runtime package imports neither torch nor transformers until a model
 # loads, so the CLI's ``--help`` stays quick): a runtime change that breaks the harness fails here, at import.
 from d3stream.runtime import D3, Prepared, Row
@@ -69,9 +73,6 @@ from d3stream.runtime.device import reference_kernels
 from d3stream.runtime.forward import bucketed_width
 from d3stream.runtime.packing import pack
 from d3stream.runtime.prefix import PassInfo, PrefixReuseUnavailable, PrefixRunner, check_supported
-from d3stream.tools.bench_workloads import DEFAULT_REQUESTS, WORKLOADS, Request, make_workload
-from d3stream.tools.progress import Progress
-from d3stream.tools.tasks import heldout
 
 if TYPE_CHECKING:
     import torch
@@ -916,7 +917,7 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Calibration]:
     if args.checkpoint:
         root = Path(args.checkpoint)
     else:
-        from d3stream.tools.demo import demo_checkpoint
+        from d3stream.dev.demo import demo_checkpoint
 
         root = demo_checkpoint(progress=args.progress)
     model = D3.from_pretrained(root, device=device, batch_size=REFERENCE_BATCH_SIZE, verify="none")
@@ -951,8 +952,8 @@ def _run_service_bench(args: argparse.Namespace) -> int:
     the embedded broker."""
     from tqdm import tqdm
 
+    from d3stream.benchmarks import bench_service
     from d3stream.ops.logs import configure_logging
-    from d3stream.tools import bench_service
 
     configure_logging(level="warning")  # a line per commit would drown the figures
     report: dict[str, Any] = {}
@@ -963,12 +964,12 @@ def _run_service_bench(args: argparse.Namespace) -> int:
             bar.update(bar.total - bar.n)
         tables.append(bench_service.kafka_markdown(report["kafka"]))
     if args.evaluate:
-        from d3stream.tools.bench_evaluate import evaluate_bench, evaluate_markdown
+        from d3stream.benchmarks.bench_evaluate import evaluate_bench, evaluate_markdown
 
         report["evaluate"] = evaluate_bench(args.evaluate)
         tables.append(evaluate_markdown(report["evaluate"]))
     if args.evaluate_volume:
-        from d3stream.tools.bench_evaluate import volume_bench, volume_markdown
+        from d3stream.benchmarks.bench_evaluate import volume_bench, volume_markdown
 
         with tqdm(total=5, desc="evaluate-volume", unit="step", file=sys.stderr, disable=not args.progress) as bar:
             report["evaluate_volume"] = volume_bench(args.evaluate_volume, tick=_stepper(bar))
@@ -978,7 +979,7 @@ def _run_service_bench(args: argparse.Namespace) -> int:
         if args.checkpoint:
             root = Path(args.checkpoint)
         else:
-            from d3stream.tools.demo import demo_checkpoint
+            from d3stream.dev.demo import demo_checkpoint
 
             root = demo_checkpoint(progress=args.progress)
     if args.head_of_line or args.ask or args.stream:
@@ -998,7 +999,7 @@ def _run_service_bench(args: argparse.Namespace) -> int:
             f"{soak['growth_since_first_tenth']:+.1%}."
         )
     if args.soak_images:
-        from d3stream.tools.bench_memory import image_soak, image_soak_markdown, progress_steps
+        from d3stream.benchmarks.bench_memory import image_soak, image_soak_markdown, progress_steps
 
         with tqdm(total=progress_steps(args.soak_images), desc="soak-images", unit="step", file=sys.stderr, disable=not args.progress) as bar:
             def stage(name: str) -> None:
@@ -1035,7 +1036,7 @@ def _client_side_benches(args: argparse.Namespace, root: Path, report: dict[str,
     if args.stream:
         from tqdm import tqdm
 
-        from d3stream.tools.bench_stream import RUNS, stream_bench, stream_markdown
+        from d3stream.benchmarks.bench_stream import RUNS, stream_bench, stream_markdown
 
         rounds = max(2, args.repeat)
         with tqdm(total=len(RUNS) * (rounds + 1), desc="stream", unit="run", file=sys.stderr,
@@ -1045,12 +1046,12 @@ def _client_side_benches(args: argparse.Namespace, root: Path, report: dict[str,
             bar.update(bar.total - bar.n)
         tables.append(stream_markdown(report["stream"]))
     if args.head_of_line:
-        from d3stream.tools.bench_ordering import head_of_line, head_of_line_markdown
+        from d3stream.benchmarks.bench_ordering import head_of_line, head_of_line_markdown
 
         report["head_of_line"] = head_of_line(root, seconds=args.head_of_line, threads=args.threads or 1)
         tables.append(head_of_line_markdown(report["head_of_line"]))
     if args.ask:
-        from d3stream.tools.bench_ask import ask_latency, ask_markdown
+        from d3stream.benchmarks.bench_ask import ask_latency, ask_markdown
 
         report["ask"] = ask_latency(root, args.ask, threads=args.threads or 1)
         tables.append(ask_markdown(report["ask"]))
@@ -1058,14 +1059,14 @@ def _client_side_benches(args: argparse.Namespace, root: Path, report: dict[str,
 
 def _run_scheduling_bench(args: argparse.Namespace) -> int:
     """``--scheduling``: lanes, expired requests and tenant quotas over the pipeline (``bench_sched.py``)."""
+    from d3stream.benchmarks import bench_sched
     from d3stream.ops.logs import configure_logging
-    from d3stream.tools import bench_sched
 
     configure_logging(level="warning")
     if args.checkpoint:
         root = Path(args.checkpoint)
     else:
-        from d3stream.tools.demo import demo_checkpoint
+        from d3stream.dev.demo import demo_checkpoint
 
         root = demo_checkpoint(progress=args.progress)
     report = bench_sched.scheduling_bench(root, seconds=args.scheduling, threads=args.threads or 1)

@@ -1,4 +1,4 @@
-"""Fit a freshly built tiny checkpoint on the synthetic demo task (``d3stream.tools.tasks``), offline, on a CPU.
+"""Fit a freshly built tiny checkpoint on the synthetic demo task (``d3stream.dev.tasks``), offline, on a CPU.
 
 ``train_demo(root, steps=..., seed=...)`` turns the random-weight checkpoint in ``root`` (written by
 ``build_checkpoint``) into one whose answers follow the requests: route a ticket to its team, say whether
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from d3stream.dev import tasks
 from d3stream.runtime import D3, Row
 from d3stream.runtime.kinds import Question, canonical_text, label_option
 from d3stream.runtime.package import read_manifest, write_manifest
-from d3stream.tools import tasks
 
 if TYPE_CHECKING:
     import torch

@@ -94,8 +94,8 @@ def state_memory(waiting: int = 100_000) -> dict[str, Any]:
 
 
 async def _throughput(settings: Settings, count: int) -> dict[str, Any]:
-    from d3stream.tools.compare import TopicRange, read_topic
-    from d3stream.tools.evaluate import make_evaluator
+    from d3stream.jobs.compare import TopicRange, read_topic
+    from d3stream.jobs.evaluate import make_evaluator
 
     rng = random.Random(1)
     ids = [f"ticket-{n:08d}" for n in range(count)]
@@ -129,7 +129,7 @@ async def _throughput(settings: Settings, count: int) -> dict[str, Any]:
 
 def evaluate_bench(count: int = 20_000, *, partitions: int = 4) -> dict[str, Any]:
     """Throughput on a fresh embedded broker, and memory per 100,000 waiting answers."""
-    from d3stream.tools.infra import KafkaBroker, ensure_jars
+    from d3stream.dev.infra import KafkaBroker, ensure_jars
 
     ensure_jars()
     prefix = f"bench-evaluate-{time.time_ns()}"
@@ -270,7 +270,7 @@ def volume_bench(waiting: int = 2_000_000, *, labels: int = VOLUME_LABELS, days:
     all of them waiting, disk bytes), joins ``labels`` labels spread from the oldest answer to the newest (join
     rate, the oldest and newest joined), is stopped cleanly and started again (the changelog's tail only),
     then killed and started on a fresh state directory (a whole restore: its rate)."""
-    from d3stream.tools.infra import KafkaBroker, ensure_jars
+    from d3stream.dev.infra import KafkaBroker, ensure_jars
 
     ensure_jars()
     prefix = f"bench-volume-{time.time_ns()}"
@@ -280,7 +280,7 @@ def volume_bench(waiting: int = 2_000_000, *, labels: int = VOLUME_LABELS, days:
 
 async def _volume(servers: str, broker: Any, prefix: str, tmp: Path, waiting: int, label_count: int, days: float,
                   tick: Callable[[str], None] | None) -> dict[str, Any]:
-    from d3stream.tools.scaleout import free_port
+    from d3stream.benchmarks.scaleout import free_port
 
     settings = Settings(bootstrap_servers=servers, answer_topic=f"{prefix}.answers", label_topic=f"{prefix}.labels",
                         evaluation_topic=f"{prefix}.evaluations", label_dead_letter_topic=f"{prefix}.labels-dlq",
@@ -362,7 +362,7 @@ async def _volume(servers: str, broker: Any, prefix: str, tmp: Path, waiting: in
 
 
 async def _evaluated(servers: str, topic: str, wanted: set[str]) -> set[str]:
-    from d3stream.tools.compare import TopicRange, read_topic
+    from d3stream.jobs.compare import TopicRange, read_topic
 
     records = await read_topic(servers, TopicRange(topic), timeout_s=300)
     return {r["id"] for r in records if isinstance(r, dict) and r.get("id") in wanted}

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from d3stream.config import cache_root
-from d3stream.tools import tasks
-from d3stream.tools.evaluate import run_worker
+from d3stream.dev import tasks
+from d3stream.jobs.evaluate import run_worker
 
 DEMO_BUCKET = "d3stream-demo"
 # Held-out tickets and pictures published next to the showcase, for the labelled re-evaluation.
@@ -72,7 +72,7 @@ def sample_mp4(frames: int = 20, width: int = 96, height: int = 64, fps: float =
 def demo_checkpoint(progress: bool = False) -> Path:
     """The tiny random-weight Qwen3.5 checkpoint with vision, built once per machine and reused (the
     baseline of the demo's re-evaluation; chaos, scale-out and bench runs use it too)."""
-    from d3stream.tools.build_checkpoint import build_checkpoint
+    from d3stream.dev.build_checkpoint import build_checkpoint
 
     path = cache_root() / "checkpoints" / "demo-qwen3_5-tiny-seed0"
     with _building(path):
@@ -83,8 +83,8 @@ def demo_checkpoint(progress: bool = False) -> Path:
 
 def trained_checkpoint(progress: bool = False) -> Path:
     """The same checkpoint trained on the demo task (about a minute on the first run), cached likewise."""
-    from d3stream.tools.build_checkpoint import build_checkpoint
-    from d3stream.tools.train import DEFAULT_STEPS, TRAIN_BUILD
+    from d3stream.dev.build_checkpoint import build_checkpoint
+    from d3stream.dev.train import DEFAULT_STEPS, TRAIN_BUILD
 
     path = cache_root() / "checkpoints" / f"demo-trained-b{TRAIN_BUILD}-qwen3_5-tiny-seed0-steps{DEFAULT_STEPS}"
     with _building(path):
@@ -153,7 +153,7 @@ def reevaluation(
     trained: dict[str, Any], baseline: dict[str, Any], examples: list[tasks.Example], names: tuple[str, str]
 ) -> dict[str, Any]:
     """The trained and the baseline answers against the labels: what ``d3stream compare --labels`` reports."""
-    from d3stream.tools import compare
+    from d3stream.jobs import compare
 
     labels = {(r["id"], r["question"]): r["answer"] for r in tasks.label_records(examples)}
     report = compare.compare(trained, baseline, labels)
@@ -189,7 +189,7 @@ async def run_demo(
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from d3stream.tools.infra import local_stack
+    from d3stream.dev.infra import local_stack
 
     started = time.perf_counter()
     with ExitStack() as scope:
@@ -219,9 +219,9 @@ async def _serve_and_reevaluate(
     from d3stream_client.publisher import produce
     from tqdm import tqdm
 
+    from d3stream.jobs.compare import records_to_answers
     from d3stream.ops.logs import kernel_notice
     from d3stream.runtime import D3
-    from d3stream.tools.compare import records_to_answers
 
     model = D3.from_pretrained(trained)
     notice = kernel_notice(model.kernel_record(), str(model.device))
@@ -287,8 +287,8 @@ async def _live_figures(settings: Any, answers: list[dict[str, Any]], labelled: 
                         timeout_s: float) -> dict[str, Any]:
     """What ``d3stream evaluate --report`` prints once every labelled answer is evaluated: the served model's
     figures from the evaluation topic."""
-    from d3stream.tools.compare import TopicRange, read_topic
-    from d3stream.tools.evaluate import figures, figures_json
+    from d3stream.jobs.compare import TopicRange, read_topic
+    from d3stream.jobs.evaluate import figures, figures_json
 
     expected = sum(1 for answer in answers if answer["id"] in labelled and not answer.get("error"))
     deadline = time.monotonic() + timeout_s
@@ -367,8 +367,8 @@ async def _serve(settings: Any, model: Any, broker: Any, expected: int, progress
 
 async def _replayed(settings: Any, baseline: Any) -> Any:
     """The demo's requests replayed through ``baseline`` into a file: its answers by request id."""
-    from d3stream.tools.compare import read_jsonl, records_to_answers
-    from d3stream.tools.replay import ReplayRange, run_replay
+    from d3stream.jobs.compare import read_jsonl, records_to_answers
+    from d3stream.jobs.replay import ReplayRange, run_replay
 
     with tempfile.TemporaryDirectory() as folder:
         replay_file = Path(folder) / "replayed.jsonl"

@@ -43,8 +43,8 @@ from d3stream.runtime.questions import normalize_question, question_error, requi
 
 if TYPE_CHECKING:
     from d3stream.core.seams import DecisionModel
+    from d3stream.dev.infra import KafkaBroker
     from d3stream.service import Service
-    from d3stream.tools.infra import KafkaBroker
 
 log = structlog.get_logger(__name__)
 
@@ -241,7 +241,7 @@ def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker 
     on a fresh broker runs at half to two thirds of the later ones, which flattered whichever path came
     second. Then the four paths run ``rounds`` times in turn, and each path's figure is its best round."""
     if broker is None:
-        from d3stream.tools.infra import KafkaBroker, ensure_jars
+        from d3stream.dev.infra import KafkaBroker, ensure_jars
 
         ensure_jars()
         with KafkaBroker(partitions=4) as broker:
@@ -377,7 +377,7 @@ def rss_soak(model: DecisionModel | str | os.PathLike[str], total: int = 100_000
     if isinstance(model, (str, os.PathLike)):
         model = D3.from_pretrained(Path(model), device="cpu")
     if broker is None:
-        from d3stream.tools.infra import KafkaBroker, ensure_jars
+        from d3stream.dev.infra import KafkaBroker, ensure_jars
 
         ensure_jars()
         with KafkaBroker(partitions=4) as broker:

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from d3stream.config import Settings
 
 if TYPE_CHECKING:
+    from d3stream.dev.infra import KafkaBroker, ObjectStore
     from d3stream.service import Service
-    from d3stream.tools.infra import KafkaBroker, ObjectStore
 
 BUCKET = "bench-memory"
 SIDE = 4000  # 16 megapixels, the strict per-image limit
@@ -96,8 +96,8 @@ async def _soak(settings: Settings, model: Any, bootstrap: str, requests: list[l
                 tick: Callable[[str], None] | None) -> dict[str, Any]:
     from d3stream_client.publisher import produce
 
+    from d3stream.benchmarks.bench_service import until_joined
     from d3stream.service import Service
-    from d3stream.tools.bench_service import until_joined
 
     service = Service(settings, model)
     task = asyncio.create_task(service.run())
@@ -163,12 +163,12 @@ def image_soak(checkpoint: Path, count: int = 20, *, stack: tuple[KafkaBroker, O
     """Serve ``count`` large-image requests one at a time, then ``AT_ONCE`` together, on one worker with the
     default settings; the RSS figures (MB over the idle worker) as a dict."""
     if stack is None:
-        from d3stream.tools.infra import local_stack
+        from d3stream.dev.infra import local_stack
 
         with local_stack(partitions=1) as fresh:
             return image_soak(checkpoint, count, stack=fresh, tick=tick)
+    from d3stream.benchmarks.bench_service import worker_settings
     from d3stream.runtime import D3
-    from d3stream.tools.bench_service import worker_settings
 
     broker, store = stack
     os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = store.access_key, store.secret_key

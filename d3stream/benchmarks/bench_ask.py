@@ -27,7 +27,7 @@ from d3stream.config import DeliveryMode, Settings
 from d3stream.runtime import D3
 
 if TYPE_CHECKING:
-    from d3stream.tools.infra import KafkaBroker
+    from d3stream.dev.infra import KafkaBroker
 
 QUESTION = {"type": "choice", "criteria": {"billing": "a payment or a refund", "tech": "the app or the site",
                                            "account": "logging in or the profile"}}
@@ -35,8 +35,8 @@ MODES: tuple[DeliveryMode, ...] = ("exactly_once", "at_least_once")
 
 
 async def _asks(settings: Settings, model: D3, count: int, rate: float, prefix: str) -> dict[str, Any]:
+    from d3stream.benchmarks.bench_service import until_joined
     from d3stream.service import Service
-    from d3stream.tools.bench_service import until_joined
 
     service = Service(settings, model)
     task = asyncio.create_task(service.run())
@@ -78,13 +78,13 @@ def ask_latency(checkpoint: Path, count: int = 300, *, rate: float = 20.0, broke
                 threads: int | None = 1) -> dict[str, Any]:
     """Both delivery modes, one after the other on one broker (default: a fresh embedded one)."""
     if broker is None:
-        from d3stream.tools.infra import KafkaBroker, ensure_jars
+        from d3stream.dev.infra import KafkaBroker, ensure_jars
 
         ensure_jars()
         with KafkaBroker(partitions=4) as fresh:
             return ask_latency(checkpoint, count, rate=rate, broker=fresh, threads=threads)
     model = D3.from_pretrained(checkpoint, device="cpu")
-    from d3stream.tools.bench_service import worker_settings
+    from d3stream.benchmarks.bench_service import worker_settings
 
     report: dict[str, Any] = {}
     for mode in MODES:
