@@ -1,0 +1,73 @@
+"""``d3stream compare``'s command line: read both sides (and labels), compare, write and print the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+
+    pass
+
+from d3stream.jobs.compare.render import render_text, write_report
+from d3stream.jobs.compare.report import compare
+from d3stream.jobs.compare.sources import DEFAULT_OUT, DEFAULT_TOP, SourceError, load_answers, load_labels
+
+# -- command line ----------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    from d3stream.config import load_settings
+    from d3stream.kafka.connection import check_connection
+
+    try:
+        settings = load_settings(args)
+        check_connection(settings)
+        side_a = load_answers(args.a, settings=settings, timeout_s=args.timeout)
+        side_b = load_answers(args.b, settings=settings, timeout_s=args.timeout)
+        labels = load_labels(args.labels, settings=settings, timeout_s=args.timeout) if args.labels else None
+    except (OSError, ValueError, SourceError) as exc:
+        print(f"d3stream compare: {exc}", file=sys.stderr)
+        return 2
+    report = compare(side_a, side_b, labels, top=args.top)
+    written = write_report(report, args.out)
+    for side in (side_a, side_b):
+        if side.invalid:
+            print(f"d3stream compare: {side.source}: {side.invalid} records without an id were left out",
+                  file=sys.stderr)
+    if args.json:
+        print(json.dumps(report.headline()))
+    else:
+        print(render_text(report))
+        print(f"\nreport: {written[0]}")
+    return 0
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add the ``compare`` sub-command to the CLI's sub-command table."""
+    parser = commands.add_parser(
+        "compare",
+        help="compare two sets of answers (files or Kafka topic ranges), optionally against labels",
+        description="Join two sets of answer events by request and question id and report agreement, |Δp|, "
+        "score MAE and confidence shift; with --labels also accuracy, Brier score, ECE and log loss of each side "
+        "(the figures d3stream evaluate keeps live, from the same implementation). "
+        "A source is a JSON-lines file of answer events or kafka:TOPIC[@START-END] (offsets "
+        "START <= offset < END of every partition, committed records only, up to the end offsets at the "
+        "time of the call).",
+    )
+    parser.add_argument("a", metavar="A", help="answers: JSON-lines file or kafka:TOPIC[@START-END]")
+    parser.add_argument("b", metavar="B", help="answers to compare with A, same forms")
+    parser.add_argument("--labels", metavar="L",
+                        help='labels: label events {"id", "labels": {question: answer}} (a JSON-lines file or '
+                        'kafka:TOPIC[@START-END]), or JSON lines {"id", "question", "answer"}; the first label '
+                        'of a question counts')
+    parser.add_argument("--out", default=DEFAULT_OUT, help="report folder (report.md and PNG plots)")
+    parser.add_argument("--json", action="store_true", help="print the headline figures as one JSON object")
+    parser.add_argument("--top", type=int, default=DEFAULT_TOP, help="requests listed as largest disagreements")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to read one Kafka topic range")
+    from d3stream.config import CONNECTION_FIELDS, add_arguments
+
+    add_arguments(parser, only=CONNECTION_FIELDS)  # for kafka: sources
+    parser.set_defaults(run=_run)
