@@ -128,7 +128,7 @@ fi
 
 status=0
 # shellcheck disable=SC2086  # SWEEP and BENCH_ARGS are lists of flags
-PYTHONPATH="$RUN_PATH" timeout "${LIMIT_S:-420}" "$PYTHON" -m d3stream.benchmarks.bench --workload "${WORKLOAD:-all}" \
+PYTHONPATH="$RUN_PATH" timeout "${LIMIT_S:-420}" "$PYTHON" -m d3stream bench workloads --workload "${WORKLOAD:-all}" \
     --device "$DEVICE" --checkpoint "$CKPT" ${SWEEP:---calibrate} --scale "${SCALE:-1}" --no-progress \
     --variant buckets --variant media_per_request \
     --out "$OUT/bench.json" --markdown "$OUT/bench.md" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1 || status=$?

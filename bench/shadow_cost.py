@@ -5,7 +5,7 @@ For each configuration (no shadow; a shadow checkpoint of its own answering ever
 shadow_share 0.25) a fresh worker serves, in exactly_once delivery:
 
 * **throughput**: N requests published before it starts; seconds from its assignment until every request is
-  answered and committed (as ``d3stream bench --kafka`` counts it); live requests per second;
+  answered and committed (as ``d3stream bench kafka`` counts it); live requests per second;
 * **latency**: N requests published at a steady rate (a quarter of the no-shadow burst throughput: well
   below saturation, where a worker spends most of its life), each request's latency
   from its send until a read_committed reader sees its live answer; p50 and p99.

@@ -1,13 +1,15 @@
-"""``d3stream bench`` (d3stream/benchmarks/bench.py): structure of its report on a tiny checkpoint, never its speed."""
+"""``d3stream bench`` (d3stream/benchmarks/bench.py, d3stream/cli/bench.py): structure of its report on a tiny
+checkpoint, never its speed."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
 from d3stream.benchmarks import bench
+from d3stream.cli import build_parser
+from d3stream.cli import main as cli_main
 
 PATH_KEYS = {
     "seconds", "questions", "questions_per_s", "requests_per_s", "input_tokens_per_s", "computed_tokens_per_s",
@@ -20,8 +22,8 @@ RATIOS = {"b_over_a", "b_over_peak", "c_over_b", "real_over_padded", "max_abs_dp
 @pytest.mark.slow
 def test_bench_small_json(qwen35_checkpoint, capsys, tmp_path):
     markdown = tmp_path / "bench.md"
-    code = bench.main([
-        "--workload", "small", "--json", "--checkpoint", str(qwen35_checkpoint), "--device", "cpu",
+    code = cli_main([
+        "bench", "workloads", "--workload", "small", "--json", "--checkpoint", str(qwen35_checkpoint), "--device", "cpu",
         "--requests", "20", "--sweep", "quick", "--no-progress", "--markdown", str(markdown),
         "--threads", "1",  # quick on a busy machine (the thread count is restored afterwards)
     ])
@@ -57,8 +59,8 @@ def test_variants_of_b_run_side_by_side(qwen35_checkpoint, capsys, tmp_path):
     """``--variant`` runs path b again with one runtime choice flipped, in the same run, and compares it with
     b: length buckets pad more but answer the same, per-request media encoding answers the same."""
     markdown = tmp_path / "bench.md"
-    code = bench.main([
-        "--workload", "images", "--json", "--checkpoint", str(qwen35_checkpoint), "--device", "cpu",
+    code = cli_main([
+        "bench", "workloads", "--workload", "images", "--json", "--checkpoint", str(qwen35_checkpoint), "--device", "cpu",
         "--requests", "6", "--sweep", "quick", "--no-progress", "--markdown", str(markdown), "--threads", "1",
         "--variant", "buckets", "--variant", "media_per_request",
     ])
@@ -96,11 +98,22 @@ def test_kernel_check_answers_held_out_requests_both_ways(qwen35_model):
     assert qwen.torch_chunk_gated_delta_rule is bound
 
 
-def test_register_adds_the_command():
-    parser = argparse.ArgumentParser(prog="d3stream")
-    bench.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["bench", "--workload", "long-state", "--calibrate", "--device", "cpu"])
-    assert args.run is bench._run and args.workload == "long-state" and args.calibrate
+def test_every_benchmark_is_a_subcommand_of_bench():
+    """``d3stream bench BENCHMARK``: one subcommand per benchmark, each with its own arguments."""
+    from d3stream.cli import bench as bench_command
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "workloads", "--workload", "long-state", "--calibrate", "--device", "cpu"])
+    assert args.run is bench_command.COMMAND.run and args.workload == "long-state" and args.calibrate
+    assert {b.name for b in bench_command.BENCHMARKS} == {
+        "workloads", "kafka", "soak", "soak-images", "evaluate", "evaluate-volume", "ask", "head-of-line", "stream",
+        "scheduling"}
+    assert parser.parse_args(["bench", "kafka"]).count == 20_000
+    assert parser.parse_args(["bench", "soak-images", "5", "--json"]).count == 5
+    assert parser.parse_args(["bench", "scheduling", "2.5"]).count == 2.5
+    assert parser.parse_args(["bench", "stream", "100", "--images", "3"]).images == 3
+    with pytest.raises(SystemExit):  # the old "instead" flags are gone
+        parser.parse_args(["bench", "--kafka"])
 
 
 def test_workloads_are_seeded_and_shaped(qwen35_text_model):

@@ -1,4 +1,4 @@
-"""The plumbing of ``d3stream bench --scheduling`` (d3stream/benchmarks/bench_sched.py) with tiny counts: every figure
+"""The plumbing of ``d3stream bench scheduling`` (d3stream/benchmarks/bench_sched.py) with tiny counts: every figure
 is there and the expired burst costs no pass. No timing is asserted."""
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kv_utils
 
-from d3stream.commands import register
+from d3stream.cli import build_parser
 from d3stream.config import CONFIG_ENV, FIELDS, Settings, env_name, load_settings
 from d3stream.core.agreement import Scored
 from d3stream.models.checkpoints import checkpoint_location
@@ -975,9 +975,5 @@ def test_images_and_manifests_agree(tmp_path: Path) -> None:
 
 
 def test_the_entrypoint_command_exists() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve"])
+    args = build_parser().parse_args(["serve"])
     assert args.command == "serve"

@@ -175,7 +175,7 @@ def test_log_lines_go_above_a_progress_bar_and_keep_their_levels(logging_at, cap
 
 
 def test_serve_says_once_that_its_models_run_reference_kernels(logging_at, capsys):
-    from d3stream.commands import _log_kernel_notice
+    from d3stream.cli.serve import _log_kernel_notice
 
     class Model:  # what the notice reads of a D3
         device = "cpu"

@@ -9,7 +9,7 @@ and never gave it back (an answer's too-large replacement held its own record).
 So the guard serves large-image requests on the real broker and object store with the cyclic collector off,
 follows each request's record, decoded images and processor output through weak references, and requires
 every one of them to be gone once the request's answer is read: reference counting alone must free them.
-It asserts what is alive, never an RSS figure or a time (``d3stream bench --soak-images`` measures those).
+It asserts what is alive, never an RSS figure or a time (``d3stream bench soak-images`` measures those).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``d3stream bench --ask N``: how long a caller of the client's ``ask`` waits, beside what the worker reports.
+"""``d3stream bench ask N``: how long a caller of the client's ``ask`` waits, beside what the worker reports.
 
 On an embedded broker, a worker (``Service``, in this process) serves the tiny checkpoint while a
 ``D3Client`` asks N small requests at a steady rate, each ask awaited concurrently as a caller would.

@@ -1,5 +1,5 @@
-"""``d3stream bench --evaluate N``: how fast ``d3stream evaluate`` joins, and what its waiting state costs;
-``d3stream bench --evaluate-volume N``: the same at production volume, N answers waiting (``volume_bench``).
+"""``d3stream bench evaluate N``: how fast ``d3stream evaluate`` joins, and what its waiting state costs;
+``d3stream bench evaluate-volume N``: the same at production volume, N answers waiting (``volume_bench``).
 
 Two figures the live evaluator is sized by:
 

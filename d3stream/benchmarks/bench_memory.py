@@ -1,4 +1,4 @@
-"""``d3stream bench --soak-images N``: a worker's resident memory over N large-image requests, and at idle.
+"""``d3stream bench soak-images N``: a worker's resident memory over N large-image requests, and at idle.
 
 One worker with the default settings (the demo checkpoint, the embedded broker and object store) answers N
 requests of six distinct 16-megapixel PNGs each (about 60 KB encoded, 288 MB of pixels once decoded), sent one

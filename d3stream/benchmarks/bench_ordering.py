@@ -1,4 +1,4 @@
-"""``d3stream bench --head-of-line``: text requests behind slow media requests on the same partitions.
+"""``d3stream bench head-of-line``: text requests behind slow media requests on the same partitions.
 
 An operator's mixed stream, on the embedded broker and object store, through the consume loop and the
 delivery of ``d3stream serve`` with the tiny checkpoint: image requests (2/s) and text requests (4/s),

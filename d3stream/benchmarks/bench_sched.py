@@ -1,4 +1,4 @@
-"""``d3stream bench --scheduling``: the figures of docs/SCHEDULING.md, side by side in one run.
+"""``d3stream bench scheduling``: the figures of docs/SCHEDULING.md, side by side in one run.
 
 Over **the request pipeline alone** (``RequestPipeline.answer`` of a ``Service`` that is never started: no
 broker, no consume loop) with a real model (default: the tiny random demo checkpoint, ``torch_threads=1``).

@@ -1,6 +1,6 @@
 """Service-level benchmarks on the embedded broker: the Kafka path's overhead, and memory over a long soak.
 
-``d3stream bench --kafka``: how much of a broker's consume -> produce rate the d3stream service keeps when
+``d3stream bench kafka``: how much of a broker's consume -> produce rate the d3stream service keeps when
 the model costs nothing. The same requests are read from one topic and answered into another by
 
 * **raw**: a plain aiokafka loop (``getmany``, parse the JSON, send an answer-sized record per request,
@@ -15,7 +15,7 @@ same broker. The clock starts when the consumer holds its partitions and stops w
 published and its offset committed. Unmeasured raw passes warm the broker first, and the four paths take
 turns for a few rounds, each keeping its best: on a 2-core machine single runs vary by a third or more.
 
-``d3stream bench --soak N``: the service with the tiny random checkpoint answers N small requests (fed in
+``d3stream bench soak N``: the service with the tiny random checkpoint answers N small requests (fed in
 chunks, so backpressure holds the in-flight work bounded); the resident set size is sampled after every
 chunk. "Flat" means the last tenth of the samples averages within 5 % of the samples around the middle
 of the soak: a leak grows with every request, warm-up (allocator arenas, first batch shapes) levels off.

@@ -1,4 +1,4 @@
-"""``d3stream bench --stream N``: d3stream against the loop a user would write instead, on a mixed stream.
+"""``d3stream bench stream N``: d3stream against the loop a user would write instead, on a mixed stream.
 
 The question an operator asks before running d3stream: how many more requests per second does it answer
 than the obvious loop? Both read the same N requests from one topic of the embedded broker and fetch
@@ -11,7 +11,7 @@ their images from the embedded object store, with the same loaded model and the 
   store are.
 
 The stream is ``bench_workloads.make_stream``: small text requests with one in ten
-carrying a JPEG image of 224x224 to 1280x720 from a pool of ten objects (``--stream-images K``: 1 to K of
+carrying a JPEG image of 224x224 to 1280x720 from a pool of ten objects (``--images K``: 1 to K of
 them). The same requests without their images give the text-only pair beside it. The four runs take turns for ``rounds`` rounds after one unmeasured
 warm-up of each, and each keeps its best: on a 2-core machine single runs vary by a fifth. The clock starts
 at the first fetched record (loop) or when the group is joined (d3stream) and stops when every answer is

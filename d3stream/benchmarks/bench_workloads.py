@@ -5,7 +5,7 @@
 * ``images``: 1-4 images of mixed sizes per request, drawn from a pool (so images repeat across requests);
 * ``mixed``: the three above plus medium requests, interleaved.
 
-``make_stream`` draws the operator's stream of ``bench --stream``: small text requests, one in ten with an
+``make_stream`` draws the operator's stream of ``bench stream``: small text requests, one in ten with an
 image (``images_per_request`` of them, at most).
 
 Kept apart from the harness so what is measured (here) reads apart from how it is measured (``bench.py``);

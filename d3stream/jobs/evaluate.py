@@ -12,11 +12,8 @@ on ``/metrics``. ``--report`` folds the evaluation topic into the same ``Tally``
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import signal
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,75 +169,3 @@ def _on_signals() -> asyncio.Event:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
     return stopping
-
-
-def _run(args: argparse.Namespace) -> int:
-    from d3stream.config import load_settings
-    from d3stream.jobs.compare import SourceError
-    from d3stream.kafka.connection import check_connection, connecting
-    from d3stream.kafka.evaluating import EvaluateSetupError
-    from d3stream.ops.logs import configure_logging
-
-    try:
-        settings = load_settings(args)
-        check_connection(settings)
-        if args.report:
-            models = read_figures(settings, args.timeout)
-            print(json.dumps(figures_json(models)) if args.json else render(models))
-            return 0
-    except (ValueError, OSError, SourceError) as exc:
-        print(f"d3stream evaluate: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_format, settings.log_level)
-    from d3stream.ops.metrics import serve_metrics
-    from d3stream.ops.quality import QualityMetrics
-
-    metrics = QualityMetrics()
-    server = serve_metrics(metrics, settings)
-    try:
-        asyncio.run(connecting(settings, run_worker(settings, metrics=metrics)))
-    except (EvaluateSetupError, ConnectionError, ValueError, OSError) as exc:
-        print(f"d3stream evaluate: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        if server is not None:
-            server.stop()
-    return 0
-
-
-def register(commands: argparse._SubParsersAction) -> None:
-    """Add ``d3stream evaluate`` to the CLI."""
-    from d3stream.config import CONNECTION_FIELDS, add_arguments
-
-    parser = commands.add_parser(
-        "evaluate",
-        help="live evaluation: join labels with answers (and shadow answers) per model, exactly once; quality "
-        "and drift metrics; --report prints the figures",
-        description="A long-running worker in its own consumer group (evaluate_group_id). It reads the answer "
-        "topic, the shadow topic (shadow_topic, or the answer topic's name + .shadow when it exists) and "
-        "label_topic, read_committed, and joins them by request id: a label may come before or after its "
-        "answer, twice, or never; each question is joined once per model. Each joined request and model "
-        "becomes an evaluation record on evaluation_topic (the label, the predicted option, p(label), correct "
-        "or not, the Brier and log-loss terms), and /metrics exports counts and sums from which accuracy, "
-        "Brier, log loss and ECE over any window follow, plus label lag, waiting and expired counts and "
-        "answer drift (PSI). Waiting answers and labels live in the compacted evaluate_state_topic, written "
-        "in the same transaction as the evaluations and offsets: a restart loses and doubles nothing. "
-        "Malformed or misplaced labels go to label_dead_letter_topic. Several workers split the partitions; "
-        "the label topic must have as many partitions as the answer topic.",
-    )
-    parser.add_argument("--report", action="store_true",
-                        help="print accuracy, Brier, log loss and ECE per model and question from the evaluation "
-                        "topic (the figures d3stream compare --labels computes offline), then exit")
-    parser.add_argument("--json", action="store_true", help="with --report: one JSON object")
-    parser.add_argument("--timeout", type=float, default=120.0, help="with --report: seconds to read the topic")
-    add_arguments(parser, only=CONNECTION_FIELDS + EVALUATE_FIELDS)
-    parser.set_defaults(run=_run)
-
-
-# The settings ``d3stream evaluate`` reads (the connection's, its topics', its own and the endpoint's).
-EVALUATE_FIELDS = (
-    "answer_topic", "shadow_topic", "label_topic", "evaluation_topic", "label_dead_letter_topic", "evaluate_group_id",
-    "evaluate_state_topic", "evaluate_window_s", "evaluate_max_state_bytes", "evaluate_drift_window",
-    "evaluate_drift_reference", "transactional_id_prefix", "create_topics", "topic_partitions", "auto_offset_reset",
-    "session_timeout_ms", "rebalance_timeout_ms", "metrics_host", "metrics_port", "log_format", "log_level",
-)

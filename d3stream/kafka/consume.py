@@ -311,7 +311,7 @@ class ConsumeLoop:
         """How many records one fetch may bring: up to ``max_inflight_requests`` in flight, and under
         backpressure up to its ``RESERVE`` for the partitions still read (only those below their share are).
         Without the reserve here a fetch past the limit would bring one record at a time: a pipeline trip per
-        record, which cost a quarter of the Kafka path's throughput (bench --kafka)."""
+        record, which cost a quarter of the Kafka path's throughput (bench kafka)."""
         limit = self.settings.max_inflight_requests
         if self.paused:
             limit = int(limit * (1 + RESERVE))

@@ -3,7 +3,7 @@
 A worker imports torch and transformers and loads its checkpoints before it reads a request: a quarter of a
 million objects that live as long as the process. CPython's cyclic collector would walk them all at every
 full collection, and its default young threshold (700 allocations) is passed every few dozen requests,
-each a few dozen short-lived objects. Measured on the null-model Kafka path (``d3stream bench --kafka``),
+each a few dozen short-lived objects. Measured on the null-model Kafka path (``d3stream bench kafka``),
 collections took about a third of the event loop's time.
 
 So while a ``Service`` runs, the objects alive at its start are moved out of the collector's reach

@@ -15,11 +15,10 @@ score, log loss and expected calibration error (ECE), and what its answers expec
 
 Three parts, each a module: ``sources`` (files and Kafka ranges in: ``load_answers``, ``load_labels``,
 ``read_topic``), ``report`` (``compare``: the figures, a ``Report``) and ``render`` (``write_report``:
-``report.md`` and PNG plots; ``render_text``); ``command`` is the sub-command. The other jobs, the demo and the
+``report.md`` and PNG plots; ``render_text``); the sub-command is ``d3stream/cli/compare.py``. The other jobs, the demo and the
 benchmarks read Kafka ranges and answer files through the names below.
 """
 
-from d3stream.jobs.compare.command import register
 from d3stream.jobs.compare.render import render_markdown, render_text, write_report
 from d3stream.jobs.compare.report import LabelReport, Report, SideSummary, compare, summarise
 from d3stream.jobs.compare.sources import (
@@ -44,6 +43,6 @@ from d3stream.jobs.compare.sources import (
 __all__ = [
     "DEFAULT_OUT", "DEFAULT_TOP", "AnswerSet", "LabelReport", "Labels", "Report", "SideSummary", "SourceError",
     "TopicRange", "compare", "default_bootstrap_servers", "label_events", "labels_of", "load_answers",
-    "load_labels", "parse_source", "read_jsonl", "read_range", "read_topic", "records_to_answers", "register",
+    "load_labels", "parse_source", "read_jsonl", "read_range", "read_topic", "records_to_answers",
     "render_markdown", "render_text", "summarise", "write_report",
 ]

@@ -1,25 +1,28 @@
-"""``d3stream compare``'s command line: read both sides (and labels), compare, write and print the report."""
+"""``d3stream compare A B``: read both sides (and labels), compare, write and print the report (jobs/compare)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
+from d3stream.cli.shape import Command
 
-    pass
-
-from d3stream.jobs.compare.render import render_text, write_report
-from d3stream.jobs.compare.report import compare
-from d3stream.jobs.compare.sources import DEFAULT_OUT, DEFAULT_TOP, SourceError, load_answers, load_labels
-
-# -- command line ----------------------------------------------------------------------------------
+# The defaults shown by --help (the sources themselves, with msgspec and the Kafka reader, load when it runs).
+DEFAULT_OUT = "compare-report"
+DEFAULT_TOP = 10
 
 
 def _run(args: argparse.Namespace) -> int:
     from d3stream.config import load_settings
+    from d3stream.jobs.compare import (
+        SourceError,
+        compare,
+        load_answers,
+        load_labels,
+        render_text,
+        write_report,
+    )
     from d3stream.kafka.connection import check_connection
 
     try:
@@ -45,18 +48,15 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    """Add the ``compare`` sub-command to the CLI's sub-command table."""
-    parser = commands.add_parser(
-        "compare",
-        help="compare two sets of answers (files or Kafka topic ranges), optionally against labels",
-        description="Join two sets of answer events by request and question id and report agreement, |Δp|, "
+DESCRIPTION = ("Join two sets of answer events by request and question id and report agreement, |Δp|, "
         "score MAE and confidence shift; with --labels also accuracy, Brier score, ECE and log loss of each side "
         "(the figures d3stream evaluate keeps live, from the same implementation). "
         "A source is a JSON-lines file of answer events or kafka:TOPIC[@START-END] (offsets "
         "START <= offset < END of every partition, committed records only, up to the end offsets at the "
-        "time of the call).",
-    )
+        "time of the call).")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", metavar="A", help="answers: JSON-lines file or kafka:TOPIC[@START-END]")
     parser.add_argument("b", metavar="B", help="answers to compare with A, same forms")
     parser.add_argument("--labels", metavar="L",
@@ -67,7 +67,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print the headline figures as one JSON object")
     parser.add_argument("--top", type=int, default=DEFAULT_TOP, help="requests listed as largest disagreements")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to read one Kafka topic range")
-    from d3stream.config import CONNECTION_FIELDS, add_arguments
+    from d3stream.config import CONNECTION_FIELDS
+    from d3stream.config import add_arguments as add_settings
 
-    add_arguments(parser, only=CONNECTION_FIELDS)  # for kafka: sources
-    parser.set_defaults(run=_run)
+    add_settings(parser, only=CONNECTION_FIELDS)  # for kafka: sources
+
+
+COMMAND = Command("compare", "compare two sets of answers (files or Kafka topic ranges), optionally against labels",
+                  add_arguments, _run, description=DESCRIPTION)

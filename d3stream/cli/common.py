@@ -1,0 +1,54 @@
+"""What several commands share: a checkpoint made local from a ``--model`` value, and a Kafka client
+command's connection and run, each failing with the setting to change and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+
+def local_checkpoint(spec: str) -> Any:
+    """A ``--model`` / ``--answer-with`` value as a local directory (``checkpoints.ResolvedModel``); an
+    ``s3://`` one is fetched with the object-storage settings of the environment or settings file
+    (``D3STREAM_MODEL_ALLOWLIST``, ``D3STREAM_S3_ENDPOINT_URL``, ...). Exits with the reason otherwise."""
+    from d3stream.config import load_settings
+    from d3stream.models.checkpoints import CheckpointError, parse_model_spec, resolve_model
+    from d3stream.ops.logs import configure_logging
+
+    try:
+        settings = load_settings({}) if parse_model_spec(spec).in_object_store else None
+        if settings is not None:  # the download's log lines go to stderr; stdout holds the command's output
+            configure_logging(settings.log_format, settings.log_level)
+        return resolve_model(spec, settings)
+    except (CheckpointError, ValueError) as exc:
+        raise SystemExit(f"d3stream: {exc}") from exc
+
+
+def connection(command: str, args: argparse.Namespace) -> Any:
+    """The Kafka connection settings of a client command (flags, environment, settings file); None after
+    printing why they are unusable."""
+    from d3stream.config import load_settings
+    from d3stream.kafka.connection import check_connection
+
+    try:
+        settings = load_settings(args)
+        check_connection(settings)
+        return settings
+    except ValueError as exc:
+        print(f"d3stream {command}: {exc}", file=sys.stderr)
+        return None
+
+
+def run_kafka(command: str, settings: Any, step: Coroutine[Any, Any, Any]) -> int:
+    """Run a client command's coroutine; a connection refusal prints the setting to change, exit status 2."""
+    from d3stream.kafka.connection import connecting
+
+    try:
+        asyncio.run(connecting(settings, step))
+    except (ConnectionError, ValueError) as exc:
+        print(f"d3stream {command}: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,42 @@
+"""``d3stream consume TOPIC``: print answer events as JSON lines (each request id once)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from d3stream.cli.common import connection, run_kafka
+from d3stream.cli.shape import Command
+
+
+def _consume(args: argparse.Namespace) -> int:
+    from d3stream_client.subscriber import consume_answers
+
+    from d3stream.kafka.connection import client_options
+
+    settings = connection("consume", args)
+    if settings is None:
+        return 2
+    options = client_options(settings, "consumer", client_id=settings.client_id)
+    servers = options.pop("bootstrap_servers")
+
+    def show(answer: dict) -> None:
+        print(json.dumps(answer, ensure_ascii=False), flush=True)
+
+    return run_kafka("consume", settings, consume_answers(servers, args.topic, expected=args.max,
+                                                           timeout_s=args.timeout, idle_s=args.idle,
+                                                           security=options, on_record=show))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from d3stream.config import CONNECTION_FIELDS
+    from d3stream.config import add_arguments as add_settings
+
+    parser.add_argument("topic")
+    parser.add_argument("--max", type=int, default=None, help="stop after this many distinct request ids")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="stop after this many seconds")
+    parser.add_argument("--idle", type=float, default=None, help="stop after this many seconds without a record")
+    add_settings(parser, only=CONNECTION_FIELDS)
+
+
+COMMAND = Command("consume", "print answer events as JSON lines", add_arguments, _consume)

@@ -1,0 +1,63 @@
+"""``d3stream decide``: answer one request with a checkpoint, in process, and print the response."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from d3stream.cli.common import local_checkpoint
+from d3stream.cli.shape import Command
+
+
+def _read_request(source: str) -> dict[str, Any]:
+    text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    request = json.loads(text)
+    if not isinstance(request, dict):
+        raise SystemExit("the request must be a JSON object with state and questions")
+    return request
+
+
+def _decide(args: argparse.Namespace) -> int:
+    from d3stream.runtime import D3
+
+    request = _read_request(args.request)
+    resolved = local_checkpoint(args.model)
+    model = D3.from_pretrained(
+        resolved.path,
+        device=args.device,
+        verify=args.verify,
+        model_name=resolved.name,
+        permutation_average=args.permutation_average or bool(request.get("permutation_average")),
+    )
+    images = list(request.get("images") or []) + list(args.image or [])
+    videos = list(request.get("videos") or []) + list(args.video or [])
+    try:
+        response = model.system_one(
+            state=request.get("state"),
+            questions=request.get("questions") or {},  # none at all: the runtime's "nonempty mapping" error
+            images=images or None,
+            videos=videos or None,
+        )
+    except ValueError as exc:
+        print(json.dumps({"error": {"code": "invalid_request", "message": str(exc)}}, ensure_ascii=False))
+        return 2
+    print(json.dumps(response, ensure_ascii=False, indent=2))
+    return 0
+
+
+def add_arguments(decide: argparse.ArgumentParser) -> None:
+    decide.add_argument("--model", required=True,
+                        help="checkpoint directory or s3://bucket/prefix/ (settings of the environment: "
+                        "D3STREAM_MODEL_ALLOWLIST, D3STREAM_S3_ENDPOINT_URL, D3STREAM_MODEL_CACHE_DIR)")
+    decide.add_argument("--request", required=True, help="request JSON file ({state, questions, ...}) or - for stdin")
+    decide.add_argument("--image", action="append", help="image file seen by every question (repeatable)")
+    decide.add_argument("--video", action="append", help="video file seen by every question (repeatable)")
+    decide.add_argument("--device", default=None, help="torch device (default: cuda:0 when present, else cpu)")
+    decide.add_argument("--verify", choices=("fast", "full", "none"), default="fast", help="manifest check")
+    decide.add_argument("--permutation-average", action="store_true", help="average choice options over both orders")
+
+
+COMMAND = Command("decide", "answer one request with a checkpoint and print the response", add_arguments, _decide)

@@ -1,0 +1,98 @@
+"""``d3stream demo``: the embedded default, end to end (dev/demo.py runs it; this prints what it found)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from d3stream.cli.shape import Command
+
+
+def _brief(value: dict) -> str:
+    """One answer slot as a short text: the choice with its probability, p(true), the score, or the error."""
+    if "error" in value:
+        return value["error"]
+    if value.get("type") == "choice":
+        return f"{value['choice']} ({value['probabilities'][value['choice']]:.2f})"
+    if value.get("type") == "noul":
+        return f"p(true) {value['noul']:.2f}"
+    return f"{value.get('score', 0):.2f} of {len(value.get('probabilities') or {}) - 1}"
+
+
+def _print_reevaluation(figures: dict) -> None:
+    trained, baseline = figures["checkpoints"]
+    print(f"\nre-evaluation: the {figures['labelled']} labelled questions replayed through a second checkpoint"
+          f" and compared with their labels (as `d3stream compare --labels` does)")
+    print(f"{'checkpoint':<36}{'accuracy':>10}{'Brier':>8}{'ECE':>8}")
+    for index, name in enumerate((trained, baseline)):
+        print(f"{name:<36}{figures['accuracy'][index]:>10.3f}{figures['brier'][index]:>8.3f}"
+              f"{figures['ece'][index]:>8.3f}")
+    print(f"better: {figures['better']} (the two agree on {figures['agreement']:.0%} of the decisions)")
+
+
+def _print_live_evaluation(live: dict, offline: dict, same: bool) -> None:
+    """The live evaluation (d3stream evaluate) of the served checkpoint beside its offline re-evaluation (the
+    two must agree: the same answers and labels)."""
+    served = offline["checkpoints"][0]
+    model = next((m for m in live["models"] if m["model"] == served and m["role"] == "live"), None)
+    print(f"\nlive evaluation: d3stream evaluate joined {live['evaluations']} answers with labels that came before "
+          "and after them")
+    print(f"{'':<36}{'accuracy':>10}{'Brier':>8}{'ECE':>8}{'log loss':>10}")
+    if model is None:
+        print("no live evaluation of the served checkpoint")
+        return
+    print(f"{'live (d3stream evaluate)':<36}{model['accuracy']:>10.3f}{model['brier']:>8.3f}{model['ece']:>8.3f}"
+          f"{model['log_loss']:>10.3f}")
+    print(f"{'offline (compare --labels)':<36}{offline['accuracy'][0]:>10.3f}{offline['brier'][0]:>8.3f}"
+          f"{offline['ece'][0]:>8.3f}{offline['log_loss'][0]:>10.3f}")
+    print("the same figures, live and offline" if same else "the live and offline figures differ")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from d3stream.dev.demo import run_demo
+    from d3stream.dev.infra import InfraError
+    from d3stream.ops.logs import configure_logging
+
+    configure_logging("console" if sys.stderr.isatty() else "json", "warning")
+    try:
+        summary = asyncio.run(run_demo(progress=not args.json and sys.stderr.isatty(), timeout_s=args.timeout))
+    except InfraError as exc:  # a local server that would not start: its log's path and tail say why
+        print(f"d3stream demo: {exc}", file=sys.stderr)
+        return 1
+    answers = summary.pop("answers")
+    labelled = set(summary.pop("labelled_ids"))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        from d3stream.dev.tasks import showcase
+
+        texts = {e.id: e.request["state"]["text"] for e in showcase() if isinstance(e.request["state"], dict)}
+        shown = [a for a in answers if not a["id"].startswith("heldout-")]
+        for answer in sorted(shown, key=lambda a: a["id"]):
+            if answer["id"] in texts:
+                print(f"{answer['id']:<20} \"{texts[answer['id']]}\"")
+            error = answer.get("error")
+            brief = error["code"] if error else "  ".join(
+                f"{key}: {_brief(value)}" for key, value in (answer.get("answers") or {}).items()
+            )
+            print(f"{answer['id']:<20} {brief}")
+        held = len([a for a in answers if a["id"].startswith("heldout-")])
+        print(f"(and {held} requests drawn from the held-out set; {len(labelled)} labelled requests in all)")
+        _print_reevaluation(summary["reevaluation"])
+        _print_live_evaluation(summary["live_evaluation"], summary["reevaluation"], summary["live_equals_offline"])
+        print(f"\npublished {summary['published']}, answered {summary['answered']}, error answers "
+              f"{summary['errors']}, dead letters {summary['dead_letters']}, replayed {summary['replayed']}, "
+              f"{summary['seconds']} s")
+    every = summary["answered"] == summary["published"] == summary["replayed"]
+    return 0 if every and summary["live_equals_offline"] else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for all answers")
+
+
+COMMAND = Command("demo", "run everything locally: broker, object store, a tiny trained model, sample requests, "
+                  "and a labelled re-evaluation against a random checkpoint", add_arguments, _demo)

@@ -1,0 +1,147 @@
+"""``d3stream serve``: one worker. Its settings come from flags, ``D3STREAM_*`` variables and a TOML file;
+its models are loaded (s3:// ones fetched and verified) after the metrics endpoint is up, so a liveness probe
+sees a live process meanwhile."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from typing import Any
+
+from d3stream.cli.shape import Command
+
+# The exit status of `d3stream serve` after a worker-fatal error (2 is a configuration error).
+WORKER_FATAL_EXIT = 3
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from d3stream.config import load_settings
+    from d3stream.kafka.connection import check_connection
+    from d3stream.ops.logs import configure_logging
+
+    try:
+        settings = load_settings(args)
+        check_connection(settings)
+    except ValueError as exc:
+        print(f"d3stream serve: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    if not settings.model and not settings.model_source:
+        print("d3stream serve: no checkpoint: set --model (or --model-source), D3STREAM_MODEL or model = ... in the "
+              "settings file", file=sys.stderr)
+        return 2
+    from d3stream.models.checkpoints import CheckpointError
+    from d3stream.ops.metrics import Metrics, serve_metrics
+    from d3stream.service import Service
+
+    # The endpoint comes up before the models are downloaded and loaded, so a liveness probe sees a live
+    # process meanwhile.
+    metrics = Metrics()
+    server = serve_metrics(metrics, settings)
+    try:
+        models, shadow = _load_models(settings)
+        service = Service(settings, models, metrics=metrics, shadow=shadow)
+    except (CheckpointError, ValueError) as exc:  # also: two models of one name, prefix_reuse=on on a non-causal one
+        print(f"d3stream serve: {exc}", file=sys.stderr)
+        if server is not None:
+            server.stop()
+        return 2
+    _log_kernel_notice([*models, *([shadow] if shadow is not None else [])])
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, service.stop)
+        await service.run()
+
+    from d3stream.kafka.limits import WorkerFatal
+
+    try:
+        asyncio.run(main())
+    except WorkerFatal as exc:  # e.g. no permission on the answer topic: a restart would not help by itself
+        import structlog
+
+        # A log line like every other (JSON with --log-format json), not a bare print.
+        structlog.get_logger("d3stream.serve").error("d3stream serve stopped", error=str(exc),
+                                                     exit_status=WORKER_FATAL_EXIT)
+        return WORKER_FATAL_EXIT
+    finally:
+        if server is not None:
+            server.stop()
+    return 0
+
+
+def _log_kernel_notice(models: list[Any]) -> None:
+    """Say once, at ``info``, when the models run transformers' reference Gated DeltaNet kernels: the logging
+    set-up puts transformers' own warnings about it at ``debug`` (ops/logs.py)."""
+    import structlog
+
+    from d3stream.ops.logs import kernel_notice
+
+    notices = dict.fromkeys(kernel_notice(model.kernel_record(), str(model.device)) for model in models)
+    for notice in notices:
+        if notice:
+            structlog.get_logger("d3stream.serve").info(notice)
+
+
+def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
+    """Every ``--model`` of serve, the first the default, and a ``--shadow NAME=PATH`` checkpoint (None: no
+    shadow, or a served model's name): made local (s3:// fetched and verified), their weights checked to fit
+    the device together (``model_memory_bytes``) before any is loaded, then loaded (and warmed up with
+    ``warmup``). With ``model_source`` its pointer's current checkpoint (and canary) come first, the default
+    (rollout.py). CheckpointError / ValueError name what is wrong."""
+    from d3stream.models.checkpoints import (
+        check_models_fit,
+        checkpoint_memory_bytes,
+        model_name_for,
+        parse_model_specs,
+        resolve_model,
+    )
+    from d3stream.models.shadow import parse_shadow
+    from d3stream.runtime import D3
+
+    specs = parse_model_specs(settings.model)  # a name given twice is refused before any download
+    shadow = parse_shadow(settings.shadow) if settings.shadow else None
+    texts = list(settings.model)
+    if shadow is not None and shadow.location is not None:  # a checkpoint of its own: loaded and checked alike
+        specs.append(parse_model_specs([settings.shadow])[0])
+        texts.append(settings.shadow)
+    resolved = [resolve_model(text, settings) for text in texts]
+    names: list[str | None] = [each.name for each in resolved]
+    if settings.model and not settings.model_source:  # model_name names the default; a source's names itself
+        names[0] = model_name_for(resolved[0], settings.model_name)
+    device = settings.device or ("cuda:0" if _cuda_available() else "cpu")
+    check_models_fit({name or spec.location: checkpoint_memory_bytes(each.path)
+                      for name, spec, each in zip(names, specs, resolved, strict=True)},
+                     device, settings.model_memory_bytes)
+    models = []
+    if settings.model_source:
+        from d3stream.models.rollout import load_source_models
+
+        models.extend(load_source_models(settings, beside=[each.path for each in resolved]))
+    for name, each in zip(names, resolved, strict=True):
+        models.append(D3.from_pretrained(each.path, device=settings.device, verify=settings.verify,
+                                         model_name=name, permutation_average=settings.permutation_average))
+    if settings.warmup:
+        for model in models:
+            model.warmup()
+    if len(texts) > len(settings.model):  # the last one loaded is the shadow's checkpoint
+        return models[:-1], models[-1]
+    return models, None
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from d3stream.config import add_arguments as add_settings
+
+    add_settings(parser)
+
+
+COMMAND = Command("serve", "run the service: answer requests from Kafka", add_arguments, _serve)
