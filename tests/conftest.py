@@ -1,5 +1,5 @@
-"""Shared fixtures: real servers (tests/infra_fixtures.py), tiny checkpoints built on demand
-(tests/model_fixtures.py), the stream helpers' ``stack`` and the fault proxy's ``proxy``.
+"""Shared fixtures: real servers (tests/support/infra_fixtures.py), tiny checkpoints built on demand
+(tests/support/model_fixtures.py), the stream helpers' ``stack`` and the fault proxy's ``proxy``.
 
 Markers (registered in pyproject.toml; ``make test-fast`` runs ``-m "not infra and not subprocess and not
 slow"``, ``make test`` runs everything):
@@ -34,9 +34,12 @@ from d3stream.dev.infra import JVM_OPTIONS_ENV
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault(JVM_OPTIONS_ENV, "-XX:TieredStopAtLevel=1")
 
-pytest_plugins = ["tests.infra_fixtures", "tests.model_fixtures", "tests.stream_helpers", "tests.fault_proxy"]
+pytest_plugins = [
+    "tests.support.infra_fixtures", "tests.support.model_fixtures", "tests.support.stream_helpers",
+    "tests.support.fault_proxy",
+]
 
-# The fixtures that start a JVM server (tests/infra_fixtures.py); every fixture built on them (``stack``,
+# The fixtures that start a JVM server (tests/support/infra_fixtures.py); every fixture built on them (``stack``,
 # ``s3_bucket``, the extra brokers of test_security and test_hostile) asks for one of these.
 INFRA_FIXTURES = frozenset({"kafka_broker", "object_store"})
 # The fixtures that train a model or load models beyond the session's tiny ones: the demo's trained and random

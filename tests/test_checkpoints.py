@@ -23,7 +23,7 @@ from d3stream.models.checkpoints import (
     resolve_source,
 )
 from d3stream.runtime.package import MANIFEST, package_files, read_manifest, write_manifest
-from tests.model_fixtures import copy_checkpoint
+from tests.support.model_fixtures import copy_checkpoint
 
 # Commands run in process set up logging on the test's captured stderr: undone after each test.
 pytestmark = pytest.mark.usefixtures("logging_restored")

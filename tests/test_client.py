@@ -36,7 +36,7 @@ from d3stream_client.validation import RequestLimits
 
 from d3stream.benchmarks.chaos import WorkerProcess, worker_env
 from d3stream.service import Service
-from tests.stream_helpers import Q_CHOICE, Q_NOUL, Reader, assigned_and_ready, committed, run, stop
+from tests.support.stream_helpers import Q_CHOICE, Q_NOUL, Reader, assigned_and_ready, committed, run, stop
 
 CLIENT = Path(__file__).resolve().parents[1] / "clients" / "python"
 MODEL_LIBRARIES = ("torch", "torchvision", "transformers", "numpy", "cv2", "PIL", "d3stream")

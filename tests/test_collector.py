@@ -42,7 +42,7 @@ def test_an_error_inside_still_restores_the_collector():
 
 
 def test_a_serving_worker_runs_with_the_tuned_collector_and_hands_it_back(stack, qwen35_model):
-    from tests.stream_helpers import Q_NOUL, record, run, serve
+    from tests.support.stream_helpers import Q_NOUL, record, run, serve
 
     before = gc.get_threshold()
     seen: dict[str, object] = {}

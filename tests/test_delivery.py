@@ -36,8 +36,8 @@ from d3stream.kafka.commits import Answered, CommitInTransaction
 from d3stream.kafka.offsets import OffsetTracker
 from d3stream.kafka.publishing import Outgoing
 from d3stream.service import Service
-from tests.media_makers import make_png
-from tests.stream_helpers import (
+from tests.support.media_makers import make_png
+from tests.support.stream_helpers import (
     Q_CHOICE,
     Q_NOUL,
     Q_SCORE,
@@ -457,7 +457,7 @@ def test_a_flush_during_partition_assignment_does_not_fence_the_worker_itself(st
 
 def test_a_worker_joining_and_leaving_mid_stream_answers_each_request_once(stack, qwen35_model, qwen35_checkpoint,
                                                                             capsys):
-    from tests.model_fixtures import load_model
+    from tests.support.model_fixtures import load_model
 
     second_model = load_model(qwen35_checkpoint)  # each worker its own model, as two processes would have
     settings = stack.settings(max_inflight_requests=8, max_batch_rows=2, linger_ms=5, commit_interval_ms=100)

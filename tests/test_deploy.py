@@ -47,7 +47,7 @@ from d3stream.models.checkpoints import checkpoint_location
 from d3stream.ops.metrics import STAGES, SWAP_OUTCOMES, Metrics, MetricsServer
 from d3stream.ops.quality import QualityMetrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 BASE = "k8s/base"

@@ -11,7 +11,7 @@ from pathlib import Path
 from d3stream_client.validation import decode_request
 
 from d3stream.cli import main
-from tests.stream_helpers import Reader, assigned_and_ready, stop
+from tests.support.stream_helpers import Reader, assigned_and_ready, stop
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 REQUESTS = EXAMPLES / "requests.jsonl"

@@ -1,11 +1,11 @@
 """Faults around the service, on the real broker and object store: the store down, failing or slow, and
 a model whose forward passes fail.
 
-Object-store faults go through ``tests/fault_proxy.py`` (a real HTTP proxy in front of S3Proxy), so each
+Object-store faults go through ``tests/support/fault_proxy.py`` (a real HTTP proxy in front of S3Proxy), so each
 test can also prove how many calls were made. Timeouts are small (connect 0.5 s, read 1 s, 2 attempts), so
 a store that does not answer costs a request a few seconds, never the stream.
 
-The stream helpers (``Stack``, ``Reader``, ``serve``) live in ``tests/stream_helpers.py``.
+The stream helpers (``Stack``, ``Reader``, ``serve``) live in ``tests/support/stream_helpers.py``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import pytest
 from d3stream_client.publisher import produce
 
 from d3stream.service import Service
-from tests.fault_proxy import THREAD_PREFIX
-from tests.media_makers import make_png
-from tests.stream_helpers import (
+from tests.support.fault_proxy import THREAD_PREFIX
+from tests.support.media_makers import make_png
+from tests.support.stream_helpers import (
     Q_CHOICE,
     Q_NOUL,
     Q_SCORE,

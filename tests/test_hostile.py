@@ -44,8 +44,8 @@ from hypothesis import strategies as st
 from d3stream.config import Settings
 from d3stream.runtime.questions import ERRORS as QUESTION_ERRORS
 from d3stream.service import Service
-from tests.media_makers import make_jpeg, make_mp4, make_png, make_png_header_only
-from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, free_port, record, run, serve
+from tests.support.media_makers import make_jpeg, make_mp4, make_png, make_png_header_only
+from tests.support.stream_helpers import Q_NOUL, Reader, assigned_and_ready, free_port, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 
 from d3stream.config import Settings
 from d3stream.ops.metrics import Metrics, serve_metrics
-from tests.media_makers import make_png
-from tests.stream_helpers import Q_CHOICE, Q_NOUL, committed, record, run, serve
+from tests.support.media_makers import make_png
+from tests.support.stream_helpers import Q_CHOICE, Q_NOUL, committed, record, run, serve
 
 # Kafka's default limits: the broker's message.max.bytes (1048588) and the producer's max_request_size.
 KAFKA_DEFAULT_MESSAGE_BYTES = 1_048_576

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from d3stream.runtime import media
-from tests.media_makers import (
+from tests.support.media_makers import (
     data_url,
     frames_array,
     make_avi,

@@ -25,8 +25,8 @@ from d3stream.core.decoding import DecodeTimeout, MediaDecoder
 from d3stream.core.storage import Allowlist, MediaError, S3Location, parse_s3_reference
 from d3stream.runtime import media
 from d3stream.service import Service
-from tests.media_makers import data_url, make_mp4, make_mp4_bomb, make_png, make_smooth_png
-from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, run, serve, stop
+from tests.support.media_makers import data_url, make_mp4, make_mp4_bomb, make_png, make_smooth_png
+from tests.support.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, run, serve, stop
 
 pytestmark = pytest.mark.timeout(300)
 

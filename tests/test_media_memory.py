@@ -1,7 +1,7 @@
 """``max_inflight_media_bytes`` counts what a request's media really take: the decoded pixels, the processor's
 copies and the vision inputs, within 25 % of the RSS they make a fresh worker process grow by (issue 27).
 
-Each case decodes and prepares in a process of its own (``tests/media_memory_probe.py``) and compares the
+Each case decodes and prepares in a process of its own (``tests/support/media_memory_probe.py``) and compares the
 peak RSS growth with the most the budget counted: one request of six 16-megapixel PNGs (counted as their
 288 MB of pixels before, while the process grew by about 1.2 GB), three such requests held at once (the
 processor's copies of one are reused by the next: they count while a request is prepared), and a 1080p clip.
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("case", ["images", "video"])
 def test_the_media_budget_counts_the_memory_decoding_and_preparing_take(qwen35_checkpoint: Path, case: str) -> None:
-    probe = subprocess.run([sys.executable, "-m", "tests.media_memory_probe", str(qwen35_checkpoint), case],
+    probe = subprocess.run([sys.executable, "-m", "tests.support.media_memory_probe", str(qwen35_checkpoint), case],
                            cwd=ROOT, capture_output=True, text=True, timeout=280, check=False)
     assert probe.returncode == 0, probe.stderr[-3000:]
     figures = json.loads(probe.stdout.strip().splitlines()[-1])

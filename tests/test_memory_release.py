@@ -24,8 +24,8 @@ import pytest
 from d3stream_client.publisher import produce
 
 from d3stream.service import Service
-from tests.media_makers import make_png, make_smooth_png
-from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, run, stop
+from tests.support.media_makers import make_png, make_smooth_png
+from tests.support.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, run, stop
 
 pytestmark = pytest.mark.timeout(300)
 

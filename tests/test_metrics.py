@@ -15,7 +15,7 @@ import d3stream
 from d3stream.config import Settings
 from d3stream.core.batching import PassRecord
 from d3stream.ops.metrics import ERROR_CODES, STAGES, Metrics, MetricsServer, serve_metrics
-from tests.stream_helpers import scrape
+from tests.support.stream_helpers import scrape
 
 
 def _status(url: str) -> int:

@@ -12,7 +12,7 @@ from d3stream_client.publisher import produce
 from d3stream.config import Settings
 from d3stream.ops.metrics import Metrics, MetricsServer
 from d3stream.service import Service
-from tests.stream_helpers import scrape
+from tests.support.stream_helpers import scrape
 
 
 def status(url: str, path: str) -> int:

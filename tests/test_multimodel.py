@@ -18,7 +18,7 @@ from d3stream.cli import main as cli_main
 from d3stream.config import load_settings
 from d3stream.models.checkpoints import checkpoint_memory_bytes
 from d3stream.service import answer_identity, provenance_digest
-from tests.stream_helpers import close_to, read_all, record, run, serve
+from tests.support.stream_helpers import close_to, read_all, record, run, serve
 
 Q_NOUL = {"type": "noul", "instructions": "Is the customer asking for a refund?"}
 Q_CHOICE = {"type": "choice", "instructions": "Which team?",

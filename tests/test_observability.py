@@ -25,8 +25,8 @@ from d3stream_client.contract import HEADERS
 from d3stream.config import Settings, check_settings
 from d3stream.jobs.replay import ReplayRange, run_replay
 from d3stream.ops.tracing import Tracing, forwarded_headers, header_names, traces_url
-from tests.media_makers import make_png
-from tests.stream_helpers import Q_CHOICE, Q_NOUL, Reader, free_port, read_all, record, run, serve
+from tests.support.media_makers import make_png
+from tests.support.stream_helpers import Q_CHOICE, Q_NOUL, Reader, free_port, read_all, record, run, serve
 
 pytestmark = pytest.mark.timeout(240)
 

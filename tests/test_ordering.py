@@ -26,8 +26,8 @@ from d3stream_client.connection import partition_for
 from d3stream.benchmarks.chaos import WorkerProcess, worker_env
 from d3stream.kafka.offsets import decode_done, window_offsets
 from d3stream.service import Service
-from tests.media_makers import make_png
-from tests.stream_helpers import Q_NOUL, Reader, run, serve
+from tests.support.media_makers import make_png
+from tests.support.stream_helpers import Q_NOUL, Reader, run, serve
 
 pytestmark = pytest.mark.timeout(300)
 

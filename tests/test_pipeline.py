@@ -21,8 +21,8 @@ from d3stream_client.contract import ERROR_CODES, decode_answer
 from d3stream.config import Settings
 from d3stream.core.record import RequestRecord
 from d3stream.service import Service
-from tests.media_makers import data_url, make_png, make_png_header_only
-from tests.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, close_to
+from tests.support.media_makers import data_url, make_png, make_png_header_only
+from tests.support.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, close_to
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,6 +1,6 @@
 """Shared-prefix reuse (runtime/prefix.py) and the media-feature cache (runtime/cache.py) on tiny checkpoints.
 
-The checkpoints are sharpened (tests/model_fixtures.py), so different states, images or questions move the
+The checkpoints are sharpened (tests/support/model_fixtures.py), so different states, images or questions move the
 option probabilities by ~0.1, far above the 1e-2 tolerance: a suffix answered on the wrong cache, with the
 wrong positions or with another request's image would fail. A question answered from a cached prefix and
 from its whole prompt differ only by BF16 rounding (measured ~4e-3 at most).
@@ -14,8 +14,8 @@ import pytest
 
 from d3stream.runtime.cache import MediaFeatureCache
 from d3stream.runtime.prefix import PrefixReuseUnavailable, PrefixRunner
-from tests.media_makers import frames_array, noise_image
-from tests.model_fixtures import float32
+from tests.support.media_makers import frames_array, noise_image
+from tests.support.model_fixtures import float32
 
 TOL = 1e-2
 

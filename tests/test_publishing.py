@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import murmur2 as aiokafka_murmur2
 
 from d3stream.kafka.publishing import Outgoing, RecordBatches, murmur2
-from tests.stream_helpers import read_all, run
+from tests.support.stream_helpers import read_all, run
 
 
 def test_murmur2_is_kafkas_hash_of_every_key_length():

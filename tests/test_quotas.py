@@ -16,7 +16,7 @@ from d3stream_client.contract import HEADERS
 
 from d3stream.core.quotas import TenantQuotas
 from d3stream.core.seams import InFlight
-from tests.stream_helpers import Q_NOUL, committed, run, serve
+from tests.support.stream_helpers import Q_NOUL, committed, run, serve
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -32,8 +32,8 @@ from d3stream.models.rollout import (
 )
 from d3stream.runtime.package import MANIFEST, package_files, read_manifest, write_manifest
 from d3stream.service import Service
-from tests.model_fixtures import copy_checkpoint
-from tests.stream_helpers import Reader, assigned_and_ready, close_to, read_all, record, run, stop
+from tests.support.model_fixtures import copy_checkpoint
+from tests.support.stream_helpers import Reader, assigned_and_ready, close_to, read_all, record, run, stop
 
 # serve sets up logging in process, on the test's captured stderr: undone after each test.
 pytestmark = pytest.mark.usefixtures("logging_restored")

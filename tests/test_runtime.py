@@ -29,8 +29,8 @@ from d3stream.dev.tasks import showcase
 from d3stream.runtime import D3
 from d3stream.runtime.model import kernel_path
 from d3stream.runtime.package import write_manifest
-from tests.media_makers import frames_array, noise_image
-from tests.model_fixtures import copy_checkpoint, device_for_tests, float32, load_model
+from tests.support.media_makers import frames_array, noise_image
+from tests.support.model_fixtures import copy_checkpoint, device_for_tests, float32, load_model
 
 BATCH_TOL = 1e-2
 REF_TOL = 1e-2

@@ -24,7 +24,7 @@ import pytest
 from d3stream.benchmarks.scaleout import churn, worker_settings
 from d3stream.config import Settings, check_settings, load_settings
 from d3stream.service import Service
-from tests.stream_helpers import Q_NOUL, GatedModel, Reader, assigned_and_ready, record, run, stop
+from tests.support.stream_helpers import Q_NOUL, GatedModel, Reader, assigned_and_ready, record, run, stop
 
 pytestmark = pytest.mark.timeout(300)
 

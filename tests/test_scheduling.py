@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from d3stream_client.contract import decode_answer
 
-from tests.stream_helpers import Q_CHOICE, Q_NOUL, committed, record, run, serve
+from tests.support.stream_helpers import Q_CHOICE, Q_NOUL, committed, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -31,8 +31,7 @@ from d3stream.kafka.connection import (
     token_provider,
 )
 from d3stream.service import Service
-
-from .stream_helpers import Q_NOUL, Reader, assigned_and_ready, free_port, run
+from tests.support.stream_helpers import Q_NOUL, Reader, assigned_and_ready, free_port, run
 
 trustme = pytest.importorskip("trustme")
 

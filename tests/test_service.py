@@ -29,8 +29,8 @@ import d3stream
 from d3stream.config import FIELDS
 from d3stream.core.storage import MediaError, MediaFetcher
 from d3stream.service import Service, answer_identity, provenance_digest
-from tests.media_makers import data_url, make_jpeg, make_mp4, make_png, make_png_header_only
-from tests.stream_helpers import (
+from tests.support.media_makers import data_url, make_jpeg, make_mp4, make_png, make_png_header_only
+from tests.support.stream_helpers import (
     Q_CHOICE,
     Q_NOUL,
     Q_SCORE,
@@ -768,7 +768,7 @@ def test_serve_command_sigterm_mid_stream_and_restart(stack, qwen35_checkpoint, 
 
 
 def test_two_workers_in_one_group_answer_everything(stack, qwen35_model, qwen35_checkpoint, capsys):
-    from tests.model_fixtures import load_model
+    from tests.support.model_fixtures import load_model
 
     second_model = load_model(qwen35_checkpoint)  # each worker its own model, as two processes would have
     settings = stack.settings(max_inflight_requests=8, max_batch_rows=2, linger_ms=5)

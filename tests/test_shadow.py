@@ -21,7 +21,17 @@ from d3stream.config import load_settings
 from d3stream.core.shadow import chosen
 from d3stream.models.shadow import parse_shadow, shadow_hosted
 from d3stream.service import provenance_digest
-from tests.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, Reader, close_to, read_all, record, run, serve
+from tests.support.stream_helpers import (
+    Q_CHOICE,
+    Q_NOUL,
+    Q_SCORE,
+    Reader,
+    close_to,
+    read_all,
+    record,
+    run,
+    serve,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,7 +21,7 @@ from d3stream.dev.build_checkpoint import build_checkpoint
 from d3stream.dev.train import train_demo
 from d3stream.jobs import compare
 from d3stream.runtime.package import package_files, sha256_file, verify_package
-from tests.model_fixtures import DEMO_TEST_STEPS
+from tests.support.model_fixtures import DEMO_TEST_STEPS
 
 # The trained checkpoint's held-out accuracy must exceed the random one's by at least this much (measured
 # with the test training, DEMO_TEST_STEPS on DEMO_TEST_TASK: 0.41 random against 0.905 trained; the full

@@ -35,7 +35,7 @@ from d3stream_client.publisher import produce
 from d3stream.benchmarks.chaos import WorkerProcess, count_topic, worker_env
 from d3stream.cli.serve import WORKER_FATAL_EXIT
 from d3stream.kafka.limits import BROKER_DEFAULT_MAX_MESSAGE_BYTES
-from tests.stream_helpers import Q_NOUL, Reader, committed, read_all, record, run, serve
+from tests.support.stream_helpers import Q_NOUL, Reader, committed, read_all, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)
 

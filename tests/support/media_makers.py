@@ -1,6 +1,6 @@
 """Real media files for tests: encoded images and videos as bytes, made on the spot.
 
-Plain functions (no pytest), so any test module can ``from tests.media_makers import make_png``. Every
+Plain functions (no pytest), so any test module can ``from tests.support.media_makers import make_png``. Every
 maker is deterministic for its arguments. Images are noise (so they do not compress to nothing and two
 seeds really differ); videos are a moving gradient plus noise, so every frame differs from the last.
 """

@@ -1,4 +1,4 @@
-"""Run as ``python -m tests.media_memory_probe CHECKPOINT images|video``: decode and prepare one request's media
+"""Run as ``python -m tests.support.media_memory_probe CHECKPOINT images|video``: decode and prepare one request's media
 in a fresh process (``images``: then two more such requests, all kept, as a worker holds them until they are
 answered), and print (JSON) the peak RSS growth beside the most the media budget counted, after the first
 request and after the last.

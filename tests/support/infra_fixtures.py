@@ -1,6 +1,6 @@
 """Pytest plugin: real Kafka and S3 servers for the test session (see ``d3stream.dev.infra``).
 
-Enable with ``pytest_plugins = ["tests.infra_fixtures"]`` in ``tests/conftest.py`` (or ``-p tests.infra_fixtures``).
+Enable with ``pytest_plugins = ["tests.support.infra_fixtures"]`` in ``tests/conftest.py`` (or ``-p tests.support.infra_fixtures``).
 The servers start lazily -- only when a test asks for a fixture -- once per session, and stop at its
 end. Tests share them, so each test should use its own topic names, group ids and buckets; the
 ``topic_names``, ``unique_name`` and ``s3_bucket`` fixtures hand those out.

@@ -1,6 +1,6 @@
 """Pytest plugin: tiny D3 checkpoints and loaded models, built once per test session.
 
-Enable with ``pytest_plugins = ["tests.model_fixtures"]`` (``tests/conftest.py`` does). Everything is lazy:
+Enable with ``pytest_plugins = ["tests.support.model_fixtures"]`` (``tests/conftest.py`` does). Everything is lazy:
 a checkpoint is built (``d3stream.dev.build_checkpoint.build_checkpoint``, ``size="tiny"``, seed 0) the
 first time a test asks for it, a model is loaded the first time a test asks for that, and both live for
 the rest of the session. Loaded models are shared: a test that changes one must undo it (use
@@ -73,7 +73,7 @@ DEMO_TEST_TASK = {"tickets": 250, "pictures": 100}
 # Files a checkpoint copy links instead of copying (large, and no test edits them in place).
 LINKED = ("model.safetensors", "tokenizer.json")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_RUNTIME = REPO_ROOT.parent / "shared" / "reference" / "d3_runtime.py.txt"
 
 
