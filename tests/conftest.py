@@ -1,13 +1,25 @@
-"""Shared fixtures: real servers (tests/support/infra_fixtures.py), tiny checkpoints built on demand
-(tests/support/model_fixtures.py), the stream helpers' ``stack`` and the fault proxy's ``proxy``.
+"""Shared fixtures and the suite's markers and order.
 
-Markers (registered in pyproject.toml; ``make test-fast`` runs ``-m "not infra and not subprocess and not
-slow"``, ``make test`` runs everything):
+The folders are the layers of testing; each folder's ``conftest.py`` marks its tests:
+
+``tests/unit/<layer>/``  no JVM and no other Python process; one folder per layer of the package
+                         (``runtime``, ``core``, ``kafka``, ``models``, ``ops``, ``service``, ``jobs``, ``dev``,
+                         ``benchmarks``), ``config`` for d3stream/config.py and ``client`` for the light client.
+                         ``make test-fast`` runs this folder.
+``tests/integration/``   the real broker and/or S3 store, in this process (marked ``infra``).
+``tests/system/``        other Python processes: ``d3stream serve`` workers killed and restarted, scale-out
+                         groups, fresh interpreters (marked ``subprocess``).
+``tests/deploy/``        the Kubernetes manifests, the compose file and the images (marked ``deploy``).
+``tests/support/``       helpers, no tests: real servers (infra_fixtures), tiny checkpoints built on demand
+                         (model_fixtures), the stream helpers' ``stack``, the fault proxy's ``proxy``, media makers.
+
+Markers (registered in pyproject.toml):
 
 ``infra``       the test needs the JVM: it asks, directly or through another fixture, for the session's Kafka
-                broker or S3 store (``INFRA_FIXTURES``). Applied here, from the fixtures, never by hand.
-``subprocess``  the test starts another Python process (``d3stream serve``, ``replay``, ``python -c``).
-                Applied by hand where the test does not already need the servers.
+                broker or S3 store (``INFRA_FIXTURES``). Applied here, from the fixtures, wherever the test is.
+``subprocess``  the test starts another Python process (``d3stream serve``, ``replay``, ``python -c``):
+                every test of tests/system.
+``deploy``      a check of the deployment files: every test of tests/deploy.
 ``slow``        the test trains a model, loads models beyond the session's four tiny ones (the reference
                 runtime's, the demo's, variants of its own), runs a benchmark or feeds thousands of fuzzed or
                 megabytes of input through a model: seconds to minutes each on two cores. Applied here from
@@ -19,6 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +42,7 @@ from d3stream.dev.infra import JVM_OPTIONS_ENV
 # The suite keeps two cores busy with its pytest workers, the worker processes they start and the JVMs, so a
 # second OpenMP thread per process only spins and waits: one thread each made the model-heavy modules 15 %
 # faster (measured side by side). Set before torch is imported; the worker processes inherit it. A test that
-# is about thread counts sets its own (tests/test_pipeline.py). The servers' JVMs compile with C1 only
+# is about thread counts sets its own (tests/unit/core/test_pipeline.py). The servers' JVMs compile with C1 only
 # (d3stream/dev/infra.py says what that saves). A value already in the environment wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault(JVM_OPTIONS_ENV, "-XX:TieredStopAtLevel=1")
@@ -40,10 +53,11 @@ pytest_plugins = [
 ]
 
 # The fixtures that start a JVM server (tests/support/infra_fixtures.py); every fixture built on them (``stack``,
-# ``s3_bucket``, the extra brokers of test_security and test_hostile) asks for one of these.
+# ``s3_bucket``, the extra brokers of integration/test_security and test_hostile) asks for one of these.
 INFRA_FIXTURES = frozenset({"kafka_broker", "object_store"})
 # The fixtures that train a model or load models beyond the session's tiny ones: the demo's trained and random
-# models, and the modules' own (test_runtime's reference and variant models, test_checkpoint's backbones).
+# models, and the modules' own (unit/runtime/test_model's reference and variant models,
+# unit/dev/test_build_checkpoint's backbones).
 SLOW_FIXTURES = frozenset({
     "demo_trained_model",
     "demo_random_model",
@@ -58,25 +72,21 @@ SLOW_FIXTURES = frozenset({
 })
 
 
-# Modules of long scenarios (worker processes killed and restarted, scale-out groups, training), longest first.
-# `make test` runs the suite on three workers (pytest-xdist), which take tests in collection order: when these
-# start first, the short tests fill the gaps and the workers end together, instead of one finishing a
-# 70-second scenario alone at the end.
-LONG_MODULES = (
-    "test_scaleout", "test_delivery", "test_runtime", "test_hostile", "test_service", "test_ordering", "test_client",
-    "test_bench",
-    "test_unwritable", "test_demo", "test_evaluate", "test_media_memory", "test_replay", "test_shadow", "test_limits", "test_security", "test_training",
-    "test_rollout", "test_media_limits", "test_checkpoint",
-)
+# The order the tests start in. `make test` runs the suite on three pytest-xdist workers, which take tests in
+# collection order: the long scenarios (worker processes, scale-out groups, the broker and store) start first and
+# the many short unit tests fill the gaps at the end, so the workers end together instead of one finishing a
+# 70-second scenario alone. Within a folder, modules with a slow test (training, reference models, fuzzing)
+# go first. No list to keep: a new module takes its place from its folder and its markers.
+FOLDER_ORDER = ("system", "integration", "deploy", "unit")
+TESTS = Path(__file__).resolve().parent
 
 
-def _module_rank(item: pytest.Item) -> int:
-    name = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
-    return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+def _folder_rank(item: pytest.Item) -> int:
+    parts = Path(item.path).resolve().relative_to(TESTS).parts
+    return FOLDER_ORDER.index(parts[0]) if parts[0] in FOLDER_ORDER else len(FOLDER_ORDER)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=_module_rank)  # stable: a module's tests keep their order
     for item in items:
         # fixturenames is the closure: the fixtures a test asks for and every fixture they ask for.
         names = frozenset(getattr(item, "fixturenames", ()))
@@ -84,6 +94,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.infra)
         if names & SLOW_FIXTURES:
             item.add_marker(pytest.mark.slow)
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
+    # stable: a module's tests keep their order and stay together
+    items.sort(key=lambda item: (_folder_rank(item), item.path not in slow_modules))
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ goes through here, where a test can
 Signatures. S3 SigV4 signs the ``Host`` header. The client signs ``127.0.0.1:<proxy port>``; the proxy
 forwards the request to the store's port with the client's ``Host`` header verbatim (``http.client``
 with ``skip_host``), and S3Proxy verifies the signature against the headers it received, so the
-signature stays valid without turning authorization off (``tests/test_faults.py`` checks this with a
+signature stays valid without turning authorization off (``tests/integration/test_faults.py`` checks this with a
 wrong secret too: it is still refused through the proxy).
 
 Only what the tests route through it is supported: requests with a ``Content-Length`` body (or none),

@@ -1,0 +1,57 @@
+"""Answers published as record batches built by the worker (publishing.RecordBatches) land where aiokafka's own
+``send`` would put them, each once, with their headers; records that cannot go in a batch still go, one by one.
+
+On the real broker: the same keyed records are published once through ``RecordBatches`` and once through
+``AIOKafkaProducer.send``, and read back from both topics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiokafka import AIOKafkaProducer
+
+from d3stream.kafka.publishing import Outgoing, RecordBatches
+from tests.support.stream_helpers import read_all, run
+
+
+def test_batched_records_land_on_the_partitions_send_would_choose(kafka_broker, topic_names):
+    batched, sent = topic_names("batched"), topic_names("sent")
+    for topic in (batched, sent):
+        kafka_broker.create_topic(topic, 4)
+    headers = [("content-type", b"application/json"), ("d3stream-schema", b"2")]
+    # Keyed answers of several sizes, one too large for a batch of its own (it goes through send), one without
+    # a key (placed by the partitioner at random, through send).
+    records = [Outgoing(batched, f"request-{n}".encode(), b"x" * (50 + 37 * n % 900), headers=headers)
+               for n in range(600)]
+    records.append(Outgoing(batched, b"large", b"y" * 12_000, headers=headers))
+    records.append(Outgoing(batched, None, b"no key", headers=headers))
+
+    async def publish() -> list[tuple[int, BaseException]]:
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_broker.bootstrap_servers, acks="all",
+                                    enable_idempotence=True, linger_ms=2)
+        await producer.start()
+        try:
+            await producer.partitions_for(batched)  # known metadata: each write queues its records at once
+            batches = RecordBatches(producer)
+            # Two writes at once, as two passes' answers are: each waits for its own records only.
+            first, second = await asyncio.gather(batches.send(records[:300]), batches.send(records[300:]))
+            for record in records[:-1]:
+                await producer.send(sent, record.value, key=record.key, headers=record.headers)
+            await producer.flush()
+            return first + second
+        finally:
+            await producer.stop()
+
+    assert run(publish()) == []
+    got = run(read_all(kafka_broker.bootstrap_servers, batched, 4))
+    want = run(read_all(kafka_broker.bootstrap_servers, sent, 4))
+    assert sorted((r.key or b"", r.value) for r in got) == sorted((r.key or b"", r.value) for r in records)
+    assert all(list(r.headers) == headers for r in got)
+    placed = {r.key: r.partition for r in got if r.key is not None}
+    assert placed == {r.key: r.partition for r in want}
+    # Within a partition, batched records keep the order they were handed over in.
+    for partition in range(4):
+        keys = [r.key for r in sorted(got, key=lambda r: r.offset) if r.partition == partition and r.key != b"large"
+                and r.key]
+        assert keys == [r.key for r in records[:600] if placed[r.key] == partition]

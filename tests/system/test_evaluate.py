@@ -1,0 +1,190 @@
+"""Live evaluation (``d3stream evaluate``) in worker processes on the real broker: two workers with one SIGKILLed
+and restarted mid-stream lose and double nothing; a label topic whose partition count does not match the
+answer topic's is refused, naming the fix.
+
+The answers here are answer events as the worker publishes them (the contract's ``Answer``), written by the
+test: the evaluator's input is the answer topic, and its tests need no model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from d3stream_client.publisher import produce
+
+from d3stream.config import load_settings
+from d3stream.jobs import compare
+from d3stream.kafka.evaluating import EvaluateSetupError, EvaluateTopics, prepare_topics
+
+pytestmark = pytest.mark.timeout(300)
+
+TEAMS = ("billing", "tech", "sales")
+LEVELS = ("low", "medium", "high")
+
+
+def _normalised(weights: list[float]) -> list[float]:
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def answer_event(request_id: str, rng: random.Random, model: str = "m1", offset: int = 0) -> dict[str, Any]:
+    """An answer event as the worker publishes it: a choice, a noul and a score with drawn probabilities."""
+    team = dict(zip(TEAMS, _normalised([rng.random() + 0.05 for _ in TEAMS]), strict=True))
+    levels = _normalised([rng.random() + 0.05 for _ in LEVELS])
+    refund = rng.random()
+    return {
+        "id": request_id, "answer_id": f"{request_id}-{model}", "model": model,
+        "source": {"topic": "d3.requests", "partition": 0, "offset": offset},
+        "answers": {
+            "team": {"type": "choice", "choice": max(team, key=team.__getitem__), "probabilities": team,
+                     "confidence": max(team.values())},
+            "refund": {"type": "noul", "noul": refund, "probabilities": {"false": 1 - refund, "true": refund}},
+            "urgency": {"type": "score", "score": sum(i * p for i, p in enumerate(levels)),
+                        "probabilities": {str(i): p for i, p in enumerate(levels)}, "confidence": max(levels),
+                        "legend": {str(i): text for i, text in enumerate(LEVELS)}},
+        },
+    }
+
+
+def label_event(request_id: str, rng: random.Random, questions: tuple[str, ...] = ("team", "refund", "urgency")
+                ) -> dict[str, Any]:
+    """A label event; urgency named by its level index or its level text."""
+    values: dict[str, Any] = {"team": rng.choice(TEAMS), "refund": rng.random() < 0.5,
+                              "urgency": rng.choice([0, 1, 2, *LEVELS])}
+    return {"id": request_id, "labels": {q: values[q] for q in questions}, "source": "agent"}
+
+
+# ------------------------------------------------------------------------------------ on the broker
+
+
+def _settings(broker: Any, topic_names: Any, **overrides: Any) -> Any:
+    """A test's own topics, group and state directory (its files outlive the test's workers, as a volume does)."""
+    return load_settings({
+        "evaluate_state_dir": tempfile.mkdtemp(prefix="d3-evaluate-state-"),
+        "bootstrap_servers": broker.bootstrap_servers,
+        "answer_topic": topic_names("answers"), "label_topic": topic_names("labels"),
+        "evaluation_topic": topic_names("evaluations"), "label_dead_letter_topic": topic_names("label-dlq"),
+        "evaluate_state_topic": topic_names("state"), "evaluate_group_id": topic_names("group"),
+        "transactional_id_prefix": topic_names("txn"), "topic_partitions": 3, "metrics_port": None,
+        **{k: str(v) for k, v in overrides.items()},
+    }, environ={})
+
+
+def _keyed(events: list[dict[str, Any]]) -> list[tuple[bytes | None, bytes]]:
+    return [(e["id"].encode(), json.dumps(e).encode()) for e in events]
+
+
+async def _read(servers: str, topic: str) -> list[dict[str, Any]]:
+    records = await compare.read_topic(servers, compare.TopicRange(topic), timeout_s=60)
+    return [r for r in records if isinstance(r, dict)]
+
+
+async def _until(servers: str, topic: str, count: int, timeout_s: float = 90.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = await _read(servers, topic)
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.5)
+
+
+async def _logged(path: Path, text: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in path.read_text(encoding="utf-8"):
+        assert time.monotonic() < deadline, f"{path.name}: no {text!r} within {timeout_s:g} s"
+        await asyncio.sleep(0.2)
+
+
+def test_two_workers_one_killed_and_restarted_mid_stream_lose_and_double_nothing(
+        kafka_broker: Any, topic_names: Any, tmp_path: Path) -> None:
+    settings = _settings(kafka_broker, topic_names, session_timeout_ms=6000, topic_partitions=4)
+    servers = settings.bootstrap_servers
+    rng = random.Random(8)
+    ids = [f"k-{n:04d}" for n in range(600)]
+    answers = [answer_event(i, rng) for i in ids]
+    labels = [label_event(i, rng) for i in ids]
+    env = {**os.environ, "D3STREAM_BOOTSTRAP_SERVERS": servers, "D3STREAM_ANSWER_TOPIC": settings.answer_topic,
+           "D3STREAM_LABEL_TOPIC": settings.label_topic, "D3STREAM_EVALUATION_TOPIC": settings.evaluation_topic,
+           "D3STREAM_LABEL_DEAD_LETTER_TOPIC": settings.label_dead_letter_topic,
+           "D3STREAM_EVALUATE_STATE_TOPIC": settings.evaluate_state_topic,
+           "D3STREAM_EVALUATE_GROUP_ID": settings.evaluate_group_id,
+           "D3STREAM_EVALUATE_STATE_DIR": settings.evaluate_state_dir,
+           "D3STREAM_TRANSACTIONAL_ID_PREFIX": settings.transactional_id_prefix, "D3STREAM_TOPIC_PARTITIONS": "4",
+           "D3STREAM_SESSION_TIMEOUT_MS": "6000", "D3STREAM_METRICS_PORT": "0", "D3STREAM_LOG_FORMAT": "json"}
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        log = open(tmp_path / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        return subprocess.Popen([sys.executable, "-m", "d3stream", "evaluate"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+    async def scenario() -> list[dict[str, Any]]:
+        await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
+        first, second = start("w1"), start("w2")
+        try:
+            for name in ("w1", "w2"):  # both in the group, each with partitions of its own
+                await _logged(tmp_path / f"{name}.log", "evaluating partition")
+            # Both workers evaluating (labels trail their answers, so each partition has answers waiting) ...
+            await produce(servers, settings.answer_topic, _keyed(answers[:200]))
+            await produce(servers, settings.label_topic, _keyed(labels[:150]))
+            await _until(servers, settings.evaluation_topic, 150)
+            # ... then one is killed with records in flight; the other takes its partitions over.
+            await produce(servers, settings.answer_topic, _keyed(answers[200:400]))
+            await produce(servers, settings.label_topic, _keyed(labels[150:300]))
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            await produce(servers, settings.answer_topic, _keyed(answers[400:]))
+            await produce(servers, settings.label_topic, _keyed(labels[300:450]))
+            first = start("w1")  # and comes back: a second rebalance
+            await asyncio.sleep(2.0)
+            await produce(servers, settings.label_topic, _keyed(labels[450:] + labels[:30]))  # some again
+            found = await _until(servers, settings.evaluation_topic, 600, timeout_s=120)
+            await asyncio.sleep(1.0)
+            return await _read(servers, settings.evaluation_topic) if len(found) >= 600 else found
+        finally:
+            for process in (first, second):
+                process.send_signal(signal.SIGTERM)
+            for process in (first, second):
+                process.wait(timeout=60)
+
+    evaluations = asyncio.run(scenario())
+    counts = collections.Counter(e["id"] for e in evaluations)
+    assert sorted(counts) == ids, f"missing: {sorted(set(ids) - set(counts))[:10]}"
+    assert max(counts.values()) == 1, f"doubled: {[i for i, c in counts.items() if c > 1][:10]}"
+    logs = [(tmp_path / f"{name}.log").read_text(encoding="utf-8") for name in ("w1", "w2")]
+    assert all("evaluating partition" in text for text in logs), "both workers took partitions"
+    adopted = [json.loads(line) for text in logs for line in text.splitlines() if '"evaluating partition"' in line]
+    # The killed worker's files were not closed: the other restored its partitions from the changelog. Files
+    # closed at a rebalance were brought up to date from the changelog's tail.
+    assert any(a["mode"] == "restore" and a["records"] > 0 and a["waiting"] > 0 for a in adopted), adopted
+    assert any(a["mode"] == "tail" and a["waiting"] > 0 for a in adopted), adopted
+
+
+def test_a_label_topic_with_another_partition_count_is_refused_naming_the_fix(
+        kafka_broker: Any, topic_names: Any) -> None:
+    settings = _settings(kafka_broker, topic_names)
+
+    async def scenario() -> str:
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+        await admin.start()
+        await admin.create_topics([NewTopic(settings.answer_topic, 3, 1), NewTopic(settings.label_topic, 2, 1)])
+        await admin.close()
+        with pytest.raises(EvaluateSetupError) as refused:
+            await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
+        return str(refused.value)
+
+    message = asyncio.run(scenario())
+    assert f"'{settings.label_topic}' has 2 partitions" in message and "--alter --partitions 3" in message

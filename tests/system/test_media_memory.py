@@ -1,0 +1,35 @@
+"""``max_inflight_media_bytes`` counts what a request's media really take: the decoded pixels, the processor's
+copies and the vision inputs, within 25 % of the RSS they make a fresh worker process grow by (issue 27).
+
+Each case decodes and prepares in a process of its own (``tests/support/media_memory_probe.py``) and compares the
+peak RSS growth with the most the budget counted: one request of six 16-megapixel PNGs (counted as their
+288 MB of pixels before, while the process grew by about 1.2 GB), three such requests held at once (the
+processor's copies of one are reused by the next: they count while a request is prepared), and a 1080p clip.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("case", ["images", "video"])
+def test_the_media_budget_counts_the_memory_decoding_and_preparing_take(qwen35_checkpoint: Path, case: str) -> None:
+    probe = subprocess.run([sys.executable, "-m", "tests.support.media_memory_probe", str(qwen35_checkpoint), case],
+                           cwd=ROOT, capture_output=True, text=True, timeout=280, check=False)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    figures = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert figures["reserved"] >= figures["held"]  # the share taken before decoding is never below what it keeps
+    # One request, then (images) three of them held at once.
+    for counted, peak in ((figures["first_counted"], figures["first_peak_growth"]),
+                          (figures["counted"], figures["peak_growth"])):
+        assert abs(counted - peak) <= 0.25 * peak, (
+            f"{case}: the budget counted {counted / 2**20:.0f} MiB, the process grew by {peak / 2**20:.0f} MiB")

@@ -1,0 +1,170 @@
+"""Kafka connection settings without a broker (d3stream/kafka/connection.py): Kafka options reach the clients that
+take them and unknown keys are refused, settings that cannot work are refused by name, a client key that does
+not load names ``ssl_key_password``, and the token sources (``module:callable``, AWS MSK IAM). On a secured
+broker: tests/integration/test_security.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from d3stream.config import load_settings
+from d3stream.kafka.connection import (
+    check_connection,
+    client_options,
+    parse_kafka_options,
+    security_options,
+    token_provider,
+)
+from tests.support.stream_helpers import run
+
+trustme = pytest.importorskip("trustme")
+
+SCRAM_USER, SCRAM_PASSWORD = "d3worker", "scram-secret-2718"
+KEY_PASSWORD = "client-key-password"
+
+
+def _b64url(document: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(document).encode()).decode().rstrip("=")
+
+
+def unsecured_token() -> str:
+    """An unsigned JWS (alg none) for principal d3worker, valid for an hour: what Kafka's unsecured
+    OAUTHBEARER validator accepts. The OAUTHBEARER tests name it as tests.unit.kafka.test_connection:unsecured_token."""
+    now = int(time.time())
+    return f"{_b64url({'alg': 'none'})}.{_b64url({'sub': SCRAM_USER, 'iat': now, 'exp': now + 3600})}."
+
+
+# ------------------------------------------------------------------------------------------ certificates
+
+
+def _pkcs8(pem: bytes, password: str | None = None) -> bytes:
+    """A key as PKCS#8 PEM (what Kafka's PEM keystore reads), encrypted with ``password`` if given."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(pem, password=None)
+    encryption = (serialization.BestAvailableEncryption(password.encode()) if password
+                  else serialization.NoEncryption())
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, Path]:
+    """PEM files: the broker's CA and key store, the clients' CA, a client certificate with an encrypted key,
+    and a certificate and CA of a rogue authority the broker does not trust."""
+    folder = tmp_path_factory.mktemp("pki")
+    rsa = trustme.KeyType.RSA
+    server_ca, client_ca, rogue_ca = (trustme.CA(key_type=rsa) for _ in range(3))
+    broker = server_ca.issue_cert("127.0.0.1", "localhost", key_type=rsa)
+    client = client_ca.issue_cert("d3worker.clients.test", key_type=rsa)
+    rogue = rogue_ca.issue_cert("d3worker.clients.test", key_type=rsa)
+    files = {name: folder / f"{name}.pem" for name in (
+        "broker", "server_ca", "client_ca", "rogue_ca", "client_cert", "client_key", "rogue_cert", "rogue_key")}
+    chain = b"".join(blob.bytes() for blob in broker.cert_chain_pems)
+    files["broker"].write_bytes(_pkcs8(broker.private_key_pem.bytes()) + chain)
+    server_ca.cert_pem.write_to_path(str(files["server_ca"]))
+    client_ca.cert_pem.write_to_path(str(files["client_ca"]))
+    rogue_ca.cert_pem.write_to_path(str(files["rogue_ca"]))
+    files["client_cert"].write_bytes(b"".join(blob.bytes() for blob in client.cert_chain_pems))
+    files["client_key"].write_bytes(_pkcs8(client.private_key_pem.bytes(), KEY_PASSWORD))
+    files["rogue_cert"].write_bytes(b"".join(blob.bytes() for blob in rogue.cert_chain_pems))
+    files["rogue_key"].write_bytes(_pkcs8(rogue.private_key_pem.bytes()))
+    return files
+
+
+# ------------------------------------------------------------------------------------------ without a broker
+
+
+def test_kafka_options_reach_the_clients_that_take_them_and_unknown_keys_are_refused(monkeypatch):
+    from d3stream.cli import build_parser
+
+    args = build_parser().parse_args(["consume", "t", "-X", "request_timeout_ms=30000",
+                                      "--kafka-options", "max_poll_records=5,linger_ms=7"])
+    settings = load_settings(args, environ={})
+    assert client_options(settings, "consumer")["max_poll_records"] == 5
+    assert "max_poll_records" not in client_options(settings, "producer")
+    assert client_options(settings, "producer")["linger_ms"] == 7
+    assert all(client_options(settings, kind)["request_timeout_ms"] == 30000 for kind in ("consumer", "admin"))
+    # a pass-through value wins over a client's own tuning value
+    assert client_options(settings, "producer", linger_ms=2)["linger_ms"] == 7
+    assert load_settings({}, environ={"D3STREAM_KAFKA_OPTIONS": "metadata_max_age_ms=1000"}).kafka_options == [
+        "metadata_max_age_ms=1000"]
+
+    with pytest.raises(ValueError, match=r"unknown aiokafka client option 'request_timeout'.*request_timeout_ms"):
+        parse_kafka_options(["request_timeout=3"])
+    with pytest.raises(ValueError, match="isolation_level cannot be passed through"):
+        parse_kafka_options(["isolation_level=read_uncommitted"])
+    with pytest.raises(ValueError, match="sasl_password"):
+        parse_kafka_options(["sasl_plain_password=x"])
+    with pytest.raises(ValueError, match="must be int"):
+        parse_kafka_options(["request_timeout_ms=soon"])
+    with pytest.raises(ValueError, match="kafka_options"):  # refused as the command starts: exit 2 before work
+        check_connection(load_settings({"kafka_options": ["no_such_option=1"]}, environ={}))
+
+
+def test_connection_settings_that_cannot_work_are_refused_by_name():
+    for environ, setting in [
+        ({"D3STREAM_SECURITY_PROTOCOL": "SASL_SSL", "D3STREAM_SASL_MECHANISM": "OAUTHBEARER"},
+         "sasl_oauth_token_provider"),
+        ({"D3STREAM_SECURITY_PROTOCOL": "SASL_SSL", "D3STREAM_SASL_MECHANISM": "SCRAM-SHA-512"}, "sasl_password"),
+        ({"D3STREAM_SASL_MECHANISM": "PLAIN"}, "security_protocol"),
+        ({"D3STREAM_SSL_CERTFILE": "/c.pem"}, "security_protocol SSL"),
+        ({"D3STREAM_SECURITY_PROTOCOL": "SSL", "D3STREAM_SSL_KEYFILE": "/k.pem"}, "ssl_certfile"),
+    ]:
+        with pytest.raises(ValueError, match=setting):
+            check_connection(load_settings({}, environ=environ))
+
+
+def test_a_client_key_that_does_not_load_names_ssl_key_password(pki):
+    base = {"security_protocol": "SSL", "ssl_cafile": str(pki["server_ca"]), "ssl_certfile": str(pki["client_cert"]),
+            "ssl_keyfile": str(pki["client_key"])}
+    assert security_options(load_settings({**base, "ssl_key_password": KEY_PASSWORD}, environ={}))["ssl_context"]
+    for password in (None, "wrong"):
+        settings = load_settings({**base, "ssl_key_password": password}, environ={})
+        with pytest.raises(ValueError, match="ssl_key_password"):
+            security_options(settings)
+    hostname_off = load_settings({**base, "ssl_key_password": KEY_PASSWORD, "ssl_check_hostname": False}, environ={})
+    assert security_options(hostname_off)["ssl_context"].check_hostname is False
+    assert security_options(load_settings(base | {"ssl_key_password": KEY_PASSWORD}, environ={}))[
+        "ssl_context"].check_hostname is True
+
+
+def test_token_sources_module_callable_and_aws_msk_iam(monkeypatch):
+    from urllib.parse import parse_qs, urlparse
+
+    provider = token_provider("tests.unit.kafka.test_connection:unsecured_token")
+    token = run(provider.token())
+    claims = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "=="))
+    assert claims["sub"] == SCRAM_USER
+
+    with pytest.raises(ValueError, match="sasl_oauth_token_provider"):
+        token_provider("tests.unit.kafka.test_connection:no_such_function")
+    with pytest.raises(ValueError, match="module:callable"):
+        token_provider("just-a-name")
+
+    # AWS MSK IAM: aws-msk-iam-sasl-signer-python signs a kafka-cluster:Connect request with the AWS chain's
+    # credentials, locally (no AWS call); the token is that presigned URL, base64url-encoded.
+    pytest.importorskip("aws_msk_iam_sasl_signer")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    msk = token_provider("aws-msk-iam")
+    with pytest.raises(ValueError, match="AWS_REGION"):
+        run(msk.token())
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    url = base64.urlsafe_b64decode(run(msk.token()) + "==").decode()
+    query = parse_qs(urlparse(url).query)
+    assert urlparse(url).hostname == "kafka.eu-west-1.amazonaws.com"
+    assert query["Action"] == ["kafka-cluster:Connect"]
+    assert "AKIDEXAMPLE/" in query["X-Amz-Credential"][0] and "/eu-west-1/kafka-cluster/" in query["X-Amz-Credential"][0]
+    options = security_options(load_settings({}, environ={
+        "D3STREAM_SECURITY_PROTOCOL": "SASL_SSL", "D3STREAM_SASL_MECHANISM": "OAUTHBEARER",
+        "D3STREAM_SASL_OAUTH_TOKEN_PROVIDER": "aws-msk-iam"}))
+    assert options["sasl_mechanism"] == "OAUTHBEARER" and run(options["sasl_oauth_token_provider"].token())
