@@ -265,7 +265,7 @@ _WORDS = struct.Struct("<I")
 def murmur2(key: bytes) -> int:
     """Kafka's murmur2 hash of a record key (``org.apache.kafka.common.utils.Utils.murmur2``), the hash its
     default partitioner places keyed records by: the same value as ``aiokafka.partitioner.murmur2``, in half
-    of the time (the key is read four bytes at a time, not byte by byte; tests/test_publishing.py compares them).
+    of the time (the key is read four bytes at a time, not byte by byte; tests/unit/kafka/test_publishing.py compares them).
     Partitioning answers costs one per answer, which made aiokafka's a few percent of a worker's time."""
     length = len(key)
     h = 0x9747B28C ^ length

@@ -11,7 +11,7 @@ So while a ``Service`` runs, the objects alive at its start are moved out of the
 counts allocations less deallocations, and nearly every per-request object is freed by reference counting
 the moment its answer is delivered: no request may leave a reference cycle, or what it holds waits for the
 next collection, perhaps a million allocations away (issue 36: 600 MB of an image request's media per
-request; tests/test_memory_release.py serves requests with the collector off and checks nothing stays). So
+request; tests/integration/test_memory_release.py serves requests with the collector off and checks nothing stays). So
 the count rises only while a fetch's work is alive, and falls again as it is answered. A young collection
 walks every young object still alive: below the in-flight population (thousands of requests of a few dozen
 objects each) a threshold of 100,000 started one every couple of thousand requests, each walking the whole

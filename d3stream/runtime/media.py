@@ -70,7 +70,7 @@ VIDEO_FORMATS = ("mp4", "webm", "quicktime", "x-matroska")
 # memory of the last, so a worker's peak is the kept parts of every request in flight plus the preparing parts
 # of those not prepared yet. Measured as the peak RSS growth of decoding and preparing one and three requests
 # of six 16-megapixel PNGs, and a 1080p clip, on the tiny checkpoints' processor (docs/MEASUREMENTS.md);
-# tests/test_media_memory.py keeps the count within 25 % of it.
+# tests/system/test_media_memory.py keeps the count within 25 % of it.
 IMAGE_KEPT_PER_PROCESSED_PIXEL = 26.5
 IMAGE_PREPARING_PER_SOURCE_PIXEL = 8.0
 IMAGE_PREPARING_PER_PROCESSED_PIXEL = 19.5
