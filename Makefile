@@ -28,10 +28,11 @@ demo: $(STAMP)
 test: lint
 	D3STREAM_REQUIRE_INFRA=1 $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
 
-# The quick loop (tests/conftest.py says what each marker means): the tests that need no JVM (no Kafka broker or
-# S3 store), start no other Python process and are not slow (training, extra models, fuzzing through a model).
+# The quick loop (tests/conftest.py says what each folder and marker means): tests/unit, the tests that need no
+# JVM (no Kafka broker or S3 store) and start no other Python process, less the slow ones (training, extra
+# models, fuzzing through a model).
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) -m "not infra and not subprocess and not slow"
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) tests/unit -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check d3stream tests clients/python
