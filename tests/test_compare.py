@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 from collections.abc import Callable
@@ -12,6 +11,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from d3stream.cli import build_parser
 from d3stream.dev.infra import KafkaBroker
 from d3stream.jobs.compare import (
     Report,
@@ -22,7 +22,6 @@ from d3stream.jobs.compare import (
     load_labels,
     parse_source,
     records_to_answers,
-    register,
     write_report,
 )
 
@@ -235,9 +234,7 @@ def test_parse_source() -> None:
 
 
 def run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="d3stream")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return args.run(args)
 
 

@@ -41,9 +41,9 @@ from d3stream_client.validation import EventError, RequestLimits, decode_request
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from d3stream.config import Settings
 from d3stream.runtime.questions import ERRORS as QUESTION_ERRORS
 from d3stream.service import Service
+from d3stream.settings import Settings
 from tests.media_makers import make_jpeg, make_mp4, make_png, make_png_header_only
 from tests.stream_helpers import Q_NOUL, Reader, assigned_and_ready, free_port, record, run, serve
 
@@ -277,8 +277,8 @@ def limited_text_model(qwen35_text_model):
     """The text model with the service's prompt limit (what ``Service`` sets: max_prompt_tokens); the shared
     model gets its own limit back afterwards."""
     original = qwen35_text_model.max_length, qwen35_text_model.max_request_tokens
-    qwen35_text_model.limit_prompt_tokens(Settings().max_prompt_tokens)  # as Service.__init__ does
-    qwen35_text_model.limit_request_tokens(Settings().max_request_tokens)  # ditto
+    qwen35_text_model.limit_prompt_tokens(Settings().limits.max_prompt_tokens)  # as Service.__init__ does
+    qwen35_text_model.limit_request_tokens(Settings().limits.max_request_tokens)  # ditto
     assert qwen35_text_model.max_length is not None
     yield qwen35_text_model
     qwen35_text_model.max_length, qwen35_text_model.max_request_tokens = original
@@ -361,7 +361,7 @@ def record_path(qwen35_text_model):
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="hostile-loop", daemon=True)
     thread.start()
-    settings_ = Settings(metrics_port=None, media_allowlist=[], answer_topic="answers",
+    settings_ = Settings.from_flat(metrics_port=None, media_allowlist=[], answer_topic="answers",
                          dead_letter_topic="dead-letters", s3_max_attempts=1)
     service = Service(settings_, UniformModel(qwen35_text_model))
     offsets = iter(range(10**9))
@@ -587,7 +587,7 @@ def test_no_secret_reaches_the_logs_or_the_topics(stack, proxy, qwen35_model, ca
                                media_allowlist=[f"{stack.bucket}/ok/", f"{stack.bucket}-x/ok/"],
                                log_level="debug", log_format="json")
     capfd.readouterr()
-    restore = configure_logging(settings_.log_format, settings_.log_level)
+    restore = configure_logging(settings_.observability.log_format, settings_.observability.log_level)
     try:
         _, reader = run(serve(stack, settings_, qwen35_model, records, [r["id"] for r in requests] + ["sec-junk"]))
         out, err = capfd.readouterr()
@@ -641,7 +641,7 @@ def sasl_broker(kafka_broker):
 
 
 def _sasl_settings(broker, topics: dict[str, str], group: str, password: str) -> Settings:
-    return Settings(bootstrap_servers=broker.bootstrap_servers, request_topics=[topics["req"]],
+    return Settings.from_flat(bootstrap_servers=broker.bootstrap_servers, request_topics=[topics["req"]],
                     answer_topic=topics["ans"], dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"],
                     group_id=group, security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN",
                     sasl_username=SASL_USER, sasl_password=password, commit_interval_ms=100, linger_ms=10,

@@ -31,8 +31,8 @@ from d3stream_client.validation import DEFAULT_LIMITS, decode_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from d3stream.config import Settings
 from d3stream.ops.metrics import Metrics, serve_metrics
+from d3stream.settings import Settings
 from tests.media_makers import make_png
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, committed, record, run, serve
 
@@ -111,7 +111,7 @@ def test_the_exact_token_count_includes_media_tokens(qwen35_model, monkeypatch):
 
 def test_the_early_estimate_refuses_a_costly_request_without_tokenizing_it(qwen35_text_model, monkeypatch):
     model = qwen35_text_model
-    monkeypatch.setattr(model, "max_request_tokens", Settings().max_request_tokens)
+    monkeypatch.setattr(model, "max_request_tokens", Settings().limits.max_request_tokens)
     assert model.request_may_exceed_tokens(len(json.dumps(COSTLY_STATE)), len(COSTLY_QUESTIONS))
     assert not model.request_may_exceed_tokens(2_000, 8)  # ordinary requests skip the estimate
     calls = []
@@ -225,8 +225,8 @@ def test_answers_at_the_limits_fit_the_kafka_message_limit(qwen35_text_model, ca
 
 
 def test_the_metrics_endpoint_listens_on_the_loopback_address_by_default():
-    assert Settings().metrics_host == "127.0.0.1"
-    server = serve_metrics(Metrics(), Settings(metrics_port=0))
+    assert Settings().observability.metrics_host == "127.0.0.1"
+    server = serve_metrics(Metrics(), Settings.from_flat(metrics_port=0).observability)
     try:
         assert server._httpd.server_address[0] == "127.0.0.1"
     finally:
@@ -266,7 +266,7 @@ def requests_up_to_the_limits(draw: st.DrawFn, image_key: str) -> dict[str, Any]
     request: dict[str, Any] = {"id": draw(st.text(st.characters(codec="utf-8"), min_size=1, max_size=300)),
                                "state": draw(hostile_text), "questions": questions}
     if shape == "references":
-        count = draw(st.integers(1, Settings().max_media_references + 2))
+        count = draw(st.integers(1, Settings().media.max_media_references + 2))
         request["images"] = [image_key] * count
     if shape == "metadata":
         request["metadata"] = "m" * draw(st.integers(limits.bytes - 2_000, limits.bytes + 2_000))

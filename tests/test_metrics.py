@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import d3stream
-from d3stream.config import Settings
 from d3stream.core.batching import PassRecord
 from d3stream.ops.metrics import ERROR_CODES, STAGES, Metrics, MetricsServer, serve_metrics
+from d3stream.settings import Settings
 from tests.stream_helpers import scrape
 
 
@@ -239,8 +239,8 @@ def test_a_taken_port_is_a_clear_error() -> None:
 
 
 def test_serve_metrics_follows_the_settings() -> None:
-    assert serve_metrics(Metrics(), Settings(metrics_port=None)) is None
-    server = serve_metrics(Metrics(), Settings(metrics_port=0, metrics_host="127.0.0.1"))
+    assert serve_metrics(Metrics(), Settings.from_flat(metrics_port=None).observability) is None
+    server = serve_metrics(Metrics(), Settings.from_flat(metrics_port=0, metrics_host="127.0.0.1").observability)
     assert server is not None
     try:
         assert _status(server.url + "/healthz") == 200

@@ -20,7 +20,6 @@ from d3stream_client.publisher import produce
 from structlog.testing import capture_logs
 
 from d3stream.cli import main as cli_main
-from d3stream.config import Settings
 from d3stream.models.checkpoints import POINTER, checkpoint_memory_bytes
 from d3stream.models.rollout import (
     RefusedCheckpoint,
@@ -32,6 +31,7 @@ from d3stream.models.rollout import (
 )
 from d3stream.runtime.package import MANIFEST, package_files, read_manifest, write_manifest
 from d3stream.service import Service
+from d3stream.settings import Settings
 from tests.model_fixtures import copy_checkpoint
 from tests.stream_helpers import Reader, assigned_and_ready, close_to, read_all, record, run, stop
 
@@ -258,7 +258,7 @@ def test_canary_settings_and_a_checkpoint_of_another_format_version(
         with pytest.raises(ValueError, match="canary must be NAME=SHARE"):
             parse_canary(bad)
     with pytest.raises(ValueError, match="canary names 'nope', which is not served"):
-        Service(Settings(canary="nope=0.1", metrics_port=None), [qwen35_text_model])
+        Service(Settings.from_flat(canary="nope=0.1", metrics_port=None), [qwen35_text_model])
     # The split is a property of the id alone: the same on every worker, about uniform.
     points = [share_point(f"r-{n}") for n in range(2000)]
     assert points == [share_point(f"r-{n}") for n in range(2000)]
@@ -277,7 +277,7 @@ def test_canary_settings_and_a_checkpoint_of_another_format_version(
     # The old model stays loaded while the new one loads: both must fit (model_memory_bytes), else refused.
     needs = checkpoint_memory_bytes(qwen35_text_checkpoint)
     with pytest.raises(RefusedCheckpoint, match="the models do not fit") as refused:
-        load_checkpoint(str(qwen35_text_checkpoint), Settings(model_memory_bytes=needs), [qwen35_text_checkpoint])
+        load_checkpoint(str(qwen35_text_checkpoint), Settings.from_flat(model_memory_bytes=needs), [qwen35_text_checkpoint])
     assert refused.value.outcome == "refused_memory" and "model_memory_bytes" in str(refused.value)
 
 

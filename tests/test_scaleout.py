@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from d3stream.benchmarks.scaleout import churn, worker_settings
-from d3stream.config import Settings, check_settings, load_settings
 from d3stream.service import Service
+from d3stream.settings import Settings, load_settings
 from tests.stream_helpers import Q_NOUL, GatedModel, Reader, assigned_and_ready, record, run, stop
 
 pytestmark = pytest.mark.timeout(300)
@@ -107,15 +107,15 @@ def test_settings_that_would_make_a_rebalance_storm_are_refused(tmp_path):
     with pytest.raises(ValueError, match="rebalance_drain_s .* rebalance_timeout_ms"):
         load_settings({"rebalance_drain_s": "10", "rebalance_timeout_ms": "6000"}, environ={})
     with pytest.raises(ValueError, match="rebalance_timeout_ms"):
-        check_settings(Settings(rebalance_drain_s=30))
+        Settings.from_flat(rebalance_drain_s=30).check()
     # The settings (a 6 s session timeout, defaults otherwise) are fine: the rebalance timeout no
     # longer follows the session timeout.
-    assert load_settings({"session_timeout_ms": "6000"}, environ={}).rebalance_timeout_ms == 30_000
+    assert load_settings({"session_timeout_ms": "6000"}, environ={}).delivery.rebalance_timeout_ms == 30_000
 
 
 
 def _gauge(service: Service, name: str, partition: int) -> float:
-    value = service.metrics.registry.get_sample_value(name, {"topic": service.settings.request_topics[0],
+    value = service.metrics.registry.get_sample_value(name, {"topic": service.settings.delivery.request_topics[0],
                                                              "partition": str(partition)})
     return -1.0 if value is None else value
 

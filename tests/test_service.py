@@ -26,9 +26,9 @@ from d3stream_client.contract import decode_answer
 from d3stream_client.publisher import produce
 
 import d3stream
-from d3stream.config import FIELDS
 from d3stream.core.storage import MediaError, MediaFetcher
 from d3stream.service import Service, answer_identity, provenance_digest
+from d3stream.settings import SETTINGS
 from tests.media_makers import data_url, make_jpeg, make_mp4, make_png, make_png_header_only
 from tests.stream_helpers import (
     Q_CHOICE,
@@ -265,7 +265,7 @@ def test_questions_share_their_prompt_prefix_and_repeated_media_is_encoded_once(
     assert value("d3stream_prefix_requests_total", {"path": "shared"}) == len(requests) - 1
     assert value("d3stream_prefix_checks_total", {"result": "passed"}) == questions
     assert value("d3stream_prefix_checks_total", {"result": "failed"}) == 0
-    assert 0 < value("d3stream_prefix_max_abs_dp") <= settings.prefix_tolerance
+    assert 0 < value("d3stream_prefix_max_abs_dp") <= settings.batching.prefix_tolerance
     # Three requests, one image: encoded once. Requests in the same pass share one vision-tower call (no
     # cache lookup for the copies); ones in later passes find it in the cache. Either way: one miss.
     assert value("d3stream_media_cache_lookups_total", {"result": "miss"}) == 1
@@ -418,7 +418,7 @@ def test_every_request_error_is_answered_and_the_stream_continues(stack, qwen35_
             answers = reader.answers()
             assert all(r.key == json.loads(r.value)["id"].encode() for r in reader.records), "keyed by id"
         dead = await read_all(bootstrap, stack.dead_letters, 4)
-        offsets = await committed(bootstrap, settings.group_id, stack.requests, 1)
+        offsets = await committed(bootstrap, settings.delivery.group_id, stack.requests, 1)
         return service, answers, dead, offsets
 
     service, answers, dead, offsets = run(scenario())
@@ -657,7 +657,7 @@ def test_clean_shutdown_mid_stream_then_restart_answers_each_request_once(stack,
                 await reader.wait(lambda: len(reader.counts()) >= 10, 90, task, what="10 answers")
             finally:
                 await stop(first, task)
-            offsets_after_first = await committed(bootstrap, settings.group_id, stack.requests, 4)
+            offsets_after_first = await committed(bootstrap, settings.delivery.group_id, stack.requests, 4)
             await reader.caught_up()
             answered_by_first = len(reader.records)
             second = Service(settings, model)
@@ -695,7 +695,7 @@ def test_serve_command_sigterm_mid_stream_and_restart(stack, qwen35_checkpoint, 
         "--commit-interval-ms", "200",
         "--log-format", "json",
     )
-    if "metrics_port" in FIELDS:  # never the fixed default port: other workers may be serving on this machine
+    if "metrics_port" in SETTINGS:  # never the fixed default port: other workers may be serving on this machine
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             command += ["--metrics-host", "127.0.0.1", "--metrics-port", str(probe.getsockname()[1])]

@@ -17,10 +17,10 @@ from d3stream_client.publisher import produce
 
 from d3stream.benchmarks.chaos import WorkerProcess, count_topic, worker_env
 from d3stream.cli import main as cli_main
-from d3stream.config import load_settings
 from d3stream.core.shadow import chosen
 from d3stream.models.shadow import parse_shadow, shadow_hosted
 from d3stream.service import provenance_digest
+from d3stream.settings import load_settings
 from tests.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, Reader, close_to, read_all, record, run, serve
 
 pytestmark = pytest.mark.timeout(300)
@@ -55,7 +55,7 @@ def test_shadow_values_are_a_checkpoint_of_its_own_or_a_served_name(tmp_path):
         name = "live"
 
     with pytest.raises(ValueError, match="not a served model .*'live'"):
-        shadow_hosted(load_settings({"shadow": "other"}, environ={}), [Served()], None)
+        shadow_hosted(load_settings({"shadow": "other"}, environ={}).models, [Served()], None)
 
 
 def test_shadow_answers_go_to_their_own_topic_and_equal_the_shadow_model_alone(

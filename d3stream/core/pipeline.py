@@ -45,7 +45,6 @@ import structlog
 from d3stream_client.contract import HEADERS, PRIORITIES, Answer, Request, Source
 from d3stream_client.validation import EventError, RequestLimits, decode_request
 
-from d3stream.config import Settings
 from d3stream.core.answers import AnswerBuilder, answer_identity, ms
 from d3stream.core.decoding import MediaDecoder
 from d3stream.core.inflight import InFlightLedger
@@ -62,6 +61,7 @@ from d3stream.ops.tracing import forwarded_headers, header_names
 from d3stream.runtime import Prepared
 from d3stream.runtime.cpu_threads import use_intraop_threads
 from d3stream.runtime.media import reason
+from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -109,11 +109,11 @@ class RequestPipeline:
         # What in-flight requests hold (their models' counts, tokens, quotas, media budget), taken and given
         # back through this one owner; a retired model is dropped when its count reaches zero.
         self.ledger = ledger
-        self.media = MediaStage(settings, fetcher=fetcher, decoder=decoder, ledger=ledger, metrics=metrics)
+        self.media = MediaStage(settings.media, fetcher=fetcher, decoder=decoder, ledger=ledger, metrics=metrics)
         self.metrics = metrics
         self.request_limits = RequestLimits.from_settings(settings)
         # Request headers the answers carry: the trace headers, then forward_headers.
-        self._forwarded_names = header_names(settings.forward_headers)
+        self._forwarded_names = header_names(settings.observability.forward_headers)
         # Prompt preparation and prefix planning: one thread, woken once for many requests. On a CPU its torch
         # ops (the image processor) run inline, leaving the intra-op threads to the model thread (cpu_threads.py).
         on_cpu = str(self.default.model.device).startswith("cpu")
@@ -161,7 +161,7 @@ class RequestPipeline:
             elif request.images or request.videos:
                 with_media.append(record)
             else:
-                lane = record.scheduling.lane if self.settings.priority_lanes else 1
+                lane = record.scheduling.lane if self.settings.batching.priority_lanes else 1
                 text.setdefault((self._hosted(record).name, lane), []).append(record)
         steps: Streams[list[RequestRecord]] = Streams()
         # A few prepare trips and one submission per model and lane, the higher lanes' started first: their jobs
@@ -197,7 +197,7 @@ class RequestPipeline:
                                             timestamp=read.timestamp), time.perf_counter())
         if read.headers:
             forwarded = forwarded_headers(read.headers, self._forwarded_names,
-                                          self.settings.forward_headers_max_bytes)
+                                          self.settings.observability.forward_headers_max_bytes)
             if forwarded:
                 record.headers = [*HEADERS, *forwarded]
         return record
@@ -329,7 +329,7 @@ class RequestPipeline:
                            records: list[RequestRecord]) -> list[tuple[Prepared, Any] | BaseException]:
         """Each request prepared (or what went wrong), in trips of ``PREPARE_CHUNK`` requests of one priority
         lane: a high-priority request's trip goes before a flood's backlog waiting on the prepare thread."""
-        lanes = [record.scheduling.lane if self.settings.priority_lanes else 1 for record in records]
+        lanes = [record.scheduling.lane if self.settings.batching.priority_lanes else 1 for record in records]
         order = sorted(range(len(records)), key=lanes.__getitem__)
         chunks = [order[at:at + PREPARE_CHUNK] for at in range(0, len(order), PREPARE_CHUNK)]
 
@@ -406,7 +406,7 @@ def request_tenant(settings: Settings, record: InputRecord, request: Request) ->
     """Who a request's cost counts for: its ``tenant``, else the ``tenant_header`` header, else the topic."""
     if request.tenant is not None:
         return request.tenant
-    header = settings.tenant_header
+    header = settings.batching.tenant_header
     if header:
         for name, value in record.headers or ():
             if name == header and value:
@@ -418,7 +418,7 @@ def request_scheduling(settings: Settings, record: InputRecord, request: Request
     """A request's lane and deadline (epoch seconds): the earlier of ``deadline`` and the record's timestamp
     plus ``ttl_ms``; none when ``honor_deadlines`` is off."""
     candidates = []
-    if settings.honor_deadlines:
+    if settings.batching.honor_deadlines:
         if request.deadline is not None:
             candidates.append(request.deadline)
         if request.ttl_ms is not None and record.timestamp is not None and record.timestamp >= 0:

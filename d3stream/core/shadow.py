@@ -44,7 +44,6 @@ import msgspec
 import structlog
 from d3stream_client.contract import Answer
 
-from d3stream.config import Settings
 from d3stream.core.agreement import join_slots, parse_slot
 from d3stream.core.answers import AnswerBuilder, answer_identity
 from d3stream.core.jobthread import JobThread
@@ -54,6 +53,7 @@ from d3stream.core.seams import Scheduling
 from d3stream.ops.metrics import Metrics
 from d3stream.runtime import Prepared
 from d3stream.runtime.media import reason
+from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +63,7 @@ SHARE_SALT = b"d3stream-shadow\x00"
 
 def shadow_topic(settings: Settings) -> str:
     """Where shadow answers go: ``shadow_topic``, else the answer topic's name + ``.shadow``."""
-    return settings.shadow_topic or f"{settings.answer_topic}.shadow"
+    return settings.models.shadow_topic or f"{settings.delivery.answer_topic}.shadow"
 
 
 def chosen(request_id: str, share: float) -> bool:
@@ -84,13 +84,13 @@ class Shadow:
         self.hosted = hosted
         self.name: str = hosted.name
         self.topic = shadow_topic(settings)
-        self.share = settings.shadow_share
-        self.lanes = settings.priority_lanes
+        self.share = settings.models.shadow_share
+        self.lanes = settings.batching.priority_lanes
         self.prepare_thread = prepare_thread
         self.metrics = metrics
         live: AnswerBuilder = hosted.answers
         # Its answers are fitted to the shadow topic's message limit, and name the shadow model.
-        self.answers = AnswerBuilder(msgspec.structs.replace(settings, answer_topic=self.topic),
+        self.answers = AnswerBuilder(msgspec.structs.replace(settings.delivery, answer_topic=self.topic),
                                      model_record=live.model_record, worker=live.worker, fit=live.fit,
                                      metrics=metrics, replay_id=live.replay_id)
 

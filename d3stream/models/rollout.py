@@ -41,7 +41,6 @@ from typing import Any, Protocol
 import structlog
 from d3stream_client.contract import Request
 
-from d3stream.config import Settings
 from d3stream.core.pipeline import Hosted, RequestPipeline
 from d3stream.models.checkpoints import (
     MODEL_NAME,
@@ -55,6 +54,7 @@ from d3stream.models.checkpoints import (
 )
 from d3stream.ops.collector import collect_released
 from d3stream.ops.metrics import Metrics
+from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -122,14 +122,14 @@ def load_checkpoint(location: str, settings: Settings, served: Sequence[Path] = 
 
     try:
         if location.startswith("s3://"):
-            path = fetch_checkpoint(location, ObjectStoreAccess.from_settings(settings))
+            path = fetch_checkpoint(location, ObjectStoreAccess.from_settings(settings.storage))
         else:
             path = Path(location).expanduser()
         _check_fit(location, path, served, settings)
         with collector_paused():
-            model: Any = D3.from_pretrained(path, device=settings.device, verify="full",
+            model: Any = D3.from_pretrained(path, device=settings.models.device, verify="full",
                                             model_name=checkpoint_folder(location),
-                                            permutation_average=settings.permutation_average)
+                                            permutation_average=settings.models.permutation_average)
     except (CheckpointError, ValueError, OSError) as exc:
         raise RefusedCheckpoint(location, "refused_verification", str(exc)) from exc
     model.model_source_location = location  # a pointer may retire it (models given with --model stay)
@@ -139,11 +139,11 @@ def load_checkpoint(location: str, settings: Settings, served: Sequence[Path] = 
 def _check_fit(location: str, path: Path, served: Sequence[Path], settings: Settings) -> None:
     import torch
 
-    device = settings.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = settings.models.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     needs = {str(root): checkpoint_memory_bytes(root) for root in served}
     needs[checkpoint_folder(location)] = checkpoint_memory_bytes(path)
     try:
-        check_models_fit(needs, device, settings.model_memory_bytes)
+        check_models_fit(needs, device, settings.models.model_memory_bytes)
     except CheckpointError as exc:
         raise RefusedCheckpoint(location, "refused_memory", str(exc)) from exc
 
@@ -182,8 +182,8 @@ def load_source_models(settings: Settings, beside: Sequence[Path] = ()) -> list[
     """At start: the pointer's current checkpoint (the default) and its canary, loaded and verified as a
     swap would load them, each checked to fit beside the checkpoints ``beside`` (the --model and --shadow
     ones) and the ones loaded before it. CheckpointError names what is wrong."""
-    assert settings.model_source is not None
-    pointer = resolve_source(settings.model_source, ObjectStoreAccess.from_settings(settings))
+    assert settings.models.model_source is not None
+    pointer = resolve_source(settings.models.model_source, ObjectStoreAccess.from_settings(settings.storage))
     locations = [pointer.current, *([pointer.canary.location] if pointer.canary else [])]
     served, models = list(beside), []
     try:
@@ -192,7 +192,7 @@ def load_source_models(settings: Settings, beside: Sequence[Path] = ()) -> list[
             served.append(model.root)
             models.append(model)
     except RefusedCheckpoint as exc:
-        raise CheckpointError(f"model_source {settings.model_source}: {exc}") from exc
+        raise CheckpointError(f"model_source {settings.models.model_source}: {exc}") from exc
     return models
 
 
@@ -229,8 +229,8 @@ class Rollout:
         self.host = host
         self.metrics = metrics
         self.pipeline = host.pipeline
-        self.source = settings.model_source
-        self.static_canary = parse_canary(settings.canary) if settings.canary else None
+        self.source = settings.models.model_source
+        self.static_canary = parse_canary(settings.models.canary) if settings.models.canary else None
         if self.static_canary is not None and self.static_canary[0] not in self.pipeline.routes:
             served = ", ".join(repr(name) for name in self.pipeline.routes)
             raise ValueError(f"canary names {self.static_canary[0]!r}, which is not served (this worker serves "
@@ -242,7 +242,7 @@ class Rollout:
         self.canary: CanaryRoute | None = None
         self._set_canary(None)
         self.pipeline.route_default = self._route
-        self._access = ObjectStoreAccess.from_settings(settings) if self.source else None
+        self._access = ObjectStoreAccess.from_settings(settings.storage) if self.source else None
         self._client: Any = None
         self._applied: SourcePointer | None = None
         self._refused: SourcePointer | None = None
@@ -285,7 +285,7 @@ class Rollout:
                 raise
             except Exception:  # noqa: BLE001 - the watch must outlive any one bad poll
                 log.exception("model source check failed", source=self.source)
-            await asyncio.sleep(self.settings.model_source_poll_ms / 1000.0)
+            await asyncio.sleep(self.settings.models.model_source_poll_ms / 1000.0)
 
     async def check(self) -> None:
         """Read the pointer once; act on it when it changed since the last one applied or refused."""
@@ -405,7 +405,7 @@ class Rollout:
 
 def rollout_for(settings: Settings, host: RolloutHost, metrics: Metrics) -> Rollout | None:
     """The worker's rollout when it watches a model source or routes a canary share; else None."""
-    if not settings.model_source and not settings.canary:
+    if not settings.models.model_source and not settings.models.canary:
         return None
     return Rollout(settings, host, metrics)
 
