@@ -95,7 +95,7 @@ def ask_latency(checkpoint: Path, count: int = 300, *, rate: float = 20.0, broke
 
 
 def ask_markdown(report: dict[str, Any]) -> str:
-    """The figures as the README's table."""
+    """The figures as the table of docs/CLIENT.md."""
     lines = ["| delivery | asks | rate | ask() p50 | ask() p99 | worker end-to-end p50 | p99 |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for mode, figures in report.items():

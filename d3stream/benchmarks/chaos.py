@@ -77,7 +77,7 @@ def fuzzed_event(number: int, rng: random.Random) -> tuple[bytes, bytes]:
         options = {f"o{i}": i for i in range(300)}
         value = json.dumps(dict(base, questions={"q": {"type": "choice", "criteria": options}})).encode()
     elif kind == 8:
-        # duplicate keys: refused as invalid_request naming the key (events.decode_request)
+        # duplicate keys: refused as invalid_request naming the key (d3stream_client.validation.decode_request)
         value = (f'{{"id": "{key}", "state": 1, "state": [2], "questions": {{"q": {{"type": "noul"}}}}}}').encode()
     else:
         value = json.dumps(dict(base, images=["http://example.invalid/a.png", "/etc/passwd"])).encode()

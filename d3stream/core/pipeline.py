@@ -4,16 +4,24 @@
 value, headers), makes each one ``record.RequestRecord`` (the one object a request travels in) and walks
 them through the stages:
 
-1. **event**: bytes -> ``Request`` (``events.decode_request``), or an error answer (``undecodable_event``,
-   also dead-lettered; ``invalid_request``; ``model_not_served``; ``deadline_exceeded`` when its deadline
-   has passed already), with its tenant and scheduling (lane, deadline: docs/SCHEDULING.md);
-2. **media** (requests that name images or videos): fetched from the object store (``storage.py``) and
-   decoded strictly off the prepare thread (``decoding.py``), under the media budgets;
+1. **event** (``_admit``): bytes -> ``Request`` (``d3stream_client.validation.decode_request``, under the
+   request limits), or a refusal (``undecodable_event``, also dead-lettered; ``invalid_request``); then its
+   tenant and scheduling (lane, deadline: docs/SCHEDULING.md), ``deadline_exceeded`` when its deadline has
+   passed already, and its model (``model_not_served`` when the worker does not serve the one it names);
+2. **media** (requests that name images or videos, each a step of its own): refused with ``invalid_request``
+   if certainly over ``max_request_tokens`` before anything is fetched, then fetched from the object store
+   and decoded strictly off the prepare thread (``media_stage.py`` over ``storage.py`` and ``decoding.py``),
+   under the media budgets;
 3. **prepare**: validated, rendered and tokenized by the model, and planned for shared-prefix reuse, on the
-   prepare thread; the fetch's text-only requests in trips of ``PREPARE_CHUNK``, higher lanes first;
-4. **passes**: rows of many requests packed into forward passes (``passes.py``);
-5. **answer**: probabilities -> answer objects -> the answer event with its provenance, sized to fit its
-   topic (``answers.py``).
+   prepare thread, in trips of ``PREPARE_CHUNK`` requests of one lane, higher lanes first; decoded media are
+   let go once a request is prepared (unless the shadow prepares from them too);
+4. **quotas**: a request whose tenant is over ``tenant_max_inflight_tokens`` is held until the tenant's
+   answered requests give tokens back (``quotas.py``, through the ledger); the others do not wait for it;
+5. **passes**: rows of many requests packed into forward passes (``passes.py``); a request whose deadline
+   passes before its rows ride is answered ``deadline_exceeded``;
+6. **answer**: probabilities -> answer objects -> the answer event with its provenance and deterministic
+   ``answer_id``, sized to fit its topic (``answers.py``); what the request held in flight is given back to
+   the ``InFlightLedger``.
 
 A worker may serve several models (``Hosted``: each with its own passes, answer builder and provenance
 digest); a request's ``model`` field routes it, absent the first (default) one, or the one ``route_default``
