@@ -21,7 +21,8 @@ INTRODUCTION = f"""\
 or a key of a TOML file (`--config FILE` or `{CONFIG_ENV}`, keys at top level or under `[d3stream]`);
 flag beats environment beats file beats default. Lists are comma-separated in flags and the environment (a
 list's flag may also be repeated). `produce`, `consume` and `compare` take the connection settings the same
-way; `evaluate` takes the connection's, the evaluation's and the few others it reads.
+way ([secured Kafka clusters](CONNECTING.md#secured-kafka-clusters)); `evaluate` takes the connection's, the
+evaluation's and the few others it reads.
 `d3stream serve --help` prints the same, by section.
 
 The sections are how the code reads the settings (`settings.delivery.answer_topic`); a file, a flag or a
