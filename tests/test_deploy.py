@@ -965,7 +965,7 @@ def test_images_and_manifests_agree(tmp_path: Path) -> None:
     objects = render(BASE)
     settings = _settings(objects)
     assert len(settings.models.checkpoints) == 1 and settings.models.checkpoints[0].startswith("s3://")
-    assert [environ["D3STREAM_MODEL"]] == _settings(render(compose(tmp_path, ["model-volume"]))).model
+    assert [environ["D3STREAM_MODEL"]] == _settings(render(compose(tmp_path, ["model-volume"]))).models.checkpoints
     assert int(environ["D3STREAM_METRICS_PORT"]) == settings.observability.metrics_port
     # The default host is the loopback address; probes and Prometheus come from outside the container.
     assert environ["D3STREAM_METRICS_HOST"] == settings.observability.metrics_host == "0.0.0.0"

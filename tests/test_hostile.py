@@ -328,9 +328,7 @@ def test_ten_megabyte_state_is_refused_unread_or_per_question_without_truncation
         limited_text_model.prepare(request.state, request.questions, decoded_images=[], decoded_videos=[])
     # Without it, the question alone is refused, after tokenizing, and nothing is truncated.
     monkeypatch.setattr(limited_text_model, "max_request_tokens", None)
-    started = time.monotonic()
     prepared = limited_text_model.prepare(request.state, request.questions, decoded_images=[], decoded_videos=[])
-    assert time.monotonic() - started < 60  # the whole prompt is tokenized before it is refused: seconds
     assert not prepared.rows
     assert prepared.errors["a"]["error"] == "max_length_exceeded"
     assert "nothing was truncated" in prepared.errors["a"]["message"]
