@@ -27,9 +27,11 @@ live answer; each is delivered with its shadow answer as one more record.
 The fetch is processed as a batch where that saves work (its text-only requests of one priority lane share
 prepare trips and one submission to the scheduler; lanes apart, so a high one does not wait for a flood's), while failures stay per request: whatever goes wrong with one record ends
 as that record's error answer, never as its neighbours'. A stage that ends a request returns a
-``Refusal``, and the pipeline answers it in one place (``_refused``). The answered requests are yielded as
-they are ready (all text-only answers of a pass together, a media request's on its own): each step is an
-async generator, and ``streams.Streams`` reads the steps of a fetch side by side.
+``Refusal``, and the pipeline answers it in one place (``_refused``). Each record's ``stage``
+(``record.Stage``: read, decoded, routed, media, prepared, scored, answered or refused, shadowed,
+delivered) is moved by the stage that did the work, and a step out of order raises. The answered requests
+are yielded as they are ready (all text-only answers of a pass together, a media request's on its own):
+each step is an async generator, and ``streams.Streams`` reads the steps of a fetch side by side.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from d3stream.core.inflight import InFlightLedger
 from d3stream.core.jobthread import JobThread
 from d3stream.core.media_stage import MediaStage
 from d3stream.core.passes import Passes
-from d3stream.core.record import Refusal, RequestRecord
+from d3stream.core.record import Refusal, RequestRecord, Stage
 from d3stream.core.seams import DeadlineExceeded, DecisionModel, InputRecord, Scheduling
 from d3stream.core.shadow import Shadow
 from d3stream.core.storage import MediaFetcher
@@ -184,7 +186,7 @@ class RequestPipeline:
         except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
             log.exception("request failed", offsets=[record.source.offset for record in records][:20])
             failed = Refusal("internal_error", reason(exc))
-            yield [self._refused(record, failed) for record in records if not record.finished]
+            yield [self._refused(record, failed) for record in records if not record.stage.finished]
 
     # ------------------------------------------------------------------------------------ stages
 
@@ -214,6 +216,7 @@ class RequestPipeline:
         record.request = request
         record.tenant = request_tenant(self.settings, read, request)
         scheduling = record.scheduling = request_scheduling(self.settings, read, request)
+        record.advance(Stage.DECODED)
         if scheduling.deadline is not None and time.time() > scheduling.deadline:
             return _expired(DeadlineExceeded(time.time() - scheduling.deadline), "was read")
         if request.model is not None:
@@ -224,6 +227,7 @@ class RequestPipeline:
             served = ", ".join(repr(name) for name in self.routes)
             return Refusal("model_not_served", f"this worker serves {served}, not {request.model!r}")
         self.ledger.route(record, hosted.name)
+        record.advance(Stage.ROUTED)
         return request
 
     async def _answer_with_media(self, record: RequestRecord) -> Answered:
@@ -289,6 +293,7 @@ class RequestPipeline:
             prepared, record.plan = outcome
             record.prepared = prepared
             record.tokens = prepared.input_tokens
+            record.advance(Stage.PREPARED)
             passing.append(record)
         self.ledger.prepared(passing)
         if refused:
@@ -368,16 +373,19 @@ class RequestPipeline:
             answer = hosted.answers.answered(record, prepared.answers(record.probabilities))
         except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
             log.exception("answer not built", offset=record.source.offset)
-            answer = hosted.answers.error(record, "internal_error", reason(exc), request=record.request)
-        return self._finish(record, answer)
+            error = hosted.answers.error(record, "internal_error", reason(exc), request=record.request)
+            return self._finish(record, error, Stage.REFUSED)
+        return self._finish(record, answer, Stage.ANSWERED)
 
     def _refused(self, record: RequestRecord, refusal: Refusal) -> RequestRecord:
         """A request a stage refused, answered with its error answer (by its model, the default before routing)."""
-        return self._finish(record, self._hosted(record).answers.refused(record, refusal))
+        return self._finish(record, self._hosted(record).answers.refused(record, refusal), Stage.REFUSED)
 
-    def _finish(self, record: RequestRecord, answer: Answer) -> RequestRecord:
-        """The request's final answer event (with its id and size settled) among its records to publish; what
-        it held in flight is given back."""
+    def _finish(self, record: RequestRecord, answer: Answer, stage: Stage) -> RequestRecord:
+        """The request's final answer event (with its id and size settled) among its records to publish, the
+        request ``stage`` (ANSWERED or REFUSED: a request is answered once); what it held in flight is given
+        back."""
+        record.advance(stage)
         self.ledger.answered(record)
         position = record.position
         for each in self.hosted.values():
