@@ -38,8 +38,9 @@ from d3stream.core.decoding import ByteBudget, MediaDecoder
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.outgoing import Outgoing
 from d3stream.core.passes import Passes, RowScheduler, default_token_budget, model_thread
-from d3stream.core.pipeline import Hosted, RequestPipeline
-from d3stream.core.record import RequestRecord
+from d3stream.core.pipeline import RequestPipeline
+from d3stream.core.record import RequestRecord, Stage
+from d3stream.core.routing import Hosted
 from d3stream.core.seams import DecisionModel
 from d3stream.core.storage import MediaFetcher
 from d3stream.kafka.commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
@@ -367,6 +368,8 @@ class Service:
             return
         finally:
             self.ledger.delivered(records)
+            for record in records:
+                record.advance(Stage.DELIVERED)
         published = time.perf_counter()
         metrics = self.metrics
         metrics.observe_stage("publish", published - started, len(records))  # delivered together

@@ -18,7 +18,7 @@ from d3stream_client.validation import EventError, check_media_references
 from d3stream.core.answers import media_record, ms
 from d3stream.core.decoding import MediaDecoder
 from d3stream.core.inflight import InFlightLedger
-from d3stream.core.record import Refusal, RequestRecord
+from d3stream.core.record import Refusal, RequestRecord, Stage
 from d3stream.core.seams import DecisionModel
 from d3stream.core.storage import MediaError, MediaFetcher
 from d3stream.ops.metrics import Metrics
@@ -80,4 +80,5 @@ class MediaStage:
         self.ledger.keep_media(record, memory.total)  # what the media really take; the rest of the estimate back
         record.media_kept = memory.kept  # what is left once the request is prepared
         record.decoded = (decoded.images, decoded.videos)
+        record.advance(Stage.MEDIA)
         return None

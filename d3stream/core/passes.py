@@ -29,7 +29,7 @@ from d3stream_client.contract import BatchRecord
 
 from d3stream.core.answers import ms
 from d3stream.core.batching import BatchScheduler, PassRecord, resolve
-from d3stream.core.record import RequestRecord
+from d3stream.core.record import RequestRecord, Stage
 from d3stream.core.seams import DeadlineExceeded, DecisionModel, Position, Scheduling
 from d3stream.ops.metrics import Metrics
 from d3stream.runtime.cpu_threads import intraop_initializer
@@ -196,6 +196,7 @@ class Passes:
             for item, outcomes in done:
                 if outcomes is not None:
                     self._take_outcomes(item, outcomes, submitted, now, times)
+                item.advance(Stage.SCORED)
                 chunk.append(item)
             for (forward, queued), count in times.items():
                 self.metrics.observe_stage("forward", forward, count)

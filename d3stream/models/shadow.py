@@ -31,7 +31,7 @@ def parse_shadow(text: str) -> ShadowSpec:
 
 
 def shadow_hosted(models: ModelSettings, served: Sequence[Any], own: Any | None) -> Any | None:
-    """The served model (``pipeline.Hosted``) that is the shadow: ``own`` (a shadow checkpoint of its own,
+    """The served model (``routing.Hosted``) that is the shadow: ``own`` (a shadow checkpoint of its own,
     hosted by the caller), or the served model ``shadow`` names; None without a shadow. ValueError names the
     setting when ``shadow`` names neither."""
     if own is not None:
