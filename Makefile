@@ -1,6 +1,6 @@
-# Two entry points, each installing what it needs first (see README "Quick start").
+# Two entry points, each installing what it needs first (see README "Quick start"; every target: docs/DEVELOPMENT.md).
 #   make demo   run the embedded default: local Kafka + S3, tiny trained checkpoint, sample requests, re-evaluation
-#   make test   lint (ruff, mypy), then the test suite (starts its own Kafka and S3 servers)
+#   make test   lint (ruff, import-linter, mypy, the docs site), then the test suite (starts its own Kafka and S3 servers)
 
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # that time (measured on the 2-core machine: 2 workers 754 s, 3 workers 571 s, 4 workers 632 s).
 TEST_WORKERS ?= 3
 
-.PHONY: demo test test-fast install lint schemas clean constraints
+.PHONY: demo test test-fast install lint docs schemas clean constraints
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,10 +34,18 @@ test: lint
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) tests/unit -m "not slow"
 
+# The docs site (mkdocs.yml) is built --strict: a dead link or anchor, or a page missing from the nav, fails
+# (not --quiet, which hides the warnings --strict counts).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check d3stream tests clients/python
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The documentation site: docs/ with MkDocs and the Material theme, into site/ (`mkdocs serve` to browse it live).
+# NO_MKDOCS_2_WARNING silences the banner mkdocs-material prints about MkDocs 2.0.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 schemas: $(STAMP)
 	$(VENV)/bin/python -m d3stream_client.schemas schemas

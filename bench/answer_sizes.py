@@ -1,6 +1,6 @@
 """Sizes of answer and dead-letter records, uncompressed and with each codec the producer offers.
 
-The README's table under "Message size limits" comes from this script (`python bench/answer_sizes.py`).
+The table under "Message size limits" in docs/DELIVERY.md comes from this script (`python bench/answer_sizes.py`).
 Answers carry full-precision random probabilities, as a trained model's do (the tiny random test checkpoint's
 near-identical probabilities would compress far better than real answers).
 """

@@ -29,10 +29,10 @@ from typing import Any
 
 from d3stream_client.publisher import produce
 
-from d3stream.config import Settings
+from d3stream.benchmarks.bench_service import serve_until_answered, small_requests
 from d3stream.runtime import D3
 from d3stream.service import Service
-from d3stream.benchmarks.bench_service import serve_until_answered, small_requests
+from d3stream.settings import Settings
 
 CONFIGS: tuple[tuple[str, float | None], ...] = (("no shadow", None), ("shadow, share 1.0", 1.0),
                                                   ("shadow, share 0.25", 0.25))
@@ -40,7 +40,7 @@ CONFIGS: tuple[tuple[str, float | None], ...] = (("no shadow", None), ("shadow, 
 
 def _settings(bootstrap: str, prefix: str, share: float | None, shadow_name: str, threads: int | None,
               device: str | None) -> Settings:
-    return Settings(
+    return Settings.from_flat(
         bootstrap_servers=bootstrap, request_topics=[f"{prefix}.requests"], answer_topic=f"{prefix}.answers",
         dead_letter_topic=f"{prefix}.dlq", provenance_topic=f"{prefix}.prov", group_id=prefix, client_id=prefix,
         metrics_port=None, log_level="warning", commit_interval_ms=100, linger_ms=5, torch_threads=threads,
@@ -53,10 +53,10 @@ async def _latencies(settings: Settings, live: Any, shadow: Any, records: list[t
     """Serve ``records`` sent at ``rate`` per second; each one's seconds from send to its committed answer."""
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-    reader = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, isolation_level="read_committed",
+    reader = AIOKafkaConsumer(bootstrap_servers=settings.connection.bootstrap_servers, isolation_level="read_committed",
                               enable_auto_commit=False, auto_offset_reset="earliest", group_id=None)
     await reader.start()
-    reader.assign([TopicPartition(settings.answer_topic, p) for p in range(settings.topic_partitions)])
+    reader.assign([TopicPartition(settings.delivery.answer_topic, p) for p in range(settings.delivery.topic_partitions)])
     service = Service(settings, live, shadow=shadow)
     task = asyncio.create_task(service.run())
     sent: dict[str, float] = {}
@@ -66,14 +66,14 @@ async def _latencies(settings: Settings, live: Any, shadow: Any, records: list[t
             await asyncio.sleep(0.01)
 
         async def send() -> None:
-            producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap_servers, linger_ms=0)
+            producer = AIOKafkaProducer(bootstrap_servers=settings.connection.bootstrap_servers, linger_ms=0)
             await producer.start()
             try:
                 start = time.perf_counter()
                 for n, (key, value) in enumerate(records):
                     await asyncio.sleep(max(0.0, start + n / rate - time.perf_counter()))
                     sent[key.decode()] = time.perf_counter()
-                    await producer.send(settings.request_topics[0], value=value, key=key)
+                    await producer.send(settings.delivery.request_topics[0], value=value, key=key)
                 await producer.flush()
             finally:
                 await producer.stop()
@@ -104,18 +104,18 @@ def measure(live_dir: Path, shadow_dir: Path, requests: int, threads: int | None
         rate: float | None = None
         # A warm-up round first (first passes, allocator, broker), so the first configuration pays nothing extra.
         warm = _settings(bootstrap, "shadow-cost-warm", 1.0, "candidate", threads, device)
-        asyncio.run(produce(bootstrap, warm.request_topics[0], small_requests(max(20, requests // 5), seed=99)))
+        asyncio.run(produce(bootstrap, warm.delivery.request_topics[0], small_requests(max(20, requests // 5), seed=99)))
         asyncio.run(serve_until_answered(warm, live, max(20, requests // 5), shadow=shadow))
         for number, (name, share) in enumerate(CONFIGS):
             prefix = f"shadow-cost-{number}"
             settings = _settings(bootstrap, prefix, share, "candidate", threads, device)
-            asyncio.run(produce(bootstrap, settings.request_topics[0], small_requests(requests, seed=number)))
+            asyncio.run(produce(bootstrap, settings.delivery.request_topics[0], small_requests(requests, seed=number)))
             seconds, _ = asyncio.run(serve_until_answered(settings, live, requests, shadow=shadow if share else None))
             throughput = requests / seconds
             rate = rate or throughput / 4  # every configuration is paced at a quarter of the no-shadow throughput
             paced = _settings(bootstrap, f"{prefix}-paced", share, "candidate", threads, device)
-            for topic in (paced.request_topics[0], paced.answer_topic):  # the reader starts before the worker
-                broker.create_topic(topic, paced.topic_partitions, exist_ok=True)
+            for topic in (paced.delivery.request_topics[0], paced.delivery.answer_topic):  # the reader starts before the worker
+                broker.create_topic(topic, paced.delivery.topic_partitions, exist_ok=True)
             latencies = sorted(asyncio.run(_latencies(paced, live, shadow if share else None,
                                                       small_requests(requests, seed=100 + number), rate)))
             report["configs"][name] = {

@@ -33,14 +33,14 @@ from aiokafka import AIOKafkaConsumer
 from d3stream_client.contract import ModelRecord, Worker
 
 from d3stream import __version__
-from d3stream.config import Settings, check_settings
 from d3stream.core.answers import AnswerBuilder, answer_identity, provenance_digest
 from d3stream.core.decoding import ByteBudget, MediaDecoder
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.outgoing import Outgoing
 from d3stream.core.passes import Passes, RowScheduler, default_token_budget, model_thread
-from d3stream.core.pipeline import Hosted, RequestPipeline
-from d3stream.core.record import RequestRecord
+from d3stream.core.pipeline import RequestPipeline
+from d3stream.core.record import RequestRecord, Stage
+from d3stream.core.routing import Hosted
 from d3stream.core.seams import DecisionModel
 from d3stream.core.storage import MediaFetcher
 from d3stream.kafka.commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
@@ -56,6 +56,7 @@ from d3stream.ops.metrics import Metrics
 from d3stream.ops.tracing import Tracing
 from d3stream.runtime.cache import lent_media_caches
 from d3stream.runtime.cpu_threads import release_idle_teams
+from d3stream.settings import Settings
 
 __all__ = ["OffsetTracker", "Service", "answer_identity", "default_token_budget"]
 
@@ -73,7 +74,7 @@ def _served_models(model: DecisionModel | Sequence[DecisionModel], settings: Set
         raise ValueError("a worker needs a model to serve (setting: model)")
     if scheduler is not None and len(models) > 1:
         raise ValueError("a row scheduler of one's own (a deterministic replay) serves one model: give one --model")
-    if scheduler is not None and (settings.model_source or settings.canary):
+    if scheduler is not None and (settings.models.model_source or settings.models.canary):
         raise ValueError("a deterministic replay serves one fixed model: model_source and canary do not apply")
     return models
 
@@ -94,28 +95,28 @@ class Service:
                  tracing: Tracing | None = None, read: ReadPolicy | None = None,
                  scheduler: RowScheduler | None = None, answer_file: Path | None = None,
                  replay_id: str | None = None, shadow: DecisionModel | None = None):
-        self.settings = settings = check_settings(settings)
-        check_connection(settings)
+        self.settings = settings = settings.check()
+        check_connection(settings.connection)
         self.models = models = _served_models(model, settings, scheduler)
         self.model = models[0]
         self.metrics = metrics or Metrics()
         # Spans of served requests (otlp_endpoint, or a caller's own, e.g. a test's in-memory exporter).
         self._owns_tracing = tracing is None
         self.tracing = tracing if tracing is not None else Tracing.from_settings(settings)
-        _use_torch_threads(settings.torch_threads)
+        _use_torch_threads(settings.models.torch_threads)
         # The model thread takes the intra-op threads: a team this thread kept from loading would slow every pass.
         release_idle_teams()
         # A shadow checkpoint of its own (--shadow NAME=PATH), loaded by the caller; replays have none.
         self.shadow_model = shadow if replay_id is None and scheduler is None else None
-        self.read = read or LiveRead(settings.request_topics)
-        self.mode = DELIVERY_MODES["jsonl_file" if answer_file is not None else settings.delivery]
+        self.read = read or LiveRead(settings.delivery.request_topics)
+        self.mode = DELIVERY_MODES["jsonl_file" if answer_file is not None else settings.delivery.mode]
         self.answer_file = answer_file
-        self.fetcher = fetcher or MediaFetcher.from_settings(settings)
+        self.fetcher = fetcher or MediaFetcher.from_settings(settings.storage)
         # The limits of the topics answers and dead letters go to (read from the broker at start).
-        self.limits = Limits(max_request_size=settings.max_request_size,
-                             compression=producer_compression(settings.compression))
+        self.limits = Limits(max_request_size=settings.delivery.max_request_size,
+                             compression=producer_compression(settings.delivery.compression))
         # One device, one model thread: every model's passes take turns on it, never side by side.
-        self.model_thread = model_thread(settings.torch_threads)
+        self.model_thread = model_thread(settings.models.torch_threads)
         self.worker = Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__)
         self.hosted, self.shadow = self._host_served(scheduler, replay_id)
         default = self.hosted[0]
@@ -123,18 +124,18 @@ class Service:
         self.provenance, self.provenance_sha256 = default.provenance, default.provenance_sha256
         # Media decoding: images on a thread of their own, videos in killable processes, under a deadline;
         # decoded media wait for their share of max_inflight_media_bytes.
-        self.decoder = MediaDecoder.from_settings(settings)
+        self.decoder = MediaDecoder.from_settings(settings.media)
         # What in-flight requests hold, taken and given back through one owner (the consume loop's
         # backpressure reads its counts): requests, questions, tokens, tenant quotas, the media budget.
-        self.ledger = InFlightLedger(media_budget=ByteBudget(settings.max_inflight_media_bytes),
-                                     tenant_max_inflight_tokens=settings.tenant_max_inflight_tokens)
+        self.ledger = InFlightLedger(media_budget=ByteBudget(settings.media.max_inflight_media_bytes),
+                                     tenant_max_inflight_tokens=settings.batching.tenant_max_inflight_tokens)
         self.in_flight = self.ledger.counts
         self.pipeline = self._request_pipeline()
-        # Live serving lets answers leave out of offset order (settings.ordering) and records the done offsets
+        # Live serving lets answers leave out of offset order (settings.delivery.ordering) and records the done offsets
         # beyond each commit point; a replay keeps offset order and commits the point alone.
-        self.tracker = OffsetTracker(settings.ordering if replay_id is None else "partition",
+        self.tracker = OffsetTracker(settings.delivery.ordering if replay_id is None else "partition",
                                      record_done=replay_id is None,
-                                     metadata_bytes=settings.offset_metadata_max_bytes)
+                                     metadata_bytes=settings.delivery.offset_metadata_max_bytes)
         # The watched model source (swaps without a stop) and the canary share (rollout.py), when set.
         self.rollout = rollout_for(settings, self, self.metrics)
         # Made when it runs: the Kafka consumer, where answers go and how offsets commit, the loop over them.
@@ -151,13 +152,13 @@ class Service:
     def _host(self, model: DecisionModel, scheduler: RowScheduler | None, replay_id: str | None) -> Hosted:
         """A served model's own parts, with the token limits every served model gets: passes on the shared
         model thread, its provenance (answers depend on prefix reuse too) and the answer builder that names it."""
-        model.limit_prompt_tokens(self.settings.max_prompt_tokens)
-        model.limit_request_tokens(self.settings.max_request_tokens)
-        passes = Passes(self.settings, model, self.metrics, scheduler, executor=self.model_thread)
+        model.limit_prompt_tokens(self.settings.limits.max_prompt_tokens)
+        model.limit_request_tokens(self.settings.limits.max_request_tokens)
+        passes = Passes(self.settings.batching, model, self.metrics, scheduler, executor=self.model_thread)
         provenance = {**model.provenance(), **passes.provenance()}
         digest = provenance_digest(provenance)
         answers = AnswerBuilder(
-            self.settings,
+            self.settings.delivery,
             model_record=ModelRecord(name=model.model_name, runtime=provenance.get("runtime", ""),
                                      provenance_sha256=digest),
             worker=self.worker, fit=self.limits.fit, metrics=self.metrics, replay_id=replay_id,
@@ -172,7 +173,7 @@ class Service:
         if replay_id is not None or scheduler is not None:
             return hosted, None
         own = self._host(self.shadow_model, None, replay_id) if self.shadow_model is not None else None
-        return hosted, shadow_hosted(self.settings, hosted, own)
+        return hosted, shadow_hosted(self.settings.models, hosted, own)
 
     def _request_pipeline(self) -> RequestPipeline:
         """The pipeline that answers each fetch for the served models (and the shadow), on this worker's media
@@ -196,10 +197,10 @@ class Service:
     def host_model(self, model: DecisionModel) -> Hosted:
         """A model loaded while serving (a swap's new checkpoint), with the limits every served model gets;
         the rollout hands it to the pipeline once its provenance is published."""
-        if self.settings.media_cache_bytes > 0 and hasattr(model, "media_cache"):  # loaded for this worker alone
+        if self.settings.media.media_cache_bytes > 0 and hasattr(model, "media_cache"):  # loaded for this worker alone
             from d3stream.runtime.cache import MediaFeatureCache
 
-            model.media_cache = MediaFeatureCache(self.settings.media_cache_bytes,
+            model.media_cache = MediaFeatureCache(self.settings.media.media_cache_bytes,
                                                   on_lookup=self.metrics.count_media_cache)
         hosted = self._host(model, None, None)
         self.hosted.append(hosted)
@@ -214,7 +215,7 @@ class Service:
         """One model's provenance record, keyed by its digest (the topic is compacted)."""
         assert self.sink is not None
         payload = json.dumps(hosted.provenance, sort_keys=True, ensure_ascii=False).encode()
-        await self.sink.publish_provenance(Outgoing(self.settings.provenance_topic, hosted.provenance_sha256.encode(),
+        await self.sink.publish_provenance(Outgoing(self.settings.delivery.provenance_topic, hosted.provenance_sha256.encode(),
                                                     payload, kind="provenance"))
 
     # ------------------------------------------------------------------------------ what it shows
@@ -254,7 +255,7 @@ class Service:
 
     async def run(self) -> None:
         """Serve until ``stop()``; then finish in-flight work, publish, commit and close."""
-        with self._media_cache_lent(), tuned_collector(self.settings.gc_young_threshold):
+        with self._media_cache_lent(), tuned_collector(self.settings.lifecycle.gc_young_threshold):
             try:
                 await self._serve_until_stopped()
             finally:
@@ -268,12 +269,12 @@ class Service:
         self.sink = sink_for(self.mode, kafka=lambda: KafkaTopics(settings, self.limits, self.metrics),
                              file=self.answer_file)
         self.delivery = delivery_for(self.mode, sink=self.sink, consumer=self.consumer, tracker=self.tracker,
-                                     group_id=settings.group_id, metrics=self.metrics)
+                                     group_id=settings.delivery.group_id, metrics=self.metrics)
         self.loop = ConsumeLoop(settings, self.consumer, commits=self.delivery, tracker=self.tracker, read=self.read,
                                 handler=self._serve_fetch, ledger=self.ledger, metrics=self.metrics)
         if self._stop_asked:
             self.loop.stop()
-        if settings.create_topics:
+        if settings.delivery.create_topics:
             await self._connecting(ensure_topics(self.settings, self.sink))
         await self._connecting(self.sink.start())
         await self.delivery.start()
@@ -288,7 +289,7 @@ class Service:
             self.rollout.start()  # watches the model source beside the consume loop, never in its way
         try:
             self.ready = True
-            log.info("serving", topics=settings.request_topics, group=settings.group_id,
+            log.info("serving", topics=settings.delivery.request_topics, group=settings.delivery.group_id,
                      models=[each.name for each in self.hosted], budget=self.passes.budget, delivery=self.mode.name)
             await self.loop.run()
         finally:
@@ -318,11 +319,11 @@ class Service:
         """Each model encodes through a media-feature cache of this service while it serves (one per model:
         vision features differ between checkpoints), handed back as it was given however serving ends."""
         models = {id(each.model): each.model for each in self._hosted_all()}.values()
-        return lent_media_caches(models, self.settings.media_cache_bytes, self.metrics.count_media_cache)
+        return lent_media_caches(models, self.settings.media.media_cache_bytes, self.metrics.count_media_cache)
 
     async def _connecting(self, step: Awaitable[T]) -> T:
         """Run a start-up step that connects to Kafka; a refusal becomes an error that names the knobs."""
-        return await connecting(self.settings, step)
+        return await connecting(self.settings.connection, step)
 
     async def _publish_provenance(self) -> None:
         """One record per served model and a shadow checkpoint of its own."""
@@ -367,6 +368,8 @@ class Service:
             return
         finally:
             self.ledger.delivered(records)
+            for record in records:
+                record.advance(Stage.DELIVERED)
         published = time.perf_counter()
         metrics = self.metrics
         metrics.observe_stage("publish", published - started, len(records))  # delivered together

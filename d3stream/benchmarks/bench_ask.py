@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from d3stream_client import D3Client
 
-from d3stream.config import DeliveryMode, Settings
 from d3stream.runtime import D3
+from d3stream.settings import DeliveryMode, Settings
 
 if TYPE_CHECKING:
     from d3stream.dev.infra import KafkaBroker
@@ -42,8 +42,8 @@ async def _asks(settings: Settings, model: D3, count: int, rate: float, prefix: 
     task = asyncio.create_task(service.run())
     try:
         await until_joined(service, task)
-        async with D3Client(settings.bootstrap_servers, request_topic=settings.request_topics[0],
-                            answer_topic=settings.answer_topic, worker_group=settings.group_id) as client:
+        async with D3Client(settings.connection.bootstrap_servers, request_topic=settings.delivery.request_topics[0],
+                            answer_topic=settings.delivery.answer_topic, worker_group=settings.delivery.group_id) as client:
             await client.ask({"id": f"{prefix}-warm", "state": "warm up", "questions": {"team": QUESTION}},
                              timeout=120)
             waits: list[float] = []
@@ -64,7 +64,7 @@ async def _asks(settings: Settings, model: D3, count: int, rate: float, prefix: 
     finally:
         service.stop()
         await asyncio.wait_for(task, 120)
-    return {"asks": count, "rate": rate, "commit_interval_ms": settings.commit_interval_ms,
+    return {"asks": count, "rate": rate, "commit_interval_ms": settings.delivery.commit_interval_ms,
             "ask_p50_ms": _ms(waits, 50), "ask_p99_ms": _ms(waits, 99),
             "worker_p50_ms": _ms(totals, 50), "worker_p99_ms": _ms(totals, 99)}
 
@@ -95,7 +95,7 @@ def ask_latency(checkpoint: Path, count: int = 300, *, rate: float = 20.0, broke
 
 
 def ask_markdown(report: dict[str, Any]) -> str:
-    """The figures as the README's table."""
+    """The figures as the table of docs/CLIENT.md."""
     lines = ["| delivery | asks | rate | ask() p50 | ask() p99 | worker end-to-end p50 | p99 |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for mode, figures in report.items():

@@ -32,8 +32,8 @@ from typing import Any
 from d3stream_client.contract import Source, decode_answer
 from d3stream_client.publisher import produce
 
-from d3stream.config import Settings
 from d3stream.core.evaluation import JoinState, answer_entry
+from d3stream.settings import Settings
 
 TEAMS = ("billing", "tech", "sales")
 MAX_BATCH = 2_000  # answers per state commit, as the evaluator's largest fetch
@@ -99,9 +99,9 @@ async def _throughput(settings: Settings, count: int) -> dict[str, Any]:
 
     rng = random.Random(1)
     ids = [f"ticket-{n:08d}" for n in range(count)]
-    await produce(settings.bootstrap_servers, settings.answer_topic,
+    await produce(settings.connection.bootstrap_servers, settings.delivery.answer_topic,
                   [(i.encode(), json.dumps(answer_event(i, rng)).encode()) for i in ids])
-    await produce(settings.bootstrap_servers, settings.label_topic,
+    await produce(settings.connection.bootstrap_servers, settings.evaluation.label_topic,
                   [(i.encode(), json.dumps(label_event(i, rng)).encode()) for i in ids])
     evaluator = await make_evaluator(settings)
     stopping = asyncio.Event()
@@ -121,10 +121,10 @@ async def _throughput(settings: Settings, count: int) -> dict[str, Any]:
         stopping.set()
         await running
         await evaluator.stop()
-    committed = await read_topic(settings.bootstrap_servers, TopicRange(settings.evaluation_topic), timeout_s=120)
+    committed = await read_topic(settings.connection.bootstrap_servers, TopicRange(settings.evaluation.evaluation_topic), timeout_s=120)
     return {"pairs": count, "evaluations": len(committed), "seconds": round(seconds, 2),
             "pairs_per_s": round(count / seconds, 1), "seconds_after_join": round(steady, 2),
-            "pairs_per_s_after_join": round(count / steady, 1), "partitions": settings.topic_partitions}
+            "pairs_per_s_after_join": round(count / steady, 1), "partitions": settings.delivery.topic_partitions}
 
 
 def evaluate_bench(count: int = 20_000, *, partitions: int = 4) -> dict[str, Any]:
@@ -134,13 +134,13 @@ def evaluate_bench(count: int = 20_000, *, partitions: int = 4) -> dict[str, Any
     ensure_jars()
     prefix = f"bench-evaluate-{time.time_ns()}"
     with KafkaBroker(partitions=partitions) as broker:
-        settings = Settings(
+        settings = Settings.from_flat(
             bootstrap_servers=broker.bootstrap_servers, answer_topic=f"{prefix}.answers",
             label_topic=f"{prefix}.labels", evaluation_topic=f"{prefix}.evaluations",
             label_dead_letter_topic=f"{prefix}.labels-dlq", evaluate_state_topic=f"{prefix}.state",
             evaluate_group_id=prefix, client_id=prefix, transactional_id_prefix=prefix, metrics_port=None,
             topic_partitions=partitions, log_level="warning")
-        for topic in (settings.answer_topic, settings.label_topic):
+        for topic in (settings.delivery.answer_topic, settings.evaluation.label_topic):
             broker.create_topic(topic, partitions, exist_ok=True)
         throughput = asyncio.run(_throughput(settings, count))
     return {"throughput": throughput, "memory": state_memory()}
@@ -282,11 +282,11 @@ async def _volume(servers: str, broker: Any, prefix: str, tmp: Path, waiting: in
                   tick: Callable[[str], None] | None) -> dict[str, Any]:
     from d3stream.benchmarks.scaleout import free_port
 
-    settings = Settings(bootstrap_servers=servers, answer_topic=f"{prefix}.answers", label_topic=f"{prefix}.labels",
+    settings = Settings.from_flat(bootstrap_servers=servers, answer_topic=f"{prefix}.answers", label_topic=f"{prefix}.labels",
                         evaluation_topic=f"{prefix}.evaluations", label_dead_letter_topic=f"{prefix}.labels-dlq",
                         evaluate_state_topic=f"{prefix}.state", evaluate_group_id=prefix, client_id=prefix,
                         transactional_id_prefix=prefix, topic_partitions=VOLUME_PARTITIONS)
-    for topic in (settings.answer_topic, settings.label_topic):
+    for topic in (settings.delivery.answer_topic, settings.evaluation.label_topic):
         broker.create_topic(topic, VOLUME_PARTITIONS, exist_ok=True)
     port = free_port()
     state_dir = tmp / "state"
@@ -304,10 +304,10 @@ async def _volume(servers: str, broker: Any, prefix: str, tmp: Path, waiting: in
             tick(name)
 
     step("publishing answers")
-    await _produce_stamped(servers, settings.answer_topic, _stamped_answers(waiting, days, start_ms))
+    await _produce_stamped(servers, settings.delivery.answer_topic, _stamped_answers(waiting, days, start_ms))
     report: dict[str, Any] = {"waiting": waiting, "days": days, "partitions": VOLUME_PARTITIONS,
-                              "window_days": settings.evaluate_window_s / 86_400,
-                              "budget_gib": settings.evaluate_max_state_bytes / 2**30}
+                              "window_days": settings.evaluation.evaluate_window_s / 86_400,
+                              "budget_gib": settings.evaluation.evaluate_max_state_bytes / 2**30}
     step("taking answers in")
     started = worker.start()
     joined_at = await worker.until(lambda s: s.get("d3stream_eval_ready") == 1.0, "readiness", 300)
@@ -328,12 +328,12 @@ async def _volume(servers: str, broker: Any, prefix: str, tmp: Path, waiting: in
                       json.dumps(label_event(f"ticket-{n:09d}", rng)).encode()) for n in chosen]
     before = worker.series().get("d3stream_eval_pairs_total", 0)
     sent_at = time.perf_counter()
-    await produce(servers, settings.label_topic, label_records)
+    await produce(servers, settings.evaluation.label_topic, label_records)
     done = await worker.until(lambda s: s.get("d3stream_eval_pairs_total", 0) - before >= 3 * len(chosen),
                               "every label joined", 1_800)
     report["join"] = {"labels": len(chosen), "seconds": round(done - sent_at, 1),
                       "pairs_per_s": round(len(chosen) / (done - sent_at)), "rss_mb": round(worker.rss_mb())}
-    evaluations = await _evaluated(servers, settings.evaluation_topic, {f"ticket-{n:09d}" for n in (0, waiting - 1)})
+    evaluations = await _evaluated(servers, settings.evaluation.evaluation_topic, {f"ticket-{n:09d}" for n in (0, waiting - 1)})
     report["join"]["oldest_joined"] = f"ticket-{0:09d}" in evaluations
     report["join"]["newest_joined"] = f"ticket-{waiting - 1:09d}" in evaluations
     report["join"]["oldest_age_days"] = round((time.time() * 1000 - start_ms) / 86_400_000, 2)

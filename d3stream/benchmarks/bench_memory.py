@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from d3stream.config import Settings
+from d3stream.settings import Settings
 
 if TYPE_CHECKING:
     from d3stream.dev.infra import KafkaBroker, ObjectStore
@@ -101,7 +101,7 @@ async def _soak(settings: Settings, model: Any, bootstrap: str, requests: list[l
 
     service = Service(settings, model)
     task = asyncio.create_task(service.run())
-    topic = settings.request_topics[0]
+    topic = settings.delivery.request_topics[0]
     figures: dict[str, Any] = {"requests": []}
     try:
         await until_joined(service, task)
@@ -189,7 +189,7 @@ def image_soak(checkpoint: Path, count: int = 20, *, stack: tuple[KafkaBroker, O
                                s3_region=store.region, media_allowlist=[BUCKET])
     with RssSampler() as sampler:
         figures = asyncio.run(_soak(settings, model, broker.bootstrap_servers, requests, sampler, tick))
-    budget_mb = _mb(settings.max_inflight_media_bytes)
+    budget_mb = _mb(settings.media.max_inflight_media_bytes)
     after = [each["after_over_idle_mb"] for each in figures["requests"]]
     steady = max(after[len(after) // 2:]) if after else 0.0
     return {

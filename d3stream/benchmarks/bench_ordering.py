@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 from d3stream_client.publisher import Publisher
 from d3stream_client.subscriber import AnswerSubscription
 
-from d3stream.config import Ordering, Settings
 from d3stream.core.storage import FetchedMedia, MediaFetcher, S3Location
 from d3stream.dev.demo import sample_png
 from d3stream.runtime import D3
+from d3stream.settings import Ordering, Settings
 
 if TYPE_CHECKING:
     from d3stream.dev.infra import KafkaBroker, ObjectStore
@@ -85,9 +85,9 @@ async def _one_run(settings: Settings, model: D3, fetcher: MediaFetcher, stream:
     waits: dict[str, list[float]] = {"text": [], "image": []}
     try:
         await until_joined(service, task)
-        async with Publisher(settings.bootstrap_servers, settings.request_topics[0]) as publisher, \
-                AnswerSubscription(settings.bootstrap_servers, settings.answer_topic,
-                                   f"{settings.group_id}-reader") as answers:
+        async with Publisher(settings.connection.bootstrap_servers, settings.delivery.request_topics[0]) as publisher, \
+                AnswerSubscription(settings.connection.bootstrap_servers, settings.delivery.answer_topic,
+                                   f"{settings.delivery.group_id}-reader") as answers:
 
             async def read() -> None:
                 async for answer in answers:
@@ -135,14 +135,14 @@ def head_of_line(checkpoint: Path, *, seconds: float = 20.0, delay_s: float = 1.
         prefix = f"hol-{ordering}-{'fast' if delay == 0.0 else 'slow'}-{time.time_ns()}"
         for topic in ("requests", "answers", "dlq", "prov"):
             broker.create_topic(f"{prefix}.{topic}", 3, exist_ok=True)
-        settings = Settings(
+        settings = Settings.from_flat(
             bootstrap_servers=broker.bootstrap_servers, request_topics=[f"{prefix}.requests"],
             answer_topic=f"{prefix}.answers", dead_letter_topic=f"{prefix}.dlq", provenance_topic=f"{prefix}.prov",
             group_id=prefix, client_id=prefix, ordering=ordering, metrics_port=None, create_topics=False,
             log_level="warning", torch_threads=threads, s3_endpoint_url=store.endpoint_url, s3_region=store.region,
             media_allowlist=["hol"],
         )
-        fetcher = SlowStore.from_settings(settings)
+        fetcher = SlowStore.from_settings(settings.storage)
         assert isinstance(fetcher, SlowStore)
         fetcher.delay_s = delay_s if delay is None else delay
         waits = asyncio.run(_one_run(settings, model, fetcher, stream, drain_s=120 + 10 * delay_s))

@@ -26,13 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from d3stream_client.contract import HEADERS
 
-from d3stream.config import Settings
 from d3stream.core.batching import BatchScheduler
 from d3stream.kafka.consume import RESUME_AT, backpressure_pauses
 from d3stream.runtime import D3
+from d3stream.settings import Settings
 
 if TYPE_CHECKING:
     from d3stream.core.record import RequestRecord
@@ -134,15 +133,15 @@ class _Run:
         backpressure pauses now, or None when it is off."""
         settings, work = self.settings, self.service.in_flight
         requests, tokens = work.requests - work.held_requests, work.tokens - work.held_tokens
-        full = requests >= settings.max_inflight_requests or tokens >= settings.max_inflight_tokens
-        drained = (requests < RESUME_AT * settings.max_inflight_requests
-                   and tokens < RESUME_AT * settings.max_inflight_tokens)
+        full = requests >= settings.batching.max_inflight_requests or tokens >= settings.batching.max_inflight_tokens
+        drained = (requests < RESUME_AT * settings.batching.max_inflight_requests
+                   and tokens < RESUME_AT * settings.batching.max_inflight_tokens)
         if paused is not None and drained:
             return None
         if paused is None and not full:
             return None
         return (paused or set()) | backpressure_pauses(self.per_partition, requests, tokens,
-                                                       settings.max_inflight_requests, settings.max_inflight_tokens)
+                                                       settings.batching.max_inflight_requests, settings.batching.max_inflight_tokens)
 
     def _fetch(self, queues: dict[int, deque[tuple[float, BenchRecord]]], now: float, room: int,
                readable: list[int]) -> Arrivals:
@@ -172,7 +171,7 @@ class _Run:
             held = {partition for _, partition in self.service.ledger.quotas.held_partitions()}
             readable = [partition for partition in queues if partition not in held and partition not in (paused or ())]
             now = time.perf_counter() - started
-            room = max(1, self.settings.max_inflight_requests - in_flight.requests + in_flight.held_requests)
+            room = max(1, self.settings.batching.max_inflight_requests - in_flight.requests + in_flight.held_requests)
             fetch = self._fetch(queues, now, room, readable)
             if not fetch:  # getmany waits for a record on a readable partition, at most POLL_S
                 upcoming = [queues[partition][0][0] for partition in readable if queues[partition]]
@@ -259,7 +258,7 @@ def _lane_figures(run: _Run, seconds: float) -> dict[str, Any]:
 
 def _with(settings: Settings, **changes: Any) -> Settings:
     """A copy of ``settings`` for one run (a run's service never shares its settings object with another)."""
-    return msgspec.structs.replace(settings, **changes)
+    return settings.replaced(**changes)
 
 
 def _capacity(settings: Settings, model: DecisionModel, seconds: float) -> float:
@@ -322,17 +321,17 @@ def scheduling_bench(model: DecisionModel | str | os.PathLike[str], *, seconds: 
     """All three figures on ``model`` (a loaded model or a checkpoint path), each stream ``seconds`` long."""
     if isinstance(model, (str, os.PathLike)):
         model = D3.from_pretrained(Path(model), device="cpu")
-    base = Settings(metrics_port=None, answer_topic="answers", dead_letter_topic="dead-letters",
+    base = Settings.from_flat(metrics_port=None, answer_topic="answers", dead_letter_topic="dead-letters",
                     torch_threads=threads, linger_ms=5, prefix_reuse="off", log_level="warning")
     capacity = _capacity(base, model, seconds)
     setup: dict[str, Any] = {"path": "pipeline alone (no broker), consume loop's admission",
                              "seconds": seconds, "torch_threads": threads,
                              "capacity_per_s": round(capacity, 1),
-                             "max_inflight_requests": base.max_inflight_requests,
+                             "max_inflight_requests": base.batching.max_inflight_requests,
                              # How long the in-flight work takes to drain: past lane_ageing_ms, aged
                              # flood rows reach the high lane (docs/SCHEDULING.md).
-                             "inflight_drain_s": round(base.max_inflight_requests / capacity, 2),
-                             "lane_pass_tokens": base.lane_pass_tokens}
+                             "inflight_drain_s": round(base.batching.max_inflight_requests / capacity, 2),
+                             "lane_pass_tokens": base.batching.lane_pass_tokens}
     report: dict[str, Any] = {"setup": setup}
     report["lanes"] = _lanes(base, model, capacity, seconds, setup)
     report["expired"] = _expired(base, model, expired)

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from d3stream.config import DeliveryMode, Settings
 from d3stream.kafka.commits import DELIVERY_MODES
 from d3stream.runtime import D3, Prepared, Row
 from d3stream.runtime.questions import normalize_question, question_error, require_json
+from d3stream.settings import DeliveryMode, Settings
 
 if TYPE_CHECKING:
     from d3stream.core.seams import DecisionModel
@@ -288,7 +288,7 @@ def _one_kafka_run(raw: bool, mode: DeliveryMode, bootstrap: str, topics: dict[s
     if raw:
         return asyncio.run(consume_answer_loop(bootstrap, topics["requests"], topics["raw-out"], group, count,
                                                transactional=DELIVERY_MODES[mode].transactional))
-    settings = Settings(
+    settings = Settings.from_flat(
         bootstrap_servers=bootstrap, request_topics=[topics["requests"]], answer_topic=topics["answers"],
         dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"], group_id=group, client_id=group,
         delivery=mode, metrics_port=None, create_topics=False, log_level="warning",
@@ -328,7 +328,7 @@ def worker_settings(broker: KafkaBroker, prefix: str, partitions: int, **overrid
         answer_topic=topics["answers"], dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"],
         group_id=prefix, client_id=prefix, metrics_port=None, create_topics=False, log_level="warning",
     )
-    return Settings(**{**values, **overrides})
+    return Settings.from_flat(**{**values, **overrides})
 
 
 # ---------------------------------------------------------------------------------------- RSS soak
@@ -353,7 +353,7 @@ async def _soak(settings: Settings, model: DecisionModel, bootstrap: str, total:
         sent = 0
         while sent < total:
             size = min(chunk, total - sent)
-            await produce(bootstrap, settings.request_topics[0], small_requests(size, seed=sent))
+            await produce(bootstrap, settings.delivery.request_topics[0], small_requests(size, seed=sent))
             sent += size
             # Keep at most two chunks ahead of the service, so the topic is never drained dry for long.
             await _until_finished(service, task, sent - chunk, 0.05)

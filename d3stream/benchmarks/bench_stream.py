@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from d3stream.benchmarks.bench_workloads import Request, make_stream
-from d3stream.config import Settings
 from d3stream.runtime import D3
+from d3stream.settings import Settings
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -100,7 +100,7 @@ def loop_answer(model: D3, s3: Any) -> Callable[[bytes], bytes]:
 
 def _settings(broker: KafkaBroker, store: ObjectStore, topics: dict[str, str], group: str,
               threads: int | None) -> Settings:
-    return Settings(
+    return Settings.from_flat(
         bootstrap_servers=broker.bootstrap_servers, request_topics=[topics["source"]], answer_topic=topics["answers"],
         dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"], group_id=group, client_id=group,
         metrics_port=None, create_topics=False, log_level="warning", torch_threads=threads,

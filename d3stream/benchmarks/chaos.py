@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from d3stream.config import DeliveryMode
     from d3stream.dev.infra import KafkaBroker, ObjectStore
     from d3stream.dev.progress import Progress
     from d3stream.runtime import D3
+    from d3stream.settings import DeliveryMode
 
 CHAOS_BUCKET = "d3stream-chaos"
 
@@ -77,7 +77,7 @@ def fuzzed_event(number: int, rng: random.Random) -> tuple[bytes, bytes]:
         options = {f"o{i}": i for i in range(300)}
         value = json.dumps(dict(base, questions={"q": {"type": "choice", "criteria": options}})).encode()
     elif kind == 8:
-        # duplicate keys: refused as invalid_request naming the key (events.decode_request)
+        # duplicate keys: refused as invalid_request naming the key (d3stream_client.validation.decode_request)
         value = (f'{{"id": "{key}", "state": 1, "state": [2], "questions": {{"q": {{"type": "noul"}}}}}}').encode()
     else:
         value = json.dumps(dict(base, images=["http://example.invalid/a.png", "/etc/passwd"])).encode()
@@ -369,14 +369,14 @@ async def measure_mode(broker: KafkaBroker, model: D3, mode: DeliveryMode, *, re
     from d3stream_client.publisher import produce
     from d3stream_client.subscriber import consume_answers
 
-    from d3stream.config import Settings
     from d3stream.service import Service
+    from d3stream.settings import Settings
 
     tag = f"cost-{mode.replace('_', '-')}-{'flood' if rate is None else int(rate)}-{time.time_ns()}"
     requests_topic, answers_topic = f"{tag}.requests", f"{tag}.answers"
     for topic in (requests_topic, answers_topic):
         broker.create_topic(topic, exist_ok=True)
-    settings = Settings(bootstrap_servers=broker.bootstrap_servers, request_topics=[requests_topic],
+    settings = Settings.from_flat(bootstrap_servers=broker.bootstrap_servers, request_topics=[requests_topic],
                         answer_topic=answers_topic, dead_letter_topic=f"{tag}.dlq", provenance_topic=f"{tag}.prov",
                         group_id=tag, delivery=mode, commit_interval_ms=100, linger_ms=5, metrics_port=None)
     rng = random.Random(1)

@@ -12,7 +12,7 @@ a container. For each such membership change it records
 and at the end counts every committed answer (``read_committed``): each request must be answered once.
 
 ``python -m d3stream.benchmarks.scaleout`` runs it on the embedded broker with and without static membership and
-prints the figures the README quotes; ``tests/system/test_scaleout.py`` runs it small, with assertions.
+prints the figures docs/MEASUREMENTS.md quotes; ``tests/system/test_scaleout.py`` runs it small, with assertions.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def _workloads_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="throughput rounds per path, interleaved; each path reports its fastest round")
     parser.add_argument("--rate", type=float, default=None,
-                        help=f"arrival rate in requests/s (default: {DEFAULT_RATE_SHARE:.0%} of what path a sustains)")
+                        help=f"arrival rate in requests/s (default: {DEFAULT_RATE_SHARE * 100:.0f} %% of what path a sustains)")
     parser.add_argument("--linger-ms", type=float, default=5.0, help="scheduler linger for paths b and c")
     parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="padded tokens per pass for b and c (default: the service's default for the device)")

@@ -10,7 +10,7 @@ import sys
 from typing import get_args
 
 from d3stream.cli.shape import Command
-from d3stream.config import DeliveryMode
+from d3stream.settings import DeliveryMode
 
 
 def _chaos(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ DEFAULT_TOP = 10
 
 
 def _run(args: argparse.Namespace) -> int:
-    from d3stream.config import load_settings
     from d3stream.jobs.compare import (
         SourceError,
         compare,
@@ -24,10 +23,11 @@ def _run(args: argparse.Namespace) -> int:
         write_report,
     )
     from d3stream.kafka.connection import check_connection
+    from d3stream.settings import load_settings
 
     try:
         settings = load_settings(args)
-        check_connection(settings)
+        check_connection(settings.connection)
         side_a = load_answers(args.a, settings=settings, timeout_s=args.timeout)
         side_b = load_answers(args.b, settings=settings, timeout_s=args.timeout)
         labels = load_labels(args.labels, settings=settings, timeout_s=args.timeout) if args.labels else None
@@ -67,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the headline figures as one JSON object")
     parser.add_argument("--top", type=int, default=DEFAULT_TOP, help="requests listed as largest disagreements")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to read one Kafka topic range")
-    from d3stream.config import CONNECTION_FIELDS
-    from d3stream.config import add_arguments as add_settings
+    from d3stream.settings import CONNECTION_FIELDS
+    from d3stream.settings import add_arguments as add_settings
 
     add_settings(parser, only=CONNECTION_FIELDS)  # for kafka: sources
 

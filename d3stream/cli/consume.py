@@ -17,7 +17,7 @@ def _consume(args: argparse.Namespace) -> int:
     settings = connection("consume", args)
     if settings is None:
         return 2
-    options = client_options(settings, "consumer", client_id=settings.client_id)
+    options = client_options(settings.connection, "consumer", client_id=settings.connection.client_id)
     servers = options.pop("bootstrap_servers")
 
     def show(answer: dict) -> None:
@@ -29,8 +29,8 @@ def _consume(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from d3stream.config import CONNECTION_FIELDS
-    from d3stream.config import add_arguments as add_settings
+    from d3stream.settings import CONNECTION_FIELDS
+    from d3stream.settings import add_arguments as add_settings
 
     parser.add_argument("topic")
     parser.add_argument("--max", type=int, default=None, help="stop after this many distinct request ids")

@@ -19,16 +19,16 @@ EVALUATE_FIELDS = (
 
 
 def _run(args: argparse.Namespace) -> int:
-    from d3stream.config import load_settings
     from d3stream.jobs.compare import SourceError
     from d3stream.jobs.evaluate import figures_json, read_figures, render, run_worker
     from d3stream.kafka.connection import check_connection, connecting
     from d3stream.kafka.evaluating import EvaluateSetupError
     from d3stream.ops.logs import configure_logging
+    from d3stream.settings import load_settings
 
     try:
         settings = load_settings(args)
-        check_connection(settings)
+        check_connection(settings.connection)
         if args.report:
             models = read_figures(settings, args.timeout)
             print(json.dumps(figures_json(models)) if args.json else render(models))
@@ -36,14 +36,14 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, SourceError) as exc:
         print(f"d3stream evaluate: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.observability.log_format, settings.observability.log_level)
     from d3stream.ops.metrics import serve_metrics
     from d3stream.ops.quality import QualityMetrics
 
     metrics = QualityMetrics()
-    server = serve_metrics(metrics, settings)
+    server = serve_metrics(metrics, settings.observability)
     try:
-        asyncio.run(connecting(settings, run_worker(settings, metrics=metrics)))
+        asyncio.run(connecting(settings.connection, run_worker(settings, metrics=metrics)))
     except (EvaluateSetupError, ConnectionError, ValueError, OSError) as exc:
         print(f"d3stream evaluate: {exc}", file=sys.stderr)
         return 2
@@ -54,8 +54,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from d3stream.config import CONNECTION_FIELDS
-    from d3stream.config import add_arguments as add_settings
+    from d3stream.settings import CONNECTION_FIELDS
+    from d3stream.settings import add_arguments as add_settings
 
     parser.add_argument("--report", action="store_true",
                         help="print accuracy, Brier, log loss and ECE per model and question from the evaluation "

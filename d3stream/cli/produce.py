@@ -52,7 +52,7 @@ def _produce(args: argparse.Namespace) -> int:
         records.append((key, value))
     bar = tqdm(total=len(records), desc=f"produce {args.topic}", unit="req", file=sys.stderr,
                disable=not sys.stderr.isatty())
-    options = client_options(settings, "producer", client_id=settings.client_id)
+    options = client_options(settings.connection, "producer", client_id=settings.connection.client_id)
     servers = options.pop("bootstrap_servers")
     status = run_kafka("produce", settings, produce(servers, args.topic, records, security=options,
                                                      on_sent=bar.update))
@@ -63,8 +63,8 @@ def _produce(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from d3stream.config import CONNECTION_FIELDS
-    from d3stream.config import add_arguments as add_settings
+    from d3stream.settings import CONNECTION_FIELDS
+    from d3stream.settings import add_arguments as add_settings
 
     parser.add_argument("topic")
     parser.add_argument("file", help="JSON lines, one request per line (- for stdin)")

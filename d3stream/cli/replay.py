@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 from d3stream.cli.shape import Command
 
 if TYPE_CHECKING:  # the jobs import the Kafka client and the service: only when the command runs
-    from d3stream.config import Settings
     from d3stream.core.seams import DecisionModel
     from d3stream.jobs.replay import ReplayRange
+    from d3stream.settings import Settings
 
 
 class _Refused(Exception):
@@ -41,32 +41,31 @@ def _replay_command(args: argparse.Namespace) -> int:
 def _command_settings(args: argparse.Namespace) -> tuple[Settings, str]:
     """The replay's settings (with --to-topic as its answer topic) and its one checkpoint; logging is
     configured. A target that is a live or request topic, or a --model other than one, is refused."""
-    from d3stream.config import load_settings
     from d3stream.kafka.connection import check_connection
     from d3stream.ops.logs import configure_logging
+    from d3stream.settings import load_settings
 
     try:
         settings = load_settings(args)
-        check_connection(settings)
+        check_connection(settings.connection)
     except ValueError as exc:
         raise _Refused(str(exc)) from exc
-    configure_logging(settings.log_format, "warning" if settings.log_level == "info" else settings.log_level)
+    configure_logging(settings.observability.log_format, "warning" if settings.observability.log_level == "info" else settings.observability.log_level)
     from d3stream.jobs.replay import live_topic_refusal
 
-    refusal = live_topic_refusal(args.to_topic, settings.answer_topic, allowed=args.allow_live_answer_topic,
-                                 request_topics=[args.from_topic, *settings.request_topics])
+    refusal = live_topic_refusal(args.to_topic, settings.delivery.answer_topic, allowed=args.allow_live_answer_topic,
+                                 request_topics=[args.from_topic, *settings.delivery.request_topics])
     if refusal:
         raise _Refused(refusal)
-    if not settings.model:
+    if not settings.models.checkpoints:
         raise _Refused("no checkpoint: set --model or D3STREAM_MODEL")
-    if len(settings.model) > 1:  # a replay answers a range with one model; compare two replays to compare models
-        raise _Refused(f"--model names {len(settings.model)} checkpoints; a replay runs one (replay once per "
+    if len(settings.models.checkpoints) > 1:  # a replay answers a range with one model; compare two replays to compare models
+        raise _Refused(f"--model names {len(settings.models.checkpoints)} checkpoints; a replay runs one (replay once per "
                        "model and compare the answer sets)")
-    [checkpoint] = settings.model
+    [checkpoint] = settings.models.checkpoints
     if args.to_topic:
-        import msgspec
 
-        settings = msgspec.structs.replace(settings, answer_topic=args.to_topic)
+        settings = settings.replaced(answer_topic=args.to_topic)
     return settings, checkpoint
 
 
@@ -90,12 +89,12 @@ def _load_checkpoint(checkpoint: str, settings: Settings) -> DecisionModel:
     from d3stream.runtime import D3
 
     try:
-        resolved = resolve_model(checkpoint, settings)
-        model_name = model_name_for(resolved, settings.model_name)
+        resolved = resolve_model(checkpoint, settings.storage)
+        model_name = model_name_for(resolved, settings.models.model_name)
     except CheckpointError as exc:
         raise _Refused(str(exc)) from exc
-    return D3.from_pretrained(resolved.path, device=settings.device, verify=settings.verify,
-                              model_name=model_name, permutation_average=settings.permutation_average)
+    return D3.from_pretrained(resolved.path, device=settings.models.device, verify=settings.models.verify,
+                              model_name=model_name, permutation_average=settings.models.permutation_average)
 
 
 def _run_command(args: argparse.Namespace, settings: Settings, model: DecisionModel,
@@ -118,7 +117,7 @@ def _run_command(args: argparse.Namespace, settings: Settings, model: DecisionMo
 
         try:
             summary["drift"] = replay_drift(args.compare_with,
-                                            str(out) if out else f"kafka:{settings.answer_topic}", settings)
+                                            str(out) if out else f"kafka:{settings.delivery.answer_topic}", settings)
         except (OSError, ValueError, SourceError) as exc:
             raise _Refused(f"--compare-with: {exc}") from exc
     return summary
@@ -134,7 +133,7 @@ def _print_summary(summary: dict[str, Any], *, as_json: bool) -> None:
 
 
 def add_arguments(replay: argparse.ArgumentParser) -> None:
-    from d3stream.config import add_arguments as add_settings
+    from d3stream.settings import add_arguments as add_settings
 
     replay.add_argument("--from-topic", required=True, help="request topic to replay")
     replay.add_argument("--replay-id", required=True, help="names the replay: resume and split work by reusing it")

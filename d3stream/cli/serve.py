@@ -17,18 +17,18 @@ WORKER_FATAL_EXIT = 3
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from d3stream.config import load_settings
     from d3stream.kafka.connection import check_connection
     from d3stream.ops.logs import configure_logging
+    from d3stream.settings import load_settings
 
     try:
         settings = load_settings(args)
-        check_connection(settings)
+        check_connection(settings.connection)
     except ValueError as exc:
         print(f"d3stream serve: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_format, settings.log_level)
-    if not settings.model and not settings.model_source:
+    configure_logging(settings.observability.log_format, settings.observability.log_level)
+    if not settings.models.checkpoints and not settings.models.model_source:
         print("d3stream serve: no checkpoint: set --model (or --model-source), D3STREAM_MODEL or model = ... in the "
               "settings file", file=sys.stderr)
         return 2
@@ -39,7 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
     # The endpoint comes up before the models are downloaded and loaded, so a liveness probe sees a live
     # process meanwhile.
     metrics = Metrics()
-    server = serve_metrics(metrics, settings)
+    server = serve_metrics(metrics, settings.observability)
     try:
         models, shadow = _load_models(settings)
         service = Service(settings, models, metrics=metrics, shadow=shadow)
@@ -102,32 +102,32 @@ def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
     from d3stream.models.shadow import parse_shadow
     from d3stream.runtime import D3
 
-    specs = parse_model_specs(settings.model)  # a name given twice is refused before any download
-    shadow = parse_shadow(settings.shadow) if settings.shadow else None
-    texts = list(settings.model)
+    specs = parse_model_specs(settings.models.checkpoints)  # a name given twice is refused before any download
+    shadow = parse_shadow(settings.models.shadow) if settings.models.shadow else None
+    texts = list(settings.models.checkpoints)
     if shadow is not None and shadow.location is not None:  # a checkpoint of its own: loaded and checked alike
-        specs.append(parse_model_specs([settings.shadow])[0])
-        texts.append(settings.shadow)
-    resolved = [resolve_model(text, settings) for text in texts]
+        specs.append(parse_model_specs([settings.models.shadow])[0])
+        texts.append(settings.models.shadow)
+    resolved = [resolve_model(text, settings.storage) for text in texts]
     names: list[str | None] = [each.name for each in resolved]
-    if settings.model and not settings.model_source:  # model_name names the default; a source's names itself
-        names[0] = model_name_for(resolved[0], settings.model_name)
-    device = settings.device or ("cuda:0" if _cuda_available() else "cpu")
+    if settings.models.checkpoints and not settings.models.model_source:  # model_name names the default; a source's names itself
+        names[0] = model_name_for(resolved[0], settings.models.model_name)
+    device = settings.models.device or ("cuda:0" if _cuda_available() else "cpu")
     check_models_fit({name or spec.location: checkpoint_memory_bytes(each.path)
                       for name, spec, each in zip(names, specs, resolved, strict=True)},
-                     device, settings.model_memory_bytes)
+                     device, settings.models.model_memory_bytes)
     models = []
-    if settings.model_source:
+    if settings.models.model_source:
         from d3stream.models.rollout import load_source_models
 
         models.extend(load_source_models(settings, beside=[each.path for each in resolved]))
     for name, each in zip(names, resolved, strict=True):
-        models.append(D3.from_pretrained(each.path, device=settings.device, verify=settings.verify,
-                                         model_name=name, permutation_average=settings.permutation_average))
-    if settings.warmup:
+        models.append(D3.from_pretrained(each.path, device=settings.models.device, verify=settings.models.verify,
+                                         model_name=name, permutation_average=settings.models.permutation_average))
+    if settings.models.warmup:
         for model in models:
             model.warmup()
-    if len(texts) > len(settings.model):  # the last one loaded is the shadow's checkpoint
+    if len(texts) > len(settings.models.checkpoints):  # the last one loaded is the shadow's checkpoint
         return models[:-1], models[-1]
     return models, None
 
@@ -139,7 +139,7 @@ def _cuda_available() -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from d3stream.config import add_arguments as add_settings
+    from d3stream.settings import add_arguments as add_settings
 
     add_settings(parser)
 

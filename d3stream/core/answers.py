@@ -32,11 +32,11 @@ from d3stream_client.contract import (
     encode,
 )
 
-from d3stream.config import Settings
 from d3stream.core.outgoing import Outgoing, RecordFit
 from d3stream.core.record import Refusal, RequestRecord
 from d3stream.core.storage import FetchedMedia
 from d3stream.ops.metrics import Metrics
+from d3stream.settings import DeliverySettings
 
 log = structlog.get_logger(__name__)
 
@@ -67,9 +67,9 @@ def provenance_digest(record: dict[str, Any]) -> str:
 class AnswerBuilder:
     """Builds a worker's answer events and dead letters, sized to fit their topics."""
 
-    def __init__(self, settings: Settings, *, model_record: ModelRecord, worker: Worker, fit: RecordFit,
+    def __init__(self, delivery: DeliverySettings, *, model_record: ModelRecord, worker: Worker, fit: RecordFit,
                  metrics: Metrics, replay_id: str | None = None):
-        self.settings = settings
+        self.delivery = delivery
         self.model_record = model_record
         self.worker = worker
         self.fit = fit  # whether a record fits its topic (the sink's limits)
@@ -137,10 +137,10 @@ class AnswerBuilder:
         read = record.input
         raw = read.value or b""
         key = (read.key or b"")[:MAX_KEY_BYTES] or None
-        letter = dead_letter_event(reason, record.source, key, raw, self.settings.dead_letter_max_bytes)
+        letter = dead_letter_event(reason, record.source, key, raw, self.delivery.dead_letter_max_bytes)
         self.dead_letters += 1
         self.metrics.count_dead_letter()
-        topic = self.settings.dead_letter_topic
+        topic = self.delivery.dead_letter_topic
         bare = msgspec.structs.replace(letter, value="", value_truncated=bool(raw))
         value = encode(letter)
         headers = record.headers
@@ -153,7 +153,7 @@ class AnswerBuilder:
     def fitted(self, record: RequestRecord, answer: Answer) -> tuple[Answer, Outgoing]:
         """The answer and its record if it fits the answer topic; else an ``answer_too_large`` error answer
         under the same id (a refusal by the broker later on replaces it the same way)."""
-        topic = self.settings.answer_topic
+        topic = self.delivery.answer_topic
         headers = record.headers
         value = encode(answer)
         key = answer.id.encode()
@@ -169,7 +169,7 @@ class AnswerBuilder:
 
     def _refused(self, answer: Answer, headers: list[tuple[str, bytes]], cause: str) -> Outgoing:
         """What replaces an answer the broker refused as too large (``Outgoing.replacement``)."""
-        topic = self.settings.answer_topic
+        topic = self.delivery.answer_topic
         self.metrics.count_answer("answer_too_large")
         smaller = self._too_large(answer, headers, f"the broker refused it for topic {topic!r}: {cause}")
         return Outgoing(topic, smaller.id.encode(), encode(smaller), headers=headers)
@@ -188,7 +188,7 @@ class AnswerBuilder:
                          error=ErrorInfo(code="answer_too_large", message=message), provenance=answer.provenance,
                          answer_id=answer.answer_id)
         for shrink in (_without_media, _without_id):
-            if self.fit(self.settings.answer_topic, smaller.id.encode(), encode(smaller), headers).fits:
+            if self.fit(self.delivery.answer_topic, smaller.id.encode(), encode(smaller), headers).fits:
                 break
             smaller = shrink(smaller, answer.source)
         return smaller

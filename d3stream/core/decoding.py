@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 import structlog
 
 from d3stream.runtime import media as media_io
+from d3stream.settings import MediaSettings
 
 log = structlog.get_logger(__name__)
 
@@ -269,10 +270,10 @@ class MediaDecoder:
         self.processes = ProcessDecoder(processes, timeout_s)
 
     @classmethod
-    def from_settings(cls, settings: Any) -> MediaDecoder:
+    def from_settings(cls, media: MediaSettings) -> MediaDecoder:
         """A decoder with a worker's deadline, processes and per-request pixel and frame budgets."""
-        return cls(timeout_s=settings.media_decode_timeout_s, processes=settings.media_decode_processes,
-                   max_pixels=settings.max_media_pixels, max_video_frames=settings.max_video_frames)
+        return cls(timeout_s=media.media_decode_timeout_s, processes=media.media_decode_processes,
+                   max_pixels=media.max_media_pixels, max_video_frames=media.max_video_frames)
 
     def budget(self) -> media_io.MediaBudget:
         return media_io.MediaBudget(pixels=self.max_pixels, frames=self.max_video_frames)

@@ -81,10 +81,7 @@ class InFlightLedger:
 
     def answered(self, record: RequestRecord) -> None:
         """The request's answer event is built: its tokens, quota, media and its model's count go back
-        (once: a request is answered once)."""
-        if record.finished:
-            return
-        record.finished = True
+        (once: the pipeline calls it as the request moves to ANSWERED or REFUSED, which it does once)."""
         if record.model is not None:
             self.routed[record.model] -= 1
         self.counts.tokens -= record.tokens

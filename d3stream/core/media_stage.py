@@ -15,24 +15,24 @@ import time
 
 from d3stream_client.validation import EventError, check_media_references
 
-from d3stream.config import Settings
 from d3stream.core.answers import media_record, ms
 from d3stream.core.decoding import MediaDecoder
 from d3stream.core.inflight import InFlightLedger
-from d3stream.core.record import Refusal, RequestRecord
+from d3stream.core.record import Refusal, RequestRecord, Stage
 from d3stream.core.seams import DecisionModel
 from d3stream.core.storage import MediaError, MediaFetcher
 from d3stream.ops.metrics import Metrics
 from d3stream.runtime.kinds import IMAGE, MEDIA_KINDS, VIDEO
 from d3stream.runtime.media import MediaBudgetExceeded
+from d3stream.settings import MediaSettings
 
 
 class MediaStage:
     """Fetch and decode the media of requests, under the worker's limits and budgets."""
 
-    def __init__(self, settings: Settings, *, fetcher: MediaFetcher, decoder: MediaDecoder, ledger: InFlightLedger,
+    def __init__(self, media: MediaSettings, *, fetcher: MediaFetcher, decoder: MediaDecoder, ledger: InFlightLedger,
                  metrics: Metrics):
-        self.settings = settings
+        self.limits = media
         self.fetcher = fetcher
         self.decoder = decoder
         self.ledger = ledger  # the media budget's share of each request is taken and given back through it
@@ -42,11 +42,10 @@ class MediaStage:
         """Fetch and decode a request's media into ``record.decoded``, or the refusal that ends it. The reference
         count is checked before any fetch, pixel and frame totals (from headers) before any decode; identical
         references are fetched and decoded once."""
-        settings = self.settings
         request = record.request
         assert request is not None  # admitted: decoded
         try:
-            check_media_references(request, settings.max_media_references)
+            check_media_references(request, self.limits.max_media_references)
         except EventError as exc:
             return Refusal(exc.code, str(exc))
         for kind in MEDIA_KINDS:
@@ -81,4 +80,5 @@ class MediaStage:
         self.ledger.keep_media(record, memory.total)  # what the media really take; the rest of the estimate back
         record.media_kept = memory.kept  # what is left once the request is prepared
         record.decoded = (decoded.images, decoded.videos)
+        record.advance(Stage.MEDIA)
         return None

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import structlog
 from d3stream_client.contract import BatchRecord
 
-from d3stream.config import Settings
 from d3stream.core.answers import ms
 from d3stream.core.batching import BatchScheduler, PassRecord, resolve
-from d3stream.core.record import RequestRecord
+from d3stream.core.record import RequestRecord, Stage
 from d3stream.core.seams import DeadlineExceeded, DecisionModel, Position, Scheduling
 from d3stream.ops.metrics import Metrics
 from d3stream.runtime.cpu_threads import intraop_initializer
 from d3stream.runtime.model import Prepared, Row
+from d3stream.settings import BatchingSettings
 
 if TYPE_CHECKING:
     from d3stream.runtime.model import D3
@@ -87,12 +87,12 @@ class RowScheduler(Protocol):
 class Passes:
     """The model side of a worker: one model thread, the row scheduler and the shared-prefix scheduler."""
 
-    def __init__(self, settings: Settings, model: DecisionModel, metrics: Metrics,
+    def __init__(self, batching: BatchingSettings, model: DecisionModel, metrics: Metrics,
                  scheduler: RowScheduler | None = None, *, executor: ThreadPoolExecutor | None = None):
         self.metrics = metrics
-        self.budget = settings.max_batch_tokens or default_token_budget(str(model.device))
+        self.budget = batching.max_batch_tokens or default_token_budget(str(model.device))
         # Passes while high-priority traffic is about: short, so a high request waits for little (SCHEDULING.md).
-        lane_budget = self.budget // 16 if settings.lane_pass_tokens is None else settings.lane_pass_tokens
+        lane_budget = self.budget // 16 if batching.lane_pass_tokens is None else batching.lane_pass_tokens
         # One model thread for both schedulers: passes never run side by side on the device. A worker serving
         # several models hands every model's Passes the same one (it shuts it down itself).
         self._owns_executor = executor is None
@@ -100,30 +100,30 @@ class Passes:
         self.rows: RowScheduler = scheduler or BatchScheduler(
             model.forward,
             length=lambda row: row.length,
-            max_batch_rows=settings.max_batch_rows,
+            max_batch_rows=batching.max_batch_rows,
             max_batch_tokens=self.budget,
-            linger_ms=settings.linger_ms,
+            linger_ms=batching.linger_ms,
             executor=self.executor,
             on_pass=metrics.observe_pass_record,
-            lanes=settings.priority_lanes,
-            lane_ageing_ms=settings.lane_ageing_ms,
+            lanes=batching.priority_lanes,
+            lane_ageing_ms=batching.lane_ageing_ms,
             lane_pass_tokens=lane_budget,
         )
-        self.prefix_runner: Any = self._prefix_runner(settings, model) if scheduler is None else None
+        self.prefix_runner: Any = self._prefix_runner(batching, model) if scheduler is None else None
         self.prefix_scheduler: BatchScheduler | None = None
         self._call_passes: list[Any] = []  # the runner's passes during the current call (model thread only)
         if self.prefix_runner is not None:
             self.prefix_scheduler = BatchScheduler(
                 self._run_shared_prefix,
                 length=lambda plan: plan.length + sum(plan.suffix_length(row) for row in plan.rows),
-                max_batch_rows=settings.max_batch_rows,
+                max_batch_rows=batching.max_batch_rows,
                 # A call packs its own passes under the budget; a few passes' worth per call keeps the
                 # full-prompt scheduler's turn on the model thread near.
                 max_batch_tokens=4 * self.budget,
-                linger_ms=settings.linger_ms,
+                linger_ms=batching.linger_ms,
                 executor=self.executor,
-                lanes=settings.priority_lanes,
-                lane_ageing_ms=settings.lane_ageing_ms,
+                lanes=batching.priority_lanes,
+                lane_ageing_ms=batching.lane_ageing_ms,
                 lane_pass_tokens=lane_budget,  # a call of this budget runs passes within it too
             )
 
@@ -196,6 +196,7 @@ class Passes:
             for item, outcomes in done:
                 if outcomes is not None:
                     self._take_outcomes(item, outcomes, submitted, now, times)
+                item.advance(Stage.SCORED)
                 chunk.append(item)
             for (forward, queued), count in times.items():
                 self.metrics.observe_stage("forward", forward, count)
@@ -330,20 +331,20 @@ class Passes:
     # ------------------------------------------------------------------------- shared-prefix reuse
 
     @staticmethod
-    def _reuse_wanted(settings: Settings, model: DecisionModel) -> bool:
-        if settings.prefix_reuse == "off":
+    def _reuse_wanted(batching: BatchingSettings, model: DecisionModel) -> bool:
+        if batching.prefix_reuse == "off":
             return False
         if model.attention_mode == "causal":
             return True
-        if settings.prefix_reuse == "on":
+        if batching.prefix_reuse == "on":
             raise ValueError(
                 f"prefix_reuse=on needs a causal checkpoint; {model.model_name} uses attention_mode="
                 f"{model.attention_mode!r}, where the prefix reads the question. Set prefix_reuse to auto or off."
             )
         return False
 
-    def _prefix_runner(self, settings: Settings, model: DecisionModel) -> Any:
-        if not self._reuse_wanted(settings, model):
+    def _prefix_runner(self, batching: BatchingSettings, model: DecisionModel) -> Any:
+        if not self._reuse_wanted(batching, model):
             return None
         from d3stream.runtime.prefix import PrefixRunner
 
@@ -354,9 +355,9 @@ class Passes:
         return PrefixRunner(
             cast("D3", model),
             max_batch_tokens=self.budget,
-            max_batch_rows=settings.max_batch_rows,
-            verify_every=settings.prefix_verify_every,
-            tolerance=settings.prefix_tolerance,
+            max_batch_rows=batching.max_batch_rows,
+            verify_every=batching.prefix_verify_every,
+            tolerance=batching.prefix_tolerance,
             on_pass=self._runner_pass,
             on_check=checked,
             on_fallback=lambda reason, prepared: self.metrics.count_prefix_request(reason),

@@ -4,40 +4,50 @@
 value, headers), makes each one ``record.RequestRecord`` (the one object a request travels in) and walks
 them through the stages:
 
-1. **event**: bytes -> ``Request`` (``events.decode_request``), or an error answer (``undecodable_event``,
-   also dead-lettered; ``invalid_request``; ``model_not_served``; ``deadline_exceeded`` when its deadline
-   has passed already), with its tenant and scheduling (lane, deadline: docs/SCHEDULING.md);
-2. **media** (requests that name images or videos): fetched from the object store (``storage.py``) and
-   decoded strictly off the prepare thread (``decoding.py``), under the media budgets;
+1. **event** (``_admit``): bytes -> ``Request`` (``d3stream_client.validation.decode_request``, under the
+   request limits), or a refusal (``undecodable_event``, also dead-lettered; ``invalid_request``); then its
+   tenant and scheduling (lane, deadline: docs/SCHEDULING.md), ``deadline_exceeded`` when its deadline has
+   passed already, and its model (``model_not_served`` when the worker does not serve the one it names);
+2. **media** (requests that name images or videos, each a step of its own): refused with ``invalid_request``
+   if certainly over ``max_request_tokens`` before anything is fetched, then fetched from the object store
+   and decoded strictly off the prepare thread (``media_stage.py`` over ``storage.py`` and ``decoding.py``),
+   under the media budgets;
 3. **prepare**: validated, rendered and tokenized by the model, and planned for shared-prefix reuse, on the
-   prepare thread; the fetch's text-only requests in trips of ``PREPARE_CHUNK``, higher lanes first;
-4. **passes**: rows of many requests packed into forward passes (``passes.py``);
-5. **answer**: probabilities -> answer objects -> the answer event with its provenance, sized to fit its
-   topic (``answers.py``).
+   prepare thread, in trips of ``PREPARE_CHUNK`` requests of one lane, higher lanes first; decoded media are
+   let go once a request is prepared (unless the shadow prepares from them too);
+4. **quotas**: a request whose tenant is over ``tenant_max_inflight_tokens`` is held until the tenant's
+   answered requests give tokens back (``quotas.py``, through the ledger); the others do not wait for it;
+5. **passes**: rows of many requests packed into forward passes (``passes.py``); a request whose deadline
+   passes before its rows ride is answered ``deadline_exceeded``;
+6. **answer**: probabilities -> answer objects -> the answer event with its provenance and deterministic
+   ``answer_id``, sized to fit its topic (``answers.py``); what the request held in flight is given back to
+   the ``InFlightLedger``.
 
-A worker may serve several models (``Hosted``: each with its own passes, answer builder and provenance
-digest); a request's ``model`` field routes it, absent the first (default) one, or the one ``route_default``
-picks (the canary share, rollout.py); a name not served is ``model_not_served``. Records refused before
-routing are answered with the default model's records. The models served can change while it runs
-(``add_model``, ``retire_model``, ``drop_model``: a swap without a stop): a retired model takes no new
-requests but answers those already routed to it.
+A worker may serve several models (``routing.Hosted``: each with its own passes, answer builder and
+provenance digest); ``routing.Router`` routes each request at admission (its ``model`` field, else the
+canary share, else the default: routing.py says why) and the pipeline uses only that model's parts from then
+on; a name not served is ``model_not_served``, and records refused before routing are answered with the
+default model's records. The models served can change while it runs (``Router.add``, ``retire``, ``drop``: a
+swap without a stop, rollout.py): a retired model takes no new requests but answers those already routed
+to it.
 With a shadow model (``shadow.py``) a share of the answered requests is also answered by it, after the
 live answer; each is delivered with its shadow answer as one more record.
 
 The fetch is processed as a batch where that saves work (its text-only requests of one priority lane share
 prepare trips and one submission to the scheduler; lanes apart, so a high one does not wait for a flood's), while failures stay per request: whatever goes wrong with one record ends
 as that record's error answer, never as its neighbours'. A stage that ends a request returns a
-``Refusal``, and the pipeline answers it in one place (``_refused``). The answered requests are yielded as
-they are ready (all text-only answers of a pass together, a media request's on its own): each step is an
-async generator, and ``streams.Streams`` reads the steps of a fetch side by side.
+``Refusal``, and the pipeline answers it in one place (``_refused``). Each record's ``stage``
+(``record.Stage``: read, decoded, routed, media, prepared, scored, answered or refused, shadowed,
+delivered) is moved by the stage that did the work, and a step out of order raises. The answered requests
+are yielded as they are ready (all text-only answers of a pass together, a media request's on its own):
+each step is an async generator, and ``streams.Streams`` reads the steps of a fetch side by side.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -45,15 +55,14 @@ import structlog
 from d3stream_client.contract import HEADERS, PRIORITIES, Answer, Request, Source
 from d3stream_client.validation import EventError, RequestLimits, decode_request
 
-from d3stream.config import Settings
-from d3stream.core.answers import AnswerBuilder, answer_identity, ms
+from d3stream.core.answers import answer_identity, ms
 from d3stream.core.decoding import MediaDecoder
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.jobthread import JobThread
 from d3stream.core.media_stage import MediaStage
-from d3stream.core.passes import Passes
-from d3stream.core.record import Refusal, RequestRecord
-from d3stream.core.seams import DeadlineExceeded, DecisionModel, InputRecord, Scheduling
+from d3stream.core.record import Refusal, RequestRecord, Stage
+from d3stream.core.routing import Hosted, Router
+from d3stream.core.seams import DeadlineExceeded, InputRecord, Scheduling
 from d3stream.core.shadow import Shadow
 from d3stream.core.storage import MediaFetcher
 from d3stream.core.streams import Streams
@@ -62,6 +71,7 @@ from d3stream.ops.tracing import forwarded_headers, header_names
 from d3stream.runtime import Prepared
 from d3stream.runtime.cpu_threads import use_intraop_threads
 from d3stream.runtime.media import reason
+from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -69,23 +79,6 @@ log = structlog.get_logger(__name__)
 # Requests prepared per trip to the prepare thread: few trips per fetch, and an urgent request waits for at
 # most one trip of a flood's backlog (jobs of a higher priority lane go first: jobthread.py).
 PREPARE_CHUNK = 16
-
-
-@dataclass(eq=False)
-class Hosted:
-    """One model a worker serves, with what is its own: its passes (row and shared-prefix schedulers, token
-    budget, prefix runner; the model thread is shared), its answer builder (model record), its provenance
-    record and that record's digest, which its answer ids are derived from."""
-
-    model: DecisionModel
-    passes: Passes
-    answers: AnswerBuilder
-    provenance: dict[str, Any]
-    provenance_sha256: str
-
-    @property
-    def name(self) -> str:
-        return self.model.model_name
 
 
 Answered = AsyncIterator[list[RequestRecord]]  # a step's answered requests, as they are ready
@@ -97,26 +90,20 @@ class RequestPipeline:
     def __init__(self, settings: Settings, hosted: Sequence[Hosted], *, fetcher: MediaFetcher,
                  decoder: MediaDecoder, ledger: InFlightLedger, metrics: Metrics, shadow: Hosted | None = None):
         self.settings = settings
-        self.hosted = {each.name: each for each in hosted}
-        if len(self.hosted) != len(hosted):
-            raise ValueError("two served models have the same name: name them with --model NAME=PATH")
-        # What requests may name: the models above less any retired one that still answers what it holds.
-        self.routes = dict(self.hosted)
-        self.default = hosted[0]
-        self.answers = self.default.answers  # what is refused before routing is answered with its records
-        # Picks the model of a request that names none (None: the default); set by a rollout's canary.
-        self.route_default: Callable[[Request], Hosted] | None = None
         # What in-flight requests hold (their models' counts, tokens, quotas, media budget), taken and given
         # back through this one owner; a retired model is dropped when its count reaches zero.
         self.ledger = ledger
-        self.media = MediaStage(settings, fetcher=fetcher, decoder=decoder, ledger=ledger, metrics=metrics)
+        # The models served and which one each request goes to (routing.py); a rollout adds, retires and drops
+        # models and sets its canary there.
+        self.router = Router(hosted, routed=ledger.routed)
+        self.media = MediaStage(settings.media, fetcher=fetcher, decoder=decoder, ledger=ledger, metrics=metrics)
         self.metrics = metrics
         self.request_limits = RequestLimits.from_settings(settings)
         # Request headers the answers carry: the trace headers, then forward_headers.
-        self._forwarded_names = header_names(settings.forward_headers)
+        self._forwarded_names = header_names(settings.observability.forward_headers)
         # Prompt preparation and prefix planning: one thread, woken once for many requests. On a CPU its torch
         # ops (the image processor) run inline, leaving the intra-op threads to the model thread (cpu_threads.py).
-        on_cpu = str(self.default.model.device).startswith("cpu")
+        on_cpu = str(self.router.default.model.device).startswith("cpu")
         self.prepare_thread = JobThread("d3stream-prepare",
                                         initializer=partial(use_intraop_threads, 1) if on_cpu else None)
         # A model that also answers a share of the requests, to a topic of its own (shadow.py).
@@ -125,29 +112,11 @@ class RequestPipeline:
     def close(self) -> None:
         self.prepare_thread.shutdown()
 
-    def add_model(self, hosted: Hosted, *, default: bool = False) -> None:
-        """Serve one more model (or serve a retired one again); as the default, requests naming none go to it."""
-        self.hosted[hosted.name] = self.routes[hosted.name] = hosted
-        if default:
-            self.default, self.answers = hosted, hosted.answers
-
-    def retire_model(self, name: str) -> None:
-        """Route nothing more to ``name``; what was routed to it is still answered by it."""
-        self.routes.pop(name, None)
-
-    def drop_model(self, name: str) -> Hosted | None:
-        """Forget a retired model that holds no request any more (None: it still holds some, or is routable)."""
-        routed = self.ledger.routed
-        if name in self.routes or routed[name] > 0:
-            return None
-        del routed[name]
-        return self.hosted.pop(name, None)
-
     async def answer(self, inputs: Sequence[InputRecord]) -> Answered:
         """Answer every record: yields lists of answered requests as they are ready, each request once."""
         records = [self._begin(each) for each in inputs]
         positions = [record.position for record in records]
-        for each in self.hosted.values():
+        for each in self.router.hosted.values():
             each.passes.rows.expect(positions)
         refused: list[RequestRecord] = []
         # Text-only requests by model and lane: a lane's requests are prepared and submitted without waiting for
@@ -161,13 +130,13 @@ class RequestPipeline:
             elif request.images or request.videos:
                 with_media.append(record)
             else:
-                lane = record.scheduling.lane if self.settings.priority_lanes else 1
-                text.setdefault((self._hosted(record).name, lane), []).append(record)
+                lane = record.scheduling.lane if self.settings.batching.priority_lanes else 1
+                text.setdefault((self.router.of(record).name, lane), []).append(record)
         steps: Streams[list[RequestRecord]] = Streams()
         # A few prepare trips and one submission per model and lane, the higher lanes' started first: their jobs
         # reach the prepare thread before a flood's.
         for (name, _), group in sorted(text.items(), key=lambda each: each[0][1]):
-            steps.add(self._isolated(group, self._answer_all(self.hosted[name], group)))
+            steps.add(self._isolated(group, self._answer_all(self.router.hosted[name], group)))
         for record in with_media:
             steps.add(self._isolated([record], self._answer_with_media(record)))
         if refused:
@@ -184,20 +153,16 @@ class RequestPipeline:
         except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
             log.exception("request failed", offsets=[record.source.offset for record in records][:20])
             failed = Refusal("internal_error", reason(exc))
-            yield [self._refused(record, failed) for record in records if not record.finished]
+            yield [self._refused(record, failed) for record in records if not record.stage.finished]
 
     # ------------------------------------------------------------------------------------ stages
-
-    def _hosted(self, record: RequestRecord) -> Hosted:
-        """The model a request was routed to (the default before routing)."""
-        return self.default if record.model is None else self.hosted[record.model]
 
     def _begin(self, read: InputRecord) -> RequestRecord:
         record = RequestRecord(read, Source(topic=read.topic, partition=read.partition, offset=read.offset,
                                             timestamp=read.timestamp), time.perf_counter())
         if read.headers:
             forwarded = forwarded_headers(read.headers, self._forwarded_names,
-                                          self.settings.forward_headers_max_bytes)
+                                          self.settings.observability.forward_headers_max_bytes)
             if forwarded:
                 record.headers = [*HEADERS, *forwarded]
         return record
@@ -209,27 +174,25 @@ class RequestPipeline:
             request = decode_request(read.value, read.key, self.request_limits)
         except EventError as exc:
             if exc.code == "undecodable_event":
-                record.records.append(self.answers.dead_letter(record, str(exc)))
+                record.records.append(self.router.default.answers.dead_letter(record, str(exc)))
             return Refusal(exc.code, str(exc), request_id=exc.request_id)
         record.request = request
         record.tenant = request_tenant(self.settings, read, request)
         scheduling = record.scheduling = request_scheduling(self.settings, read, request)
+        record.advance(Stage.DECODED)
         if scheduling.deadline is not None and time.time() > scheduling.deadline:
             return _expired(DeadlineExceeded(time.time() - scheduling.deadline), "was read")
-        if request.model is not None:
-            hosted = self.routes.get(request.model)
-        else:
-            hosted = self.default if self.route_default is None else self.route_default(request)
-        if hosted is None:
-            served = ", ".join(repr(name) for name in self.routes)
-            return Refusal("model_not_served", f"this worker serves {served}, not {request.model!r}")
+        hosted = self.router.route(request)
+        if isinstance(hosted, Refusal):
+            return hosted
         self.ledger.route(record, hosted.name)
+        record.advance(Stage.ROUTED)
         return request
 
     async def _answer_with_media(self, record: RequestRecord) -> Answered:
         """A request naming images or videos: refused early if certainly too long, its media fetched and
         decoded, then prepared and answered like the text-only ones."""
-        hosted = self._hosted(record)
+        hosted = self.router.of(record)
         refusal = await self._over_token_limit(hosted, record) or await self.media.load(hosted.model, record)
         if refusal is not None:
             yield [self._refused(record, refusal)]
@@ -289,6 +252,7 @@ class RequestPipeline:
             prepared, record.plan = outcome
             record.prepared = prepared
             record.tokens = prepared.input_tokens
+            record.advance(Stage.PREPARED)
             passing.append(record)
         self.ledger.prepared(passing)
         if refused:
@@ -329,7 +293,7 @@ class RequestPipeline:
                            records: list[RequestRecord]) -> list[tuple[Prepared, Any] | BaseException]:
         """Each request prepared (or what went wrong), in trips of ``PREPARE_CHUNK`` requests of one priority
         lane: a high-priority request's trip goes before a flood's backlog waiting on the prepare thread."""
-        lanes = [record.scheduling.lane if self.settings.priority_lanes else 1 for record in records]
+        lanes = [record.scheduling.lane if self.settings.batching.priority_lanes else 1 for record in records]
         order = sorted(range(len(records)), key=lanes.__getitem__)
         chunks = [order[at:at + PREPARE_CHUNK] for at in range(0, len(order), PREPARE_CHUNK)]
 
@@ -368,21 +332,24 @@ class RequestPipeline:
             answer = hosted.answers.answered(record, prepared.answers(record.probabilities))
         except Exception as exc:  # noqa: BLE001 - a worker fault still gets its request an answer
             log.exception("answer not built", offset=record.source.offset)
-            answer = hosted.answers.error(record, "internal_error", reason(exc), request=record.request)
-        return self._finish(record, answer)
+            error = hosted.answers.error(record, "internal_error", reason(exc), request=record.request)
+            return self._finish(record, error, Stage.REFUSED)
+        return self._finish(record, answer, Stage.ANSWERED)
 
     def _refused(self, record: RequestRecord, refusal: Refusal) -> RequestRecord:
         """A request a stage refused, answered with its error answer (by its model, the default before routing)."""
-        return self._finish(record, self._hosted(record).answers.refused(record, refusal))
+        return self._finish(record, self.router.of(record).answers.refused(record, refusal), Stage.REFUSED)
 
-    def _finish(self, record: RequestRecord, answer: Answer) -> RequestRecord:
-        """The request's final answer event (with its id and size settled) among its records to publish; what
-        it held in flight is given back."""
+    def _finish(self, record: RequestRecord, answer: Answer, stage: Stage) -> RequestRecord:
+        """The request's final answer event (with its id and size settled) among its records to publish, the
+        request ``stage`` (ANSWERED or REFUSED: a request is answered once); what it held in flight is given
+        back."""
+        record.advance(stage)
         self.ledger.answered(record)
         position = record.position
-        for each in self.hosted.values():
+        for each in self.router.hosted.values():
             each.passes.rows.finished(position)
-        hosted = self._hosted(record)
+        hosted = self.router.of(record)
         if record.tenant is not None:
             self.metrics.count_cost(record.tenant, hosted.name, record.device_seconds, record.tokens,
                                     record.padded_tokens)
@@ -406,7 +373,7 @@ def request_tenant(settings: Settings, record: InputRecord, request: Request) ->
     """Who a request's cost counts for: its ``tenant``, else the ``tenant_header`` header, else the topic."""
     if request.tenant is not None:
         return request.tenant
-    header = settings.tenant_header
+    header = settings.batching.tenant_header
     if header:
         for name, value in record.headers or ():
             if name == header and value:
@@ -418,7 +385,7 @@ def request_scheduling(settings: Settings, record: InputRecord, request: Request
     """A request's lane and deadline (epoch seconds): the earlier of ``deadline`` and the record's timestamp
     plus ``ttl_ms``; none when ``honor_deadlines`` is off."""
     candidates = []
-    if settings.honor_deadlines:
+    if settings.batching.honor_deadlines:
         if request.deadline is not None:
             candidates.append(request.deadline)
         if request.ttl_ms is not None and record.timestamp is not None and record.timestamp >= 0:

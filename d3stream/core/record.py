@@ -7,6 +7,19 @@ request, its model, tenant, lane and what it holds in flight), what the passes m
 rows, their probabilities, the passes that carried it) and, at the end, its answer event and the records to
 publish for it. Nothing re-wraps it on the way, so what a stage learns is simply there for the next one.
 
+Where a record is on that way is its ``stage`` (``Stage``), and only ``RequestRecord.advance`` moves it,
+checking the step against ``NEXT``. Why a stage rather than reading it off which optional fields happen to
+be set: those say what a record holds, not what has been done with it (a refused request may hold a decoded
+request, or none), and a step the pipeline never takes (a second answer, a shadow answer after an error
+answer) raises where it goes wrong instead of going out as a second answer event. The stages::
+
+    READ -> DECODED -> ROUTED -> (MEDIA ->) PREPARED -> SCORED -> ANSWERED (-> SHADOWED) -> DELIVERED
+    any stage before an answer -> REFUSED -> DELIVERED
+
+A stage that refuses a request, or a worker fault, ends it at REFUSED from wherever it was. A shadow's own
+record of a request (``shadow.py``) starts ROUTED (to the shadow model) and ends SCORED: its answer is
+appended to the live record's records, and the live record moves to SHADOWED.
+
 What a record holds is let go as soon as nothing further needs it, since a worker keeps records until their
 answers are delivered and large media must not wait that long: the decoded media once it is prepared
 (``drop_decoded``), its prompts and vision inputs once its answer is built (``drop_prepared``). Nothing a
@@ -19,6 +32,7 @@ and a message), and the pipeline turns every refusal into an error answer in one
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +44,48 @@ from d3stream.runtime import Prepared, Row
 
 # A request's decoded media (images, videos), or None for a text-only request.
 Media = tuple[list[Any], list[Any]] | None
+
+
+class Stage(enum.Enum):
+    """Where a request is on its way through a worker (see the module's docstring); what each stage adds to
+    the record is there from that stage on."""
+
+    READ = "read"  # taken from a fetch: its bytes and where they were read (input, source, headers)
+    DECODED = "decoded"  # its request decoded: request, tenant, scheduling
+    ROUTED = "routed"  # routed to a served model: model, and its questions count in flight
+    MEDIA = "media"  # its images and videos fetched and decoded (requests that name any): media, decoded
+    PREPARED = "prepared"  # rendered and tokenized: prepared, plan, and its tokens count in flight
+    SCORED = "scored"  # the passes are done with its rows: probabilities, batch (or expired: a deadline passed)
+    ANSWERED = "answered"  # its answer event is built from the model's output: answer, records
+    REFUSED = "refused"  # its error answer is built instead: a stage refused it, or a fault ended it
+    SHADOWED = "shadowed"  # its shadow answer is among its records too (shadow.py)
+    DELIVERED = "delivered"  # the sink took its records (or gave up on them): nothing is held for it any more
+
+    @property
+    def finished(self) -> bool:
+        """Its answer event is built: whatever happens next, it gets no second one."""
+        return self in _FINISHED
+
+
+# The steps a record may take from each stage (RequestRecord.advance); any stage before an answer may end in a
+# refusal, since a worker fault is answered wherever the request was.
+NEXT: dict[Stage, frozenset[Stage]] = {
+    Stage.READ: frozenset({Stage.DECODED, Stage.REFUSED}),
+    Stage.DECODED: frozenset({Stage.ROUTED, Stage.REFUSED}),
+    Stage.ROUTED: frozenset({Stage.MEDIA, Stage.PREPARED, Stage.REFUSED}),
+    Stage.MEDIA: frozenset({Stage.PREPARED, Stage.REFUSED}),
+    Stage.PREPARED: frozenset({Stage.SCORED, Stage.REFUSED}),
+    Stage.SCORED: frozenset({Stage.ANSWERED, Stage.REFUSED}),
+    Stage.ANSWERED: frozenset({Stage.SHADOWED, Stage.DELIVERED}),
+    Stage.REFUSED: frozenset({Stage.DELIVERED}),
+    Stage.SHADOWED: frozenset({Stage.DELIVERED}),
+    Stage.DELIVERED: frozenset(),
+}
+_FINISHED = frozenset({Stage.ANSWERED, Stage.REFUSED, Stage.SHADOWED, Stage.DELIVERED})
+
+
+class IllegalTransition(RuntimeError):
+    """A record asked to take a step its stage does not allow: a fault of this worker, not of the request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +107,7 @@ class RequestRecord:
     source: Source  # topic, partition, offset and timestamp: what its answer names as its source
     received: float  # perf_counter when the pipeline took it
     headers: list[tuple[str, bytes]] = field(default_factory=lambda: HEADERS)  # of its answer and dead letter
+    stage: Stage = Stage.READ  # where it is: moved by ``advance`` only
 
     # -- admission: the decoded request, where it goes, what it holds in flight
     request: Request | None = None  # once decoded: even a worker fault is answered under its id
@@ -85,8 +142,16 @@ class RequestRecord:
     # -- the outcome: its answer event and what is published for it (dead letters first, the answer, a shadow's)
     answer: Answer | None = None
     records: list[Outgoing] = field(default_factory=list)
-    finished: bool = False  # its answer event is built (whatever happens next, it gets no second one)
-    shadowed: bool = False  # its shadow answer is among its records (core/shadow.py)
+
+    def advance(self, stage: Stage) -> None:
+        """Move it to ``stage``, one of the steps ``NEXT`` allows from where it is; any other step raises
+        ``IllegalTransition`` (a second answer, a shadow of an error answer), since going on would publish
+        what the request's one answer event must not be."""
+        if stage not in NEXT[self.stage]:
+            source = self.source
+            raise IllegalTransition(f"the request read at {source.topic}/{source.partition}/{source.offset} is "
+                                    f"{self.stage.name}: it cannot move to {stage.name}")
+        self.stage = stage
 
     def drop_decoded(self) -> None:
         """Its decoded images and videos are no longer needed: it is prepared (the vision inputs hold what the

@@ -44,16 +44,16 @@ import msgspec
 import structlog
 from d3stream_client.contract import Answer
 
-from d3stream.config import Settings
 from d3stream.core.agreement import join_slots, parse_slot
 from d3stream.core.answers import AnswerBuilder, answer_identity
 from d3stream.core.jobthread import JobThread
 from d3stream.core.outgoing import Outgoing
-from d3stream.core.record import RequestRecord
+from d3stream.core.record import RequestRecord, Stage
 from d3stream.core.seams import Scheduling
 from d3stream.ops.metrics import Metrics
 from d3stream.runtime import Prepared
 from d3stream.runtime.media import reason
+from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +63,7 @@ SHARE_SALT = b"d3stream-shadow\x00"
 
 def shadow_topic(settings: Settings) -> str:
     """Where shadow answers go: ``shadow_topic``, else the answer topic's name + ``.shadow``."""
-    return settings.shadow_topic or f"{settings.answer_topic}.shadow"
+    return settings.models.shadow_topic or f"{settings.delivery.answer_topic}.shadow"
 
 
 def chosen(request_id: str, share: float) -> bool:
@@ -84,13 +84,13 @@ class Shadow:
         self.hosted = hosted
         self.name: str = hosted.name
         self.topic = shadow_topic(settings)
-        self.share = settings.shadow_share
-        self.lanes = settings.priority_lanes
+        self.share = settings.models.shadow_share
+        self.lanes = settings.batching.priority_lanes
         self.prepare_thread = prepare_thread
         self.metrics = metrics
         live: AnswerBuilder = hosted.answers
         # Its answers are fitted to the shadow topic's message limit, and name the shadow model.
-        self.answers = AnswerBuilder(msgspec.structs.replace(settings, answer_topic=self.topic),
+        self.answers = AnswerBuilder(msgspec.structs.replace(settings.delivery, answer_topic=self.topic),
                                      model_record=live.model_record, worker=live.worker, fit=live.fit,
                                      metrics=metrics, replay_id=live.replay_id)
 
@@ -106,12 +106,12 @@ class Shadow:
         now: list[RequestRecord] = []
         later: list[RequestRecord] = []
         for record in answered:
-            request, answer = record.request, record.answer
-            if (record.shadowed or request is None or answer is None or answer.error is not None
-                    or not chosen(request.id, self.share)):
+            if record.stage is not Stage.ANSWERED:  # refused, or shadowed already
                 now.append(record)
-            else:
-                later.append(record)
+                continue
+            request, answer = record.request, record.answer
+            assert request is not None and answer is not None  # ANSWERED: decoded, and its answer built
+            (later if answer.error is None and chosen(request.id, self.share) else now).append(record)
         return now, later
 
     async def answer(self, live: str, pending: list[RequestRecord]) -> AsyncIterator[list[RequestRecord]]:
@@ -136,6 +136,7 @@ class Shadow:
                 record = own[index]
                 record.prepared, record.plan = outcome
                 record.tokens = record.prepared.input_tokens
+                record.advance(Stage.PREPARED)
                 record.scheduling = Scheduling(lane=lanes[index], deadline=None)  # never late
                 index_of[id(record)] = index
                 passing.append(record)
@@ -151,7 +152,7 @@ class Shadow:
         except Exception as exc:  # noqa: BLE001 - a shadow fault is the shadow's error answer, never the live one's
             for record in (*pending, *own):
                 record.drop_decoded()
-            left = [index for index, record in enumerate(pending) if not record.shadowed]
+            left = [index for index, record in enumerate(pending) if record.stage is not Stage.SHADOWED]
             log.exception("shadow answers failed", shadow=self.name, requests=len(left))
             for index in left:
                 self._attach(live, pending[index], own[index],
@@ -165,10 +166,11 @@ class Shadow:
         return record.scheduling.lane if self.lanes else 1
 
     def _own(self, live: RequestRecord) -> RequestRecord:
-        """The shadow answer's own record of the request (its passes, timings, cost), read where the live one was."""
+        """The shadow answer's own record of the request (its passes, timings, cost), read where the live one was:
+        decoded and routed (to the shadow) already, so it starts ROUTED."""
         return RequestRecord(input=live.input, source=live.source, received=time.perf_counter(), headers=live.headers,
-                             request=live.request, model=self.name, tenant=live.tenant, media=live.media,
-                             decoded=live.decoded)
+                             stage=Stage.ROUTED, request=live.request, model=self.name, tenant=live.tenant,
+                             media=live.media, decoded=live.decoded)
 
     def _prepare_all(self, pending: list[RequestRecord]) -> list[tuple[Prepared, Any] | BaseException]:
         """On the prepare thread (in its requests' lane): each request prepared for the shadow model, or what went wrong."""
@@ -202,7 +204,7 @@ class Shadow:
         answer, outgoing = self.answers.fitted(own, answer)
         own.drop_prepared()
         record.records.append(as_shadow(outgoing))
-        record.shadowed = True
+        record.advance(Stage.SHADOWED)
         assert record.answer is not None  # the live answer is there: it is what the shadow follows
         self.observe(live, record.answer, answer)
 

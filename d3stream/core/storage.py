@@ -29,6 +29,7 @@ import structlog
 
 from d3stream.runtime import media as media_io
 from d3stream.runtime.kinds import media_kind
+from d3stream.settings import StorageSettings
 
 log = structlog.get_logger(__name__)
 
@@ -205,16 +206,16 @@ class MediaFetcher:
         self.bytes_fetched = 0
 
     @classmethod
-    def from_settings(cls, settings: Any) -> MediaFetcher:
+    def from_settings(cls, storage: StorageSettings) -> MediaFetcher:
         """A fetcher with a worker's allowlist, endpoint, concurrency, timeouts and attempts."""
         return cls(
-            allowlist=settings.media_allowlist,
-            endpoint_url=settings.s3_endpoint_url,
-            region=settings.s3_region,
-            max_concurrency=settings.s3_max_concurrency,
-            connect_timeout=settings.s3_connect_timeout,
-            read_timeout=settings.s3_read_timeout,
-            max_attempts=settings.s3_max_attempts,
+            allowlist=storage.media_allowlist,
+            endpoint_url=storage.s3_endpoint_url,
+            region=storage.s3_region,
+            max_concurrency=storage.s3_max_concurrency,
+            connect_timeout=storage.s3_connect_timeout,
+            read_timeout=storage.s3_read_timeout,
+            max_attempts=storage.s3_max_attempts,
         )
 
     @property

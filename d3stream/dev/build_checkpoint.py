@@ -49,10 +49,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from d3stream.config import cache_root
 from d3stream.dev.progress import Progress
 from d3stream.runtime import format as d3_format
 from d3stream.runtime.package import write_manifest
+from d3stream.settings import cache_root
 
 if TYPE_CHECKING:
     import tokenizers

@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from d3stream.config import cache_root
 from d3stream.dev import tasks
 from d3stream.jobs.evaluate import run_worker
+from d3stream.settings import cache_root
 
 DEMO_BUCKET = "d3stream-demo"
 # Held-out tickets and pictures published next to the showcase, for the labelled re-evaluation.
@@ -233,7 +233,7 @@ async def _serve_and_reevaluate(
     settings = _demo_settings(broker, store)
     _step(status, "demo: publishing")
     for topic in ("demo.requests", "demo.answers", "demo.labels"):
-        broker.create_topic(topic, settings.topic_partitions, exist_ok=True)
+        broker.create_topic(topic, settings.delivery.topic_partitions, exist_ok=True)
     labels = [(e.id.encode(), json.dumps({"id": e.id, "labels": e.labels, "source": "demo"}).encode())
               for e in examples]
     # Half of the labels are known before the requests are even answered: they wait for their answers.
@@ -293,7 +293,7 @@ async def _live_figures(settings: Any, answers: list[dict[str, Any]], labelled: 
     expected = sum(1 for answer in answers if answer["id"] in labelled and not answer.get("error"))
     deadline = time.monotonic() + timeout_s
     while True:
-        records = await read_topic(settings.bootstrap_servers, TopicRange(settings.evaluation_topic), timeout_s=timeout_s)
+        records = await read_topic(settings.connection.bootstrap_servers, TopicRange(settings.evaluation.evaluation_topic), timeout_s=timeout_s)
         if len(records) >= expected or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)
@@ -321,9 +321,9 @@ def _sample_records(store: Any, examples: Any) -> list[tuple[bytes, bytes]]:
 
 def _demo_settings(broker: Any, store: Any) -> Any:
     """The worker's settings on the local broker and store (the demo's topics, group and bucket)."""
-    from d3stream.config import Settings
+    from d3stream.settings import Settings
 
-    return Settings(
+    return Settings.from_flat(
         bootstrap_servers=broker.bootstrap_servers,
         request_topics=["demo.requests"],
         answer_topic="demo.answers",

@@ -1,6 +1,6 @@
 """A synthetic, seeded, labelled decision task: support tickets and pictures, generated in code.
 
-The demo checkpoint is trained on it (``runtime/train.py``) and judged on a held-out draw of it, so that
+The demo checkpoint is trained on it (``dev/train.py``) and judged on a held-out draw of it, so that
 the embedded default answers something a reader can check, and ``d3stream compare --labels`` can say
 which of two checkpoints is right, all offline. Every draw is a pure function of its seed.
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from d3stream.core.agreement import LabelStats, Scored, Tally
 
 if TYPE_CHECKING:
-    from d3stream.config import Settings
     from d3stream.core.drift import Drift
+    from d3stream.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,9 @@ def read_figures(settings: Settings, timeout_s: float = 120.0) -> list[ModelFigu
     from d3stream.jobs.compare import TopicRange, read_topic
     from d3stream.kafka.connection import client_options
 
-    options = client_options(settings, "consumer", client_id=settings.client_id)
+    options = client_options(settings.connection, "consumer", client_id=settings.connection.client_id)
     servers = options.pop("bootstrap_servers")
-    records = asyncio.run(read_topic(servers, TopicRange(settings.evaluation_topic), timeout_s=timeout_s,
+    records = asyncio.run(read_topic(servers, TopicRange(settings.evaluation.evaluation_topic), timeout_s=timeout_s,
                                      security=options, settings=settings))
     return figures(records)
 
@@ -111,13 +111,13 @@ def load_drift(settings: Settings) -> Drift:
     from d3stream.jobs.compare import read_jsonl
 
     reference = None
-    if settings.evaluate_drift_reference:
-        answers = read_jsonl(Path(settings.evaluate_drift_reference))
+    if settings.evaluation.evaluate_drift_reference:
+        answers = read_jsonl(Path(settings.evaluation.evaluate_drift_reference))
         reference = reference_bins(
             (question_id, slot) for answer in answers if isinstance(answer, dict)
             and isinstance(answer.get("answers"), dict) for question_id, raw in answer["answers"].items()
             if (slot := parse_slot(raw)) is not None)
-    return Drift(settings.evaluate_drift_window, reference)
+    return Drift(settings.evaluation.evaluate_drift_window, reference)
 
 
 async def _shadow_topic(settings: Settings) -> str | None:
@@ -127,9 +127,9 @@ async def _shadow_topic(settings: Settings) -> str | None:
     from d3stream.core.shadow import shadow_topic
     from d3stream.kafka.connection import client_options
 
-    if settings.shadow_topic:
-        return settings.shadow_topic
-    admin = AIOKafkaAdminClient(**client_options(settings, "admin", client_id=f"{settings.client_id}-evaluate"))
+    if settings.models.shadow_topic:
+        return settings.models.shadow_topic
+    admin = AIOKafkaAdminClient(**client_options(settings.connection, "admin", client_id=f"{settings.connection.client_id}-evaluate"))
     await admin.start()
     try:
         name = shadow_topic(settings)

@@ -31,7 +31,6 @@ from typing import Any
 import structlog
 from aiokafka import AIOKafkaConsumer
 
-from d3stream.config import Settings
 from d3stream.core.ordered import OrderedPasses
 from d3stream.core.passes import model_thread
 from d3stream.core.seams import DecisionModel
@@ -39,6 +38,7 @@ from d3stream.kafka.connection import client_options, connecting
 from d3stream.kafka.ranges import RangeRead, ReplayRange, resolve_bounds
 from d3stream.ops.metrics import Metrics
 from d3stream.service import Service
+from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -58,12 +58,11 @@ def parse_time(text: str | None) -> int | None:
 
 def _replay_settings(settings: Settings, plan: ReplayRange, replay_id: str, out_file: Path | None,
                      deterministic: bool = False) -> Settings:
-    import msgspec
 
     changes: dict[str, object] = {
         "request_topics": [plan.topic],
-        "group_id": f"{settings.group_id}-replay-{replay_id}",
-        "transactional_id_prefix": f"{settings.transactional_id_prefix}-replay-{replay_id}",
+        "group_id": f"{settings.delivery.group_id}-replay-{replay_id}",
+        "transactional_id_prefix": f"{settings.delivery.transactional_id_prefix}-replay-{replay_id}",
         "auto_offset_reset": "earliest",
         "honor_deadlines": False,  # a replay reads old requests on purpose: their deadlines have long passed
     }
@@ -73,14 +72,14 @@ def _replay_settings(settings: Settings, plan: ReplayRange, replay_id: str, out_
         changes["tenant_max_inflight_tokens"] = 0
     if out_file is not None:
         changes["create_topics"] = False  # answers go to the file: no topic of the replay's own to create
-    return msgspec.structs.replace(settings, **changes)
+    return settings.replaced(**changes)
 
 
 async def plan_total(settings: Settings, plan: ReplayRange) -> int:
     """How many records the range holds (for the progress bar)."""
-    consumer = AIOKafkaConsumer(**client_options(settings, "consumer", client_id=settings.client_id, group_id=None))
+    consumer = AIOKafkaConsumer(**client_options(settings.connection, "consumer", client_id=settings.connection.client_id, group_id=None))
     try:
-        await connecting(settings, consumer.start())
+        await connecting(settings.connection, consumer.start())
         return sum(end - start for start, end in (await resolve_bounds(consumer, plan)).values())
     finally:
         await consumer.stop()
@@ -108,7 +107,7 @@ async def run_replay(
     settings = _replay_settings(settings, plan, replay_id, out_file, deterministic)
     metrics = Metrics()
     # Its own model thread, with the settings' intra-op threads (it is made before the Service applies them).
-    ordered = (OrderedPasses(model.forward, rows_per_pass, executor=model_thread(settings.torch_threads),
+    ordered = (OrderedPasses(model.forward, rows_per_pass, executor=model_thread(settings.models.torch_threads),
                              on_pass=metrics.observe_pass_record)
                if deterministic else None)
     read = RangeRead(plan, out_file=out_file, on_partition_read=(

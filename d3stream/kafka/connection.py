@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 if TYPE_CHECKING:
-    from d3stream.config import Settings
+    from d3stream.settings import ConnectionSettings
 
 Client = Literal["consumer", "producer", "admin"]
 T = TypeVar("T")
@@ -133,23 +133,23 @@ def parse_kafka_options(options: list[str]) -> dict[Client, dict[str, Any]]:
 # ------------------------------------------------------------------------------------------ TLS
 
 
-def ssl_context(settings: Settings) -> ssl.SSLContext:
+def ssl_context(connection: ConnectionSettings) -> ssl.SSLContext:
     """The TLS context of the SSL and SASL_SSL protocols: the brokers' CA (default: the system's), the client
     certificate for mutual TLS, hostname checking as ``ssl_check_hostname`` says. ValueError names the file
     setting that cannot be read."""
     try:
-        context = ssl.create_default_context(cafile=settings.ssl_cafile)
+        context = ssl.create_default_context(cafile=connection.ssl_cafile)
     except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"ssl_cafile {settings.ssl_cafile}: cannot be read as PEM CA certificates: {exc}") from exc
-    context.check_hostname = settings.ssl_check_hostname
-    if settings.ssl_certfile:
+        raise ValueError(f"ssl_cafile {connection.ssl_cafile}: cannot be read as PEM CA certificates: {exc}") from exc
+    context.check_hostname = connection.ssl_check_hostname
+    if connection.ssl_certfile:
         # Without a password an encrypted key must fail, not make OpenSSL prompt on the terminal.
-        password: str | Callable[[], str] = settings.ssl_key_password or (lambda: "")
+        password: str | Callable[[], str] = (connection.ssl_key_password.reveal() if connection.ssl_key_password else (lambda: ""))
         try:
-            context.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile, password=password)
+            context.load_cert_chain(connection.ssl_certfile, connection.ssl_keyfile, password=password)
         except ssl.SSLError as exc:
             raise ValueError(
-                f"ssl_certfile {settings.ssl_certfile} / ssl_keyfile {settings.ssl_keyfile or '(in the certfile)'}: "
+                f"ssl_certfile {connection.ssl_certfile} / ssl_keyfile {connection.ssl_keyfile or '(in the certfile)'}: "
                 f"the client certificate and key do not load ({exc}): check ssl_key_password if the key is "
                 "encrypted, and that the key belongs to the certificate"
             ) from exc
@@ -234,61 +234,61 @@ def token_provider(spec: str) -> Any:
 # ------------------------------------------------------------------------------------------ the options
 
 
-def check_connection(settings: Settings) -> None:
+def check_connection(connection: ConnectionSettings) -> None:
     """Refuse connection settings that cannot work together, naming them (ValueError)."""
-    protocol = settings.security_protocol
+    protocol = connection.security_protocol
     if protocol.startswith("SASL"):
-        mechanism = settings.sasl_mechanism
+        mechanism = connection.sasl_mechanism
         if not mechanism:
             raise ValueError(f"security_protocol {protocol} needs sasl_mechanism (PLAIN, SCRAM-SHA-256, "
                              "SCRAM-SHA-512 or OAUTHBEARER)")
-        if mechanism == "OAUTHBEARER" and not settings.sasl_oauth_token_provider:
+        if mechanism == "OAUTHBEARER" and not connection.sasl_oauth_token_provider:
             raise ValueError(f"sasl_mechanism OAUTHBEARER needs sasl_oauth_token_provider ({AWS_MSK_IAM} or "
                              "module:callable)")
-        if mechanism != "OAUTHBEARER" and (settings.sasl_username is None or settings.sasl_password is None):
+        if mechanism != "OAUTHBEARER" and (connection.sasl_username is None or connection.sasl_password is None):
             raise ValueError(f"sasl_mechanism {mechanism} needs sasl_username and sasl_password")
-    elif settings.sasl_mechanism:
-        raise ValueError(f"sasl_mechanism {settings.sasl_mechanism} needs security_protocol SASL_SSL or "
+    elif connection.sasl_mechanism:
+        raise ValueError(f"sasl_mechanism {connection.sasl_mechanism} needs security_protocol SASL_SSL or "
                          f"SASL_PLAINTEXT (now {protocol})")
-    tls_files = [name for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile") if getattr(settings, name)]
+    tls_files = [name for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile") if getattr(connection, name)]
     if tls_files and not protocol.endswith("SSL"):
         raise ValueError(f"{', '.join(tls_files)} need security_protocol SSL or SASL_SSL (now {protocol})")
-    if settings.ssl_keyfile and not settings.ssl_certfile:
+    if connection.ssl_keyfile and not connection.ssl_certfile:
         raise ValueError("ssl_keyfile needs ssl_certfile (the client certificate the key belongs to)")
-    parse_kafka_options(settings.kafka_options)
+    parse_kafka_options(connection.kafka_options)
 
 
-def security_options(settings: Settings) -> dict[str, Any]:
+def security_options(connection: ConnectionSettings) -> dict[str, Any]:
     """The aiokafka keyword arguments of the security settings (protocol, SASL, TLS)."""
-    check_connection(settings)
-    options: dict[str, Any] = {"security_protocol": settings.security_protocol}
-    if settings.security_protocol.startswith("SASL"):
-        options["sasl_mechanism"] = settings.sasl_mechanism
-        if settings.sasl_mechanism == "OAUTHBEARER":
-            options["sasl_oauth_token_provider"] = token_provider(settings.sasl_oauth_token_provider or "")
+    check_connection(connection)
+    options: dict[str, Any] = {"security_protocol": connection.security_protocol}
+    if connection.security_protocol.startswith("SASL"):
+        options["sasl_mechanism"] = connection.sasl_mechanism
+        if connection.sasl_mechanism == "OAUTHBEARER":
+            options["sasl_oauth_token_provider"] = token_provider(connection.sasl_oauth_token_provider or "")
         else:
-            options.update(sasl_plain_username=settings.sasl_username, sasl_plain_password=settings.sasl_password)
-    if settings.security_protocol.endswith("SSL"):
-        options["ssl_context"] = ssl_context(settings)
+            options.update(sasl_plain_username=connection.sasl_username, sasl_plain_password=connection.sasl_password.reveal() if connection.sasl_password else None)
+    if connection.security_protocol.endswith("SSL"):
+        options["ssl_context"] = ssl_context(connection)
     return options
 
 
-def client_options(settings: Settings, client: Client, **own: Any) -> dict[str, Any]:
+def client_options(connection: ConnectionSettings, client: Client, **own: Any) -> dict[str, Any]:
     """The keyword arguments of one aiokafka client: ``own`` (what the caller needs), then the connection
     (bootstrap servers, security), then the ``kafka_options`` this kind of client takes, which win over
     ``own``'s tuning values (never over what :data:`RESERVED` protects)."""
     return {
         **own,
-        "bootstrap_servers": settings.bootstrap_servers,
-        **security_options(settings),
-        **parse_kafka_options(settings.kafka_options)[client],
+        "bootstrap_servers": connection.bootstrap_servers,
+        **security_options(connection),
+        **parse_kafka_options(connection.kafka_options)[client],
     }
 
 
 # ------------------------------------------------------------------------------------------ diagnosis
 
 
-def _hint(settings: Settings, cause: BaseException) -> str:
+def _hint(connection: ConnectionSettings, cause: BaseException) -> str:
     text = f"{type(cause).__name__}: {cause}".lower()
     if isinstance(cause, ssl.SSLCertVerificationError) or "certificate verify failed" in text:
         if "hostname" in text or "ip address mismatch" in text:
@@ -302,14 +302,14 @@ def _hint(settings: Settings, cause: BaseException) -> str:
     if "wrong version number" in text or "record layer failure" in text:
         return "the listener does not speak TLS: check security_protocol and bootstrap_servers"
     if "authentication" in text or "sasl" in text or "unsupportedsaslmechanism" in text:
-        if settings.sasl_mechanism == "OAUTHBEARER":
+        if connection.sasl_mechanism == "OAUTHBEARER":
             return "the broker refused the OAUTHBEARER token: check sasl_oauth_token_provider"
-        return (f"SASL authentication ({settings.sasl_mechanism}) was refused: check sasl_username and "
+        return (f"SASL authentication ({connection.sasl_mechanism}) was refused: check sasl_username and "
                 "sasl_password (and sasl_mechanism: the listener must enable it)")
     return ""
 
 
-async def explain_failure(settings: Settings, exc: BaseException, timeout_s: float = 10.0) -> str:
+async def explain_failure(connection: ConnectionSettings, exc: BaseException, timeout_s: float = 10.0) -> str:
     """Why connecting failed, naming the setting to change: from ``exc``'s chain, else from one direct
     connection to the first bootstrap server (aiokafka keeps the cause of "Unable to bootstrap" to its log)."""
     chain: list[BaseException] = []
@@ -318,22 +318,22 @@ async def explain_failure(settings: Settings, exc: BaseException, timeout_s: flo
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
     for cause in chain:
-        if hint := _hint(settings, cause):
+        if hint := _hint(connection, cause):
             return hint
     from aiokafka.conn import create_conn
 
-    host, _, port = settings.bootstrap_servers.split(",")[0].strip().rpartition(":")
+    host, _, port = connection.bootstrap_servers.split(",")[0].strip().rpartition(":")
     if not port.isdigit():
-        return f"bootstrap_servers must be host:port[,host:port], got {settings.bootstrap_servers!r}"
+        return f"bootstrap_servers must be host:port[,host:port], got {connection.bootstrap_servers!r}"
     try:
         conn = await asyncio.wait_for(create_conn(host.strip("[]"), int(port), request_timeout_ms=int(timeout_s * 1000),
-                                                  **security_options(settings)), timeout_s)
+                                                  **security_options(connection)), timeout_s)
     except Exception as probe:  # noqa: BLE001 - every failure is a diagnosis
         for cause in [probe, *([probe.__cause__] if probe.__cause__ else [])]:
-            if hint := _hint(settings, cause):
+            if hint := _hint(connection, cause):
                 return hint
         if isinstance(probe, ConnectionRefusedError | TimeoutError | OSError) and not isinstance(probe, ssl.SSLError):
-            return f"nothing answers at {settings.bootstrap_servers}: check bootstrap_servers"
+            return f"nothing answers at {connection.bootstrap_servers}: check bootstrap_servers"
         return f"check bootstrap_servers and security_protocol ({type(probe).__name__}: {probe})"
     # With TLS 1.3 a refused client certificate shows only on the first request after the handshake.
     try:
@@ -341,12 +341,12 @@ async def explain_failure(settings: Settings, exc: BaseException, timeout_s: flo
 
         await asyncio.wait_for(conn.send(MetadataRequest[0]([])), timeout_s)
     except Exception as probe:  # noqa: BLE001
-        if hint := _hint(settings, probe.__cause__ or probe):
+        if hint := _hint(connection, probe.__cause__ or probe):
             return hint
-        if settings.security_protocol == "SSL" and settings.ssl_certfile is None:
+        if connection.security_protocol == "SSL" and connection.ssl_certfile is None:
             return ("the broker closed the connection after the TLS handshake: if its listener requires client "
                     "certificates (ssl.client.auth=required), set ssl_certfile and ssl_keyfile")
-        if settings.security_protocol == "SSL":
+        if connection.security_protocol == "SSL":
             return ("the broker closed the connection after the TLS handshake: it may not trust the client "
                     "certificate: check ssl_certfile and ssl_keyfile")
         return f"check bootstrap_servers and security_protocol ({type(probe).__name__}: {probe})"
@@ -355,21 +355,21 @@ async def explain_failure(settings: Settings, exc: BaseException, timeout_s: flo
     return "check bootstrap_servers, security_protocol and the topic's access rights"
 
 
-def connection_error(settings: Settings, exc: BaseException, hint: str) -> ConnectionError:
+def connection_error(connection: ConnectionSettings, exc: BaseException, hint: str) -> ConnectionError:
     """The error a command reports when Kafka cannot be reached, naming where and what to change."""
     return ConnectionError(
-        f"cannot connect to Kafka at {settings.bootstrap_servers} (security_protocol={settings.security_protocol}"
-        f"{', sasl_mechanism=' + settings.sasl_mechanism if settings.sasl_mechanism else ''}): {hint}. "
+        f"cannot connect to Kafka at {connection.bootstrap_servers} (security_protocol={connection.security_protocol}"
+        f"{', sasl_mechanism=' + connection.sasl_mechanism if connection.sasl_mechanism else ''}): {hint}. "
         f"Cause: {type(exc).__name__}: {exc}"
     )
 
 
-async def connecting(settings: Settings, step: Awaitable[T]) -> T:
-    """Await a step that connects to Kafka; a refusal becomes a ConnectionError that names the settings."""
+async def connecting(connection: ConnectionSettings, step: Awaitable[T]) -> T:
+    """Await a step that connects to Kafka; a refusal becomes a ConnectionError that names the connection."""
     from aiokafka.errors import KafkaError
 
     try:
         return await step
     except KafkaError as exc:
-        hint = await explain_failure(settings, exc)
-        raise connection_error(settings, exc, hint) from exc
+        hint = await explain_failure(connection, exc)
+        raise connection_error(connection, exc, hint) from exc

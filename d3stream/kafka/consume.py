@@ -43,7 +43,6 @@ import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from d3stream.config import Settings, heartbeat_interval_ms
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.seams import InputRecord
 from d3stream.kafka.commits import CommitPolicy
@@ -51,6 +50,7 @@ from d3stream.kafka.connection import client_options
 from d3stream.kafka.limits import WorkerFatal
 from d3stream.kafka.offsets import OffsetTracker
 from d3stream.ops.metrics import Metrics
+from d3stream.settings import Settings, heartbeat_interval_ms
 
 log = structlog.get_logger(__name__)
 
@@ -76,19 +76,18 @@ def backpressure_pauses(in_flight: Mapping[K, int], requests: int, tokens: int, 
 def group_consumer(settings: Settings) -> AIOKafkaConsumer:
     """The worker's consumer-group member: committed offsets are the commit policy's (no auto-commit), and it
     reads committed records only (answers of an aborted transaction never count as requests)."""
-    return AIOKafkaConsumer(**client_options(
-        settings,
+    return AIOKafkaConsumer(**client_options(settings.connection,
         "consumer",
-        client_id=settings.client_id,
-        group_id=settings.group_id,
-        group_instance_id=settings.group_instance_id,
-        session_timeout_ms=settings.session_timeout_ms,
-        rebalance_timeout_ms=settings.rebalance_timeout_ms,
-        heartbeat_interval_ms=heartbeat_interval_ms(settings),
+        client_id=settings.connection.client_id,
+        group_id=settings.delivery.group_id,
+        group_instance_id=settings.delivery.group_instance_id,
+        session_timeout_ms=settings.delivery.session_timeout_ms,
+        rebalance_timeout_ms=settings.delivery.rebalance_timeout_ms,
+        heartbeat_interval_ms=heartbeat_interval_ms(settings.delivery),
         # A JoinGroup waits on the broker for the whole rebalance: its request must outlast it.
-        request_timeout_ms=max(40_000, settings.rebalance_timeout_ms + 5_000),
+        request_timeout_ms=max(40_000, settings.delivery.rebalance_timeout_ms + 5_000),
         enable_auto_commit=False,
-        auto_offset_reset=settings.auto_offset_reset,
+        auto_offset_reset=settings.delivery.auto_offset_reset,
         isolation_level="read_committed",
     ))
 
@@ -217,7 +216,7 @@ class ConsumeLoop:
         try:
             await self._consume()
             if self.fatal is None:  # after a worker-fatal error nothing more can be published
-                await self.drain(self.settings.shutdown_timeout_s)
+                await self.drain(self.settings.lifecycle.shutdown_timeout_s)
                 await self.guarded(self.commits.flush(self.tracker.partitions()))
             if self.fatal is not None:  # requests still in flight stay uncommitted: served again later
                 await self._cancel_tasks()
@@ -226,7 +225,7 @@ class ConsumeLoop:
 
     async def _consume(self) -> None:
         settings = self.settings
-        next_commit = time.monotonic() + settings.commit_interval_ms / 1000
+        next_commit = time.monotonic() + settings.delivery.commit_interval_ms / 1000
         flushing: asyncio.Task[None] | None = None
         while not self.stopping.is_set():
             room = max(1, self._room())
@@ -244,7 +243,7 @@ class ConsumeLoop:
             self.metrics.set_paused(self.paused)
             if time.monotonic() >= next_commit and (flushing is None or flushing.done()):
                 flushing = asyncio.create_task(self._flush_and_report())
-                next_commit = time.monotonic() + settings.commit_interval_ms / 1000
+                next_commit = time.monotonic() + settings.delivery.commit_interval_ms / 1000
             if await self.read.finished(self.consumer, self.tracker.in_flight()):
                 break
         if flushing is not None:
@@ -312,7 +311,7 @@ class ConsumeLoop:
         backpressure up to its ``RESERVE`` for the partitions still read (only those below their share are).
         Without the reserve here a fetch past the limit would bring one record at a time: a pipeline trip per
         record, which cost a quarter of the Kafka path's throughput (bench kafka)."""
-        limit = self.settings.max_inflight_requests
+        limit = self.settings.batching.max_inflight_requests
         if self.paused:
             limit = int(limit * (1 + RESERVE))
         return limit - self.in_flight.requests + self.in_flight.held_requests
@@ -322,13 +321,13 @@ class ConsumeLoop:
         # Requests held by a tenant quota are bounded by their partitions' pause, not by these limits.
         requests, tokens = work.requests - work.held_requests, work.tokens - work.held_tokens
         full = (
-            requests >= settings.max_inflight_requests
-            or tokens >= settings.max_inflight_tokens
+            requests >= settings.batching.max_inflight_requests
+            or tokens >= settings.batching.max_inflight_tokens
             or self.media_budget.full
         )
         drained = (
-            requests < RESUME_AT * settings.max_inflight_requests
-            and tokens < RESUME_AT * settings.max_inflight_tokens
+            requests < RESUME_AT * settings.batching.max_inflight_requests
+            and tokens < RESUME_AT * settings.batching.max_inflight_tokens
             and self.media_budget.used < RESUME_AT * self.media_budget.capacity
         )
         assignment = self.consumer.assignment()
@@ -345,7 +344,7 @@ class ConsumeLoop:
             # Re-evaluated while it lasts: a partition reaching its share is paused too.
             pause = set(assignment) if self.media_budget.full else backpressure_pauses(
                 {p: self.tracker.in_flight([p]) for p in assignment}, requests, tokens,
-                settings.max_inflight_requests, settings.max_inflight_tokens)
+                settings.batching.max_inflight_requests, settings.batching.max_inflight_tokens)
             newly = pause - self.pressure_paused
             if newly:
                 self.consumer.pause(*newly)
@@ -381,7 +380,7 @@ class ConsumeLoop:
         unanswered request, and how long the commit point has stood still with work waiting; a stall longer
         than ``stall_unready_s`` makes the worker unready."""
         now = time.monotonic()
-        limit = self.settings.stall_unready_s
+        limit = self.settings.lifecycle.stall_unready_s
         stalled = []
         for partition in self.consumer.assignment():
             oldest, stalled_s = self.tracker.stall(partition, now)
@@ -474,9 +473,9 @@ class _Rebalance(ConsumerRebalanceListener):
         settings = loop.settings
         started = time.monotonic()
         # What is left of the rebalance timeout after the drain; a second of it stays for the rejoin itself.
-        deadline = started + settings.rebalance_timeout_ms / 1000 - 1.0
+        deadline = started + settings.delivery.rebalance_timeout_ms / 1000 - 1.0
         await loop.stop_settling(revoked)
-        await loop.drain(settings.rebalance_drain_s, revoked)
+        await loop.drain(settings.lifecycle.rebalance_drain_s, revoked)
         abandoned = loop.tracker.in_flight(revoked)
         committed = await _within(loop.guarded(loop.commits.flush(revoked)), deadline,
                                   "final commit of revoked partitions")

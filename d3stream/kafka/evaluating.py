@@ -44,7 +44,6 @@ from d3stream_client.connection import partition_for
 from d3stream_client.contract import Role, Source, decode_answer, encode
 from d3stream_client.validation import EventError, decode_label
 
-from d3stream.config import Settings, cache_root
 from d3stream.core.agreement import calibration_bin
 from d3stream.core.answers import dead_letter_event
 from d3stream.core.drift import Drift
@@ -60,6 +59,7 @@ from d3stream.core.state_store import ROW_OVERHEAD_BYTES, WaitingStore
 from d3stream.kafka.connection import client_options
 from d3stream.kafka.publishing import RecordBatches
 from d3stream.ops.quality import QualityMetrics
+from d3stream.settings import Settings, cache_root
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
@@ -87,8 +87,8 @@ class EvaluateTopics:
 
     @classmethod
     def from_settings(cls, settings: Settings, shadow: str | None) -> EvaluateTopics:
-        return cls(settings.answer_topic, settings.label_topic, settings.evaluation_topic,
-                   settings.evaluate_state_topic, settings.label_dead_letter_topic, shadow)
+        return cls(settings.delivery.answer_topic, settings.evaluation.label_topic, settings.evaluation.evaluation_topic,
+                   settings.evaluation.evaluate_state_topic, settings.evaluation.label_dead_letter_topic, shadow)
 
     @property
     def inputs(self) -> list[str]:
@@ -110,10 +110,10 @@ def state_path(settings: Settings, partition: int) -> Path:
     cluster (a digest of ``bootstrap_servers``), the group and the changelog topic, so workers of several
     clusters, groups or changelogs can share a volume, and a file is never brought up to date from another
     cluster's changelog of the same name (a local broker started anew, say)."""
-    root = Path(settings.evaluate_state_dir).expanduser() if settings.evaluate_state_dir else cache_root() / "evaluate"
-    cluster = hashlib.sha256(settings.bootstrap_servers.encode()).hexdigest()[:12]
-    return (root / cluster / _file_name(settings.evaluate_group_id)
-            / f"{_file_name(settings.evaluate_state_topic)}-{partition}.sqlite3")
+    root = Path(settings.evaluation.evaluate_state_dir).expanduser() if settings.evaluation.evaluate_state_dir else cache_root() / "evaluate"
+    cluster = hashlib.sha256(settings.connection.bootstrap_servers.encode()).hexdigest()[:12]
+    return (root / cluster / _file_name(settings.evaluation.evaluate_group_id)
+            / f"{_file_name(settings.evaluation.evaluate_state_topic)}-{partition}.sqlite3")
 
 
 def _file_name(name: str) -> str:
@@ -173,10 +173,10 @@ class Evaluator:
     def __init__(self, settings: Settings, metrics: QualityMetrics, drift: Drift, *, shadow_topic: str | None) -> None:
         self.settings = settings
         self.metrics = metrics
-        metrics.window.set(settings.evaluate_window_s)
+        metrics.window.set(settings.evaluation.evaluate_window_s)
         self.drift = drift
         # What the drift window's answers expect of themselves, per model and question (CBPE, estimation.py).
-        self.estimates = Estimates(settings.evaluate_drift_window)
+        self.estimates = Estimates(settings.evaluation.evaluate_drift_window)
         self.topics = EvaluateTopics.from_settings(settings, shadow_topic)
         self.partitions = 0
         self.units: dict[int, Unit] = {}
@@ -201,15 +201,13 @@ class Evaluator:
         self.partitions = await prepare_topics(self.settings, self.topics)
         self._tombstone_retention_ms = await tombstone_retention_ms(self.settings, self.topics.state)
         settings = self.settings
-        self._restorer = AIOKafkaConsumer(**client_options(
-            settings, "consumer", client_id=f"{settings.client_id}-evaluate-restore", group_id=None,
+        self._restorer = AIOKafkaConsumer(**client_options(settings.connection, "consumer", client_id=f"{settings.connection.client_id}-evaluate-restore", group_id=None,
             enable_auto_commit=False, isolation_level="read_committed"))
         await self._restorer.start()
-        self._consumer = AIOKafkaConsumer(**client_options(
-            settings, "consumer", client_id=f"{settings.client_id}-evaluate", group_id=settings.evaluate_group_id,
+        self._consumer = AIOKafkaConsumer(**client_options(settings.connection, "consumer", client_id=f"{settings.connection.client_id}-evaluate", group_id=settings.evaluation.evaluate_group_id,
             enable_auto_commit=False, isolation_level="read_committed",
-            auto_offset_reset=settings.auto_offset_reset, max_poll_records=MAX_BATCH_RECORDS,
-            session_timeout_ms=settings.session_timeout_ms, rebalance_timeout_ms=settings.rebalance_timeout_ms,
+            auto_offset_reset=settings.delivery.auto_offset_reset, max_poll_records=MAX_BATCH_RECORDS,
+            session_timeout_ms=settings.delivery.session_timeout_ms, rebalance_timeout_ms=settings.delivery.rebalance_timeout_ms,
             # Range hands partition p of every subscribed topic to the same member: labels meet their answers.
             partition_assignment_strategy=(RangePartitionAssignor,)))
         self._consumer.subscribe(self.topics.inputs, listener=_listener(self))
@@ -333,7 +331,7 @@ class Evaluator:
                 raise failures[0][1]
             offsets = {TopicPartition(topic, unit.partition): offset for topic, offset in batch.offsets.items()}
             if offsets:
-                await producer.send_offsets_to_transaction(offsets, self.settings.evaluate_group_id)
+                await producer.send_offsets_to_transaction(offsets, self.settings.evaluation.evaluate_group_id)
             await producer.commit_transaction()
         except ProducerFenced:
             log.info("fenced: another evaluate worker owns this partition now", partition=unit.partition)
@@ -438,10 +436,9 @@ class Evaluator:
         from aiokafka import AIOKafkaProducer, TopicPartition
 
         settings = self.settings
-        producer = AIOKafkaProducer(**client_options(
-            settings, "producer", client_id=f"{settings.client_id}-evaluate", acks="all", enable_idempotence=True,
-            linger_ms=5, transactional_id=f"{settings.transactional_id_prefix}-evaluate-"
-                                          f"{settings.evaluate_group_id}-{partition}"))
+        producer = AIOKafkaProducer(**client_options(settings.connection, "producer", client_id=f"{settings.connection.client_id}-evaluate", acks="all", enable_idempotence=True,
+            linger_ms=5, transactional_id=f"{settings.delivery.transactional_id_prefix}-evaluate-"
+                                          f"{settings.evaluation.evaluate_group_id}-{partition}"))
         await producer.start()  # init_transactions: the previous owner's open transaction ends first
         state = await self._bring_up_to_date(partition)
         unit = Unit(partition, state, producer, RecordBatches(producer))
@@ -469,7 +466,7 @@ class Evaluator:
         store = WaitingStore(state_path(settings, partition))
         resume = store.resume_from(log_start, log_end, self._tombstone_retention_ms)
         store.opened()  # not clean until closed: a crash from here on means a whole restore next time
-        state = JoinState(window_ms=int(settings.evaluate_window_s * 1000), max_bytes=settings.evaluate_max_state_bytes,
+        state = JoinState(window_ms=int(settings.evaluation.evaluate_window_s * 1000), max_bytes=settings.evaluation.evaluate_max_state_bytes,
                           store=store)
         if resume is None:
             state.restore_begin()
@@ -488,7 +485,7 @@ class Evaluator:
 
     def _rebudget(self) -> None:
         # The disk bound is the worker's: each unit holds an equal share of it.
-        share = self.settings.evaluate_max_state_bytes // max(1, len(self.units))
+        share = self.settings.evaluation.evaluate_max_state_bytes // max(1, len(self.units))
         for unit in self.units.values():
             unit.state.max_bytes = max(share, ROW_OVERHEAD_BYTES)
 
@@ -541,7 +538,7 @@ async def tombstone_retention_ms(settings: Settings, topic: str) -> int:
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
     from aiokafka.errors import KafkaError
 
-    admin = AIOKafkaAdminClient(**client_options(settings, "admin", client_id=f"{settings.client_id}-evaluate"))
+    admin = AIOKafkaAdminClient(**client_options(settings.connection, "admin", client_id=f"{settings.connection.client_id}-evaluate"))
     await admin.start()
     try:
         responses = await admin.describe_configs(
@@ -565,20 +562,20 @@ async def prepare_topics(settings: Settings, topics: EvaluateTopics) -> int:
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import TopicAlreadyExistsError
 
-    admin = AIOKafkaAdminClient(**client_options(settings, "admin", client_id=f"{settings.client_id}-evaluate"))
+    admin = AIOKafkaAdminClient(**client_options(settings.connection, "admin", client_id=f"{settings.connection.client_id}-evaluate"))
     await admin.start()
     try:
         counts = await _partition_counts(admin, [*topics.inputs, topics.state])
         known = [counts[name] for name in (topics.answers, topics.labels) if name in counts]
-        partitions = known[0] if known else settings.topic_partitions
+        partitions = known[0] if known else settings.delivery.topic_partitions
         wanted: dict[str, tuple[int, dict[str, str]]] = {name: (partitions, {}) for name in (*topics.inputs, topics.evaluations, topics.dead_letters)}
         wanted[topics.state] = (partitions, {"cleanup.policy": "compact"})
         missing = [name for name in wanted if name not in counts and name not in (topics.evaluations,
                                                                                   topics.dead_letters)]
-        if missing and not settings.create_topics:
+        if missing and not settings.delivery.create_topics:
             raise EvaluateSetupError(f"missing topics {missing}: create them with {partitions} partitions (the "
                                      "state topic compacted), or run with --create-topics")
-        if settings.create_topics:
+        if settings.delivery.create_topics:
             existing = set(await admin.list_topics())
             for name, (count, config) in wanted.items():
                 if name not in existing:

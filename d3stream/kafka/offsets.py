@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from aiokafka.structs import TopicPartition
 
-from d3stream.config import Ordering
+from d3stream.settings import Ordering
 
 # The metadata of a commit with done offsets beyond its point: this prefix, then the base64 of a bitset whose
 # bit i (least significant first in each byte) says whether offset point + 1 + i is done.

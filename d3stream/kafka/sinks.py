@@ -18,13 +18,13 @@ import structlog
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
-from d3stream.config import Settings
 from d3stream.core.outgoing import Outgoing
 from d3stream.core.shadow import shadow_topic
 from d3stream.kafka.connection import client_options
 from d3stream.kafka.limits import Limits, read_topic_limits
 from d3stream.kafka.publishing import RecordBatches, quietly_stop, send_with_retries
 from d3stream.ops.metrics import Metrics
+from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -80,16 +80,15 @@ class KafkaTopics:
         options: dict[str, Any] = {}
         if partition is not None:
             options["transactional_id"] = (
-                f"{settings.transactional_id_prefix}-{settings.group_id}-{partition.topic}-{partition.partition}"
+                f"{settings.delivery.transactional_id_prefix}-{settings.delivery.group_id}-{partition.topic}-{partition.partition}"
             )
-        return AIOKafkaProducer(**client_options(
-            settings,
+        return AIOKafkaProducer(**client_options(settings.connection,
             "producer",
-            client_id=settings.client_id,
+            client_id=settings.connection.client_id,
             acks="all",
             enable_idempotence=True,
             linger_ms=2,
-            max_request_size=settings.max_request_size,
+            max_request_size=settings.delivery.max_request_size,
             compression_type=self.limits.compression,
             **options,
         ))
@@ -97,9 +96,9 @@ class KafkaTopics:
     def topics(self) -> list[tuple[str, dict[str, str]]]:
         settings = self.settings
         # With a shadow model, its answers' topic (shadow.py).
-        shadow: list[tuple[str, dict[str, str]]] = [(shadow_topic(settings), {})] if settings.shadow else []
-        return [(settings.answer_topic, {}), *shadow, (settings.dead_letter_topic, {}),
-                (settings.provenance_topic, {"cleanup.policy": "compact"})]
+        shadow: list[tuple[str, dict[str, str]]] = [(shadow_topic(settings), {})] if settings.models.shadow else []
+        return [(settings.delivery.answer_topic, {}), *shadow, (settings.delivery.dead_letter_topic, {}),
+                (settings.delivery.provenance_topic, {"cleanup.policy": "compact"})]
 
     async def start(self) -> None:
         self.producer = self.new_producer()
@@ -112,9 +111,9 @@ class KafkaTopics:
     async def read_limits(self) -> dict[str, int]:
         settings = self.settings
         return await read_topic_limits(
-            client_options(settings, "admin", client_id=settings.client_id),
+            client_options(settings.connection, "admin", client_id=settings.connection.client_id),
             [name for name, _ in self.topics()],
-            create_topics=settings.create_topics,
+            create_topics=settings.delivery.create_topics,
         )
 
     async def write(self, records: Sequence[Outgoing]) -> None:
@@ -210,15 +209,15 @@ async def ensure_topics(settings: Settings, sink: Sink) -> None:
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import TopicAlreadyExistsError
 
-    admin = AIOKafkaAdminClient(**client_options(settings, "admin", client_id=settings.client_id))
+    admin = AIOKafkaAdminClient(**client_options(settings.connection, "admin", client_id=settings.connection.client_id))
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        partitions = {name: settings.topic_partitions for name in settings.request_topics}
+        partitions = {name: settings.delivery.topic_partitions for name in settings.delivery.request_topics}
         configs: dict[str, dict[str, str]] = {}
         for name, config in sink.topics():
             # A compacted topic (provenance) holds one record per model: one partition is enough.
-            partitions[name] = 1 if config.get("cleanup.policy") == "compact" else settings.topic_partitions
+            partitions[name] = 1 if config.get("cleanup.policy") == "compact" else settings.delivery.topic_partitions
             configs[name] = config
         for name, count in partitions.items():
             if name in existing:

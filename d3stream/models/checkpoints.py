@@ -38,9 +38,9 @@ from typing import Any
 
 import structlog
 
-from d3stream.config import cache_root
 from d3stream.core.storage import Allowlist, MediaError, S3Location, parse_s3_reference, s3_client
 from d3stream.runtime.package import MANIFEST, MANIFEST_SCHEMA
+from d3stream.settings import StorageSettings, cache_root
 
 log = structlog.get_logger(__name__)
 
@@ -109,15 +109,15 @@ class ObjectStoreAccess:
     max_attempts: int = 4
 
     @classmethod
-    def from_settings(cls, settings: Any) -> ObjectStoreAccess:
+    def from_settings(cls, storage: StorageSettings) -> ObjectStoreAccess:
         return cls(
-            allowlist=tuple(settings.model_allowlist),
-            cache_dir=Path(settings.model_cache_dir).expanduser() if settings.model_cache_dir else default_cache_dir(),
-            endpoint_url=settings.s3_endpoint_url,
-            region=settings.s3_region,
-            connect_timeout=settings.s3_connect_timeout,
-            read_timeout=settings.s3_read_timeout,
-            max_attempts=settings.s3_max_attempts,
+            allowlist=tuple(storage.model_allowlist),
+            cache_dir=Path(storage.model_cache_dir).expanduser() if storage.model_cache_dir else default_cache_dir(),
+            endpoint_url=storage.s3_endpoint_url,
+            region=storage.s3_region,
+            connect_timeout=storage.s3_connect_timeout,
+            read_timeout=storage.s3_read_timeout,
+            max_attempts=storage.s3_max_attempts,
         )
 
     def client(self) -> Any:
@@ -143,13 +143,15 @@ class ResolvedModel:
     name: str | None
 
 
-def resolve_model(text: str, settings: Any, *, client: Any | None = None) -> ResolvedModel:
+def resolve_model(text: str, storage: StorageSettings | None, *, client: Any | None = None) -> ResolvedModel:
     """The local directory of one ``--model`` value: a directory as given, an ``s3://`` prefix fetched
     into the cache first (``fetch_checkpoint``)."""
     spec = parse_model_spec(text)
     if not spec.in_object_store:
         return ResolvedModel(Path(spec.location).expanduser(), spec.name)
-    return ResolvedModel(fetch_checkpoint(spec.location, ObjectStoreAccess.from_settings(settings), client=client),
+    if storage is None:
+        raise CheckpointError(f"{text}: an s3:// checkpoint needs the object store settings")
+    return ResolvedModel(fetch_checkpoint(spec.location, ObjectStoreAccess.from_settings(storage), client=client),
                          spec.name)
 
 

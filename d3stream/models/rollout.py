@@ -41,8 +41,8 @@ from typing import Any, Protocol
 import structlog
 from d3stream_client.contract import Request
 
-from d3stream.config import Settings
-from d3stream.core.pipeline import Hosted, RequestPipeline
+from d3stream.core.pipeline import RequestPipeline
+from d3stream.core.routing import Hosted
 from d3stream.models.checkpoints import (
     MODEL_NAME,
     CheckpointError,
@@ -55,6 +55,7 @@ from d3stream.models.checkpoints import (
 )
 from d3stream.ops.collector import collect_released
 from d3stream.ops.metrics import Metrics
+from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -122,14 +123,14 @@ def load_checkpoint(location: str, settings: Settings, served: Sequence[Path] = 
 
     try:
         if location.startswith("s3://"):
-            path = fetch_checkpoint(location, ObjectStoreAccess.from_settings(settings))
+            path = fetch_checkpoint(location, ObjectStoreAccess.from_settings(settings.storage))
         else:
             path = Path(location).expanduser()
         _check_fit(location, path, served, settings)
         with collector_paused():
-            model: Any = D3.from_pretrained(path, device=settings.device, verify="full",
+            model: Any = D3.from_pretrained(path, device=settings.models.device, verify="full",
                                             model_name=checkpoint_folder(location),
-                                            permutation_average=settings.permutation_average)
+                                            permutation_average=settings.models.permutation_average)
     except (CheckpointError, ValueError, OSError) as exc:
         raise RefusedCheckpoint(location, "refused_verification", str(exc)) from exc
     model.model_source_location = location  # a pointer may retire it (models given with --model stay)
@@ -139,11 +140,11 @@ def load_checkpoint(location: str, settings: Settings, served: Sequence[Path] = 
 def _check_fit(location: str, path: Path, served: Sequence[Path], settings: Settings) -> None:
     import torch
 
-    device = settings.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = settings.models.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     needs = {str(root): checkpoint_memory_bytes(root) for root in served}
     needs[checkpoint_folder(location)] = checkpoint_memory_bytes(path)
     try:
-        check_models_fit(needs, device, settings.model_memory_bytes)
+        check_models_fit(needs, device, settings.models.model_memory_bytes)
     except CheckpointError as exc:
         raise RefusedCheckpoint(location, "refused_memory", str(exc)) from exc
 
@@ -182,8 +183,8 @@ def load_source_models(settings: Settings, beside: Sequence[Path] = ()) -> list[
     """At start: the pointer's current checkpoint (the default) and its canary, loaded and verified as a
     swap would load them, each checked to fit beside the checkpoints ``beside`` (the --model and --shadow
     ones) and the ones loaded before it. CheckpointError names what is wrong."""
-    assert settings.model_source is not None
-    pointer = resolve_source(settings.model_source, ObjectStoreAccess.from_settings(settings))
+    assert settings.models.model_source is not None
+    pointer = resolve_source(settings.models.model_source, ObjectStoreAccess.from_settings(settings.storage))
     locations = [pointer.current, *([pointer.canary.location] if pointer.canary else [])]
     served, models = list(beside), []
     try:
@@ -192,7 +193,7 @@ def load_source_models(settings: Settings, beside: Sequence[Path] = ()) -> list[
             served.append(model.root)
             models.append(model)
     except RefusedCheckpoint as exc:
-        raise CheckpointError(f"model_source {settings.model_source}: {exc}") from exc
+        raise CheckpointError(f"model_source {settings.models.model_source}: {exc}") from exc
     return models
 
 
@@ -229,20 +230,21 @@ class Rollout:
         self.host = host
         self.metrics = metrics
         self.pipeline = host.pipeline
-        self.source = settings.model_source
-        self.static_canary = parse_canary(settings.canary) if settings.canary else None
-        if self.static_canary is not None and self.static_canary[0] not in self.pipeline.routes:
-            served = ", ".join(repr(name) for name in self.pipeline.routes)
+        self.router = host.pipeline.router  # the models served, and the canary it routes (core/routing.py)
+        self.source = settings.models.model_source
+        self.static_canary = parse_canary(settings.models.canary) if settings.models.canary else None
+        if self.static_canary is not None and self.static_canary[0] not in self.router.routes:
+            served = ", ".join(repr(name) for name in self.router.routes)
             raise ValueError(f"canary names {self.static_canary[0]!r}, which is not served (this worker serves "
                              f"{served}): give it with --model NAME=PATH")
         # Models given with --model (not loaded from the source) other than the default: never retired.
-        self.pinned = {name for name, hosted in self.pipeline.routes.items()
-                       if hosted is not self.pipeline.default
+        self.pinned = {name for name, hosted in self.router.routes.items()
+                       if hosted is not self.router.default
                        and getattr(hosted.model, "model_source_location", None) is None}
         self.canary: CanaryRoute | None = None
         self._set_canary(None)
-        self.pipeline.route_default = self._route
-        self._access = ObjectStoreAccess.from_settings(settings) if self.source else None
+        self.router.route_default = self._route
+        self._access = ObjectStoreAccess.from_settings(settings.storage) if self.source else None
         self._client: Any = None
         self._applied: SourcePointer | None = None
         self._refused: SourcePointer | None = None
@@ -255,13 +257,13 @@ class Rollout:
 
     def _route(self, request: Request) -> Hosted:
         canary = self.canary
-        return canary.hosted if canary is not None and canary.takes(request) else self.pipeline.default
+        return canary.hosted if canary is not None and canary.takes(request) else self.router.default
 
     def _set_canary(self, pointed: tuple[str, float] | None) -> None:
         """The pointer's canary (name, share), else ``--canary``'s; none when its model is the default."""
         chosen = pointed or self.static_canary
-        hosted = self.pipeline.routes.get(chosen[0]) if chosen else None
-        self.canary = CanaryRoute(hosted, chosen[1]) if chosen and hosted and hosted is not self.pipeline.default \
+        hosted = self.router.routes.get(chosen[0]) if chosen else None
+        self.canary = CanaryRoute(hosted, chosen[1]) if chosen and hosted and hosted is not self.router.default \
             else None
 
     # ------------------------------------------------------------------------------------- watching
@@ -285,7 +287,7 @@ class Rollout:
                 raise
             except Exception:  # noqa: BLE001 - the watch must outlive any one bad poll
                 log.exception("model source check failed", source=self.source)
-            await asyncio.sleep(self.settings.model_source_poll_ms / 1000.0)
+            await asyncio.sleep(self.settings.models.model_source_poll_ms / 1000.0)
 
     async def check(self) -> None:
         """Read the pointer once; act on it when it changed since the last one applied or refused."""
@@ -302,7 +304,7 @@ class Rollout:
         except RefusedCheckpoint as exc:
             self._refused = pointer
             log.error("model swap refused; the served models keep serving", checkpoint=exc.location,
-                      reason=exc.why, outcome=exc.outcome, serving=self.pipeline.default.name)
+                      reason=exc.why, outcome=exc.outcome, serving=self.router.default.name)
             self.metrics.count_model_swap(exc.outcome)
             return
         self._applied, self._refused = pointer, None
@@ -334,7 +336,7 @@ class Rollout:
             try:
                 for location in wanted:
                     name = checkpoint_folder(location)
-                    if name not in self.pipeline.hosted and name not in loaded:
+                    if name not in self.router.hosted and name not in loaded:
                         loaded[name] = await self._load(location)
             except RefusedCheckpoint:  # all or nothing: what did load for this pointer goes again
                 for hosted in loaded.values():
@@ -349,7 +351,7 @@ class Rollout:
     async def _load(self, location: str) -> Hosted:
         log.info("loading a checkpoint in the background", checkpoint=location)
         started = time.perf_counter()
-        served = [root for root in (getattr(hosted.model, "root", None) for hosted in self.pipeline.hosted.values())
+        served = [root for root in (getattr(hosted.model, "root", None) for hosted in self.router.hosted.values())
                   if isinstance(root, Path)]
         model = await asyncio.to_thread(load_checkpoint, location, self.settings, served)
         loaded = time.perf_counter()
@@ -360,19 +362,19 @@ class Rollout:
 
     def _switch(self, pointer: SourcePointer, loaded: dict[str, Hosted]) -> None:
         """No await in here: every request admitted after it goes to the new routing, none before."""
-        previous, canary_before = self.pipeline.default, self._canary_state()
+        previous, canary_before = self.router.default, self._canary_state()
         current = checkpoint_folder(pointer.current)
         for name in (current, *([checkpoint_folder(pointer.canary.location)] if pointer.canary else [])):
-            self.pipeline.add_model(loaded.get(name) or self.pipeline.hosted[name], default=name == current)
+            self.router.add(loaded.get(name) or self.router.hosted[name], default=name == current)
         self._set_canary((checkpoint_folder(pointer.canary.location), pointer.canary.share) if pointer.canary
                          else None)
         keep = {current, *self.pinned, *([self.canary.hosted.name] if self.canary else [])}
-        for name in [name for name in self.pipeline.routes if name not in keep]:
-            self.pipeline.retire_model(name)
+        for name in [name for name in self.router.routes if name not in keep]:
+            self.router.retire(name)
             task = asyncio.create_task(self._drop_when_drained(name))
             self._drains.add(task)
             task.add_done_callback(self._drains.discard)
-        default = self.pipeline.default
+        default = self.router.default
         if default is not previous:
             self.metrics.count_model_swap("swapped")
             self.metrics.set_model(default.name, default.provenance_sha256, str(default.model.device))
@@ -391,9 +393,9 @@ class Rollout:
     async def _drop_when_drained(self, name: str) -> None:
         """Close a retired model once every request routed to it is answered (unless it was named again)."""
         while True:
-            if name in self.pipeline.routes:
+            if name in self.router.routes:
                 return
-            hosted = None if name in self._pending else self.pipeline.drop_model(name)
+            hosted = None if name in self._pending else self.router.drop(name)
             if hosted is not None:
                 await self.host.unhost_model(hosted)
                 hosted = None
@@ -405,7 +407,7 @@ class Rollout:
 
 def rollout_for(settings: Settings, host: RolloutHost, metrics: Metrics) -> Rollout | None:
     """The worker's rollout when it watches a model source or routes a canary share; else None."""
-    if not settings.model_source and not settings.canary:
+    if not settings.models.model_source and not settings.models.canary:
         return None
     return Rollout(settings, host, metrics)
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from d3stream.config import Settings
 from d3stream.models.checkpoints import MODEL_NAME, CheckpointError, parse_model_spec
+from d3stream.settings import ModelSettings
 
 
 @dataclass(frozen=True)
@@ -30,20 +30,20 @@ def parse_shadow(text: str) -> ShadowSpec:
                           "served model (setting: shadow)")
 
 
-def shadow_hosted(settings: Settings, served: Sequence[Any], own: Any | None) -> Any | None:
-    """The served model (``pipeline.Hosted``) that is the shadow: ``own`` (a shadow checkpoint of its own,
+def shadow_hosted(models: ModelSettings, served: Sequence[Any], own: Any | None) -> Any | None:
+    """The served model (``routing.Hosted``) that is the shadow: ``own`` (a shadow checkpoint of its own,
     hosted by the caller), or the served model ``shadow`` names; None without a shadow. ValueError names the
     setting when ``shadow`` names neither."""
     if own is not None:
         if any(each.name == own.name for each in served):
-            raise ValueError(f"--shadow {settings.shadow!r}: a served model has the name {own.name!r}; give the "
+            raise ValueError(f"--shadow {models.shadow!r}: a served model has the name {own.name!r}; give the "
                              "shadow another NAME, or --shadow NAME alone to shadow with the served model")
         return own
-    if not settings.shadow:
+    if not models.shadow:
         return None
-    spec = parse_shadow(settings.shadow)
+    spec = parse_shadow(models.shadow)
     if spec.location is not None:
-        raise ValueError(f"--shadow {settings.shadow!r}: its checkpoint was not loaded (d3stream serve loads it)")
+        raise ValueError(f"--shadow {models.shadow!r}: its checkpoint was not loaded (d3stream serve loads it)")
     for each in served:
         if each.name == spec.name:
             return each

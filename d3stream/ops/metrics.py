@@ -14,7 +14,7 @@ A worker that is loading, warming up, rebalancing out or shutting down answers 5
 200 on ``/healthz``, so Kubernetes waits for it instead of restarting it.
 
     metrics = Metrics(ready=lambda: service.ready)
-    server = MetricsServer(metrics, host=settings.metrics_host, port=settings.metrics_port)
+    server = MetricsServer(metrics, host=address.metrics_host, port=address.metrics_port)
     server.start()           # port 0 picks a free port; server.port tells which
     ...
     server.stop()
@@ -227,7 +227,7 @@ class MetricsServer:
 
 
 class MetricsAddress(Protocol):
-    """Where the settings put the endpoint (``config.Settings`` is one; ops does not import config)."""
+    """Where the settings put the endpoint (``ObservabilitySettings`` is one; ops does not import the settings)."""
 
     @property
     def metrics_host(self) -> str: ...
@@ -235,11 +235,11 @@ class MetricsAddress(Protocol):
     def metrics_port(self) -> int | None: ...
 
 
-def serve_metrics(metrics: Exposed, settings: MetricsAddress) -> MetricsServer | None:
+def serve_metrics(metrics: Exposed, address: MetricsAddress) -> MetricsServer | None:
     """Start the endpoint the settings ask for (``metrics_host``/``metrics_port``); None when the port is unset."""
-    port = settings.metrics_port
+    port = address.metrics_port
     if port is None:
         return None
-    server = MetricsServer(metrics, host=settings.metrics_host, port=int(port))
+    server = MetricsServer(metrics, host=address.metrics_host, port=int(port))
     server.start()
     return server

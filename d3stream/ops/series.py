@@ -52,7 +52,7 @@ ERROR_CODES = (
     "media_unavailable",
     "internal_error",
 )
-"""Request-level error codes of the answer contract (README); pre-created so rates start at zero."""
+"""Request-level error codes of the answer contract (docs/EVENTS.md); pre-created so rates start at zero."""
 
 # Seconds: from a cache-hot inline image (~1 ms) to a slow S3 video plus a long forward pass (minutes).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -331,7 +331,7 @@ class RequestSeries:
         self.answers = LoopCounter(
             f"{PREFIX}_answers",
             "Answer events published, by code: 'ok' for an answered request, else the request's error code "
-            "(invalid_request, media_missing, internal_error, ...; see the README's table).",
+            "(invalid_request, media_missing, internal_error, ...; see docs/EVENTS.md).",
             ["code"], registry,
         )
         self.device_seconds = LoopCounter(

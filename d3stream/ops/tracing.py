@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import structlog
 
 from d3stream import __version__
+
+if TYPE_CHECKING:
+    from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -101,10 +104,10 @@ class Tracing:
         self._failed = False
 
     @classmethod
-    def from_settings(cls, settings: Any) -> Tracing | None:
-        if not settings.otlp_endpoint:
+    def from_settings(cls, settings: Settings) -> Tracing | None:
+        if not settings.observability.otlp_endpoint:
             return None
-        return cls(endpoint=settings.otlp_endpoint, group_id=settings.group_id)
+        return cls(endpoint=settings.observability.otlp_endpoint, group_id=settings.delivery.group_id)
 
     def request_served(self, record: Any, work: Any, answer: Any, finished: float) -> None:
         """The spans of one request, from ``work``'s recorded stage starts and durations (perf_counter

@@ -41,11 +41,11 @@ import yaml
 from kubernetes_validate import utils as kv_utils
 
 from d3stream.cli import build_parser
-from d3stream.config import CONFIG_ENV, FIELDS, Settings, env_name, load_settings
 from d3stream.core.agreement import Scored
 from d3stream.models.checkpoints import checkpoint_location
 from d3stream.ops.metrics import STAGES, SWAP_OUTCOMES, Metrics, MetricsServer
 from d3stream.ops.quality import QualityMetrics
+from d3stream.settings import CONFIG_ENV, SETTINGS, Settings, env_name, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -87,7 +87,7 @@ GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": 
 DOCKERFILES = ["Dockerfile", "Dockerfile.cpu"]
 # The oldest Kubernetes minor these manifests promise to work on, and the newest the validator knows.
 K8S_VERSIONS = ["1.28", kv_utils.major_minor(kv_utils.latest_version())]
-SETTING_ENV = {env_name(name) for name in FIELDS} | {CONFIG_ENV}
+SETTING_ENV = {env_name(name) for name in SETTINGS} | {CONFIG_ENV}
 # Lower bound on the time between the end of the service's drain and the kubelet's SIGKILL: the last
 # publish, the final commit and leaving the group must fit into it.
 GRACE_MARGIN_S = 10
@@ -528,17 +528,17 @@ def test_custom_resource_schemas_catch_mistakes(base_with_every_component: list[
 def test_environment_variables_are_settings(rendered: list[dict]) -> None:
     environ = _environment(rendered)
     unknown = sorted(k for k in environ if k.startswith("D3STREAM_") and k not in SETTING_ENV)
-    assert not unknown, f"not settings of d3stream (d3stream.config.Settings): {unknown}"
+    assert not unknown, f"not settings of d3stream (d3stream.settings): {unknown}"
     settings = _settings(rendered)  # every value parses, with the service's own loader
-    assert len(settings.model) == 1 and (settings.model[0].startswith("s3://") or settings.model == [IMAGE_MODEL_PATH])
-    assert settings.metrics_port is not None, "the probes need the metrics endpoint"
+    assert len(settings.models.checkpoints) == 1 and (settings.models.checkpoints[0].startswith("s3://") or settings.models.checkpoints == [IMAGE_MODEL_PATH])
+    assert settings.observability.metrics_port is not None, "the probes need the metrics endpoint"
 
 
 def test_probes_use_the_metrics_endpoint(rendered: list[dict]) -> None:
     settings = _settings(rendered)
     container = _container(rendered)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports.get("metrics") == settings.metrics_port
+    assert ports.get("metrics") == settings.observability.metrics_port
 
     def port_of(probe: dict) -> int:
         port = probe["httpGet"]["port"]
@@ -551,7 +551,7 @@ def test_probes_use_the_metrics_endpoint(rendered: list[dict]) -> None:
         if kind in container:
             probe = container[kind]
             assert probe["httpGet"]["path"] == path, kind
-            assert port_of(probe) == settings.metrics_port, kind
+            assert port_of(probe) == settings.observability.metrics_port, kind
     # ... and d3stream.ops.metrics answers those paths as the probes expect.
     assert _get(_probe_app(ready=False), "/healthz").startswith("200")
     assert _get(_probe_app(ready=False), "/readyz").startswith("503")
@@ -568,7 +568,7 @@ def test_metrics_are_scraped(rendered: list[dict]) -> None:
     by_name = {p["name"]: p for p in service["spec"]["ports"]}
     for port in by_name.values():
         target = port.get("targetPort", port["port"])
-        assert (container_ports[target] if isinstance(target, str) else target) == settings.metrics_port
+        assert (container_ports[target] if isinstance(target, str) else target) == settings.observability.metrics_port
 
 
 def test_the_service_monitor_scrapes_the_metrics_port(with_operators: list[dict]) -> None:
@@ -597,11 +597,11 @@ def test_the_evaluator_keeps_its_state_on_a_volume_of_its_own(base_with_every_co
     settings = load_settings({}, environ={k: v for k, v in environ.items() if k.startswith("D3STREAM_")})
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     [claim] = stateful["spec"]["volumeClaimTemplates"]
-    assert mounts[claim["metadata"]["name"]] == settings.evaluate_state_dir
+    assert mounts[claim["metadata"]["name"]] == settings.evaluation.evaluate_state_dir
     storage = claim["spec"]["resources"]["requests"]["storage"]
-    assert storage.endswith("Gi") and int(storage[:-2]) * 2**30 > settings.evaluate_max_state_bytes
+    assert storage.endswith("Gi") and int(storage[:-2]) * 2**30 > settings.evaluation.evaluate_max_state_bytes
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports["metrics"] == settings.metrics_port
+    assert ports["metrics"] == settings.observability.metrics_port
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     service = _named(objects, "Service", stateful["spec"]["serviceName"])
     assert _matches(service["spec"]["selector"], pod["metadata"]["labels"])
@@ -806,9 +806,9 @@ def test_dashboard_queries_name_metrics_the_worker_exports() -> None:
 def test_shutdown_fits_the_grace_period(rendered: list[dict]) -> None:
     settings = _settings(rendered)
     grace = _one(rendered, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace >= settings.shutdown_timeout_s + GRACE_MARGIN_S, (
+    assert grace >= settings.lifecycle.shutdown_timeout_s + GRACE_MARGIN_S, (
         f"terminationGracePeriodSeconds {grace} must exceed D3STREAM_SHUTDOWN_TIMEOUT_S "
-        f"{settings.shutdown_timeout_s} by at least {GRACE_MARGIN_S}s, or the kubelet kills a draining worker"
+        f"{settings.lifecycle.shutdown_timeout_s} by at least {GRACE_MARGIN_S}s, or the kubelet kills a draining worker"
     )
 
 
@@ -820,12 +820,12 @@ def test_gpu_model_volume_and_security(rendered: list[dict]) -> None:
     assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == "1"
     assert str(container["resources"]["requests"]["nvidia.com/gpu"]) == "1"
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-    [model] = settings.model
+    [model] = settings.models.checkpoints
     if model.startswith("s3://"):
         # Downloaded at start: the location passes the service's own allowlist check, and the cache is a
         # writable volume (the root filesystem is read-only).
-        checkpoint_location(model, settings.model_allowlist)
-        cache = Path(settings.model_cache_dir or "/nonexistent")
+        checkpoint_location(model, settings.storage.model_allowlist)
+        cache = Path(settings.storage.model_cache_dir or "/nonexistent")
         mount = next((m for m in mounts.values() if cache.is_relative_to(m["mountPath"])), None)
         assert mount is not None and not mount.get("readOnly"), "model_cache_dir must be on a writable volume"
         volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
@@ -853,13 +853,13 @@ def test_credentials_come_from_secrets(rendered: list[dict]) -> None:
         assert "value" not in env[name]
     settings_data = {k for cm in _of_kind(rendered, "ConfigMap") for k in cm.get("data", {})}
     assert not settings_data & {"D3STREAM_SASL_PASSWORD", "AWS_SECRET_ACCESS_KEY"}, "secrets in a ConfigMap"
-    if settings.security_protocol.startswith("SASL"):
-        assert settings.sasl_mechanism, "SASL needs D3STREAM_SASL_MECHANISM"
+    if settings.connection.security_protocol.startswith("SASL"):
+        assert settings.connection.sasl_mechanism, "SASL needs D3STREAM_SASL_MECHANISM"
         for name in ("D3STREAM_SASL_USERNAME", "D3STREAM_SASL_PASSWORD"):
             assert env[name]["valueFrom"]["secretKeyRef"].get("optional") is not True, f"{name} is required"
-    if settings.security_protocol.endswith("SSL") and settings.ssl_cafile:
+    if settings.connection.security_protocol.endswith("SSL") and settings.connection.ssl_cafile:
         pod = _one(rendered, "Deployment")["spec"]["template"]["spec"]
-        cafile = Path(settings.ssl_cafile)
+        cafile = Path(settings.connection.ssl_cafile)
         mount = next((m for m in _container(rendered)["volumeMounts"] if Path(m["mountPath"]) == cafile.parent), None)
         assert mount is not None, f"nothing mounted at {cafile.parent} for D3STREAM_SSL_CAFILE"
         volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
@@ -875,12 +875,12 @@ def test_autoscaler_watches_what_the_workers_consume(with_operators: list[dict])
     assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
     (trigger,) = [t for t in scaled["spec"]["triggers"] if t["type"] == "kafka"]
     meta = trigger["metadata"]
-    assert meta["bootstrapServers"] == settings.bootstrap_servers
-    assert meta["consumerGroup"] == settings.group_id
-    assert meta.get("topic", settings.request_topics[0]) in settings.request_topics
-    assert meta.get("offsetResetPolicy", "latest") == settings.auto_offset_reset
-    if settings.security_protocol.startswith("SASL"):
-        assert meta["sasl"] == KEDA_SASL[settings.sasl_mechanism]
+    assert meta["bootstrapServers"] == settings.connection.bootstrap_servers
+    assert meta["consumerGroup"] == settings.delivery.group_id
+    assert meta.get("topic", settings.delivery.request_topics[0]) in settings.delivery.request_topics
+    assert meta.get("offsetResetPolicy", "latest") == settings.delivery.auto_offset_reset
+    if settings.connection.security_protocol.startswith("SASL"):
+        assert meta["sasl"] == KEDA_SASL[settings.connection.sasl_mechanism]
         auth = _named(rendered, "TriggerAuthentication", trigger["authenticationRef"]["name"])
         parameters = {ref["parameter"]: ref for ref in auth["spec"]["secretTargetRef"]}
         env = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in _container(rendered)["env"] if "valueFrom" in v
@@ -890,9 +890,9 @@ def test_autoscaler_watches_what_the_workers_consume(with_operators: list[dict])
             assert (ref["name"], ref["key"]) == (env[variable]["name"], env[variable]["key"]), parameter
     else:
         assert meta.get("sasl", "none") == "none"
-    if settings.security_protocol.endswith("SSL"):
+    if settings.connection.security_protocol.endswith("SSL"):
         assert meta["tls"] == "enable"
-        if settings.ssl_cafile:
+        if settings.connection.ssl_cafile:
             auth = _named(rendered, "TriggerAuthentication", trigger["authenticationRef"]["name"])
             assert "ca" in {ref["parameter"] for ref in auth["spec"]["secretTargetRef"]}
     else:
@@ -939,9 +939,9 @@ def test_image_runs_the_service_as_configured(name: str) -> None:
     unknown = sorted(k for k in environ if k.startswith("D3STREAM_") and k not in SETTING_ENV)
     assert not unknown, f"{name}: not settings of d3stream: {unknown}"
     settings = load_settings({}, environ={k: v for k, v in environ.items() if k.startswith("D3STREAM_")})
-    assert settings.model == [IMAGE_MODEL_PATH]
+    assert settings.models.checkpoints == [IMAGE_MODEL_PATH]
     exposed = {int(v.split("/")[0]) for c in final if c.cmd.upper() == "EXPOSE" for v in c.value}
-    assert settings.metrics_port in exposed
+    assert settings.observability.metrics_port in exposed
     (entrypoint,) = [c for c in final if c.cmd.upper() == "ENTRYPOINT"]
     assert entrypoint.json and list(entrypoint.value) == ["d3stream", "serve"], "exec form, so SIGTERM reaches it"
     users = [c.value[0] for c in final if c.cmd.upper() == "USER"]
@@ -964,11 +964,11 @@ def test_images_and_manifests_agree(tmp_path: Path) -> None:
             environ.update(_env_pairs(command))
     objects = render(BASE)
     settings = _settings(objects)
-    assert len(settings.model) == 1 and settings.model[0].startswith("s3://")
-    assert [environ["D3STREAM_MODEL"]] == _settings(render(compose(tmp_path, ["model-volume"]))).model
-    assert int(environ["D3STREAM_METRICS_PORT"]) == settings.metrics_port
+    assert len(settings.models.checkpoints) == 1 and settings.models.checkpoints[0].startswith("s3://")
+    assert [environ["D3STREAM_MODEL"]] == _settings(render(compose(tmp_path, ["model-volume"]))).models.checkpoints
+    assert int(environ["D3STREAM_METRICS_PORT"]) == settings.observability.metrics_port
     # The default host is the loopback address; probes and Prometheus come from outside the container.
-    assert environ["D3STREAM_METRICS_HOST"] == settings.metrics_host == "0.0.0.0"
+    assert environ["D3STREAM_METRICS_HOST"] == settings.observability.metrics_host == "0.0.0.0"
     user = [c.value[0] for c in final if c.cmd.upper() == "USER"][-1]
     pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
     assert user.split(":")[0] == str(pod["securityContext"]["runAsUser"])

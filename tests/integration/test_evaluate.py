@@ -24,11 +24,11 @@ from d3stream_client.validation import EventError
 from prometheus_client import generate_latest
 
 from d3stream.cli import main as cli_main
-from d3stream.config import load_settings
 from d3stream.jobs import compare
 from d3stream.jobs.evaluate import figures, figures_json, read_figures, run_worker
 from d3stream.kafka.evaluating import EvaluateTopics, prepare_topics
 from d3stream.ops.quality import QualityMetrics
+from d3stream.settings import load_settings
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -105,8 +105,8 @@ async def _until(servers: str, topic: str, count: int, timeout_s: float = 90.0) 
 def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_equal_compare(
         kafka_broker: Any, topic_names: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     settings = _settings(kafka_broker, topic_names)
-    servers = settings.bootstrap_servers
-    shadow_topic = f"{settings.answer_topic}.shadow"
+    servers = settings.connection.bootstrap_servers
+    shadow_topic = f"{settings.delivery.answer_topic}.shadow"
     rng = random.Random(7)
     ids = [f"ticket-{n:03d}" for n in range(60)]
     live = [answer_event(i, rng, "m1") for i in ids[:50]]
@@ -123,24 +123,24 @@ def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_e
     async def scenario() -> Any:
         await prepare_topics(settings, EvaluateTopics.from_settings(settings, shadow_topic))
         await produce(servers, shadow_topic, _keyed(shadow[:5]))
-        async with Publisher(servers, settings.label_topic) as publisher:  # the client's checked labels
+        async with Publisher(servers, settings.evaluation.label_topic) as publisher:  # the client's checked labels
             for label in early:
                 await publisher.publish_label(label)
             with pytest.raises(EventError, match="invalid_label|does not match"):
                 await publisher.publish_label({"id": "x", "labels": {}})
-        await produce(servers, settings.label_topic, hostile)
+        await produce(servers, settings.evaluation.label_topic, hostile)
         stopping = asyncio.Event()
         worker = asyncio.ensure_future(run_worker(settings, stopping, metrics=metrics))
-        await produce(servers, settings.answer_topic, _keyed(live + live[:7]))  # seven at-least-once repeats
+        await produce(servers, settings.delivery.answer_topic, _keyed(live + live[:7]))  # seven at-least-once repeats
         await produce(servers, shadow_topic, _keyed(shadow[5:]))
-        await produce(servers, settings.label_topic, _keyed(late + early[:4]))  # four repeated label events
+        await produce(servers, settings.evaluation.label_topic, _keyed(late + early[:4]))  # four repeated label events
         # live: ids 10-49 labelled (40); shadow: even ids 10-48 (20).
-        await _until(servers, settings.evaluation_topic, 60)
+        await _until(servers, settings.evaluation.evaluation_topic, 60)
         await asyncio.sleep(1.0)  # nothing more may come
         stopping.set()
         evaluator = await worker
-        return evaluator, await _read(servers, settings.evaluation_topic), \
-            await _read(servers, settings.label_dead_letter_topic)
+        return evaluator, await _read(servers, settings.evaluation.evaluation_topic), \
+            await _read(servers, settings.evaluation.label_dead_letter_topic)
 
     evaluator, evaluations, dead = asyncio.run(scenario())
     pairs = collections.Counter((e["id"], e["role"], e["model"]) for e in evaluations)
@@ -178,12 +178,12 @@ def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_e
     # What an operator types: the report, and compare --labels on the topics themselves.
     capsys.readouterr()
     connection = ["--bootstrap-servers", servers]
-    assert cli_main(["evaluate", "--report", "--json", "--evaluation-topic", settings.evaluation_topic,
+    assert cli_main(["evaluate", "--report", "--json", "--evaluation-topic", settings.evaluation.evaluation_topic,
                      *connection]) == 0
     reported = json.loads(capsys.readouterr().out)["models"]
     assert [(m["role"], m["model"], m["n"]) for m in reported] == [("live", "m1", 120), ("shadow", "m2", 60)]
     # (The label file, not the topic: the topic also holds the keyless label the evaluator dead-letters.)
-    assert cli_main(["compare", f"kafka:{settings.answer_topic}", f"kafka:{settings.answer_topic}", "--labels",
+    assert cli_main(["compare", f"kafka:{settings.delivery.answer_topic}", f"kafka:{settings.delivery.answer_topic}", "--labels",
                      str(tmp_path / "labels.jsonl"), "--json", "--out", str(tmp_path / "report"), *connection]) == 0
     headline = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert [headline[k] for k in ("accuracy_a", "brier_a", "ece_a", "log_loss_a")] == \
@@ -191,8 +191,8 @@ def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_e
     # The label topic itself, with what the evaluator dead-lettered (a record that is not JSON, one without
     # an id, one whose label is no label value): read past, not a stop. (Its figures may differ from the file's by the keyless
     # label, which partition order can make the first of its question.)
-    assert cli_main(["compare", f"kafka:{settings.answer_topic}", f"kafka:{settings.answer_topic}", "--labels",
-                     f"kafka:{settings.label_topic}", "--json", "--out", str(tmp_path / "report-topic"),
+    assert cli_main(["compare", f"kafka:{settings.delivery.answer_topic}", f"kafka:{settings.delivery.answer_topic}", "--labels",
+                     f"kafka:{settings.evaluation.label_topic}", "--json", "--out", str(tmp_path / "report-topic"),
                      *connection]) == 0
     from_topic = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert 0 <= from_topic["accuracy_a"] <= 1
@@ -202,7 +202,7 @@ async def _evaluate_until(settings: Any, servers: str, count: int, metrics: Any 
     """One evaluate worker in this process until ``count`` evaluations are on the topic; it stops cleanly."""
     stopping = asyncio.Event()
     worker = asyncio.ensure_future(run_worker(settings, stopping, metrics=metrics))
-    found = await _until(servers, settings.evaluation_topic, count)
+    found = await _until(servers, settings.evaluation.evaluation_topic, count)
     await asyncio.sleep(0.5)  # nothing more may come
     stopping.set()
     evaluator = await worker
@@ -216,24 +216,24 @@ def test_a_clean_restart_reads_only_the_changelog_tail_and_a_new_machine_restore
     however much waits; on a machine without the files (or after a crash) the changelog restores it all. Either
     way every answer is joined with its label once."""
     settings = _settings(kafka_broker, topic_names)
-    servers = settings.bootstrap_servers
+    servers = settings.connection.bootstrap_servers
     rng = random.Random(9)
     ids = [f"w-{n:03d}" for n in range(90)]
     answers, labels = [answer_event(i, rng) for i in ids], [label_event(i, rng) for i in ids]
 
     async def scenario() -> tuple[list[Any], list[Any], list[Any], list[dict[str, Any]]]:
         await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
-        await produce(servers, settings.answer_topic, _keyed(answers))
-        await produce(servers, settings.label_topic, _keyed(labels[:10]))
+        await produce(servers, settings.delivery.answer_topic, _keyed(answers))
+        await produce(servers, settings.evaluation.label_topic, _keyed(labels[:10]))
         first = await _evaluate_until(settings, servers, 10)  # 80 answers left waiting
-        await produce(servers, settings.label_topic, _keyed(labels[10:40]))
+        await produce(servers, settings.evaluation.label_topic, _keyed(labels[10:40]))
         second = await _evaluate_until(settings, servers, 40)  # the same files: a clean restart
-        for state_file in Path(settings.evaluate_state_dir).rglob("*"):  # a new machine
+        for state_file in Path(settings.evaluation.evaluate_state_dir).rglob("*"):  # a new machine
             if state_file.is_file():
                 state_file.unlink()
-        await produce(servers, settings.label_topic, _keyed(labels[40:]))
+        await produce(servers, settings.evaluation.label_topic, _keyed(labels[40:]))
         third = await _evaluate_until(settings, servers, 90)
-        return first.restores, second.restores, third.restores, await _read(servers, settings.evaluation_topic)
+        return first.restores, second.restores, third.restores, await _read(servers, settings.evaluation.evaluation_topic)
 
     first, second, third, evaluations = asyncio.run(scenario())
     assert {r["mode"] for r in first} == {"restore"} and sum(r["records"] for r in first) == 0  # nothing yet
@@ -248,7 +248,7 @@ def test_a_clean_restart_reads_only_the_changelog_tail_and_a_new_machine_restore
 def test_over_the_disk_budget_the_oldest_answers_are_evicted_counted_and_their_labels_counted_on_arrival(
         kafka_broker: Any, topic_names: Any) -> None:
     settings = _settings(kafka_broker, topic_names, topic_partitions=1, evaluate_max_state_bytes=24_000)
-    servers = settings.bootstrap_servers
+    servers = settings.connection.bootstrap_servers
     rng = random.Random(10)
     ids = [f"e-{n:03d}" for n in range(120)]
     metrics = QualityMetrics()
@@ -261,18 +261,18 @@ def test_over_the_disk_budget_the_oldest_answers_are_evicted_counted_and_their_l
         await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
         stopping = asyncio.Event()
         worker = asyncio.ensure_future(run_worker(settings, stopping, metrics=metrics))
-        await produce(servers, settings.answer_topic, _keyed([answer_event(i, rng) for i in ids]))
+        await produce(servers, settings.delivery.answer_topic, _keyed([answer_event(i, rng) for i in ids]))
         deadline = time.monotonic() + 60
         while taken_in() < len(ids):
             assert time.monotonic() < deadline and not worker.done(), f"{taken_in()} answers taken in"
             await asyncio.sleep(0.1)
         # The newest answer's label: joined; the oldest one's: its answer was evicted on the way.
-        await produce(servers, settings.label_topic, _keyed([label_event(ids[-1], rng), label_event(ids[0], rng)]))
-        await _until(servers, settings.evaluation_topic, 1)
+        await produce(servers, settings.evaluation.label_topic, _keyed([label_event(ids[-1], rng), label_event(ids[0], rng)]))
+        await _until(servers, settings.evaluation.evaluation_topic, 1)
         await asyncio.sleep(0.5)
         stopping.set()
         await worker
-        return await _read(servers, settings.evaluation_topic)
+        return await _read(servers, settings.evaluation.evaluation_topic)
 
     evaluations = asyncio.run(scenario())
     assert [e["id"] for e in evaluations] == [ids[-1]]
@@ -285,5 +285,5 @@ def test_over_the_disk_budget_the_oldest_answers_are_evicted_counted_and_their_l
     assert series['d3stream_eval_after_eviction_total{kind="label"}'] == 1.0
     assert series['d3stream_eval_waiting{kind="labels"}'] == 0.0  # the late label does not wait a week
     assert series["d3stream_eval_state_bytes"] <= 24_000
-    assert series["d3stream_eval_window_seconds"] == settings.evaluate_window_s
-    assert 0 < series["d3stream_eval_state_coverage_seconds"] < settings.evaluate_window_s
+    assert series["d3stream_eval_window_seconds"] == settings.evaluation.evaluate_window_s
+    assert 0 < series["d3stream_eval_state_coverage_seconds"] < settings.evaluation.evaluate_window_s

@@ -167,7 +167,7 @@ def test_store_500s_are_retried_a_bounded_number_of_times(stack, proxy, qwen35_m
     assert flaky_answer["error"]["code"] == "media_unavailable"
     assert "object store error 500" in flaky_answer["error"]["message"]  # a HEAD error has no body: the status
     heads = proxy.requests("HEAD", stack.path("img/flaky.png"))
-    assert len(heads) == settings.s3_max_attempts, [e.status for e in heads]
+    assert len(heads) == settings.storage.s3_max_attempts, [e.status for e in heads]
     assert all(e.status == 500 for e in heads)
     assert not proxy.requests("GET", stack.path("img/flaky.png")), "no GET after a failed HEAD"
     # A single 500 is retried and the request is answered from the object.
@@ -186,7 +186,7 @@ def test_s3_max_attempts_is_the_number_of_attempts(stack, proxy, qwen35_model):
     requests = [{"id": "attempts", "state": "s", "questions": {"noul": Q_NOUL}, "images": [flaky]}]
     _, reader = run(serve(stack, settings, qwen35_model, [record(r) for r in requests], ["attempts"]))
     assert reader.by_id()["attempts"]["error"]["code"] == "media_unavailable"
-    assert len(proxy.requests("HEAD", stack.path("img/always-500.png"))) == settings.s3_max_attempts
+    assert len(proxy.requests("HEAD", stack.path("img/always-500.png"))) == settings.storage.s3_max_attempts
 
 
 def test_slow_store_times_out_per_request_while_other_partitions_flow(stack, proxy, qwen35_model):
@@ -209,7 +209,7 @@ def test_slow_store_times_out_per_request_while_other_partitions_flow(stack, pro
     # Bounded: the attempts, each cut at the read timeout, plus backoff -- far from the 4 s x many a
     # patient client would spend.
     attempts = proxy.requests("HEAD", stack.path("img/slow.png"))
-    assert len(attempts) == settings.s3_max_attempts
+    assert len(attempts) == settings.storage.s3_max_attempts
     assert answer["provenance"]["timings"]["fetch"] < 10_000, answer["provenance"]["timings"]
     assert not proxy.requests("GET", stack.path("img/slow.png"))
     # The rest of the stream flowed meanwhile: requests on other partitions were answered before it.

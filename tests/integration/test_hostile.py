@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 from d3stream_client.publisher import produce
 
-from d3stream.config import Settings
 from d3stream.service import Service
+from d3stream.settings import Settings
 from tests.support.media_makers import make_jpeg, make_mp4, make_png, make_png_header_only
 from tests.support.stream_helpers import Q_NOUL, Reader, assigned_and_ready, free_port, record, run, serve
 
@@ -203,7 +203,7 @@ def test_no_secret_reaches_the_logs_or_the_topics(stack, proxy, qwen35_model, ca
                                media_allowlist=[f"{stack.bucket}/ok/", f"{stack.bucket}-x/ok/"],
                                log_level="debug", log_format="json")
     capfd.readouterr()
-    restore = configure_logging(settings_.log_format, settings_.log_level)
+    restore = configure_logging(settings_.observability.log_format, settings_.observability.log_level)
     try:
         _, reader = run(serve(stack, settings_, qwen35_model, records, [r["id"] for r in requests] + ["sec-junk"]))
         out, err = capfd.readouterr()
@@ -257,7 +257,7 @@ def sasl_broker(kafka_broker):
 
 
 def _sasl_settings(broker, topics: dict[str, str], group: str, password: str) -> Settings:
-    return Settings(bootstrap_servers=broker.bootstrap_servers, request_topics=[topics["req"]],
+    return Settings.from_flat(bootstrap_servers=broker.bootstrap_servers, request_topics=[topics["req"]],
                     answer_topic=topics["ans"], dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"],
                     group_id=group, security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN",
                     sasl_username=SASL_USER, sasl_password=password, commit_interval_ms=100, linger_ms=10,

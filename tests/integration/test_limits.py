@@ -19,7 +19,7 @@ from d3stream_client.validation import DEFAULT_LIMITS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from d3stream.config import Settings
+from d3stream.settings import Settings
 from tests.support.media_makers import make_png
 from tests.support.stream_helpers import Q_CHOICE, Q_NOUL, committed, record, run, serve
 
@@ -113,7 +113,7 @@ def requests_up_to_the_limits(draw: st.DrawFn, image_key: str) -> dict[str, Any]
     request: dict[str, Any] = {"id": draw(st.text(st.characters(codec="utf-8"), min_size=1, max_size=300)),
                                "state": draw(hostile_text), "questions": questions}
     if shape == "references":
-        count = draw(st.integers(1, Settings().max_media_references + 2))
+        count = draw(st.integers(1, Settings().media.max_media_references + 2))
         request["images"] = [image_key] * count
     if shape == "metadata":
         request["metadata"] = "m" * draw(st.integers(limits.bytes - 2_000, limits.bytes + 2_000))

@@ -139,7 +139,7 @@ def test_a_legitimate_video_behind_three_bombs_is_answered_before_any_of_them(st
     text_id = next(rid for rid in ids_off_partition("text", -1, 100) if partition_of(rid) not in taken)
     clip = data_url(make_mp4(20, 64, 48, 10, seed=6), "video/mp4")
     settings = stack.settings(media_decode_timeout_s=deadline)
-    assert settings.media_decode_processes == 4  # the default pool
+    assert settings.media.media_decode_processes == 4  # the default pool
     service = Service(settings, qwen35_model)
     bootstrap = stack.broker.bootstrap_servers
 

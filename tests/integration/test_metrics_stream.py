@@ -9,9 +9,9 @@ import urllib.request
 
 from d3stream_client.publisher import produce
 
-from d3stream.config import Settings
 from d3stream.ops.metrics import Metrics, MetricsServer
 from d3stream.service import Service
+from d3stream.settings import Settings
 from tests.support.stream_helpers import scrape
 
 
@@ -36,7 +36,7 @@ def test_metrics_move_during_a_real_stream(kafka_broker, topic_names, qwen35_tex
     ]
     bad = [(b"broken", b"\x00 not json")]
     asyncio.run(produce(kafka_broker.bootstrap_servers, requests_topic, good + bad))
-    settings = Settings(
+    settings = Settings.from_flat(
         bootstrap_servers=kafka_broker.bootstrap_servers,
         request_topics=[requests_topic],
         answer_topic=answers_topic,

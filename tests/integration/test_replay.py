@@ -12,9 +12,9 @@ from aiokafka import AIOKafkaProducer
 from d3stream_client.publisher import produce
 
 from d3stream.benchmarks.chaos import count_topic
-from d3stream.config import Settings
 from d3stream.jobs.replay import ReplayRange, parse_time, replay_drift, run_replay
 from d3stream.service import Service
+from d3stream.settings import Settings
 
 
 def request(number: int, *, long: bool = False) -> dict:
@@ -35,7 +35,7 @@ def records(count: int, **kwargs) -> list[tuple[bytes, bytes]]:
 
 
 def settings_for(broker, requests_topic: str, answers_topic: str, group: str, **extra) -> Settings:
-    return Settings(
+    return Settings.from_flat(
         bootstrap_servers=broker.bootstrap_servers,
         request_topics=[requests_topic],
         answer_topic=answers_topic,
@@ -171,7 +171,7 @@ def test_replaying_the_live_model_reproduces_its_answers_and_reports_the_drift(
     out = tmp_path / "replayed.jsonl"
     asyncio.run(run_replay(settings, qwen35_text_model, ReplayRange(topic=request_topic), replay_id="drift",
                            out_file=out, deterministic=True, rows_per_pass=3))
-    drift = replay_drift(f"kafka:{live_answers}", str(out), Settings(bootstrap_servers=kafka_broker.bootstrap_servers))
+    drift = replay_drift(f"kafka:{live_answers}", str(out), Settings.from_flat(bootstrap_servers=kafka_broker.bootstrap_servers))
     assert drift["joined"] == 24 * 3 and drift["only_a"] == 0 and drift["only_b"] == 0
     assert drift["max_abs_dp"] <= 1e-2  # bf16 tolerance: other pass compositions, same answers
     recorded = {a["id"]: a["answers"] for a in asyncio.run(count_topic(kafka_broker.bootstrap_servers, live_answers))}

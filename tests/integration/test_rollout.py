@@ -130,7 +130,7 @@ def test_a_pointer_changed_mid_stream_swaps_the_model_without_a_stop(
     assert set(counts) == {*before, *during, *after, "names-v1"}, "lost answers"
     assert set(counts.values()) == {1}, "duplicated answers"
     assert swaps(service, "swapped") == 1
-    assert set(service.pipeline.hosted) == {"v2"}
+    assert set(service.pipeline.router.hosted) == {"v2"}
 
     references = {"v1": qwen35_text_model, "v2": demo_random_model}
     by_partition: dict[int, list[tuple[int, str]]] = defaultdict(list)

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from d3stream.cli import main
-from d3stream.config import load_settings
 from d3stream.kafka.connection import (
     client_options,
 )
 from d3stream.service import Service
+from d3stream.settings import load_settings
 from tests.support.stream_helpers import Q_NOUL, Reader, assigned_and_ready, free_port, run
 
 trustme = pytest.importorskip("trustme")
@@ -173,7 +173,7 @@ async def _serve_until_answered(connection: dict[str, Any], topics: dict[str, st
     """``serve``'s Service with the given connection settings, until every id is answered."""
     settings = _service_settings(connection, topics)
     service = Service(settings, model)
-    options = client_options(settings, "consumer")
+    options = client_options(settings.connection, "consumer")
     async with Reader(options.pop("bootstrap_servers"), topics["ans"], 2, security=options) as reader:
         task = asyncio.create_task(service.run())
         try:

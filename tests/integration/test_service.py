@@ -261,7 +261,7 @@ def test_questions_share_their_prompt_prefix_and_repeated_media_is_encoded_once(
     assert value("d3stream_prefix_requests_total", {"path": "shared"}) == len(requests) - 1
     assert value("d3stream_prefix_checks_total", {"result": "passed"}) == questions
     assert value("d3stream_prefix_checks_total", {"result": "failed"}) == 0
-    assert 0 < value("d3stream_prefix_max_abs_dp") <= settings.prefix_tolerance
+    assert 0 < value("d3stream_prefix_max_abs_dp") <= settings.batching.prefix_tolerance
     # Three requests, one image: encoded once. Requests in the same pass share one vision-tower call (no
     # cache lookup for the copies); ones in later passes find it in the cache. Either way: one miss.
     assert value("d3stream_media_cache_lookups_total", {"result": "miss"}) == 1
@@ -414,7 +414,7 @@ def test_every_request_error_is_answered_and_the_stream_continues(stack, qwen35_
             answers = reader.answers()
             assert all(r.key == json.loads(r.value)["id"].encode() for r in reader.records), "keyed by id"
         dead = await read_all(bootstrap, stack.dead_letters, 4)
-        offsets = await committed(bootstrap, settings.group_id, stack.requests, 1)
+        offsets = await committed(bootstrap, settings.delivery.group_id, stack.requests, 1)
         return service, answers, dead, offsets
 
     service, answers, dead, offsets = run(scenario())
@@ -640,7 +640,7 @@ def test_clean_shutdown_mid_stream_then_restart_answers_each_request_once(stack,
                 await reader.wait(lambda: len(reader.counts()) >= 10, 90, task, what="10 answers")
             finally:
                 await stop(first, task)
-            offsets_after_first = await committed(bootstrap, settings.group_id, stack.requests, 4)
+            offsets_after_first = await committed(bootstrap, settings.delivery.group_id, stack.requests, 4)
             await reader.caught_up()
             answered_by_first = len(reader.records)
             second = Service(settings, model)

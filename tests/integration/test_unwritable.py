@@ -114,7 +114,7 @@ def test_over_limit_answers_and_dead_letters_are_replaced_and_the_partition_flow
     (letter,) = [json.loads(item.value) for item in run(read_all(stack.broker.bootstrap_servers,
                                                                   stack.dead_letters, 4))]
     kept = base64.b64decode(letter["value_base64"])
-    assert len(kept) == settings.dead_letter_max_bytes and raw.startswith(kept)
+    assert len(kept) == settings.delivery.dead_letter_max_bytes and raw.startswith(kept)
     assert letter["value_bytes"] == len(raw) and letter["value_truncated"] is True
     assert letter["value_sha256"] == hashlib.sha256(raw).hexdigest()
 
@@ -167,9 +167,9 @@ async def deny_writes(bootstrap: str, topic: str) -> None:
 @pytest.mark.parametrize("mode", ["exactly_once", "at_least_once"])
 def test_an_answer_topic_the_worker_may_not_write_to_stops_it_naming_the_topic(authorizing_broker, unique_name,
                                                                                 qwen35_text_model, mode):
-    from d3stream.config import Settings
     from d3stream.kafka.limits import WorkerFatal
     from d3stream.service import Service
+    from d3stream.settings import Settings
 
     broker, bootstrap = authorizing_broker, authorizing_broker.bootstrap_servers
     names = {kind: unique_name(kind) for kind in ("req", "ans", "dlq", "prov", "grp")}
@@ -177,7 +177,7 @@ def test_an_answer_topic_the_worker_may_not_write_to_stops_it_naming_the_topic(a
     for kind in ("ans", "dlq", "prov"):
         broker.create_topic(names[kind], 1)
     run(deny_writes(bootstrap, names["ans"]))
-    settings = Settings(bootstrap_servers=bootstrap, request_topics=[names["req"]], answer_topic=names["ans"],
+    settings = Settings.from_flat(bootstrap_servers=bootstrap, request_topics=[names["req"]], answer_topic=names["ans"],
                         dead_letter_topic=names["dlq"], provenance_topic=names["prov"], group_id=names["grp"],
                         delivery=mode, commit_interval_ms=100, linger_ms=10, metrics_port=None)
 

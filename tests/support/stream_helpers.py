@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from d3stream_client.publisher import produce
 
-from d3stream.config import Settings
 from d3stream.service import Service
+from d3stream.settings import Settings
 
 Q_NOUL = {"type": "noul", "instructions": "Is anything unusual visible?"}
 Q_CHOICE = {"type": "choice", "criteria": {"left": "turn left", "right": "turn right", "stop": "stop here"}}
@@ -62,7 +62,7 @@ class Stack:
             metrics_port=None,
         )
         values.update(overrides)
-        return Settings(**values)
+        return Settings.from_flat(**values)
 
     def serve_command(self, checkpoint: Any, *options: str, bootstrap_servers: str | None = None) -> list[str]:
         """A ``d3stream serve`` command line on this stack's topics, group and bucket, plus ``options``."""

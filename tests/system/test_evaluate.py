@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 from d3stream_client.publisher import produce
 
-from d3stream.config import load_settings
 from d3stream.jobs import compare
 from d3stream.kafka.evaluating import EvaluateSetupError, EvaluateTopics, prepare_topics
+from d3stream.settings import load_settings
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -110,18 +110,18 @@ async def _logged(path: Path, text: str, timeout_s: float = 60.0) -> None:
 def test_two_workers_one_killed_and_restarted_mid_stream_lose_and_double_nothing(
         kafka_broker: Any, topic_names: Any, tmp_path: Path) -> None:
     settings = _settings(kafka_broker, topic_names, session_timeout_ms=6000, topic_partitions=4)
-    servers = settings.bootstrap_servers
+    servers = settings.connection.bootstrap_servers
     rng = random.Random(8)
     ids = [f"k-{n:04d}" for n in range(600)]
     answers = [answer_event(i, rng) for i in ids]
     labels = [label_event(i, rng) for i in ids]
-    env = {**os.environ, "D3STREAM_BOOTSTRAP_SERVERS": servers, "D3STREAM_ANSWER_TOPIC": settings.answer_topic,
-           "D3STREAM_LABEL_TOPIC": settings.label_topic, "D3STREAM_EVALUATION_TOPIC": settings.evaluation_topic,
-           "D3STREAM_LABEL_DEAD_LETTER_TOPIC": settings.label_dead_letter_topic,
-           "D3STREAM_EVALUATE_STATE_TOPIC": settings.evaluate_state_topic,
-           "D3STREAM_EVALUATE_GROUP_ID": settings.evaluate_group_id,
-           "D3STREAM_EVALUATE_STATE_DIR": settings.evaluate_state_dir,
-           "D3STREAM_TRANSACTIONAL_ID_PREFIX": settings.transactional_id_prefix, "D3STREAM_TOPIC_PARTITIONS": "4",
+    env = {**os.environ, "D3STREAM_BOOTSTRAP_SERVERS": servers, "D3STREAM_ANSWER_TOPIC": settings.delivery.answer_topic,
+           "D3STREAM_LABEL_TOPIC": settings.evaluation.label_topic, "D3STREAM_EVALUATION_TOPIC": settings.evaluation.evaluation_topic,
+           "D3STREAM_LABEL_DEAD_LETTER_TOPIC": settings.evaluation.label_dead_letter_topic,
+           "D3STREAM_EVALUATE_STATE_TOPIC": settings.evaluation.evaluate_state_topic,
+           "D3STREAM_EVALUATE_GROUP_ID": settings.evaluation.evaluate_group_id,
+           "D3STREAM_EVALUATE_STATE_DIR": settings.evaluation.evaluate_state_dir,
+           "D3STREAM_TRANSACTIONAL_ID_PREFIX": settings.delivery.transactional_id_prefix, "D3STREAM_TOPIC_PARTITIONS": "4",
            "D3STREAM_SESSION_TIMEOUT_MS": "6000", "D3STREAM_METRICS_PORT": "0", "D3STREAM_LOG_FORMAT": "json"}
 
     def start(name: str) -> subprocess.Popen[bytes]:
@@ -136,22 +136,22 @@ def test_two_workers_one_killed_and_restarted_mid_stream_lose_and_double_nothing
             for name in ("w1", "w2"):  # both in the group, each with partitions of its own
                 await _logged(tmp_path / f"{name}.log", "evaluating partition")
             # Both workers evaluating (labels trail their answers, so each partition has answers waiting) ...
-            await produce(servers, settings.answer_topic, _keyed(answers[:200]))
-            await produce(servers, settings.label_topic, _keyed(labels[:150]))
-            await _until(servers, settings.evaluation_topic, 150)
+            await produce(servers, settings.delivery.answer_topic, _keyed(answers[:200]))
+            await produce(servers, settings.evaluation.label_topic, _keyed(labels[:150]))
+            await _until(servers, settings.evaluation.evaluation_topic, 150)
             # ... then one is killed with records in flight; the other takes its partitions over.
-            await produce(servers, settings.answer_topic, _keyed(answers[200:400]))
-            await produce(servers, settings.label_topic, _keyed(labels[150:300]))
+            await produce(servers, settings.delivery.answer_topic, _keyed(answers[200:400]))
+            await produce(servers, settings.evaluation.label_topic, _keyed(labels[150:300]))
             first.send_signal(signal.SIGKILL)
             first.wait()
-            await produce(servers, settings.answer_topic, _keyed(answers[400:]))
-            await produce(servers, settings.label_topic, _keyed(labels[300:450]))
+            await produce(servers, settings.delivery.answer_topic, _keyed(answers[400:]))
+            await produce(servers, settings.evaluation.label_topic, _keyed(labels[300:450]))
             first = start("w1")  # and comes back: a second rebalance
             await asyncio.sleep(2.0)
-            await produce(servers, settings.label_topic, _keyed(labels[450:] + labels[:30]))  # some again
-            found = await _until(servers, settings.evaluation_topic, 600, timeout_s=120)
+            await produce(servers, settings.evaluation.label_topic, _keyed(labels[450:] + labels[:30]))  # some again
+            found = await _until(servers, settings.evaluation.evaluation_topic, 600, timeout_s=120)
             await asyncio.sleep(1.0)
-            return await _read(servers, settings.evaluation_topic) if len(found) >= 600 else found
+            return await _read(servers, settings.evaluation.evaluation_topic) if len(found) >= 600 else found
         finally:
             for process in (first, second):
                 process.send_signal(signal.SIGTERM)
@@ -178,13 +178,13 @@ def test_a_label_topic_with_another_partition_count_is_refused_naming_the_fix(
     async def scenario() -> str:
         from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-        admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+        admin = AIOKafkaAdminClient(bootstrap_servers=settings.connection.bootstrap_servers)
         await admin.start()
-        await admin.create_topics([NewTopic(settings.answer_topic, 3, 1), NewTopic(settings.label_topic, 2, 1)])
+        await admin.create_topics([NewTopic(settings.delivery.answer_topic, 3, 1), NewTopic(settings.evaluation.label_topic, 2, 1)])
         await admin.close()
         with pytest.raises(EvaluateSetupError) as refused:
             await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
         return str(refused.value)
 
     message = asyncio.run(scenario())
-    assert f"'{settings.label_topic}' has 2 partitions" in message and "--alter --partitions 3" in message
+    assert f"'{settings.evaluation.label_topic}' has 2 partitions" in message and "--alter --partitions 3" in message

@@ -31,5 +31,9 @@ def test_the_media_budget_counts_the_memory_decoding_and_preparing_take(qwen35_c
     # One request, then (images) three of them held at once.
     for counted, peak in ((figures["first_counted"], figures["first_peak_growth"]),
                           (figures["counted"], figures["peak_growth"])):
-        assert abs(counted - peak) <= 0.25 * peak, (
-            f"{case}: the budget counted {counted / 2**20:.0f} MiB, the process grew by {peak / 2**20:.0f} MiB")
+        # Never well under what decoding took (the budget's promise), nor so far over that the budget idles. A
+        # clip's decode peaks in two modes (119 or 185 MiB for the same clip, docs/MEMORY.md): the count sits
+        # near the higher one, so a run in the lower mode sees the count above its growth.
+        text = f"{case}: the budget counted {counted / 2**20:.0f} MiB, the process grew by {peak / 2**20:.0f} MiB"
+        assert counted >= 0.75 * peak, text
+        assert counted <= 1.5 * peak, text

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from d3stream.config import Settings, check_settings
 from d3stream.ops.tracing import Tracing, traces_url
+from d3stream.settings import Settings
 from tests.support.stream_helpers import Q_NOUL, Reader, free_port, record, run
 
 pytestmark = pytest.mark.timeout(240)
@@ -29,12 +29,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_header_and_tracing_settings_are_checked():
     with pytest.raises(ValueError, match="forward_headers may not name content-type"):
-        check_settings(Settings(forward_headers=["content-type"]))
+        Settings.from_flat(forward_headers=["content-type"]).check()
     with pytest.raises(ValueError, match="forward_headers_max_bytes"):
-        check_settings(Settings(forward_headers_max_bytes=-1))
+        Settings.from_flat(forward_headers_max_bytes=-1).check()
     assert Tracing.from_settings(Settings()) is None  # off by default: the service builds no spans at all
     # ... and never imports OpenTelemetry (checked in a fresh interpreter: this session may have imported it).
-    probe = ("import sys, d3stream.service, d3stream.jobs.replay; from d3stream.config import Settings; "
+    probe = ("import sys, d3stream.service, d3stream.jobs.replay; from d3stream.settings import Settings; "
              "from d3stream.ops.tracing import Tracing; assert Tracing.from_settings(Settings()) is None; "
              "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120,

@@ -104,7 +104,7 @@ def test_a_static_member_restarted_in_time_takes_its_partitions_back_without_a_r
 
 
 def _gauge(service: Service, name: str, partition: int) -> float:
-    value = service.metrics.registry.get_sample_value(name, {"topic": service.settings.request_topics[0],
+    value = service.metrics.registry.get_sample_value(name, {"topic": service.settings.delivery.request_topics[0],
                                                              "partition": str(partition)})
     return -1.0 if value is None else value
 

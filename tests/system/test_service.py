@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from d3stream_client.publisher import produce
 
-from d3stream.config import FIELDS
+from d3stream.settings import SETTINGS
 from tests.support.stream_helpers import (
     Q_CHOICE,
     Q_NOUL,
@@ -44,7 +44,7 @@ def test_serve_command_sigterm_mid_stream_and_restart(stack, qwen35_checkpoint, 
         "--commit-interval-ms", "200",
         "--log-format", "json",
     )
-    if "metrics_port" in FIELDS:  # never the fixed default port: other workers may be serving on this machine
+    if "metrics_port" in SETTINGS:  # never the fixed default port: other workers may be serving on this machine
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             command += ["--metrics-host", "127.0.0.1", "--metrics-port", str(probe.getsockname()[1])]

@@ -38,7 +38,7 @@ MAX_NESTING = 64
 class RequestLimits:
     """Request-level limits checked while decoding, before any fetch, decode or device time.
 
-    Each is the setting of the same name with ``max_request_`` in front (``config.Settings``); None means
+    Each is the setting of the same name with ``max_request_`` in front (``d3stream.settings.LimitSettings``); None means
     no limit. The defaults keep the answer of any request within them well under Kafka's default 1 MB
     message limit: the answer echoes every option key (and a score's level texts) with a probability
     (~25 bytes each), the question ids and the metadata, so its size is bounded by about the request's
@@ -53,12 +53,13 @@ class RequestLimits:
 
     @classmethod
     def from_settings(cls, settings: Any) -> RequestLimits:
-        """The limits of a worker's settings (any object with the ``max_request_*`` attributes)."""
+        """The limits of a worker's settings (``d3stream.settings.Settings``: its ``limits`` and ``media``
+        sections)."""
         return cls(
-            bytes=settings.max_request_bytes,
-            questions=settings.max_request_questions,
-            options=settings.max_request_options,
-            media_references=settings.max_media_references,
+            bytes=settings.limits.max_request_bytes,
+            questions=settings.limits.max_request_questions,
+            options=settings.limits.max_request_options,
+            media_references=settings.media.max_media_references,
         )
 
 

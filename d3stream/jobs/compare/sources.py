@@ -26,7 +26,7 @@ from d3stream_client.contract import Label
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from d3stream.config import Settings
+    from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -154,7 +154,7 @@ async def _start(consumer: AIOKafkaConsumer, source: TopicRange, bootstrap_serve
         if settings is not None:  # the connection settings: find which of them to change
             from d3stream.kafka.connection import explain_failure
 
-            hint = f" ({await explain_failure(settings, exc)})"
+            hint = f" ({await explain_failure(settings.connection, exc)})"
         raise SourceError(f"{source}: cannot reach the Kafka cluster at {bootstrap_servers}{hint}: {exc!r}") from exc
 
 
@@ -287,7 +287,7 @@ def read_range(
     if settings is not None:
         from d3stream.kafka.connection import client_options
 
-        options = client_options(settings, "consumer", client_id=settings.client_id)
+        options = client_options(settings.connection, "consumer", client_id=settings.connection.client_id)
         bootstrap_servers = options.pop("bootstrap_servers")
         security = options
     servers = bootstrap_servers or default_bootstrap_servers()

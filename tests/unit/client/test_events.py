@@ -484,10 +484,10 @@ def test_each_request_limit_refuses_naming_its_setting():
 
 
 def test_request_limits_come_from_the_settings():
-    from d3stream.config import Settings
+    from d3stream.settings import Settings
 
     limits = RequestLimits.from_settings(
-        Settings(max_request_bytes=None, max_request_questions=5, max_request_options=7)
+        Settings.from_flat(max_request_bytes=None, max_request_questions=5, max_request_options=7)
     )
     assert limits == RequestLimits(bytes=None, questions=5, options=7, media_references=32)
     assert RequestLimits.from_settings(Settings()) == DEFAULT_LIMITS

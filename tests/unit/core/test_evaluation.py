@@ -17,12 +17,12 @@ import pytest
 from d3stream_client.contract import Source, decode_answer
 from d3stream_client.validation import decode_label
 
-from d3stream.config import load_settings
 from d3stream.core.agreement import Slot, Tally, label_key, label_stats, parse_slot, score
 from d3stream.core.drift import Drift, psi
 from d3stream.core.evaluation import JoinState, LabelEntry, answer_entry, decode_waiting
 from d3stream.jobs import compare
 from d3stream.jobs.evaluate import load_drift
+from d3stream.settings import load_settings
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,13 +14,12 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-import msgspec
 import pytest
 from d3stream_client.contract import ERROR_CODES, decode_answer
 
-from d3stream.config import Settings
 from d3stream.core.record import RequestRecord
 from d3stream.service import Service
+from d3stream.settings import Settings
 from tests.support.media_makers import data_url, make_png, make_png_header_only
 from tests.support.stream_helpers import Q_CHOICE, Q_NOUL, Q_SCORE, close_to
 
@@ -71,9 +70,9 @@ def serve(service: Service, batch: list[SimpleNamespace], recorder: Recorder | N
 def pipeline_service(qwen35_model):
     """A ``Service`` that is never started: its pipeline, on the shared vision checkpoint."""
     limits = qwen35_model.max_length, qwen35_model.max_request_tokens
-    settings = Settings(metrics_port=None, media_allowlist=["s3://allowed/"], answer_topic="answers",
+    settings = Settings.from_flat(metrics_port=None, media_allowlist=["s3://allowed/"], answer_topic="answers",
                         dead_letter_topic="dead-letters", s3_max_attempts=1, linger_ms=20, max_request_tokens=5000)
-    yield lambda **changes: Service(msgspec.structs.replace(settings, **changes), qwen35_model)
+    yield lambda **changes: Service(settings.replaced(**changes), qwen35_model)
     qwen35_model.max_length, qwen35_model.max_request_tokens = limits
 
 
@@ -142,7 +141,7 @@ def test_a_fault_of_one_request_is_its_own_error_not_its_neighbours(pipeline_ser
             raise RuntimeError("simulated fault in the tokenizer")
         return original(state, questions, **kwargs)
 
-    service.model = service.pipeline.default.model = SimpleNamespace(**{
+    service.model = service.pipeline.router.default.model = SimpleNamespace(**{
         name: getattr(qwen35_model, name) for name in (
             "model_name", "device", "attention_mode", "image_unavailable", "video_unavailable",
             "request_may_exceed_tokens", "check_request_tokens", "forward", "provenance")
@@ -186,8 +185,8 @@ def test_every_delivery_setting_value_is_a_registered_mode():
     """The ``delivery`` setting's values and the registry of (sink, commit policy) pairs stay in step."""
     from typing import get_args
 
-    from d3stream.config import DeliveryMode
     from d3stream.kafka.commits import DELIVERY_MODES
+    from d3stream.settings import DeliveryMode
 
     kafka_modes = {name for name, mode in DELIVERY_MODES.items() if mode.kafka_sink}
     assert set(get_args(DeliveryMode)) == kafka_modes
@@ -293,7 +292,7 @@ def test_a_high_request_of_a_flooded_fetch_does_not_wait_for_the_flood_to_be_pre
     before the flood is prepared (submitted with the flood it would wait for all of it and share its pass)."""
     qwen35_model.system_one(state={"ticket": "warm-up"}, questions={"q": Q_NOUL})  # a first pass is slow (once)
     model = SlowToPrepareLow(qwen35_model)
-    settings = Settings(metrics_port=None, answer_topic="answers", dead_letter_topic="dead-letters",
+    settings = Settings.from_flat(metrics_port=None, answer_topic="answers", dead_letter_topic="dead-letters",
                         linger_ms=20, prefix_reuse="off", max_batch_rows=64)
     service = Service(settings, model)
     seen_at_first_answer = []

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from d3stream.config import load_settings
 from d3stream.core.shadow import chosen
 from d3stream.models.shadow import parse_shadow, shadow_hosted
+from d3stream.settings import load_settings
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,4 +33,4 @@ def test_shadow_values_are_a_checkpoint_of_its_own_or_a_served_name(tmp_path):
         name = "live"
 
     with pytest.raises(ValueError, match="not a served model .*'live'"):
-        shadow_hosted(load_settings({"shadow": "other"}, environ={}), [Served()], None)
+        shadow_hosted(load_settings({"shadow": "other"}, environ={}).models, [Served()], None)

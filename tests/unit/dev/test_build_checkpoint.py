@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from d3stream import config  # noqa: E402
+from d3stream import settings as settings_package  # noqa: E402
 from d3stream.dev import build_checkpoint as ck  # noqa: E402
 from d3stream.runtime import format as d3_format  # noqa: E402
 from d3stream.runtime import package  # noqa: E402
@@ -410,7 +410,7 @@ def test_0_8b_configs_construct(backbone):
 
 def test_tokenizer_cache_root_override(tmp_path, monkeypatch):
     default = ck.tokenizer_cache_dir() / "tokenizer.json"  # whatever cache the session already uses
-    monkeypatch.setenv(config.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(settings_package.CACHE_ENV, str(tmp_path / "cache"))
     folder = ck.tokenizer_cache_dir()
     assert folder.parent == tmp_path / "cache" / "tokenizer"
     assert folder.name == ck.tokenizer_version()

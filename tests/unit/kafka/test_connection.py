@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from d3stream.config import load_settings
 from d3stream.kafka.connection import (
     check_connection,
     client_options,
@@ -21,6 +20,7 @@ from d3stream.kafka.connection import (
     security_options,
     token_provider,
 )
+from d3stream.settings import load_settings
 from tests.support.stream_helpers import run
 
 trustme = pytest.importorskip("trustme")
@@ -86,13 +86,13 @@ def test_kafka_options_reach_the_clients_that_take_them_and_unknown_keys_are_ref
     args = build_parser().parse_args(["consume", "t", "-X", "request_timeout_ms=30000",
                                       "--kafka-options", "max_poll_records=5,linger_ms=7"])
     settings = load_settings(args, environ={})
-    assert client_options(settings, "consumer")["max_poll_records"] == 5
-    assert "max_poll_records" not in client_options(settings, "producer")
-    assert client_options(settings, "producer")["linger_ms"] == 7
-    assert all(client_options(settings, kind)["request_timeout_ms"] == 30000 for kind in ("consumer", "admin"))
+    assert client_options(settings.connection, "consumer")["max_poll_records"] == 5
+    assert "max_poll_records" not in client_options(settings.connection, "producer")
+    assert client_options(settings.connection, "producer")["linger_ms"] == 7
+    assert all(client_options(settings.connection, kind)["request_timeout_ms"] == 30000 for kind in ("consumer", "admin"))
     # a pass-through value wins over a client's own tuning value
-    assert client_options(settings, "producer", linger_ms=2)["linger_ms"] == 7
-    assert load_settings({}, environ={"D3STREAM_KAFKA_OPTIONS": "metadata_max_age_ms=1000"}).kafka_options == [
+    assert client_options(settings.connection, "producer", linger_ms=2)["linger_ms"] == 7
+    assert load_settings({}, environ={"D3STREAM_KAFKA_OPTIONS": "metadata_max_age_ms=1000"}).connection.kafka_options == [
         "metadata_max_age_ms=1000"]
 
     with pytest.raises(ValueError, match=r"unknown aiokafka client option 'request_timeout'.*request_timeout_ms"):
@@ -104,7 +104,7 @@ def test_kafka_options_reach_the_clients_that_take_them_and_unknown_keys_are_ref
     with pytest.raises(ValueError, match="must be int"):
         parse_kafka_options(["request_timeout_ms=soon"])
     with pytest.raises(ValueError, match="kafka_options"):  # refused as the command starts: exit 2 before work
-        check_connection(load_settings({"kafka_options": ["no_such_option=1"]}, environ={}))
+        check_connection(load_settings({"kafka_options": ["no_such_option=1"]}, environ={}).connection)
 
 
 def test_connection_settings_that_cannot_work_are_refused_by_name():
@@ -117,20 +117,20 @@ def test_connection_settings_that_cannot_work_are_refused_by_name():
         ({"D3STREAM_SECURITY_PROTOCOL": "SSL", "D3STREAM_SSL_KEYFILE": "/k.pem"}, "ssl_certfile"),
     ]:
         with pytest.raises(ValueError, match=setting):
-            check_connection(load_settings({}, environ=environ))
+            check_connection(load_settings({}, environ=environ).connection)
 
 
 def test_a_client_key_that_does_not_load_names_ssl_key_password(pki):
     base = {"security_protocol": "SSL", "ssl_cafile": str(pki["server_ca"]), "ssl_certfile": str(pki["client_cert"]),
             "ssl_keyfile": str(pki["client_key"])}
-    assert security_options(load_settings({**base, "ssl_key_password": KEY_PASSWORD}, environ={}))["ssl_context"]
+    assert security_options(load_settings({**base, "ssl_key_password": KEY_PASSWORD}, environ={}).connection)["ssl_context"]
     for password in (None, "wrong"):
         settings = load_settings({**base, "ssl_key_password": password}, environ={})
         with pytest.raises(ValueError, match="ssl_key_password"):
-            security_options(settings)
+            security_options(settings.connection)
     hostname_off = load_settings({**base, "ssl_key_password": KEY_PASSWORD, "ssl_check_hostname": False}, environ={})
-    assert security_options(hostname_off)["ssl_context"].check_hostname is False
-    assert security_options(load_settings(base | {"ssl_key_password": KEY_PASSWORD}, environ={}))[
+    assert security_options(hostname_off.connection)["ssl_context"].check_hostname is False
+    assert security_options(load_settings(base | {"ssl_key_password": KEY_PASSWORD}, environ={}).connection)[
         "ssl_context"].check_hostname is True
 
 
@@ -166,5 +166,5 @@ def test_token_sources_module_callable_and_aws_msk_iam(monkeypatch):
     assert "AKIDEXAMPLE/" in query["X-Amz-Credential"][0] and "/eu-west-1/kafka-cluster/" in query["X-Amz-Credential"][0]
     options = security_options(load_settings({}, environ={
         "D3STREAM_SECURITY_PROTOCOL": "SASL_SSL", "D3STREAM_SASL_MECHANISM": "OAUTHBEARER",
-        "D3STREAM_SASL_OAUTH_TOKEN_PROVIDER": "aws-msk-iam"}))
+        "D3STREAM_SASL_OAUTH_TOKEN_PROVIDER": "aws-msk-iam"}).connection)
     assert options["sasl_mechanism"] == "OAUTHBEARER" and run(options["sasl_oauth_token_provider"].token())

@@ -24,7 +24,7 @@ P = TopicPartition("requests", 0)
 def test_done_offsets_round_trip_through_the_metadata_and_a_full_window_fits_the_broker_limit():
     rng = random.Random(7)
     window = window_offsets(DEFAULT_METADATA_BYTES)
-    assert window == 24_480, "the README and docs/DELIVERY.md say how many pending offsets fit"
+    assert window == 24_480, "docs/DELIVERY.md says how many pending offsets fit"
     for _ in range(50):
         point = rng.randrange(0, 10**9)
         done = {point + 1 + rng.randrange(window) for _ in range(rng.randrange(1, 500))}

@@ -5,15 +5,15 @@ one model. Serving them: tests/integration/test_multimodel.py."""
 from __future__ import annotations
 
 from d3stream.cli import main as cli_main
-from d3stream.config import load_settings
 from d3stream.models.checkpoints import checkpoint_memory_bytes
+from d3stream.settings import load_settings
 
 
 def test_several_model_flags_are_several_models_and_a_toml_string_is_one(tmp_path):
     settings = load_settings({"model": ["a=/ckpt/one", "b=/ckpt/two,/ckpt/three"]})
-    assert settings.model == ["a=/ckpt/one", "b=/ckpt/two", "/ckpt/three"]
+    assert settings.models.checkpoints == ["a=/ckpt/one", "b=/ckpt/two", "/ckpt/three"]
     (tmp_path / "d3stream.toml").write_text('model = "/ckpt/one"\n')
-    assert load_settings({}, environ={}, config_file=tmp_path / "d3stream.toml").model == ["/ckpt/one"]
+    assert load_settings({}, environ={}, config_file=tmp_path / "d3stream.toml").models.checkpoints == ["/ckpt/one"]
 
 
 def test_models_that_do_not_fit_are_refused_at_start_naming_each(qwen35_text_checkpoint, demo_random_checkpoint,

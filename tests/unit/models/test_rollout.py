@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from d3stream.cli import main as cli_main
-from d3stream.config import Settings
 from d3stream.models.checkpoints import POINTER, checkpoint_memory_bytes
 from d3stream.models.rollout import (
     RefusedCheckpoint,
@@ -22,6 +21,7 @@ from d3stream.models.rollout import (
 )
 from d3stream.runtime.package import read_manifest, write_manifest
 from d3stream.service import Service
+from d3stream.settings import Settings
 from tests.support.model_fixtures import copy_checkpoint
 
 # serve sets up logging in process, on the test's captured stderr: undone after each test.
@@ -53,7 +53,7 @@ def test_canary_settings_and_a_checkpoint_of_another_format_version(
         with pytest.raises(ValueError, match="canary must be NAME=SHARE"):
             parse_canary(bad)
     with pytest.raises(ValueError, match="canary names 'nope', which is not served"):
-        Service(Settings(canary="nope=0.1", metrics_port=None), [qwen35_text_model])
+        Service(Settings.from_flat(canary="nope=0.1", metrics_port=None), [qwen35_text_model])
     # The split is a property of the id alone: the same on every worker, about uniform.
     points = [share_point(f"r-{n}") for n in range(2000)]
     assert points == [share_point(f"r-{n}") for n in range(2000)]
@@ -72,7 +72,7 @@ def test_canary_settings_and_a_checkpoint_of_another_format_version(
     # The old model stays loaded while the new one loads: both must fit (model_memory_bytes), else refused.
     needs = checkpoint_memory_bytes(qwen35_text_checkpoint)
     with pytest.raises(RefusedCheckpoint, match="the models do not fit") as refused:
-        load_checkpoint(str(qwen35_text_checkpoint), Settings(model_memory_bytes=needs), [qwen35_text_checkpoint])
+        load_checkpoint(str(qwen35_text_checkpoint), Settings.from_flat(model_memory_bytes=needs), [qwen35_text_checkpoint])
     assert refused.value.outcome == "refused_memory" and "model_memory_bytes" in str(refused.value)
 
 

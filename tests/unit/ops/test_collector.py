@@ -6,8 +6,8 @@ import gc
 
 import pytest
 
-from d3stream.config import Settings, check_settings
 from d3stream.ops.collector import tuned_collector
+from d3stream.settings import Settings
 
 
 def test_the_start_up_heap_is_frozen_and_young_collections_spaced_out_until_the_last_worker_stops():
@@ -31,7 +31,7 @@ def test_zero_leaves_the_collector_alone_and_a_negative_threshold_names_the_sett
         assert gc.get_threshold() == before
         assert gc.get_freeze_count() == 0
     with pytest.raises(ValueError, match="gc_young_threshold"):
-        check_settings(Settings(gc_young_threshold=-1))
+        Settings.from_flat(gc_young_threshold=-1).check()
 
 
 def test_an_error_inside_still_restores_the_collector():

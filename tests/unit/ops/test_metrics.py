@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import d3stream
-from d3stream.config import Settings
 from d3stream.core.batching import PassRecord
 from d3stream.ops.metrics import ERROR_CODES, STAGES, Metrics, MetricsServer, serve_metrics
+from d3stream.settings import Settings
 from tests.support.stream_helpers import scrape
 
 
@@ -239,8 +239,8 @@ def test_a_taken_port_is_a_clear_error() -> None:
 
 
 def test_serve_metrics_follows_the_settings() -> None:
-    assert serve_metrics(Metrics(), Settings(metrics_port=None)) is None
-    server = serve_metrics(Metrics(), Settings(metrics_port=0, metrics_host="127.0.0.1"))
+    assert serve_metrics(Metrics(), Settings.from_flat(metrics_port=None).observability) is None
+    server = serve_metrics(Metrics(), Settings.from_flat(metrics_port=0, metrics_host="127.0.0.1").observability)
     assert server is not None
     try:
         assert _status(server.url + "/healthz") == 200
@@ -264,8 +264,8 @@ def test_a_shadow_that_disagrees_from_the_start_has_an_agreement_of_zero_not_non
 
 
 def test_the_metrics_endpoint_listens_on_the_loopback_address_by_default():
-    assert Settings().metrics_host == "127.0.0.1"
-    server = serve_metrics(Metrics(), Settings(metrics_port=0))
+    assert Settings().observability.metrics_host == "127.0.0.1"
+    server = serve_metrics(Metrics(), Settings.from_flat(metrics_port=0).observability)
     try:
         assert server._httpd.server_address[0] == "127.0.0.1"
     finally:

@@ -24,7 +24,7 @@ from d3stream_client.validation import DEFAULT_LIMITS, decode_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from d3stream.config import Settings
+from d3stream.settings import Settings
 from tests.support.media_makers import make_png
 from tests.support.stream_helpers import Q_CHOICE, Q_NOUL
 
@@ -54,7 +54,7 @@ def test_the_exact_token_count_includes_media_tokens(qwen35_model, monkeypatch):
 
 def test_the_early_estimate_refuses_a_costly_request_without_tokenizing_it(qwen35_text_model, monkeypatch):
     model = qwen35_text_model
-    monkeypatch.setattr(model, "max_request_tokens", Settings().max_request_tokens)
+    monkeypatch.setattr(model, "max_request_tokens", Settings().limits.max_request_tokens)
     assert model.request_may_exceed_tokens(len(json.dumps(COSTLY_STATE)), len(COSTLY_QUESTIONS))
     assert not model.request_may_exceed_tokens(2_000, 8)  # ordinary requests skip the estimate
     calls = []

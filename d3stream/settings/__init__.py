@@ -1,0 +1,59 @@
+"""A worker's settings: typed sections (sections.py), their catalogue by written name (catalog.py), the three
+places an operator writes them (sources.py: flags, ``D3STREAM_*`` variables, a TOML file) and the page that
+documents them (reference.py). Secrets never print (secret.py).
+
+The bottom layer beside the runtime: it imports nothing of d3stream outside itself.
+"""
+
+import os
+from pathlib import Path
+
+from d3stream.settings.catalog import SECTIONS, SETTINGS, Setting, Settings
+from d3stream.settings.secret import Secret
+from d3stream.settings.sections import (
+    BatchingSettings,
+    ConnectionSettings,
+    DeliveryMode,
+    DeliverySettings,
+    EvaluationSettings,
+    LifecycleSettings,
+    LimitSettings,
+    MediaSettings,
+    ModelSettings,
+    ObservabilitySettings,
+    Ordering,
+    StorageSettings,
+)
+from d3stream.settings.sources import (
+    CONFIG_ENV,
+    CONNECTION_FIELDS,
+    ENV_PREFIX,
+    add_arguments,
+    env_name,
+    flag_name,
+    load_settings,
+)
+
+# Where d3stream keeps what it builds or downloads (tokenizers, demo checkpoints, downloaded models).
+CACHE_ENV = "D3STREAM_CACHE"
+
+
+def cache_root() -> Path:
+    """``$D3STREAM_CACHE`` or ``~/.cache/d3stream``."""
+    configured = os.environ.get(CACHE_ENV)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "d3stream"
+
+
+def heartbeat_interval_ms(delivery: DeliverySettings) -> int:
+    """aiokafka's 3 s heartbeat, or a third of a shorter session timeout, so one late heartbeat does not
+    drop a healthy worker from the group."""
+    return min(3000, delivery.session_timeout_ms // 3)
+
+
+__all__ = [
+    "CACHE_ENV", "CONFIG_ENV", "CONNECTION_FIELDS", "ENV_PREFIX", "SECTIONS", "SETTINGS",
+    "BatchingSettings", "ConnectionSettings", "DeliveryMode", "DeliverySettings", "EvaluationSettings",
+    "LifecycleSettings", "LimitSettings", "MediaSettings", "ModelSettings", "ObservabilitySettings", "Ordering",
+    "Secret", "Setting", "Settings", "StorageSettings",
+    "add_arguments", "cache_root", "env_name", "flag_name", "heartbeat_interval_ms", "load_settings",
+]
