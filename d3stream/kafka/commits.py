@@ -18,8 +18,9 @@ policies do that:
   acknowledged (a file: fsynced). After a crash the uncommitted requests are answered again: the duplicate
   carries the same key and the same deterministic ``answer_id``, so downstream can drop it.
 
-A delivery mode is a registered (sink, commit policy) pair (``DELIVERY_MODES``); adding one touches only
-this table.
+A delivery mode is a registered (sink, commit policy) pair (``DELIVERY_MODES``): its entry names the
+factories of both, so adding a mode touches only this table (and, for a mode the ``delivery`` setting may
+name, its ``DeliveryMode`` values in settings/sections.py, which a test keeps in step).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
@@ -338,24 +340,68 @@ class CommitInTransaction(_Counted):
 # ---------------------------------------------------------------------------------------- the modes
 
 
+def kafka_topics(mode: str, kafka: Callable[[], KafkaTopics], file: Path | None) -> Sink:
+    """A mode's sink: the answer, dead-letter and provenance topics."""
+    return kafka()
+
+
+def answer_file(mode: str, kafka: Callable[[], KafkaTopics], file: Path | None) -> Sink:
+    """A mode's sink: a JSON-lines file the caller names (replay --out)."""
+    if file is None:
+        raise ValueError(f"delivery {mode} writes answers to a file: name it (replay --out)")
+    return JsonLinesFile(file)
+
+
+def commit_after_write(mode: str, sink: Sink, common: dict[str, Any]) -> CommitPolicy:
+    """A mode's commit policy: offsets behind the sink's acknowledgements."""
+    return CommitAfterWrite(sink, **common)
+
+
+def commit_in_transaction(mode: str, sink: Sink, common: dict[str, Any]) -> CommitPolicy:
+    """A mode's commit policy: offsets in the answers' Kafka transaction (its sink must be Kafka topics)."""
+    if not isinstance(sink, KafkaTopics):
+        raise ValueError(f"delivery {mode} commits in Kafka transactions: its answers must go to a topic")
+    return CommitInTransaction(producer_factory=sink.new_producer, **common)
+
+
+# What makes a mode's sink (from the mode's name, a maker of Kafka topics and the caller's answer file), and
+# its commit policy (from the mode's name, the sink and the consumer, tracker, group and metrics).
+SinkFactory = Callable[[str, Callable[[], KafkaTopics], Path | None], Sink]
+PolicyFactory = Callable[[str, Sink, dict[str, Any]], CommitPolicy]
+
+
 @dataclass(frozen=True)
 class DeliveryMode:
-    """A sink and a commit policy that together keep one promise (the ``delivery`` setting names one)."""
+    """A sink and a commit policy that together keep one promise (the ``delivery`` setting names one).
+
+    The entry is the whole definition of the mode: ``sink_for`` and ``delivery_for`` call its factories, and
+    what others ask of a mode (its sink is Kafka's, it commits in transactions) is read off them."""
 
     name: str
     promise: str
-    kafka_sink: bool  # answers go to the answer topic (else to a file named by the caller)
-    transactional: bool  # offsets commit in the answers' transaction
+    sink: SinkFactory
+    policy: PolicyFactory
+
+    @property
+    def kafka_sink(self) -> bool:
+        """Answers go to the answer topic (else to a file named by the caller)."""
+        return self.sink is kafka_topics
+
+    @property
+    def transactional(self) -> bool:
+        """Offsets commit in the answers' transaction: no answer is ever duplicated (what chaos holds it to)."""
+        return self.policy is commit_in_transaction
 
 
 DELIVERY_MODES: dict[str, DeliveryMode] = {
     mode.name: mode
     for mode in (
-        DeliveryMode("exactly_once", "answers and offsets commit in one Kafka transaction", True, True),
+        DeliveryMode("exactly_once", "answers and offsets commit in one Kafka transaction", kafka_topics,
+                     commit_in_transaction),
         DeliveryMode("at_least_once", "answers published at once, offsets committed behind the acknowledgements",
-                     True, False),
+                     kafka_topics, commit_after_write),
         DeliveryMode("jsonl_file", "answers appended to a JSON-lines file, offsets committed after each fsync",
-                     False, False),
+                     answer_file, commit_after_write),
     )
 }
 
@@ -364,16 +410,9 @@ def delivery_for(mode: DeliveryMode, *, sink: Sink, consumer: Any, tracker: Offs
                  metrics: Metrics | None) -> CommitPolicy:
     """The commit policy of ``mode`` over ``sink`` (a transactional mode needs Kafka topics to write to)."""
     common: dict[str, Any] = {"consumer": consumer, "tracker": tracker, "group_id": group_id, "metrics": metrics}
-    if not mode.transactional:
-        return CommitAfterWrite(sink, **common)
-    if not isinstance(sink, KafkaTopics):
-        raise ValueError(f"delivery {mode.name} commits in Kafka transactions: its answers must go to a topic")
-    return CommitInTransaction(producer_factory=sink.new_producer, **common)
+    return mode.policy(mode.name, sink, common)
 
 
-def sink_for(mode: DeliveryMode, *, kafka: Callable[[], KafkaTopics], file: Any = None) -> Sink:
-    if mode.kafka_sink:
-        return kafka()
-    if file is None:
-        raise ValueError(f"delivery {mode.name} writes answers to a file: name it (replay --out)")
-    return JsonLinesFile(file)
+def sink_for(mode: DeliveryMode, *, kafka: Callable[[], KafkaTopics], file: Path | None = None) -> Sink:
+    """The sink of ``mode``: Kafka topics made by ``kafka``, or the answer ``file``."""
+    return mode.sink(mode.name, kafka, file)
