@@ -12,22 +12,28 @@ policies do that:
   is derived from the group, topic and partition, so when a partition moves to another worker (or a restarted
   one), the new owner's producer fences the old one: a zombie's late commit fails instead of duplicating
   answers. (aiokafka has no consumer-group-generation fencing, KIP-447, so partition-scoped ids are the way.)
+  Each partition's producer, its waiting answers and its retries are one ``PartitionTransactions`` whose
+  ``TxnState`` moves only along ``_TRANSITIONS`` (idle, creating, ready, in a transaction, waiting to retry,
+  closed); revocation, fencing and the end close it in one place (``_close``).
   Cost: answers become visible at commit time, every ``commit_interval_ms``.
 * ``CommitAfterWrite`` (delivery ``at_least_once``, and replays into a file): the sink writes each answer as
   soon as it is ready; an offset is committed once the answers for it and every earlier offset are
   acknowledged (a file: fsynced). After a crash the uncommitted requests are answered again: the duplicate
   carries the same key and the same deterministic ``answer_id``, so downstream can drop it.
 
-A delivery mode is a registered (sink, commit policy) pair (``DELIVERY_MODES``); adding one touches only
-this table.
+A delivery mode is a registered (sink, commit policy) pair (``DELIVERY_MODES``): its entry names the
+factories of both, so adding a mode touches only this table (and, for a mode the ``delivery`` setting may
+name, its ``DeliveryMode`` values in settings/sections.py, which a test keeps in step).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
@@ -150,8 +156,82 @@ class CommitAfterWrite(_Counted):
         return None
 
 
+class TxnState(enum.Enum):
+    """Where one input partition's transactions stand (``PartitionTransactions``)."""
+
+    IDLE = "idle"  # no producer: none made yet, or the last one dropped after a failed transaction
+    CREATING = "creating"  # its producer is starting (init_transactions: fences any older one of the partition)
+    READY = "ready"  # a started producer, no transaction open
+    IN_TRANSACTION = "in_transaction"  # a transaction is open: records sent, the offset and the commit to come
+    RETRY_WAIT = "retry_wait"  # a retriable failure: no producer, the next periodic attempt waits for retry_at
+    CLOSED = "closed"  # revoked, fenced or stopped: its producer stopped, its answers dropped; never reopened
+
+
+# The moves a partition's transactions may make; any other raises (as aiokafka's own TransactionState does).
+_TRANSITIONS: dict[TxnState, frozenset[TxnState]] = {
+    TxnState.IDLE: frozenset({TxnState.CREATING, TxnState.RETRY_WAIT, TxnState.CLOSED}),
+    TxnState.CREATING: frozenset({TxnState.READY, TxnState.IDLE, TxnState.CLOSED}),
+    TxnState.READY: frozenset({TxnState.IN_TRANSACTION, TxnState.IDLE, TxnState.CLOSED}),
+    TxnState.IN_TRANSACTION: frozenset({TxnState.READY, TxnState.CLOSED}),
+    TxnState.RETRY_WAIT: frozenset({TxnState.CREATING, TxnState.CLOSED}),
+    TxnState.CLOSED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A partition's transactions were asked to move where ``_TRANSITIONS`` does not lead: a bug here."""
+
+
+class _Closed(Exception):  # noqa: N818 - not an error: the step's partition went away meanwhile
+    """The partition's transactions were closed (revoked, fenced, stopped) while a step of them waited."""
+
+
+@dataclass(eq=False)
+class PartitionTransactions:
+    """One input partition's transactional producer, the answers waiting for its next transaction and its
+    retries, with where they stand (``state``, moved by ``to`` along ``_TRANSITIONS`` only)."""
+
+    partition: TopicPartition
+    state: TxnState = TxnState.IDLE
+    producer: Any = None
+    batches: RecordBatches | None = None  # its producer's, made with it
+    creating: asyncio.Future[Any] | None = None  # the producer's start, shared by every caller meanwhile
+    pending: dict[int, list[Outgoing]] = field(default_factory=dict)  # answered offset -> records waiting
+    failures: int = 0  # retriable transaction failures in a row
+    retry_at: float = 0.0  # monotonic time the next periodic attempt may start
+
+    def to(self, state: TxnState) -> None:
+        if state not in _TRANSITIONS[self.state]:
+            raise IllegalTransition(f"transactions of {self.partition}: {self.state.value} -> {state.value}")
+        self.state = state
+
+    def after(self, state: TxnState) -> None:
+        """``to``, at the end of a step that waited: closed meanwhile, they stay closed."""
+        if self.state is not TxnState.CLOSED:
+            self.to(state)
+
+    def drop_producer(self) -> Any:
+        """Let the producer go after a failed transaction (a fresh one is made for the next); returns it, for
+        the caller to stop."""
+        producer, self.producer, self.batches, self.creating = self.producer, None, None, None
+        if self.state in (TxnState.CREATING, TxnState.READY):
+            self.to(TxnState.IDLE)
+        return producer
+
+    def close(self) -> Any:
+        """Closed for good: the waiting answers are dropped (the partition's next owner answers them); returns
+        the producer, for the caller to stop (None: none, or closed already)."""
+        if self.state is TxnState.CLOSED:
+            return None
+        producer, self.producer, self.batches, self.creating = self.producer, None, None, None
+        self.pending = {}
+        self.to(TxnState.CLOSED)
+        return producer
+
+
 class CommitInTransaction(_Counted):
-    """Answers and offsets of each partition commit together, in transactions fenced per partition."""
+    """Answers and offsets of each partition commit together, in transactions fenced per partition (each
+    partition's producer, waiting answers and retries in its ``PartitionTransactions``)."""
 
     # The consume loop holds a newly assigned partition until ``assigned`` returned (the previous owner's
     # last transaction is then complete) and re-reads its committed offset: see consume.py.
@@ -160,50 +240,60 @@ class CommitInTransaction(_Counted):
     def __init__(self, *, producer_factory: Callable[[TopicPartition], Any], **kwargs: Any):
         super().__init__(**kwargs)
         self._factory = producer_factory
-        self._producers: dict[Any, Any] = {}
-        self._pending: dict[Any, dict[int, list[Outgoing]]] = {}
+        self._partitions: dict[TopicPartition, PartitionTransactions] = {}
         self._lock = asyncio.Lock()
-        self._creating: dict[Any, asyncio.Future] = {}
-        # Retriable transaction failures in a row, and when the partition's next attempt may start.
-        self._failures: dict[Any, int] = {}
-        self._retry_at: dict[Any, float] = {}
-        self._batches: dict[Any, RecordBatches] = {}  # each partition's producer's, made with it
+
+    @property
+    def producers(self) -> dict[TopicPartition, Any]:
+        """Each partition's started transactional producer (a partition without one cannot commit yet)."""
+        return {partition: txns.producer for partition, txns in self._partitions.items()
+                if txns.producer is not None}
+
+    def _transactions(self, partition: TopicPartition) -> PartitionTransactions:
+        txns = self._partitions.get(partition)
+        if txns is None:
+            txns = self._partitions[partition] = PartitionTransactions(partition)
+        return txns
 
     async def start(self) -> None:
         return None
 
     async def stop(self) -> None:
-        for producer in list(self._producers.values()):
-            await quietly_stop(producer)
-        self._producers.clear()
-        self._batches.clear()
+        for txns in list(self._partitions.values()):
+            await self._close(txns)
 
     async def deliver(self, answered: Sequence[Answered]) -> None:
         for item in answered:
             if not self.tracker.owns(item.partition, item.epoch):
                 continue  # revoked while this request ran: the new owner answers it, in its own transaction
-            self._pending.setdefault(item.partition, {})[item.offset] = item.records
+            self._transactions(item.partition).pending[item.offset] = item.records
             self.tracker.done(item.partition, item.offset, item.epoch)
 
-    async def _producer(self, partition: Any) -> Any:
+    async def _producer(self, txns: PartitionTransactions) -> Any:
         # One creation per partition even when a flush and the rebalance callback ask at once: a second
         # producer with the same transactional id would fence the first, i.e. this worker itself.
-        creating = self._creating.get(partition)
-        if creating is None:
-            creating = self._creating[partition] = asyncio.ensure_future(self._create_producer(partition))
-            creating.add_done_callback(retrieved)  # a caller cancelled meanwhile (a bounded revocation) reads none
-        try:
-            return await asyncio.shield(creating)
-        except BaseException:
-            if self._creating.get(partition) is creating and creating.done():
-                self._creating.pop(partition, None)
-            raise
+        if txns.state is TxnState.CLOSED:
+            raise _Closed
+        if txns.creating is None:
+            txns.to(TxnState.CREATING)
+            txns.creating = asyncio.ensure_future(self._create_producer(txns))
+            txns.creating.add_done_callback(retrieved)  # a caller cancelled meanwhile (a bounded revocation) reads none
+        return await asyncio.shield(txns.creating)
 
-    async def _create_producer(self, partition: Any) -> Any:
-        producer = self._factory(partition)
-        await producer.start()  # init_transactions: fences any older producer of this partition
-        self._producers[partition] = producer
-        self._batches[partition] = RecordBatches(producer)
+    async def _create_producer(self, txns: PartitionTransactions) -> Any:
+        producer = self._factory(txns.partition)
+        try:
+            await producer.start()  # init_transactions: fences any older producer of this partition
+        except BaseException:
+            if txns.state is TxnState.CREATING:
+                txns.creating = None  # the next caller tries again
+                txns.to(TxnState.IDLE)
+            raise
+        if txns.state is not TxnState.CREATING:  # closed while it started
+            await quietly_stop(producer)
+            raise _Closed
+        txns.producer, txns.batches = producer, RecordBatches(producer)
+        txns.to(TxnState.READY)
         return producer
 
     async def flush(self, partitions: Sequence[Any] | None = None) -> None:
@@ -214,13 +304,14 @@ class CommitInTransaction(_Counted):
                      if (plan := self._plan(partition)) is not None]
             await asyncio.gather(*(self._commit_partition(*plan, now=partitions is not None) for plan in plans))
 
-    def _plan(self, partition: TopicPartition) -> tuple[TopicPartition, int, str, list[int]] | None:
+    def _plan(self, partition: TopicPartition) -> tuple[PartitionTransactions, int, str, list[int]] | None:
         """What the partition's next transaction carries: its commit point, the metadata naming the done offsets
         beyond it whose answers are out after it, and the answered offsets whose answers leave in it (those the
         ordering lets go); None when there is nothing new to commit."""
         if not self.tracker.owns(partition):
             return None
-        pending = self._pending.get(partition, {})
+        known = self._partitions.get(partition)
+        pending = known.pending if known is not None else {}
         leaving = self.tracker.may_leave(partition, pending.keys())
         held = set(pending).difference(leaving)
         # An answer leaving moves the point past it or adds it to the metadata: it always makes a change.
@@ -228,47 +319,50 @@ class CommitInTransaction(_Counted):
         if partition not in changed:
             return None
         point, metadata = changed[partition]
-        return partition, point, metadata, leaving
+        return self._transactions(partition), point, metadata, leaving
 
-    async def _commit_partition(self, partition: TopicPartition, point: int, metadata: str, ready: list[int], *,
+    async def _commit_partition(self, txns: PartitionTransactions, point: int, metadata: str, ready: list[int], *,
                                 now: bool = False) -> None:
         """One transaction: the partition's ``ready`` answers and its offset (``point`` and ``metadata``), or what
         its failure means (fenced: the partition moved; refused records: replaced, tried again; retriable: back
         off; else fatal)."""
         from aiokafka.errors import KafkaError, ProducerFenced
 
-        if not now and time.monotonic() < self._retry_at.get(partition, 0.0):
+        partition = txns.partition
+        if txns.state is TxnState.CLOSED:
+            return  # revoked since the flush planned it
+        if not now and time.monotonic() < txns.retry_at:
             return  # backing off after a failed transaction
-        pending = self._pending.get(partition, {})
+        pending = txns.pending
         started = time.perf_counter()
         refused: list[tuple[int, int, BaseException]] = []  # (offset, index, error) of records refused as too large
         try:
-            await self._transaction(partition, (point, metadata), [(offset, pending[offset]) for offset in ready],
-                                    refused)
+            await self._transaction(txns, (point, metadata), [(offset, pending[offset]) for offset in ready], refused)
+        except _Closed:
+            return  # revoked while it waited for its producer: the new owner commits it
         except ProducerFenced:
             # Expected for a previous owner after a rebalance: its uncommitted answers are the new owner's to give.
             log.info("fenced: another worker owns this partition now", partition=str(partition))
-            await self._discard(partition)
+            await self._close(txns)
             self.tracker.forget([partition])
-            self._pending.pop(partition, None)
-            self._failures.pop(partition, None)
-            self._retry_at.pop(partition, None)
             return
         except KafkaError as exc:
-            await self._discard(partition)  # a fresh producer next time; nothing was committed
+            producer = txns.drop_producer()  # a fresh producer next time; nothing was committed
+            worker = not refused and classify(exc, transactional=True) == "worker"
+            if not refused and not worker:  # retriable: decided before the await below lets another step in
+                self._back_off(txns, exc, next((r.topic for o in ready for r in pending[o]), partition.topic))
+            if producer is not None:
+                await quietly_stop(producer)
             if refused:
                 # Record-fatal: those records are replaced by smaller ones, and the transaction is tried again
                 # at the next flush, without backoff (what it holds changed).
                 for offset, index, error in refused:
                     pending[offset][index] = replaced(pending[offset][index], error)
-                return
-            if classify(exc, transactional=True) == "worker":
+            elif worker:
                 topics = sorted({record.topic for offset in ready for record in pending[offset]})
                 raise fatal(None, exc, f"the transaction of partition {partition} (topics {topics})") from exc
-            self._back_off(partition, exc, next((r.topic for o in ready for r in pending[o]), partition.topic))
             return
-        self._failures.pop(partition, None)
-        self._retry_at.pop(partition, None)
+        txns.failures, txns.retry_at = 0, 0.0
         for offset in ready:
             pending.pop(offset, None)
         self.tracker.committed({partition: (point, metadata)})
@@ -276,15 +370,19 @@ class CommitInTransaction(_Counted):
         log.debug("committed", partition=str(partition), offset=point, answers=len(ready),
                   ms=round((time.perf_counter() - started) * 1e3, 1))
 
-    async def _transaction(self, partition: TopicPartition, point: tuple[int, str],
+    async def _transaction(self, txns: PartitionTransactions, point: tuple[int, str],
                            ready: list[tuple[int, list[Outgoing]]], refused: list[tuple[int, int, BaseException]]) -> None:
         """Publish ``ready``'s records and commit ``point`` (offset and metadata) in one transaction; aborted on any
         failure, with the records refused as too large noted in ``refused`` (and the first of them raised)."""
-        producer = await self._producer(partition)
+        producer = await self._producer(txns)
+        batches = txns.batches
+        if txns.state is TxnState.CLOSED or batches is None:
+            raise _Closed  # closed once its producer had started
         await producer.begin_transaction()
+        txns.after(TxnState.IN_TRANSACTION)
         try:
             flat = [(offset, index, record) for offset, records in ready for index, record in enumerate(records)]
-            failures = await self._batches[partition].send([record for *_, record in flat])
+            failures = await batches.send([record for *_, record in flat])
             for position, error in sorted(failures, key=lambda failure: failure[0]):
                 if classify(error, transactional=True) != "record":
                     raise error
@@ -292,7 +390,7 @@ class CommitInTransaction(_Counted):
                 refused.append((offset, index, error))
             if refused:
                 raise refused[0][2]
-            await producer.send_offsets_to_transaction({partition: point}, self.group_id)
+            await producer.send_offsets_to_transaction({txns.partition: point}, self.group_id)
             await producer.commit_transaction()
         except BaseException:
             self.aborts += 1
@@ -304,58 +402,110 @@ class CommitInTransaction(_Counted):
                 except Exception:  # noqa: BLE001 - the producer is replaced below anyway
                     pass
             raise
+        finally:
+            txns.after(TxnState.READY)  # committed or aborted: no transaction open
 
-    def _back_off(self, partition: Any, exc: BaseException, topic: str) -> None:
+    def _back_off(self, txns: PartitionTransactions, exc: BaseException, topic: str) -> None:
         """A retriable failure: the partition's next transaction waits, twice as long each time (bounded)."""
-        failures = self._failures[partition] = self._failures.get(partition, 0) + 1
-        delay = min(MAX_TXN_BACKOFF_S, PUBLISH_BACKOFF_S[0] * 2 ** (failures - 1))
-        self._retry_at[partition] = time.monotonic() + delay
+        txns.failures += 1
+        delay = min(MAX_TXN_BACKOFF_S, PUBLISH_BACKOFF_S[0] * 2 ** (txns.failures - 1))
+        txns.retry_at = time.monotonic() + delay
+        txns.after(TxnState.RETRY_WAIT)
         if self.metrics is not None:
             self.metrics.count_publish_retry(topic)
-        log.warning("transaction failed; will retry", partition=str(partition), attempt=failures,
+        log.warning("transaction failed; will retry", partition=str(txns.partition), attempt=txns.failures,
                     retry_in_s=round(delay, 1), error=f"{type(exc).__name__}: {exc}")
 
-    async def _discard(self, partition: Any) -> None:
-        self._creating.pop(partition, None)
-        producer = self._producers.pop(partition, None)
+    async def _close(self, txns: PartitionTransactions) -> None:
+        """The one cleanup of a partition's transactions (revoked, fenced, stopped): forgotten here, closed, its
+        producer stopped."""
+        if self._partitions.get(txns.partition) is txns:
+            del self._partitions[txns.partition]
+        producer = txns.close()
         if producer is not None:
-            self._batches.pop(partition, None)
             await quietly_stop(producer)
 
     async def assigned(self, partitions: Sequence[Any]) -> None:
         for partition in partitions:
             try:
-                await self._producer(partition)
+                await self._producer(self._transactions(partition))
+            except _Closed:
+                pass  # revoked while its producer started
             except Exception as exc:  # noqa: BLE001 - retried lazily at the first commit
                 log.warning("transactional producer not ready", partition=str(partition), error=str(exc))
 
     async def revoked(self, partitions: Sequence[Any]) -> None:
         for partition in partitions:
-            self._pending.pop(partition, None)
-            await self._discard(partition)
+            txns = self._partitions.get(partition)
+            if txns is not None:
+                await self._close(txns)
 
 
 # ---------------------------------------------------------------------------------------- the modes
 
 
+def kafka_topics(mode: str, kafka: Callable[[], KafkaTopics], file: Path | None) -> Sink:
+    """A mode's sink: the answer, dead-letter and provenance topics."""
+    return kafka()
+
+
+def answer_file(mode: str, kafka: Callable[[], KafkaTopics], file: Path | None) -> Sink:
+    """A mode's sink: a JSON-lines file the caller names (replay --out)."""
+    if file is None:
+        raise ValueError(f"delivery {mode} writes answers to a file: name it (replay --out)")
+    return JsonLinesFile(file)
+
+
+def commit_after_write(mode: str, sink: Sink, common: dict[str, Any]) -> CommitPolicy:
+    """A mode's commit policy: offsets behind the sink's acknowledgements."""
+    return CommitAfterWrite(sink, **common)
+
+
+def commit_in_transaction(mode: str, sink: Sink, common: dict[str, Any]) -> CommitPolicy:
+    """A mode's commit policy: offsets in the answers' Kafka transaction (its sink must be Kafka topics)."""
+    if not isinstance(sink, KafkaTopics):
+        raise ValueError(f"delivery {mode} commits in Kafka transactions: its answers must go to a topic")
+    return CommitInTransaction(producer_factory=sink.new_producer, **common)
+
+
+# What makes a mode's sink (from the mode's name, a maker of Kafka topics and the caller's answer file), and
+# its commit policy (from the mode's name, the sink and the consumer, tracker, group and metrics).
+SinkFactory = Callable[[str, Callable[[], KafkaTopics], Path | None], Sink]
+PolicyFactory = Callable[[str, Sink, dict[str, Any]], CommitPolicy]
+
+
 @dataclass(frozen=True)
 class DeliveryMode:
-    """A sink and a commit policy that together keep one promise (the ``delivery`` setting names one)."""
+    """A sink and a commit policy that together keep one promise (the ``delivery`` setting names one).
+
+    The entry is the whole definition of the mode: ``sink_for`` and ``delivery_for`` call its factories, and
+    what others ask of a mode (its sink is Kafka's, it commits in transactions) is read off them."""
 
     name: str
     promise: str
-    kafka_sink: bool  # answers go to the answer topic (else to a file named by the caller)
-    transactional: bool  # offsets commit in the answers' transaction
+    sink: SinkFactory
+    policy: PolicyFactory
+
+    @property
+    def kafka_sink(self) -> bool:
+        """Answers go to the answer topic (else to a file named by the caller)."""
+        return self.sink is kafka_topics
+
+    @property
+    def transactional(self) -> bool:
+        """Offsets commit in the answers' transaction: no answer is ever duplicated (what chaos holds it to)."""
+        return self.policy is commit_in_transaction
 
 
 DELIVERY_MODES: dict[str, DeliveryMode] = {
     mode.name: mode
     for mode in (
-        DeliveryMode("exactly_once", "answers and offsets commit in one Kafka transaction", True, True),
+        DeliveryMode("exactly_once", "answers and offsets commit in one Kafka transaction", kafka_topics,
+                     commit_in_transaction),
         DeliveryMode("at_least_once", "answers published at once, offsets committed behind the acknowledgements",
-                     True, False),
+                     kafka_topics, commit_after_write),
         DeliveryMode("jsonl_file", "answers appended to a JSON-lines file, offsets committed after each fsync",
-                     False, False),
+                     answer_file, commit_after_write),
     )
 }
 
@@ -364,16 +514,9 @@ def delivery_for(mode: DeliveryMode, *, sink: Sink, consumer: Any, tracker: Offs
                  metrics: Metrics | None) -> CommitPolicy:
     """The commit policy of ``mode`` over ``sink`` (a transactional mode needs Kafka topics to write to)."""
     common: dict[str, Any] = {"consumer": consumer, "tracker": tracker, "group_id": group_id, "metrics": metrics}
-    if not mode.transactional:
-        return CommitAfterWrite(sink, **common)
-    if not isinstance(sink, KafkaTopics):
-        raise ValueError(f"delivery {mode.name} commits in Kafka transactions: its answers must go to a topic")
-    return CommitInTransaction(producer_factory=sink.new_producer, **common)
+    return mode.policy(mode.name, sink, common)
 
 
-def sink_for(mode: DeliveryMode, *, kafka: Callable[[], KafkaTopics], file: Any = None) -> Sink:
-    if mode.kafka_sink:
-        return kafka()
-    if file is None:
-        raise ValueError(f"delivery {mode.name} writes answers to a file: name it (replay --out)")
-    return JsonLinesFile(file)
+def sink_for(mode: DeliveryMode, *, kafka: Callable[[], KafkaTopics], file: Path | None = None) -> Sink:
+    """The sink of ``mode``: Kafka topics made by ``kafka``, or the answer ``file``."""
+    return mode.sink(mode.name, kafka, file)

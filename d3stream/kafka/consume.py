@@ -18,6 +18,11 @@ policy says the work is finished:
 * on **shutdown** (``stop()``: SIGTERM/SIGINT) stops fetching, finishes what is in flight for up to
   ``shutdown_timeout_s``, commits and returns; after a worker-fatal error it commits nothing more.
 
+Each assigned partition's pauses are held in an ``Assignment`` (assignment.py) that the rebalance listener
+(``_Rebalance``) makes when partitions are assigned and ends when they are revoked: backpressure, a tenant's
+quota, the read window and settling are reasons in the partition's state, and the partition is read again only
+once none is left.
+
 Rebalance (``_Rebalance``): before partitions are taken away, their in-flight work gets ``rebalance_drain_s`` to
 finish and their finished offsets are committed, all within ``rebalance_timeout_ms`` (a member still revoking
 when the group's rebalance times out is dropped and starts another rebalance). Work that finishes later is
@@ -45,6 +50,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.seams import InputRecord
+from d3stream.kafka.assignment import Assignment, PauseReason
 from d3stream.kafka.commits import CommitPolicy
 from d3stream.kafka.connection import client_options
 from d3stream.kafka.limits import WorkerFatal
@@ -174,21 +180,38 @@ class ConsumeLoop:
         self.media_budget = ledger.media
         self.metrics = metrics
         self.quotas = ledger.quotas
-        # Partitions paused because a request of theirs is held by its tenant's quota (quotas.py).
-        self.quota_paused: set[TopicPartition] = set()
         self.stopping = asyncio.Event()
         self.fatal: WorkerFatal | None = None  # why the worker stopped by itself, if it did
         self.joined = False  # the consumer has an assignment
-        self.paused = False  # backpressure is on (until the work drains)
-        self.pressure_paused: set[TopicPartition] = set()  # the partitions backpressure paused
+        # The current assignment (made and ended by the rebalance listener): its partitions' pause reasons.
+        self.assignment = Assignment(consumer)
         self.stalled: list[str] = []  # partitions whose commit point has not moved for stall_unready_s
-        # Partitions read as far past their commit point as a commit's metadata can name (offsets.window_offsets).
-        self.window_paused: set[TopicPartition] = set()
         self.tasks: set[asyncio.Task[None]] = set()
-        # Assigned partitions not yet positioned at their stable committed offset (kept paused meanwhile),
-        # and the first offset of any record that arrived for one anyway (read again once settled).
-        self.settling: dict[TopicPartition, asyncio.Task[None]] = {}
-        self._skipped_while_settling: dict[TopicPartition, int] = {}
+
+    @property
+    def paused(self) -> bool:
+        """Backpressure is on (until the work drains)."""
+        return self.assignment.backpressure
+
+    @property
+    def pressure_paused(self) -> set[TopicPartition]:
+        """The partitions backpressure holds."""
+        return self.assignment.paused_for(PauseReason.BACKPRESSURE)
+
+    @property
+    def quota_paused(self) -> set[TopicPartition]:
+        """The partitions held because a request of theirs waits for its tenant's quota (quotas.py)."""
+        return self.assignment.paused_for(PauseReason.QUOTA)
+
+    @property
+    def window_paused(self) -> set[TopicPartition]:
+        """The partitions read as far past their commit point as a commit's metadata can name."""
+        return self.assignment.paused_for(PauseReason.WINDOW)
+
+    @property
+    def settling(self) -> dict[TopicPartition, asyncio.Task[None]]:
+        """Assigned partitions not yet positioned at their stable committed offset (held paused meanwhile)."""
+        return self.assignment.settling()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -212,6 +235,7 @@ class ConsumeLoop:
     async def run(self) -> None:
         """Subscribe, consume until stopped or finished, then drain and commit (nothing after a fatal error)."""
         if await self.read.subscribe(self.consumer, _Rebalance(self)):
+            self.assignment = Assignment(self.consumer, self.consumer.assignment())  # assigned by hand
             self.joined = True
         try:
             await self._consume()
@@ -221,7 +245,7 @@ class ConsumeLoop:
             if self.fatal is not None:  # requests still in flight stay uncommitted: served again later
                 await self._cancel_tasks()
         finally:
-            await self.stop_settling(list(self.settling))
+            await self.assignment.stop_settling()
 
     async def _consume(self) -> None:
         settings = self.settings
@@ -254,10 +278,9 @@ class ConsumeLoop:
         fetched = Fetch([], {})
         accept = self.read.accept
         for partition, records in batches.items():
-            if partition in self.settling:  # not positioned yet: read again once it is
+            if self.assignment.is_settling(partition):  # not positioned yet: read again once it is
                 if records:
-                    skipped = self._skipped_while_settling
-                    skipped[partition] = min(skipped.get(partition, records[0].offset), records[0].offset)
+                    self.assignment.skipped_while_settling(partition, records[0].offset)
                 continue
             limit = self.tracker.read_limit(partition, records[0].offset) if records else None
             if limit is not None and records[-1].offset > limit:
@@ -278,16 +301,12 @@ class ConsumeLoop:
     def _apply_window(self) -> None:
         """Pause a partition read as far past its commit point as a commit's metadata can speak for (its oldest
         request holds the point back); resume it when the point has moved."""
+        assignment = self.assignment
         full = {partition for partition in self.consumer.assignment() if self.tracker.window_full(partition)}
-        if newly := full - self.window_paused:
-            self.consumer.pause(*newly)
+        if newly := assignment.pause(full, PauseReason.WINDOW):
             log.warning("read window full: paused until the oldest request is answered", partitions=sorted(
                 map(str, newly)), window=self.tracker.window, setting="offset_metadata_max_bytes")
-        released = self.window_paused - full
-        self.window_paused = full
-        held = self.quota_paused | set(self.settling) | (self.pressure_paused if self.paused else set())
-        if released - held:
-            self.consumer.resume(*(released - held))
+        assignment.resume(assignment.paused_for(PauseReason.WINDOW) - full, PauseReason.WINDOW)
 
     async def _cancel_tasks(self) -> None:
         tasks = [task for task in self.tasks if task is not asyncio.current_task()]
@@ -330,42 +349,33 @@ class ConsumeLoop:
             and tokens < RESUME_AT * settings.batching.max_inflight_tokens
             and self.media_budget.used < RESUME_AT * self.media_budget.capacity
         )
+        current = self.assignment
         assignment = self.consumer.assignment()
-        if self.paused and drained:
-            self.consumer.resume(*(p for p in assignment if p not in self.settling and p not in self.quota_paused
-                                   and p not in self.window_paused))
-            self.paused = False
-            self.pressure_paused = set()
+        if current.backpressure and drained:
+            current.resume(current.paused_for(PauseReason.BACKPRESSURE), PauseReason.BACKPRESSURE)
+            current.backpressure = False
             log.debug("resumed", requests=work.requests, tokens=work.tokens)
-        elif (full or self.paused) and assignment:
-            if not self.paused:
+        elif (full or current.backpressure) and assignment:
+            if not current.backpressure:
                 log.debug("paused", requests=work.requests, tokens=work.tokens)
-            self.paused = True
+            current.backpressure = True
             # Re-evaluated while it lasts: a partition reaching its share is paused too.
             pause = set(assignment) if self.media_budget.full else backpressure_pauses(
                 {p: self.tracker.in_flight([p]) for p in assignment}, requests, tokens,
                 settings.batching.max_inflight_requests, settings.batching.max_inflight_tokens)
-            newly = pause - self.pressure_paused
-            if newly:
-                self.consumer.pause(*newly)
-                self.pressure_paused |= newly
+            current.pause(pause, PauseReason.BACKPRESSURE)
 
     def _apply_quotas(self) -> None:
         """Pause the partitions with a request held by its tenant's quota; resume those whose held requests
-        went on (unless backpressure or settling holds them). Other partitions are not touched."""
+        went on (unless another reason holds them). Other partitions are not touched."""
         if self.quotas is None or not self.quotas.enabled:
             return
+        current = self.assignment
         assignment = self.consumer.assignment()
         held = {TopicPartition(topic, partition) for topic, partition in self.quotas.held_partitions()} & assignment
-        newly = held - self.quota_paused
-        if newly:
-            self.consumer.pause(*newly)
+        if newly := current.pause(held, PauseReason.QUOTA):
             log.debug("tenant over its quota: partitions paused", partitions=sorted(str(p) for p in newly))
-        released = self.quota_paused - held
-        self.quota_paused = held
-        if released and not self.paused:
-            self.consumer.resume(*(p for p in released if p in assignment and p not in self.settling
-                                   and p not in self.window_paused))
+        current.resume(current.paused_for(PauseReason.QUOTA) - held, PauseReason.QUOTA)
         self.metrics.set_quota_held(self.quotas.held_tenants(), self.in_flight.held_requests, len(held),
                                     self.quotas.held_total)
 
@@ -412,20 +422,16 @@ class ConsumeLoop:
     def begin_settling(self, partitions: list[TopicPartition]) -> None:
         """Hold newly assigned partitions paused until the commit policy is ready for them and they are read
         from their stable committed offset (runs outside the rebalance callback, which must not block)."""
-        if not partitions:
-            return
-        self.consumer.pause(*partitions)
-        task = asyncio.create_task(self._settle(partitions))
-        for partition in partitions:
-            self.settling[partition] = task
+        assignment = self.assignment
+        assignment.begin_settling(partitions, lambda settling: self._settle(assignment, settling))
 
-    async def _settle(self, partitions: list[TopicPartition]) -> None:
+    async def _settle(self, assignment: Assignment, partitions: list[TopicPartition]) -> None:
         try:
             await self.commits.assigned(partitions)
             for partition in partitions:
                 if partition not in self.consumer.assignment():
                     continue
-                skipped = self._skipped_while_settling.pop(partition, None)
+                skipped = assignment.take_skipped(partition)
                 try:
                     committed, metadata = await committed_offset(self.consumer, partition)
                     self.tracker.inherit(partition, committed, metadata)
@@ -438,27 +444,13 @@ class ConsumeLoop:
                 if position is not None:
                     self.consumer.seek(partition, position)
         finally:
-            assignment = self.consumer.assignment()
-            settled = [p for p in partitions if self.settling.get(p) is asyncio.current_task()]
-            for partition in settled:
-                self.settling.pop(partition, None)
-            if not self.paused:
-                self.consumer.resume(*(p for p in settled if p in assignment and p not in self.quota_paused
-                                       and p not in self.window_paused))
+            settled = assignment.settled(partitions, asyncio.current_task())
             log.debug("partitions settled", partitions=[f"{p.topic}-{p.partition}" for p in settled])
-
-    async def stop_settling(self, partitions: list[TopicPartition]) -> None:
-        tasks = {self.settling.pop(p) for p in partitions if p in self.settling}
-        for partition in partitions:
-            self._skipped_while_settling.pop(partition, None)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
 
 
 class _Rebalance(ConsumerRebalanceListener):
-    """Finish and commit revoked partitions' work before they move to another worker."""
+    """Finish and commit revoked partitions' work before they move to another worker; make the loop's
+    ``Assignment`` when partitions are assigned and end it when they are revoked."""
 
     def __init__(self, loop: ConsumeLoop):
         self.loop = loop
@@ -470,11 +462,12 @@ class _Rebalance(ConsumerRebalanceListener):
         if not revoked:
             return
         loop = self.loop
+        assignment = loop.assignment
         settings = loop.settings
         started = time.monotonic()
         # What is left of the rebalance timeout after the drain; a second of it stays for the rejoin itself.
         deadline = started + settings.delivery.rebalance_timeout_ms / 1000 - 1.0
-        await loop.stop_settling(revoked)
+        await assignment.stop_settling(revoked)
         await loop.drain(settings.lifecycle.rebalance_drain_s, revoked)
         abandoned = loop.tracker.in_flight(revoked)
         committed = await _within(loop.guarded(loop.commits.flush(revoked)), deadline,
@@ -483,24 +476,22 @@ class _Rebalance(ConsumerRebalanceListener):
         loop.tracker.forget(revoked)  # from here on, late answers of these partitions are not committed
         loop.metrics.forget_partitions([(p.topic, p.partition) for p in revoked])
         loop.metrics.count_revoked(len(revoked), abandoned)
-        loop.paused = False  # a new assignment starts unpaused
-        loop.pressure_paused = set()
-        loop.window_paused.difference_update(revoked)
-        loop.quota_paused.difference_update(revoked)
+        assignment.end(revoked)
         log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked],
                  abandoned=abandoned, committed=committed, seconds=round(time.monotonic() - started, 3))
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         assigned = list(assigned)
         loop = self.loop
+        generation = getattr(getattr(loop.consumer, "_coordinator", None), "generation", None)
+        loop.assignment = Assignment(loop.consumer, assigned, generation)  # unpaused, as aiokafka's own states
         if loop.commits.settles_assignments:
             loop.begin_settling(assigned)  # commits.assigned runs there, outside this callback
         else:
             await loop.commits.assigned(assigned)
             await inherit(loop.consumer, loop.tracker, assigned)
-        await loop.read.assigned(loop.consumer, assigned, list(loop.settling))
+        await loop.read.assigned(loop.consumer, assigned, list(loop.assignment.settling()))
         loop.joined = True
-        generation = getattr(getattr(loop.consumer, "_coordinator", None), "generation", None)
         loop.metrics.count_rebalance(generation, len(assigned), len(loop.consumer.assignment()))
         log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned],
                  generation=generation)

@@ -309,7 +309,7 @@ def assigned_and_ready(service: Service) -> bool:
     if not service.ready or service.consumer is None:
         return False
     assignment = service.consumer.assignment()
-    producers = getattr(service.delivery, "_producers", None)
+    producers = getattr(service.delivery, "producers", None)
     return bool(assignment) and (producers is None or all(tp in producers for tp in assignment))
 
 

@@ -1,0 +1,174 @@
+"""What one rebalance gave this worker: its partitions, why each is paused, which are still settling.
+
+A partition may be held back for several reasons at once (``PauseReason``): backpressure (the work in flight
+is at a limit), a tenant's quota (a request of the partition waits for its tenant), the read window (the
+partition was read as far past its commit point as a commit's metadata can name) and settling (newly
+assigned, not yet positioned at its stable committed offset). Each ``PartitionState`` keeps the set of its
+reasons: the first reason pauses the partition in the consumer, and only the last one going resumes it, so
+no path that lets one reason go has to ask after the others. (aiokafka's ``TopicPartitionState`` and Quix
+Streams' ``PartitionBuffer.pause()`` are the models.)
+
+An ``Assignment`` is made by the rebalance listener when partitions are assigned and ended when they are
+revoked (consume.py); the consume loop and the callbacks act on the one current. A new assignment starts
+unpaused, as aiokafka's own partition states do (it makes fresh ones on every assignment).
+
+Which assignment a record was read in, for telling a late completion from work of the current one, is not
+the assignment object's business but the ``OffsetTracker``'s epoch (offsets.py): a partition whose producer
+was fenced is forgotten by the tracker and gets a new epoch without any rebalance, and work read before that
+must not be committed after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+
+
+class PauseReason(enum.Enum):
+    """Why a partition is not read now."""
+
+    BACKPRESSURE = "backpressure"  # it holds its share of the work in flight, which is at a limit
+    QUOTA = "quota"  # a request of it waits for its tenant's quota (quotas.py)
+    WINDOW = "window"  # read as far past its commit point as a commit's metadata can name (offsets.py)
+    SETTLING = "settling"  # newly assigned, not yet read from its stable committed offset
+
+
+@dataclass(eq=False)
+class PartitionState:
+    """One assigned partition: why it is paused (it is read while no reason holds) and its settling."""
+
+    partition: TopicPartition
+    consumer: AIOKafkaConsumer
+    reasons: set[PauseReason] = field(default_factory=set)
+    settling: asyncio.Task[None] | None = None  # positioning it at its stable committed offset
+    skipped: int | None = None  # the first offset of a record fetched while settling (read again once settled)
+
+    def pause(self, reason: PauseReason) -> bool:
+        """Hold the partition for ``reason`` (paused in the consumer on its first reason); whether it is new."""
+        if reason in self.reasons:
+            return False
+        if not self.reasons:
+            self.consumer.pause(self.partition)
+        self.reasons.add(reason)
+        return True
+
+    def resume(self, reason: PauseReason) -> bool:
+        """Let ``reason`` go (resumed in the consumer once no reason is left); whether it held the partition."""
+        if reason not in self.reasons:
+            return False
+        self.reasons.discard(reason)
+        if not self.reasons and self.partition in self.consumer.assignment():
+            self.consumer.resume(self.partition)
+        return True
+
+
+class Assignment:
+    """The partitions of one assignment and their states; whether backpressure is on; what was revoked."""
+
+    def __init__(self, consumer: AIOKafkaConsumer, partitions: Iterable[TopicPartition] = (),
+                 generation: int | None = None):
+        self.consumer = consumer
+        self.generation = generation  # the group generation that gave it (None: assigned by hand, or none yet)
+        self.states: dict[TopicPartition, PartitionState] = {}
+        for partition in partitions:
+            self.state(partition)
+        self.backpressure = False  # on until the work in flight drains (consume.py)
+        self.revoked: list[TopicPartition] = []  # what its end took away
+        self.ended = False
+
+    def state(self, partition: TopicPartition) -> PartitionState:
+        """The partition's state (a partition the consumer holds without a listener call: made on first use)."""
+        state = self.states.get(partition)
+        if state is None:
+            state = self.states[partition] = PartitionState(partition, self.consumer)
+        return state
+
+    def paused_for(self, reason: PauseReason) -> set[TopicPartition]:
+        """The partitions ``reason`` holds."""
+        return {partition for partition, state in self.states.items() if reason in state.reasons}
+
+    def pause(self, partitions: Iterable[TopicPartition], reason: PauseReason) -> list[TopicPartition]:
+        """Hold ``partitions`` for ``reason``; those it did not hold before."""
+        return [partition for partition in partitions if self.state(partition).pause(reason)]
+
+    def resume(self, partitions: Iterable[TopicPartition], reason: PauseReason) -> list[TopicPartition]:
+        """Let ``reason`` go for ``partitions``; those it held."""
+        return [partition for partition in partitions
+                if (state := self.states.get(partition)) is not None and state.resume(reason)]
+
+    # ---------------------------------------------------------------------------------- settling
+
+    def settling(self) -> dict[TopicPartition, asyncio.Task[None]]:
+        """The partitions still settling, and the task settling each."""
+        return {partition: state.settling for partition, state in self.states.items() if state.settling is not None}
+
+    def is_settling(self, partition: TopicPartition) -> bool:
+        state = self.states.get(partition)
+        return state is not None and state.settling is not None
+
+    def begin_settling(self, partitions: list[TopicPartition],
+                       settle: Callable[[list[TopicPartition]], Coroutine[Any, Any, None]]) -> None:
+        """Hold ``partitions`` paused while one task runs ``settle`` on them."""
+        if not partitions:
+            return
+        self.pause(partitions, PauseReason.SETTLING)
+        task = asyncio.create_task(settle(partitions))
+        for partition in partitions:
+            self.state(partition).settling = task
+
+    def skipped_while_settling(self, partition: TopicPartition, offset: int) -> None:
+        """A record of a settling partition was fetched anyway: the partition is read from there at the latest."""
+        state = self.state(partition)
+        state.skipped = offset if state.skipped is None else min(state.skipped, offset)
+
+    def take_skipped(self, partition: TopicPartition) -> int | None:
+        """The first offset fetched (and dropped) while the partition settled, if any; forgotten here."""
+        state = self.states.get(partition)
+        if state is None:
+            return None
+        skipped, state.skipped = state.skipped, None
+        return skipped
+
+    def settled(self, partitions: Iterable[TopicPartition], task: asyncio.Task[Any] | None) -> list[TopicPartition]:
+        """``task`` finished settling ``partitions``: those it still settled are read again (unless another
+        reason holds them); returns them."""
+        settled = [partition for partition in partitions
+                   if (state := self.states.get(partition)) is not None and state.settling is task]
+        for partition in settled:
+            self.states[partition].settling = None
+        self.resume(settled, PauseReason.SETTLING)
+        return settled
+
+    async def stop_settling(self, partitions: Iterable[TopicPartition] | None = None) -> None:
+        """Cancel the settling of ``partitions`` (or all) and wait until it has stopped."""
+        chosen = list(self.states) if partitions is None else partitions
+        tasks = set()
+        for partition in chosen:
+            state = self.states.get(partition)
+            if state is None:
+                continue
+            if state.settling is not None:
+                tasks.add(state.settling)
+            state.settling, state.skipped = None, None
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    # ----------------------------------------------------------------------------------- the end
+
+    def end(self, revoked: Iterable[TopicPartition]) -> None:
+        """The rebalance took ``revoked`` away: their states go, and backpressure is off (the next assignment
+        starts unpaused)."""
+        self.revoked = list(revoked)
+        for partition in self.revoked:
+            self.states.pop(partition, None)
+        self.backpressure = False
+        self.resume(list(self.states), PauseReason.BACKPRESSURE)  # aiokafka revokes all: normally none is left
+        self.ended = True
