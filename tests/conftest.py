@@ -49,7 +49,8 @@ os.environ.setdefault(JVM_OPTIONS_ENV, "-XX:TieredStopAtLevel=1")
 
 pytest_plugins = [
     "tests.support.infra_fixtures", "tests.support.model_fixtures", "tests.support.stream_helpers",
-    "tests.support.fault_proxy",
+    "tests.support.fault_proxy", "tests.support.compare_answers",
+    "tests.support.kafka_pki",
 ]
 
 # The fixtures that start a JVM server (tests/support/infra_fixtures.py); every fixture built on them (``stack``,

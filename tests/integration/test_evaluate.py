@@ -13,7 +13,6 @@ import asyncio
 import collections
 import json
 import random
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,83 +27,21 @@ from d3stream.jobs import compare
 from d3stream.jobs.evaluate import figures, figures_json, read_figures, run_worker
 from d3stream.kafka.evaluating import EvaluateTopics, prepare_topics
 from d3stream.ops.quality import QualityMetrics
-from d3stream.settings import load_settings
+from tests.support.evaluate_events import (
+    answer_event,
+    evaluate_settings,
+    events_until,
+    keyed,
+    label_event,
+    read_events,
+)
 
 pytestmark = pytest.mark.timeout(300)
-
-TEAMS = ("billing", "tech", "sales")
-LEVELS = ("low", "medium", "high")
-
-
-def _normalised(weights: list[float]) -> list[float]:
-    total = sum(weights)
-    return [w / total for w in weights]
-
-
-def answer_event(request_id: str, rng: random.Random, model: str = "m1", offset: int = 0) -> dict[str, Any]:
-    """An answer event as the worker publishes it: a choice, a noul and a score with drawn probabilities."""
-    team = dict(zip(TEAMS, _normalised([rng.random() + 0.05 for _ in TEAMS]), strict=True))
-    levels = _normalised([rng.random() + 0.05 for _ in LEVELS])
-    refund = rng.random()
-    return {
-        "id": request_id, "answer_id": f"{request_id}-{model}", "model": model,
-        "source": {"topic": "d3.requests", "partition": 0, "offset": offset},
-        "answers": {
-            "team": {"type": "choice", "choice": max(team, key=team.__getitem__), "probabilities": team,
-                     "confidence": max(team.values())},
-            "refund": {"type": "noul", "noul": refund, "probabilities": {"false": 1 - refund, "true": refund}},
-            "urgency": {"type": "score", "score": sum(i * p for i, p in enumerate(levels)),
-                        "probabilities": {str(i): p for i, p in enumerate(levels)}, "confidence": max(levels),
-                        "legend": {str(i): text for i, text in enumerate(LEVELS)}},
-        },
-    }
-
-
-def label_event(request_id: str, rng: random.Random, questions: tuple[str, ...] = ("team", "refund", "urgency")
-                ) -> dict[str, Any]:
-    """A label event; urgency named by its level index or its level text."""
-    values: dict[str, Any] = {"team": rng.choice(TEAMS), "refund": rng.random() < 0.5,
-                              "urgency": rng.choice([0, 1, 2, *LEVELS])}
-    return {"id": request_id, "labels": {q: values[q] for q in questions}, "source": "agent"}
-
-
-# ------------------------------------------------------------------------------------ on the broker
-
-
-def _settings(broker: Any, topic_names: Any, **overrides: Any) -> Any:
-    """A test's own topics, group and state directory (its files outlive the test's workers, as a volume does)."""
-    return load_settings({
-        "evaluate_state_dir": tempfile.mkdtemp(prefix="d3-evaluate-state-"),
-        "bootstrap_servers": broker.bootstrap_servers,
-        "answer_topic": topic_names("answers"), "label_topic": topic_names("labels"),
-        "evaluation_topic": topic_names("evaluations"), "label_dead_letter_topic": topic_names("label-dlq"),
-        "evaluate_state_topic": topic_names("state"), "evaluate_group_id": topic_names("group"),
-        "transactional_id_prefix": topic_names("txn"), "topic_partitions": 3, "metrics_port": None,
-        **{k: str(v) for k, v in overrides.items()},
-    }, environ={})
-
-
-def _keyed(events: list[dict[str, Any]]) -> list[tuple[bytes | None, bytes]]:
-    return [(e["id"].encode(), json.dumps(e).encode()) for e in events]
-
-
-async def _read(servers: str, topic: str) -> list[dict[str, Any]]:
-    records = await compare.read_topic(servers, compare.TopicRange(topic), timeout_s=60)
-    return [r for r in records if isinstance(r, dict)]
-
-
-async def _until(servers: str, topic: str, count: int, timeout_s: float = 90.0) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = await _read(servers, topic)
-        if len(found) >= count or time.monotonic() > deadline:
-            return found
-        await asyncio.sleep(0.5)
 
 
 def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_equal_compare(
         kafka_broker: Any, topic_names: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    settings = _settings(kafka_broker, topic_names)
+    settings = evaluate_settings(kafka_broker, topic_names)
     servers = settings.connection.bootstrap_servers
     shadow_topic = f"{settings.delivery.answer_topic}.shadow"
     rng = random.Random(7)
@@ -122,7 +59,7 @@ def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_e
 
     async def scenario() -> Any:
         await prepare_topics(settings, EvaluateTopics.from_settings(settings, shadow_topic))
-        await produce(servers, shadow_topic, _keyed(shadow[:5]))
+        await produce(servers, shadow_topic, keyed(shadow[:5]))
         async with Publisher(servers, settings.evaluation.label_topic) as publisher:  # the client's checked labels
             for label in early:
                 await publisher.publish_label(label)
@@ -131,16 +68,16 @@ def test_answers_and_labels_in_both_orders_with_repeats_and_gaps_join_once_and_e
         await produce(servers, settings.evaluation.label_topic, hostile)
         stopping = asyncio.Event()
         worker = asyncio.ensure_future(run_worker(settings, stopping, metrics=metrics))
-        await produce(servers, settings.delivery.answer_topic, _keyed(live + live[:7]))  # seven at-least-once repeats
-        await produce(servers, shadow_topic, _keyed(shadow[5:]))
-        await produce(servers, settings.evaluation.label_topic, _keyed(late + early[:4]))  # four repeated label events
+        await produce(servers, settings.delivery.answer_topic, keyed(live + live[:7]))  # seven at-least-once repeats
+        await produce(servers, shadow_topic, keyed(shadow[5:]))
+        await produce(servers, settings.evaluation.label_topic, keyed(late + early[:4]))  # four repeated label events
         # live: ids 10-49 labelled (40); shadow: even ids 10-48 (20).
-        await _until(servers, settings.evaluation.evaluation_topic, 60)
+        await events_until(servers, settings.evaluation.evaluation_topic, 60)
         await asyncio.sleep(1.0)  # nothing more may come
         stopping.set()
         evaluator = await worker
-        return evaluator, await _read(servers, settings.evaluation.evaluation_topic), \
-            await _read(servers, settings.evaluation.label_dead_letter_topic)
+        return evaluator, await read_events(servers, settings.evaluation.evaluation_topic), \
+            await read_events(servers, settings.evaluation.label_dead_letter_topic)
 
     evaluator, evaluations, dead = asyncio.run(scenario())
     pairs = collections.Counter((e["id"], e["role"], e["model"]) for e in evaluations)
@@ -202,7 +139,7 @@ async def _evaluate_until(settings: Any, servers: str, count: int, metrics: Any 
     """One evaluate worker in this process until ``count`` evaluations are on the topic; it stops cleanly."""
     stopping = asyncio.Event()
     worker = asyncio.ensure_future(run_worker(settings, stopping, metrics=metrics))
-    found = await _until(servers, settings.evaluation.evaluation_topic, count)
+    found = await events_until(servers, settings.evaluation.evaluation_topic, count)
     await asyncio.sleep(0.5)  # nothing more may come
     stopping.set()
     evaluator = await worker
@@ -215,7 +152,7 @@ def test_a_clean_restart_reads_only_the_changelog_tail_and_a_new_machine_restore
     """The state lives on local disk: a worker stopped cleanly reads none of the changelog again when it starts,
     however much waits; on a machine without the files (or after a crash) the changelog restores it all. Either
     way every answer is joined with its label once."""
-    settings = _settings(kafka_broker, topic_names)
+    settings = evaluate_settings(kafka_broker, topic_names)
     servers = settings.connection.bootstrap_servers
     rng = random.Random(9)
     ids = [f"w-{n:03d}" for n in range(90)]
@@ -223,17 +160,17 @@ def test_a_clean_restart_reads_only_the_changelog_tail_and_a_new_machine_restore
 
     async def scenario() -> tuple[list[Any], list[Any], list[Any], list[dict[str, Any]]]:
         await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
-        await produce(servers, settings.delivery.answer_topic, _keyed(answers))
-        await produce(servers, settings.evaluation.label_topic, _keyed(labels[:10]))
+        await produce(servers, settings.delivery.answer_topic, keyed(answers))
+        await produce(servers, settings.evaluation.label_topic, keyed(labels[:10]))
         first = await _evaluate_until(settings, servers, 10)  # 80 answers left waiting
-        await produce(servers, settings.evaluation.label_topic, _keyed(labels[10:40]))
+        await produce(servers, settings.evaluation.label_topic, keyed(labels[10:40]))
         second = await _evaluate_until(settings, servers, 40)  # the same files: a clean restart
         for state_file in Path(settings.evaluation.evaluate_state_dir).rglob("*"):  # a new machine
             if state_file.is_file():
                 state_file.unlink()
-        await produce(servers, settings.evaluation.label_topic, _keyed(labels[40:]))
+        await produce(servers, settings.evaluation.label_topic, keyed(labels[40:]))
         third = await _evaluate_until(settings, servers, 90)
-        return first.restores, second.restores, third.restores, await _read(servers, settings.evaluation.evaluation_topic)
+        return first.restores, second.restores, third.restores, await read_events(servers, settings.evaluation.evaluation_topic)
 
     first, second, third, evaluations = asyncio.run(scenario())
     assert {r["mode"] for r in first} == {"restore"} and sum(r["records"] for r in first) == 0  # nothing yet
@@ -247,7 +184,7 @@ def test_a_clean_restart_reads_only_the_changelog_tail_and_a_new_machine_restore
 
 def test_over_the_disk_budget_the_oldest_answers_are_evicted_counted_and_their_labels_counted_on_arrival(
         kafka_broker: Any, topic_names: Any) -> None:
-    settings = _settings(kafka_broker, topic_names, topic_partitions=1, evaluate_max_state_bytes=24_000)
+    settings = evaluate_settings(kafka_broker, topic_names, topic_partitions=1, evaluate_max_state_bytes=24_000)
     servers = settings.connection.bootstrap_servers
     rng = random.Random(10)
     ids = [f"e-{n:03d}" for n in range(120)]
@@ -261,18 +198,18 @@ def test_over_the_disk_budget_the_oldest_answers_are_evicted_counted_and_their_l
         await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
         stopping = asyncio.Event()
         worker = asyncio.ensure_future(run_worker(settings, stopping, metrics=metrics))
-        await produce(servers, settings.delivery.answer_topic, _keyed([answer_event(i, rng) for i in ids]))
+        await produce(servers, settings.delivery.answer_topic, keyed([answer_event(i, rng) for i in ids]))
         deadline = time.monotonic() + 60
         while taken_in() < len(ids):
             assert time.monotonic() < deadline and not worker.done(), f"{taken_in()} answers taken in"
             await asyncio.sleep(0.1)
         # The newest answer's label: joined; the oldest one's: its answer was evicted on the way.
-        await produce(servers, settings.evaluation.label_topic, _keyed([label_event(ids[-1], rng), label_event(ids[0], rng)]))
-        await _until(servers, settings.evaluation.evaluation_topic, 1)
+        await produce(servers, settings.evaluation.label_topic, keyed([label_event(ids[-1], rng), label_event(ids[0], rng)]))
+        await events_until(servers, settings.evaluation.evaluation_topic, 1)
         await asyncio.sleep(0.5)
         stopping.set()
         await worker
-        return await _read(servers, settings.evaluation.evaluation_topic)
+        return await read_events(servers, settings.evaluation.evaluation_topic)
 
     evaluations = asyncio.run(scenario())
     assert [e["id"] for e in evaluations] == [ids[-1]]

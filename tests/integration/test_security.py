@@ -1,9 +1,9 @@
 """Secured Kafka for every command: mutual TLS, SASL/SCRAM-SHA-512 and SASL/OAUTHBEARER on a real broker.
 
 One broker per module with four listeners: PLAINTEXT (the fixture's own admin path), SSL with client
-authentication required (certificates made here with trustme: a CA for the broker, one for clients, and a
+authentication required (certificates made with trustme in tests/support/kafka_pki.py: a CA for the broker, one for clients, and a
 rogue one), and SASL_SSL with SCRAM-SHA-512 (a user created by ``kafka-storage format --add-scram``) and
-OAUTHBEARER (Kafka's unsecured-JWS validator; the token comes from :func:`unsecured_token` through the
+OAUTHBEARER (Kafka's unsecured-JWS validator; the token comes from ``tests.support.kafka_pki.unsecured_token`` through the
 ``module:callable`` token source). ``serve``, ``produce``, ``consume``, ``replay`` (with ``--compare-with
 kafka:``) and ``compare`` connect through them, with the settings given as a TOML file, ``D3STREAM_*``
 variables and flags; a wrong certificate, CA, password or token fails with a message naming the setting.
@@ -12,7 +12,6 @@ variables and flags; a wrong certificate, CA, password or token fails with a mes
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 import uuid
@@ -27,61 +26,8 @@ from d3stream.kafka.connection import (
 )
 from d3stream.service import Service
 from d3stream.settings import load_settings
+from tests.support.kafka_pki import KEY_PASSWORD, SCRAM_PASSWORD, SCRAM_USER
 from tests.support.stream_helpers import Q_NOUL, Reader, assigned_and_ready, free_port, run
-
-trustme = pytest.importorskip("trustme")
-
-SCRAM_USER, SCRAM_PASSWORD = "d3worker", "scram-secret-2718"
-KEY_PASSWORD = "client-key-password"
-
-
-def _b64url(document: dict[str, Any]) -> str:
-    return base64.urlsafe_b64encode(json.dumps(document).encode()).decode().rstrip("=")
-
-
-def unsecured_token() -> str:
-    """An unsigned JWS (alg none) for principal d3worker, valid for an hour: what Kafka's unsecured
-    OAUTHBEARER validator accepts. The OAUTHBEARER tests name it as tests.integration.test_security:unsecured_token."""
-    now = int(time.time())
-    return f"{_b64url({'alg': 'none'})}.{_b64url({'sub': SCRAM_USER, 'iat': now, 'exp': now + 3600})}."
-
-
-# ------------------------------------------------------------------------------------------ certificates
-
-
-def _pkcs8(pem: bytes, password: str | None = None) -> bytes:
-    """A key as PKCS#8 PEM (what Kafka's PEM keystore reads), encrypted with ``password`` if given."""
-    from cryptography.hazmat.primitives import serialization
-
-    key = serialization.load_pem_private_key(pem, password=None)
-    encryption = (serialization.BestAvailableEncryption(password.encode()) if password
-                  else serialization.NoEncryption())
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, Path]:
-    """PEM files: the broker's CA and key store, the clients' CA, a client certificate with an encrypted key,
-    and a certificate and CA of a rogue authority the broker does not trust."""
-    folder = tmp_path_factory.mktemp("pki")
-    rsa = trustme.KeyType.RSA
-    server_ca, client_ca, rogue_ca = (trustme.CA(key_type=rsa) for _ in range(3))
-    broker = server_ca.issue_cert("127.0.0.1", "localhost", key_type=rsa)
-    client = client_ca.issue_cert("d3worker.clients.test", key_type=rsa)
-    rogue = rogue_ca.issue_cert("d3worker.clients.test", key_type=rsa)
-    files = {name: folder / f"{name}.pem" for name in (
-        "broker", "server_ca", "client_ca", "rogue_ca", "client_cert", "client_key", "rogue_cert", "rogue_key")}
-    chain = b"".join(blob.bytes() for blob in broker.cert_chain_pems)
-    files["broker"].write_bytes(_pkcs8(broker.private_key_pem.bytes()) + chain)
-    server_ca.cert_pem.write_to_path(str(files["server_ca"]))
-    client_ca.cert_pem.write_to_path(str(files["client_ca"]))
-    rogue_ca.cert_pem.write_to_path(str(files["rogue_ca"]))
-    files["client_cert"].write_bytes(b"".join(blob.bytes() for blob in client.cert_chain_pems))
-    files["client_key"].write_bytes(_pkcs8(client.private_key_pem.bytes(), KEY_PASSWORD))
-    files["rogue_cert"].write_bytes(b"".join(blob.bytes() for blob in rogue.cert_chain_pems))
-    files["rogue_key"].write_bytes(_pkcs8(rogue.private_key_pem.bytes()))
-    return files
-
 
 # ------------------------------------------------------------------------------------------ the broker
 
@@ -136,7 +82,7 @@ def _scram(broker, pki, **changes: Any) -> dict[str, Any]:
 
 def _oauth(broker, pki, **changes: Any) -> dict[str, Any]:
     return {"bootstrap_servers": broker.sasl_bootstrap, "security_protocol": "SASL_SSL",
-            "sasl_mechanism": "OAUTHBEARER", "sasl_oauth_token_provider": "tests.integration.test_security:unsecured_token",
+            "sasl_mechanism": "OAUTHBEARER", "sasl_oauth_token_provider": "tests.support.kafka_pki:unsecured_token",
             "ssl_cafile": str(pki["server_ca"]), **changes}
 
 
@@ -246,7 +192,6 @@ def test_oauthbearer_with_a_module_callable_token_source(secured_broker, pki, tm
     assert main(["produce", topics["req"], str(source), *_flags(_oauth(secured_broker, pki))]) == 0
     assert main(["consume", topics["req"], "--max", "1", "--timeout", "30", *_flags(_oauth(secured_broker, pki))]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["id"] == "oauth-1"
-
 
 
 # ------------------------------------------------------------------------------------------ refusals

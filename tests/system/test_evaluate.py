@@ -16,7 +16,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,80 +23,17 @@ from typing import Any
 import pytest
 from d3stream_client.publisher import produce
 
-from d3stream.jobs import compare
 from d3stream.kafka.evaluating import EvaluateSetupError, EvaluateTopics, prepare_topics
-from d3stream.settings import load_settings
+from tests.support.evaluate_events import (
+    answer_event,
+    evaluate_settings,
+    events_until,
+    keyed,
+    label_event,
+    read_events,
+)
 
 pytestmark = pytest.mark.timeout(300)
-
-TEAMS = ("billing", "tech", "sales")
-LEVELS = ("low", "medium", "high")
-
-
-def _normalised(weights: list[float]) -> list[float]:
-    total = sum(weights)
-    return [w / total for w in weights]
-
-
-def answer_event(request_id: str, rng: random.Random, model: str = "m1", offset: int = 0) -> dict[str, Any]:
-    """An answer event as the worker publishes it: a choice, a noul and a score with drawn probabilities."""
-    team = dict(zip(TEAMS, _normalised([rng.random() + 0.05 for _ in TEAMS]), strict=True))
-    levels = _normalised([rng.random() + 0.05 for _ in LEVELS])
-    refund = rng.random()
-    return {
-        "id": request_id, "answer_id": f"{request_id}-{model}", "model": model,
-        "source": {"topic": "d3.requests", "partition": 0, "offset": offset},
-        "answers": {
-            "team": {"type": "choice", "choice": max(team, key=team.__getitem__), "probabilities": team,
-                     "confidence": max(team.values())},
-            "refund": {"type": "noul", "noul": refund, "probabilities": {"false": 1 - refund, "true": refund}},
-            "urgency": {"type": "score", "score": sum(i * p for i, p in enumerate(levels)),
-                        "probabilities": {str(i): p for i, p in enumerate(levels)}, "confidence": max(levels),
-                        "legend": {str(i): text for i, text in enumerate(LEVELS)}},
-        },
-    }
-
-
-def label_event(request_id: str, rng: random.Random, questions: tuple[str, ...] = ("team", "refund", "urgency")
-                ) -> dict[str, Any]:
-    """A label event; urgency named by its level index or its level text."""
-    values: dict[str, Any] = {"team": rng.choice(TEAMS), "refund": rng.random() < 0.5,
-                              "urgency": rng.choice([0, 1, 2, *LEVELS])}
-    return {"id": request_id, "labels": {q: values[q] for q in questions}, "source": "agent"}
-
-
-# ------------------------------------------------------------------------------------ on the broker
-
-
-def _settings(broker: Any, topic_names: Any, **overrides: Any) -> Any:
-    """A test's own topics, group and state directory (its files outlive the test's workers, as a volume does)."""
-    return load_settings({
-        "evaluate_state_dir": tempfile.mkdtemp(prefix="d3-evaluate-state-"),
-        "bootstrap_servers": broker.bootstrap_servers,
-        "answer_topic": topic_names("answers"), "label_topic": topic_names("labels"),
-        "evaluation_topic": topic_names("evaluations"), "label_dead_letter_topic": topic_names("label-dlq"),
-        "evaluate_state_topic": topic_names("state"), "evaluate_group_id": topic_names("group"),
-        "transactional_id_prefix": topic_names("txn"), "topic_partitions": 3, "metrics_port": None,
-        **{k: str(v) for k, v in overrides.items()},
-    }, environ={})
-
-
-def _keyed(events: list[dict[str, Any]]) -> list[tuple[bytes | None, bytes]]:
-    return [(e["id"].encode(), json.dumps(e).encode()) for e in events]
-
-
-async def _read(servers: str, topic: str) -> list[dict[str, Any]]:
-    records = await compare.read_topic(servers, compare.TopicRange(topic), timeout_s=60)
-    return [r for r in records if isinstance(r, dict)]
-
-
-async def _until(servers: str, topic: str, count: int, timeout_s: float = 90.0) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = await _read(servers, topic)
-        if len(found) >= count or time.monotonic() > deadline:
-            return found
-        await asyncio.sleep(0.5)
 
 
 async def _logged(path: Path, text: str, timeout_s: float = 60.0) -> None:
@@ -109,7 +45,7 @@ async def _logged(path: Path, text: str, timeout_s: float = 60.0) -> None:
 
 def test_two_workers_one_killed_and_restarted_mid_stream_lose_and_double_nothing(
         kafka_broker: Any, topic_names: Any, tmp_path: Path) -> None:
-    settings = _settings(kafka_broker, topic_names, session_timeout_ms=6000, topic_partitions=4)
+    settings = evaluate_settings(kafka_broker, topic_names, session_timeout_ms=6000, topic_partitions=4)
     servers = settings.connection.bootstrap_servers
     rng = random.Random(8)
     ids = [f"k-{n:04d}" for n in range(600)]
@@ -136,22 +72,22 @@ def test_two_workers_one_killed_and_restarted_mid_stream_lose_and_double_nothing
             for name in ("w1", "w2"):  # both in the group, each with partitions of its own
                 await _logged(tmp_path / f"{name}.log", "evaluating partition")
             # Both workers evaluating (labels trail their answers, so each partition has answers waiting) ...
-            await produce(servers, settings.delivery.answer_topic, _keyed(answers[:200]))
-            await produce(servers, settings.evaluation.label_topic, _keyed(labels[:150]))
-            await _until(servers, settings.evaluation.evaluation_topic, 150)
+            await produce(servers, settings.delivery.answer_topic, keyed(answers[:200]))
+            await produce(servers, settings.evaluation.label_topic, keyed(labels[:150]))
+            await events_until(servers, settings.evaluation.evaluation_topic, 150)
             # ... then one is killed with records in flight; the other takes its partitions over.
-            await produce(servers, settings.delivery.answer_topic, _keyed(answers[200:400]))
-            await produce(servers, settings.evaluation.label_topic, _keyed(labels[150:300]))
+            await produce(servers, settings.delivery.answer_topic, keyed(answers[200:400]))
+            await produce(servers, settings.evaluation.label_topic, keyed(labels[150:300]))
             first.send_signal(signal.SIGKILL)
             first.wait()
-            await produce(servers, settings.delivery.answer_topic, _keyed(answers[400:]))
-            await produce(servers, settings.evaluation.label_topic, _keyed(labels[300:450]))
+            await produce(servers, settings.delivery.answer_topic, keyed(answers[400:]))
+            await produce(servers, settings.evaluation.label_topic, keyed(labels[300:450]))
             first = start("w1")  # and comes back: a second rebalance
             await asyncio.sleep(2.0)
-            await produce(servers, settings.evaluation.label_topic, _keyed(labels[450:] + labels[:30]))  # some again
-            found = await _until(servers, settings.evaluation.evaluation_topic, 600, timeout_s=120)
+            await produce(servers, settings.evaluation.label_topic, keyed(labels[450:] + labels[:30]))  # some again
+            found = await events_until(servers, settings.evaluation.evaluation_topic, 600, timeout_s=120)
             await asyncio.sleep(1.0)
-            return await _read(servers, settings.evaluation.evaluation_topic) if len(found) >= 600 else found
+            return await read_events(servers, settings.evaluation.evaluation_topic) if len(found) >= 600 else found
         finally:
             for process in (first, second):
                 process.send_signal(signal.SIGTERM)
@@ -173,7 +109,7 @@ def test_two_workers_one_killed_and_restarted_mid_stream_lose_and_double_nothing
 
 def test_a_label_topic_with_another_partition_count_is_refused_naming_the_fix(
         kafka_broker: Any, topic_names: Any) -> None:
-    settings = _settings(kafka_broker, topic_names)
+    settings = evaluate_settings(kafka_broker, topic_names)
 
     async def scenario() -> str:
         from aiokafka.admin import AIOKafkaAdminClient, NewTopic

@@ -23,43 +23,9 @@ from d3stream.core.evaluation import JoinState, LabelEntry, answer_entry, decode
 from d3stream.jobs import compare
 from d3stream.jobs.evaluate import load_drift
 from d3stream.settings import load_settings
+from tests.support.evaluate_events import answer_event, label_event
 
 pytestmark = pytest.mark.timeout(300)
-
-TEAMS = ("billing", "tech", "sales")
-LEVELS = ("low", "medium", "high")
-
-
-def _normalised(weights: list[float]) -> list[float]:
-    total = sum(weights)
-    return [w / total for w in weights]
-
-
-def answer_event(request_id: str, rng: random.Random, model: str = "m1", offset: int = 0) -> dict[str, Any]:
-    """An answer event as the worker publishes it: a choice, a noul and a score with drawn probabilities."""
-    team = dict(zip(TEAMS, _normalised([rng.random() + 0.05 for _ in TEAMS]), strict=True))
-    levels = _normalised([rng.random() + 0.05 for _ in LEVELS])
-    refund = rng.random()
-    return {
-        "id": request_id, "answer_id": f"{request_id}-{model}", "model": model,
-        "source": {"topic": "d3.requests", "partition": 0, "offset": offset},
-        "answers": {
-            "team": {"type": "choice", "choice": max(team, key=team.__getitem__), "probabilities": team,
-                     "confidence": max(team.values())},
-            "refund": {"type": "noul", "noul": refund, "probabilities": {"false": 1 - refund, "true": refund}},
-            "urgency": {"type": "score", "score": sum(i * p for i, p in enumerate(levels)),
-                        "probabilities": {str(i): p for i, p in enumerate(levels)}, "confidence": max(levels),
-                        "legend": {str(i): text for i, text in enumerate(LEVELS)}},
-        },
-    }
-
-
-def label_event(request_id: str, rng: random.Random, questions: tuple[str, ...] = ("team", "refund", "urgency")
-                ) -> dict[str, Any]:
-    """A label event; urgency named by its level index or its level text."""
-    values: dict[str, Any] = {"team": rng.choice(TEAMS), "refund": rng.random() < 0.5,
-                              "urgency": rng.choice([0, 1, 2, *LEVELS])}
-    return {"id": request_id, "labels": {q: values[q] for q in questions}, "source": "agent"}
 
 
 def _source(topic: str, offset: int, timestamp: int) -> Source:
