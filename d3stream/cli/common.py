@@ -7,7 +7,10 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from d3stream.settings import Settings
 
 
 def local_checkpoint(spec: str) -> Any:
@@ -42,7 +45,7 @@ def connection(command: str, args: argparse.Namespace) -> Any:
         return None
 
 
-def run_kafka(command: str, settings: Any, step: Coroutine[Any, Any, Any]) -> int:
+def run_kafka(command: str, settings: Settings, step: Coroutine[Any, Any, Any]) -> int:
     """Run a client command's coroutine; a connection refusal prints the setting to change, exit status 2."""
     from d3stream.kafka.connection import connecting
 

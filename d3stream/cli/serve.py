@@ -8,7 +8,10 @@ import argparse
 import asyncio
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from d3stream.settings import Settings
 
 from d3stream.cli.shape import Command
 
@@ -86,7 +89,7 @@ def _log_kernel_notice(models: list[Any]) -> None:
             structlog.get_logger("d3stream.serve").info(notice)
 
 
-def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
+def _load_models(settings: Settings) -> tuple[list[Any], Any | None]:
     """Every ``--model`` of serve, the first the default, and a ``--shadow NAME=PATH`` checkpoint (None: no
     shadow, or a served model's name): made local (s3:// fetched and verified), their weights checked to fit
     the device together (``model_memory_bytes``) before any is loaded, then loaded (and warmed up with
@@ -103,11 +106,12 @@ def _load_models(settings: Any) -> tuple[list[Any], Any | None]:
     from d3stream.runtime import D3
 
     specs = parse_model_specs(settings.models.checkpoints)  # a name given twice is refused before any download
-    shadow = parse_shadow(settings.models.shadow) if settings.models.shadow else None
+    shadow_text = settings.models.shadow
+    shadow = parse_shadow(shadow_text) if shadow_text else None
     texts = list(settings.models.checkpoints)
-    if shadow is not None and shadow.location is not None:  # a checkpoint of its own: loaded and checked alike
-        specs.append(parse_model_specs([settings.models.shadow])[0])
-        texts.append(settings.models.shadow)
+    if shadow_text and shadow is not None and shadow.location is not None:  # its own checkpoint: loaded alike
+        specs.append(parse_model_specs([shadow_text])[0])
+        texts.append(shadow_text)
     resolved = [resolve_model(text, settings.storage) for text in texts]
     names: list[str | None] = [each.name for each in resolved]
     if settings.models.checkpoints and not settings.models.model_source:  # model_name names the default; a source's names itself

@@ -36,7 +36,7 @@ import numpy as np
 
 from d3stream.dev import tasks
 from d3stream.jobs.evaluate import run_worker
-from d3stream.settings import cache_root
+from d3stream.settings import Settings, cache_root
 
 DEMO_BUCKET = "d3stream-demo"
 # Held-out tickets and pictures published next to the showcase, for the labelled re-evaluation.
@@ -283,7 +283,7 @@ def same_figures(live: dict[str, Any], offline: dict[str, Any]) -> bool:
     return model is not None and [model[k] for k in FIGURES] == [offline[k][0] for k in FIGURES]
 
 
-async def _live_figures(settings: Any, answers: list[dict[str, Any]], labelled: set[str],
+async def _live_figures(settings: Settings, answers: list[dict[str, Any]], labelled: set[str],
                         timeout_s: float) -> dict[str, Any]:
     """What ``d3stream evaluate --report`` prints once every labelled answer is evaluated: the served model's
     figures from the evaluation topic."""
@@ -343,7 +343,7 @@ def _demo_settings(broker: Any, store: Any) -> Any:
     )
 
 
-async def _serve(settings: Any, model: Any, broker: Any, expected: int, progress: bool,
+async def _serve(settings: Settings, model: Any, broker: Any, expected: int, progress: bool,
                  timeout_s: float) -> tuple[list[dict[str, Any]], int]:
     """Serve until every request is answered: the answers read back from the answer topic, and how many
     records were dead-lettered."""
@@ -365,7 +365,7 @@ async def _serve(settings: Any, model: Any, broker: Any, expected: int, progress
     return answers, service.counts["dead_letters"]
 
 
-async def _replayed(settings: Any, baseline: Any) -> Any:
+async def _replayed(settings: Settings, baseline: Any) -> Any:
     """The demo's requests replayed through ``baseline`` into a file: its answers by request id."""
     from d3stream.jobs.compare import read_jsonl, records_to_answers
     from d3stream.jobs.replay import ReplayRange, run_replay
