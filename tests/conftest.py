@@ -76,8 +76,9 @@ SLOW_FIXTURES = frozenset({
 # The order the tests start in. `make test` runs the suite on three pytest-xdist workers, which take tests in
 # collection order: the long scenarios (worker processes, scale-out groups, the broker and store) start first and
 # the many short unit tests fill the gaps at the end, so the workers end together instead of one finishing a
-# 70-second scenario alone. Within a folder, modules with a slow test (training, reference models, fuzzing)
-# go first. No list to keep: a new module takes its place from its folder and its markers.
+# 70-second scenario alone. Modules with a slow test (training, reference models, fuzzing: a minute of set-up
+# each) start right after them, whatever their folder. No list to keep: a new module takes its place from its folder
+# and its markers.
 FOLDER_ORDER = ("system", "integration", "deploy", "unit")
 TESTS = Path(__file__).resolve().parent
 
@@ -97,7 +98,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
     slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
     # stable: a module's tests keep their order and stay together
-    items.sort(key=lambda item: (_folder_rank(item), item.path not in slow_modules))
+    # system first, then the slow modules of the other folders, then integration, deploy and unit
+    items.sort(key=lambda item: (0 if item.path in slow_modules else _folder_rank(item), _folder_rank(item) != 0))
 
 
 @pytest.fixture
