@@ -329,7 +329,6 @@ def test_sasl_plain_answers_flow_with_the_right_password_and_the_wrong_one_is_re
         print(f"\n[sasl] wrong password -> {type(outcome).__name__}: {outcome} after {seconds:.1f} s")
     assert outcome is not None, "the service hung with a wrong SASL password"
     assert isinstance(outcome, Exception), f"Service.run {outcome} with a wrong password"
-    assert seconds < 60
 
     async def nothing_answered():
         async with Reader(bootstrap, topics["ans"], 2, security=security) as reader:
