@@ -355,10 +355,17 @@ class RequestPipeline:
                                     record.padded_tokens)
         record.timings.total = ms(time.perf_counter() - record.received)
         answer.answer_id = answer_identity(answer, hosted.provenance_sha256)  # deterministic per model
-        record.answer, outgoing = hosted.answers.fitted(record, answer)
+        try:
+            record.answer, outgoing = hosted.answers.fitted(record, answer)
+        except Exception as exc:  # noqa: BLE001 - the request is finished: it still gets an answer, its error
+            # The stage has moved, so the fault handler of the step would pass this request by: answered here.
+            log.exception("answer not encoded", offset=record.source.offset)
+            error = hosted.answers.refused(record, Refusal("internal_error", reason(exc)))
+            error.answer_id = answer_identity(error, hosted.provenance_sha256)
+            record.answer, outgoing = hosted.answers.fitted(record, error)
         record.records.append(outgoing)
         record.drop_prepared()
-        if self.shadow is None or answer.error is not None or not self.shadow.follows(hosted.name, record):
+        if self.shadow is None or record.answer.error is not None or not self.shadow.follows(hosted.name, record):
             record.drop_decoded()
         return record
 

@@ -153,6 +153,27 @@ def test_a_fault_of_one_request_is_its_own_error_not_its_neighbours(pipeline_ser
     assert answers["before"].error is None and answers["after"].error is None
 
 
+def test_an_answer_that_cannot_be_encoded_is_answered_with_its_error_not_dropped(pipeline_service, monkeypatch):
+    """A fault while the answer record is built, after the request counts as answered: it still leaves with an
+    internal_error answer under its id (an unanswered request would hold its partition's commit point)."""
+    service = pipeline_service()
+    builder = service.pipeline.router.default.answers
+    original = builder.fitted
+
+    def fitted(record: Any, answer: Any) -> Any:
+        if answer.id == "faulty" and answer.error is None:
+            raise RuntimeError("simulated fault in the encoder")
+        return original(record, answer)
+
+    monkeypatch.setattr(builder, "fitted", fitted)
+    recorder = serve(service, records(request("before"), request("faulty"), request("after")))
+    answers = recorder.answers
+    assert answers["faulty"].error.code == "internal_error"
+    assert "simulated fault in the encoder" in answers["faulty"].error.message
+    assert answers["before"].error is None and answers["after"].error is None
+    assert len([s for call in recorder.calls for s in call]) == 3  # each request delivered once
+
+
 def test_a_fetch_is_prepared_in_one_trip_and_its_questions_share_passes(pipeline_service, qwen35_model):
     """Twelve text requests of one fetch: answered as the model alone answers each, from far fewer passes
     than requests (their rows were submitted together)."""
