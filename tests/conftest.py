@@ -55,7 +55,7 @@ pytest_plugins = [
 
 # The fixtures that start a JVM server (tests/support/infra_fixtures.py); every fixture built on them (``stack``,
 # ``s3_bucket``, the extra brokers of integration/test_security and test_hostile) asks for one of these.
-INFRA_FIXTURES = frozenset({"kafka_broker", "object_store"})
+INFRA_FIXTURES = frozenset({"kafka_broker", "object_store", "schema_registry"})
 # The fixtures that train a model or load models beyond the session's tiny ones: the demo's trained and random
 # models, and the modules' own (unit/runtime/test_model's reference and variant models,
 # unit/dev/test_build_checkpoint's backbones).

@@ -44,6 +44,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -57,7 +58,12 @@ __all__ = [
     "InfraError",
     "KafkaBroker",
     "ObjectStore",
+    "LocalStack",
+    "SchemaRegistry",
+    "embedded_stack",
     "ensure_jars",
+    "ensure_registry",
+    "free_ports",
     "java_available",
     "kafka_properties",
     "local_stack",
@@ -163,28 +169,12 @@ def ensure_jars(progress: bool = False) -> Path:
         shutil.copyfile(POM_PATH, cache / "pom.xml")
         staging = cache / "lib.partial"
         shutil.rmtree(staging, ignore_errors=True)
-        log_path = cache / "maven.log"
-        cmd = [
-            mvn,
-            "-B",  # batch mode: no colours and no download progress meter in the log file
-            "-f",
-            str(cache / "pom.xml"),
-            "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies",
-            f"-DoutputDirectory={staging}",
-        ]
         if progress:
-            _notice(f"fetching the Kafka and S3Proxy jars with Maven (once; its output goes to {log_path})")
-        log.info("jars.resolving", cache=str(cache), log=str(log_path))
+            _notice(f"fetching the Kafka and S3Proxy jars with Maven (once; its output goes to {cache / 'maven.log'})")
+        log.info("jars.resolving", cache=str(cache))
         started = time.monotonic()
-        with open(log_path, "w") as out:
-            out.write(f"===== d3stream: {' '.join(cmd)}\n")
-            out.flush()
-            proc = subprocess.run(cmd, cwd=cache, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
-            raise InfraError(
-                f"Maven could not resolve {POM_PATH} (exit {proc.returncode}); its log {log_path} ends:\n"
-                f"{_tail(log_path, 4000)}"
-            )
+        _maven(mvn, cache, ["-f", str(cache / "pom.xml"),
+                            f"{_DEPENDENCY_PLUGIN}:copy-dependencies", f"-DoutputDirectory={staging}"], str(POM_PATH))
         shutil.rmtree(lib, ignore_errors=True)
         staging.rename(lib)
         _kafka_classpath(lib)  # fail now, not at first start, if the pom lost a jar
@@ -192,6 +182,26 @@ def ensure_jars(progress: bool = False) -> Path:
         marker.write_text("\n".join(sorted(p.name for p in lib.glob("*.jar"))) + "\n")
         log.info("jars.resolved", cache=str(cache), seconds=round(time.monotonic() - started, 1))
     return lib
+
+
+_DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1"
+
+
+def _maven(mvn: str, cache: Path, arguments: list[str], what: str) -> None:
+    """Run one Maven goal with its output in ``cache/maven.log``; InfraError with the log's tail if it fails.
+
+    The plugin version is pinned so the result does not depend on what the local Maven repository holds."""
+    log_path = cache / "maven.log"
+    cmd = [mvn, "-B", *arguments]  # -B: no colours and no download progress meter in the log file
+    with open(log_path, "w") as out:
+        out.write(f"===== d3stream: {' '.join(cmd)}\n")
+        out.flush()
+        proc = subprocess.run(cmd, cwd=cache, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise InfraError(
+            f"Maven could not resolve {what} (exit {proc.returncode}); its log {log_path} ends:\n"
+            f"{_tail(log_path, 4000)}"
+        )
 
 
 def _notice(text: str) -> None:
@@ -221,11 +231,41 @@ def _kafka_classpath(lib: Path) -> str:
 # Processes
 
 
+# Ports this process has handed out: a port picked for one server is never picked for another, even after
+# the first let it go (a stopped server keeps its port for its next start).
+_handed_out: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports that are free right now on 127.0.0.1, picked together.
+
+    Every socket stays bound until all are picked, so the OS cannot hand the same port twice, and no port
+    this process handed out before comes back. Another program may still take one before the server binds
+    it: the servers' first start retries with fresh ports when that happens (:class:`PortTaken`).
+    """
+    with _ports_lock, contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < count:
+            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            if port not in _handed_out:
+                ports.append(port)
+        _handed_out.update(ports)
+        return ports
+
+
 def _free_port() -> int:
-    """A port that is free right now on 127.0.0.1 (the OS picks it; a race with other programs is unlikely)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+class PortTaken(InfraError):
+    """A server could not bind a port picked for it: another program took it in between."""
+
+
+# What each server's log says when its port is taken (Kafka, Jetty in S3Proxy, Vert.x in Apicurio).
+_PORT_TAKEN = ("Address already in use", "BindException", "Failed to bind", "seems to be in use by another process")
 
 
 def _port_open(port: int) -> bool:
@@ -472,6 +512,10 @@ class _LocalServer:
     stop_grace: float
     startup_seconds: float | None = None
     _proc: _Process | None = None
+    _log_start = 0
+    _launched_at = 0.0
+    _started_once = False
+    _ports_picked = False  # picked here rather than given: a lost port race may pick again
 
     @property
     def running(self) -> bool:
@@ -484,18 +528,69 @@ class _LocalServer:
     def _ready(self) -> bool:
         raise NotImplementedError
 
-    def _launch(self, cmd: list[str], started: float, *, poll_s: float = 0.2, **where: Any) -> None:
-        """Run ``cmd`` and wait until :meth:`_ready`; a server that dies or stays unready is stopped and the
-        error carries its log tail."""
+    def _launch(self, cmd: list[str], started: float, *, poll_s: float = 0.2, wait: bool = True,
+                **where: object) -> None:
+        """Run ``cmd`` and (with ``wait``) wait until :meth:`_ready`; a server that dies or stays unready is
+        stopped and the error carries its log tail (:class:`PortTaken` when its port was taken)."""
         log.info(f"{self.event}.starting", workdir=str(self.workdir), **where)
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self._launched_at = started
         self._proc = _Process(self.event, cmd, self.log_path, self.workdir)
+        if wait:
+            self.wait_ready(poll_s=poll_s, **where)
+
+    def wait_ready(self, *, poll_s: float = 0.2, **where: object) -> Self:
+        """Wait until the launched server answers; stop it and raise when it dies or stays unready."""
+        proc = self._proc
+        if proc is None:
+            raise InfraError(f"{self.label} was not started")
         try:
-            _wait_until(self._ready, self._proc, self.label, self.startup_timeout, interval=poll_s)
-        except BaseException:
-            self._proc.stop(grace=5)
+            _wait_until(self._ready, proc, self.label, self.startup_timeout, interval=poll_s)
+        except InfraError as exc:
+            proc.stop(grace=5)
+            self._proc = None
+            if self._port_taken():
+                raise PortTaken(f"{self.label}: a port picked for it was taken by another program; {exc}") from exc
             raise
-        self.startup_seconds = time.monotonic() - started
-        log.info(f"{self.event}.ready", pid=self._proc.pid, seconds=round(self.startup_seconds, 2), **where)
+        except BaseException:
+            proc.stop(grace=5)
+            self._proc = None
+            raise
+        self.startup_seconds = time.monotonic() - self._launched_at
+        self._started_once = True
+        log.info(f"{self.event}.ready", pid=proc.pid, seconds=round(self.startup_seconds, 2), **where)
+        return self
+
+    def _port_taken(self) -> bool:
+        """Whether this launch's log says a port was in use."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return False
+        return any(marker in text for marker in _PORT_TAKEN)
+
+    def start(self) -> Self:
+        """Launch the server and wait until it answers. A first start whose picked port was taken in between
+        (another program bound it) tries again on fresh ports; later starts keep their address."""
+        attempts = 4
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start()
+            except PortTaken:
+                if self._started_once or not self._ports_picked or attempt == attempts:
+                    raise
+                log.info(f"{self.event}.port_taken", attempt=attempt)
+                self._pick_ports()
+        raise AssertionError("unreachable")
+
+    def _start(self) -> Self:
+        raise NotImplementedError
+
+    def _pick_ports(self) -> None:
+        """Fresh ports for a first start that lost a port race."""
+        raise NotImplementedError
 
     def stop(self) -> None:
         """Clean shutdown (SIGTERM, SIGKILL after ``stop_grace``); the data stays for the next ``start``."""
@@ -504,9 +599,6 @@ class _LocalServer:
         log.info(f"{self.event}.stopping", pid=self._proc.pid)
         self._proc.stop(self.stop_grace)
         self._proc = None
-
-    def start(self) -> Self:
-        raise NotImplementedError
 
     def restart(self) -> None:
         """Stop then start on the same port and data folder."""
@@ -557,22 +649,30 @@ class KafkaBroker(_LocalServer):
         self.workdir, self._owns_workdir = _workdir(workdir, "d3stream-kafka-")
         self.partitions = partitions
         self.extra_properties = dict(extra_properties or {})
-        self.port = port or _free_port()
-        self.controller_port = controller_port or _free_port()
+        self._ports_picked = port is None and controller_port is None
+        picked = free_ports(2)
+        self.port = port or picked[0]
+        self.controller_port = controller_port or picked[1]
         self.heap = heap
         self.startup_timeout = startup_timeout
         self.stop_grace = stop_grace
         self.client_options: dict[str, Any] = dict(client_options or {})
         self.format_arguments = list(format_arguments)
-        self.bootstrap_servers = f"127.0.0.1:{self.port}"
         self.log_path = self.workdir / "kafka.log"
         self.data_dir = self.workdir / "data"
         self.startup_seconds = None
         self._proc = None
 
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _pick_ports(self) -> None:
+        self.port, self.controller_port = free_ports(2)
+
     # -- lifecycle
 
-    def start(self) -> Self:
+    def _start(self) -> Self:
         """Write the config, format storage on first start, launch the JVM and wait until it serves metadata."""
         if self.running:
             return self
@@ -749,8 +849,8 @@ class ObjectStore(_LocalServer):
         stop_grace: float = 10.0,
     ) -> None:
         self.workdir, self._owns_workdir = _workdir(workdir, "d3stream-s3-")
+        self._ports_picked = port is None
         self.port = port or _free_port()
-        self.endpoint_url = f"http://127.0.0.1:{self.port}"
         self.access_key = access_key
         self.secret_key = secret_key
         self.region = region
@@ -762,7 +862,14 @@ class ObjectStore(_LocalServer):
         self.startup_seconds = None
         self._proc = None
 
-    def start(self) -> Self:
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _pick_ports(self) -> None:
+        self.port = _free_port()
+
+    def _start(self) -> Self:
         """Launch S3Proxy and wait until its HTTP port answers (any status: unauthenticated gets 403)."""
         if self.running:
             return self
@@ -841,23 +948,244 @@ class ObjectStore(_LocalServer):
 
 
 # --------------------------------------------------------------------------------------------------
+# Schema Registry
+
+# Apicurio Registry implements Confluent's Schema Registry API (under /apis/ccompat/v7). Maven Central serves
+# its finished Quarkus application as a tarball; 3.x needs Java 21, the 2.6 line runs on Java 17.
+APICURIO_VERSION = "3.3.3"
+APICURIO_JAVA17_VERSION = "2.6.13.Final"
+APICURIO_VERSION_ENV = "D3STREAM_APICURIO_VERSION"
+_JVM_FOLDERS = (Path("/usr/lib/jvm"), Path("/usr/java"), Path("/opt/java"), Path("/Library/Java/JavaVirtualMachines"))
+
+
+def _java_feature(java: Path) -> int | None:
+    """The Java feature version (17, 21, 25) of a ``bin/java``, from the ``release`` file beside it, else from
+    ``java -version``; None when it cannot be told."""
+    home = java.resolve().parent.parent
+    with contextlib.suppress(OSError):
+        for line in (home / "release").read_text().splitlines():
+            if line.startswith("JAVA_VERSION="):
+                return _feature_of(line.split("=", 1)[1].strip().strip('"'))
+    try:
+        out = subprocess.run([str(java), "-version"], capture_output=True, text=True, timeout=30).stderr
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for word in out.split():
+        if word.strip('"')[:1].isdigit():
+            return _feature_of(word.strip('"'))
+    return None
+
+
+def _feature_of(version: str) -> int | None:
+    head = version.split(".")
+    with contextlib.suppress(ValueError):
+        return int(head[1]) if head[0] == "1" and len(head) > 1 else int(head[0])
+    return None
+
+
+def java_installations() -> list[tuple[int, Path]]:
+    """Every Java found: ``$JAVA_HOME``, ``java`` on PATH and the system's JVM folders; newest first."""
+    candidates: list[Path] = []
+    if os.environ.get("JAVA_HOME"):
+        candidates.append(Path(os.environ["JAVA_HOME"]) / "bin" / "java")
+    if shutil.which("java"):
+        candidates.append(Path(str(shutil.which("java"))))
+    for folder in _JVM_FOLDERS:
+        with contextlib.suppress(OSError):
+            candidates.extend(sorted(folder.glob("*/bin/java")) + sorted(folder.glob("*/Contents/Home/bin/java")))
+    found: dict[Path, tuple[int, Path]] = {}
+    for java in candidates:
+        if java.is_file() and java.resolve() not in found:
+            feature = _java_feature(java)
+            if feature is not None:
+                found[java.resolve()] = (feature, java)
+    return sorted(found.values(), key=lambda each: -each[0])
+
+
+def registry_java() -> tuple[Path, str]:
+    """The ``java`` to run the registry with and the Apicurio version it can run: 3.x on Java 21 or newer,
+    2.6 on Java 17 (``$D3STREAM_APICURIO_VERSION`` chooses one)."""
+    installed = java_installations()
+    wanted = os.environ.get(APICURIO_VERSION_ENV)
+    choices = [(wanted, 21 if int(wanted.split(".")[0]) >= 3 else 17)] if wanted else [
+        (APICURIO_VERSION, 21), (APICURIO_JAVA17_VERSION, 17)]
+    for version, needs in choices:
+        for feature, java in installed:
+            if feature >= needs:
+                return java, version
+    needs = choices[0][1]
+    seen = ", ".join(f"Java {feature} at {java}" for feature, java in installed) or "no Java at all"
+    raise InfraError(
+        f"the Schema Registry (Apicurio {wanted or APICURIO_VERSION}) needs Java {needs} or newer; found {seen}. "
+        "Install a JDK 21 (e.g. apt install openjdk-21-jdk-headless, or Temurin into /usr/lib/jvm) or set "
+        f"JAVA_HOME to one; with only Java 17, {APICURIO_VERSION_ENV}={APICURIO_JAVA17_VERSION} runs the older line"
+    )
+
+
+def ensure_registry(version: str, progress: bool = False) -> Path:
+    """Fetch and unpack Apicurio Registry ``version`` from Maven Central once; the folder of ``quarkus-run.jar``."""
+    root = Path(os.environ.get("D3STREAM_CACHE") or Path.home() / ".cache" / "d3stream") / "apicurio" / version
+    app, marker = root / "app", root / ".resolved"
+    if marker.is_file():
+        return app
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file():
+            return app
+        mvn = shutil.which("mvn")
+        if not mvn:
+            raise InfraError("mvn is not on PATH; it is needed once to fetch the Apicurio Schema Registry")
+        artifact = f"io.apicurio:apicurio-registry-app:{version}:tar.gz:all"
+        if progress:
+            _notice(f"fetching the Schema Registry (Apicurio {version}) with Maven (once; its output goes to "
+                    f"{root / 'maven.log'})")
+        staging = root / "app.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        _maven(mvn, root, [f"{_DEPENDENCY_PLUGIN}:unpack", f"-Dartifact={artifact}",
+                           f"-DoutputDirectory={staging}"], artifact)
+        if not (staging / "quarkus-run.jar").is_file():
+            raise InfraError(f"{artifact} unpacked without quarkus-run.jar; delete {root} to fetch it again")
+        shutil.rmtree(app, ignore_errors=True)
+        staging.rename(app)
+        marker.write_text(artifact + "\n")
+    return app
+
+
+class SchemaRegistry(_LocalServer):
+    """Apicurio Registry on 127.0.0.1, speaking Confluent's Schema Registry API at :attr:`url`.
+
+    Its schemas live in an H2 database file in the work folder, so :meth:`stop`/:meth:`start` (a registry
+    outage) brings back the same schema ids. Auth is off. Both of its ports (the API and Quarkus's
+    management port, which would otherwise open 9000 on every interface) are bound to loopback.
+    """
+
+    event, label = "registry", "Schema Registry (Apicurio)"
+
+    def __init__(
+        self,
+        workdir: Path | None = None,
+        *,
+        port: int | None = None,
+        heap: str = "384m",
+        startup_timeout: float = 180.0,
+        stop_grace: float = 15.0,
+    ) -> None:
+        self.workdir, self._owns_workdir = _workdir(workdir, "d3stream-registry-")
+        self._ports_picked = port is None
+        picked = free_ports(2)
+        self.port = port or picked[0]
+        self.management_port = picked[1]
+        self.heap = heap
+        self.startup_timeout = startup_timeout
+        self.stop_grace = stop_grace
+        self.log_path = self.workdir / "registry.log"
+        self.java, self.version = registry_java()
+        self.startup_seconds = None
+        self._proc = None
+
+    @property
+    def url(self) -> str:
+        """The Confluent-compatible API: what ``schema_registry_url`` and confluent-kafka's clients take."""
+        return f"http://127.0.0.1:{self.port}/apis/ccompat/v7"
+
+    def _pick_ports(self) -> None:
+        self.port, self.management_port = free_ports(2)
+
+    def launch(self) -> Self:
+        """Start the JVM without waiting for it (Quarkus takes seconds): start the other servers meanwhile, then
+        :meth:`wait_ready`."""
+        if self.running:
+            return self
+        app = ensure_registry(self.version)
+        database = self.workdir / "registry-db"
+        cmd = [
+            str(self.java),
+            f"-Xmx{self.heap}",
+            "-Xms64m",
+            *_jvm_options(),
+            "-Djava.awt.headless=true",
+            "-Dquarkus.http.host=127.0.0.1",
+            f"-Dquarkus.http.port={self.port}",
+            "-Dquarkus.management.host=127.0.0.1",
+            f"-Dquarkus.management.port={self.management_port}",
+            # A file database, so a restart keeps the ids (3.x and 2.6 name the setting differently).
+            f"-Dapicurio.datasource.url=jdbc:h2:file:{database};DB_CLOSE_ON_EXIT=FALSE",
+            f"-Dregistry.datasource.url=jdbc:h2:file:{database};DB_CLOSE_ON_EXIT=FALSE",
+            "-Dquarkus.log.level=WARN",
+            "-jar",
+            str(app / "quarkus-run.jar"),
+        ]
+        self._launch(cmd, time.monotonic(), wait=False, url=self.url, version=self.version)
+        return self
+
+    def _start(self) -> Self:
+        if not self.running:
+            self.launch()
+        return self.wait_ready(url=self.url)
+
+    def _ready(self) -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+        try:
+            conn.request("GET", "/apis/ccompat/v7/subjects")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+        finally:
+            conn.close()
+
+    def pause(self) -> None:
+        """SIGSTOP: the registry still holds its port but answers nothing (a hung registry)."""
+        if self._proc is not None:
+            os.killpg(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            os.killpg(self._proc.pid, signal.SIGCONT)
+
+
+# --------------------------------------------------------------------------------------------------
 # Both
+
+
+@dataclass
+class LocalStack:
+    """The embedded servers of one run: a Kafka broker, an S3 store and (when asked for) a Schema Registry."""
+
+    broker: KafkaBroker
+    store: ObjectStore
+    registry: SchemaRegistry | None = None
+
+
+@contextlib.contextmanager
+def embedded_stack(
+    workdir: Path | None = None, partitions: int = 4, progress: bool = False, registry: bool = True
+) -> Iterator[LocalStack]:
+    """Start a Kafka broker, an S3 store and (with ``registry``) a Schema Registry; yield them; stop all three.
+
+    With ``workdir`` the data lives in ``workdir/kafka``, ``workdir/s3`` and ``workdir/registry`` and is kept
+    afterwards; without, temporary folders are deleted on exit. ``progress`` says so in one line when a
+    one-time download runs (Maven's output goes to a log file). The registry's JVM starts first and comes up
+    while the other two start, so it adds little to the wait.
+    """
+    ensure_jars(progress=progress)
+    with contextlib.ExitStack() as stack:
+        schemas: SchemaRegistry | None = None
+        if registry:
+            schemas = stack.enter_context(contextlib.closing(SchemaRegistry(workdir / "registry" if workdir else None)))
+            ensure_registry(schemas.version, progress=progress)
+            schemas.launch()
+        store = stack.enter_context(ObjectStore(workdir / "s3" if workdir else None))
+        broker = stack.enter_context(KafkaBroker(workdir / "kafka" if workdir else None, partitions=partitions))
+        if schemas is not None:
+            schemas.start()  # waits for the launched JVM (and relaunches on fresh ports if it lost one)
+        yield LocalStack(broker, store, schemas)
 
 
 @contextlib.contextmanager
 def local_stack(
     workdir: Path | None = None, partitions: int = 4, progress: bool = False
 ) -> Iterator[tuple[KafkaBroker, ObjectStore]]:
-    """Start a Kafka broker and an S3 store, yield them, stop both (for ``d3stream demo``).
-
-    With ``workdir`` the data lives in ``workdir/kafka`` and ``workdir/s3`` and is kept afterwards;
-    without, both use temporary folders that are deleted on exit. ``progress`` says so in one line when the
-    one-time jar download runs, which takes a while on a first run (Maven's output goes to a log file).
-    """
-    ensure_jars(progress=progress)
-    with contextlib.ExitStack() as stack:
-        store = stack.enter_context(ObjectStore(workdir / "s3" if workdir else None))
-        broker = stack.enter_context(
-            KafkaBroker(workdir / "kafka" if workdir else None, partitions=partitions)
-        )
-        yield broker, store
+    """A Kafka broker and an S3 store (no registry), as ``(broker, store)``: what the benchmarks use."""
+    with embedded_stack(workdir, partitions, progress, registry=False) as stack:
+        yield stack.broker, stack.store

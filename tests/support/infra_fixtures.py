@@ -18,7 +18,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from d3stream.dev.infra import KafkaBroker, ObjectStore, java_available
+from d3stream.dev.infra import (
+    InfraError,
+    KafkaBroker,
+    ObjectStore,
+    SchemaRegistry,
+    java_available,
+    registry_java,
+)
 
 
 def _require_infra() -> None:
@@ -44,6 +51,21 @@ def object_store() -> Iterator[ObjectStore]:
     _require_infra()
     with ObjectStore() as store:
         yield store
+
+
+@pytest.fixture(scope="session")
+def schema_registry() -> Iterator[SchemaRegistry]:
+    """One Apicurio Schema Registry for the session (Confluent's API at ``.url``). Tests may ``stop()``/``start()``
+    it (its schemas survive) or ``pause()``/``resume()`` it."""
+    _require_infra()
+    try:
+        registry_java()
+    except InfraError as exc:
+        if os.environ.get("D3STREAM_REQUIRE_INFRA") == "1":
+            pytest.fail(f"Schema Registry unavailable: {exc}")
+        pytest.skip(f"Schema Registry unavailable: {exc}")
+    with SchemaRegistry() as registry:
+        yield registry
 
 
 @pytest.fixture
