@@ -1023,7 +1023,7 @@ def registry_java() -> tuple[Path, str]:
 
 
 def ensure_registry(version: str, progress: bool = False) -> Path:
-    """Fetch and unpack Apicurio Registry ``version`` from Maven Central once; the folder of ``quarkus-run.jar``."""
+    """Fetch and unpack Apicurio Registry ``version`` from Maven Central once; the application's folder."""
     root = Path(os.environ.get("D3STREAM_CACHE") or Path.home() / ".cache" / "d3stream") / "apicurio" / version
     app, marker = root / "app", root / ".resolved"
     if marker.is_file():
@@ -1044,12 +1044,19 @@ def ensure_registry(version: str, progress: bool = False) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         _maven(mvn, root, [f"{_DEPENDENCY_PLUGIN}:unpack", f"-Dartifact={artifact}",
                            f"-DoutputDirectory={staging}"], artifact)
-        if not (staging / "quarkus-run.jar").is_file():
-            raise InfraError(f"{artifact} unpacked without quarkus-run.jar; delete {root} to fetch it again")
+        _runner_jar(staging)  # fail now if the tarball has no application in it
         shutil.rmtree(app, ignore_errors=True)
         staging.rename(app)
         marker.write_text(artifact + "\n")
     return app
+
+
+def _runner_jar(app: Path) -> Path:
+    """The application's jar: ``quarkus-run.jar`` (3.x) or ``*-runner.jar`` (the 2.6 line's legacy layout)."""
+    found = [app / "quarkus-run.jar"] if (app / "quarkus-run.jar").is_file() else sorted(app.glob("*-runner.jar"))
+    if not found:
+        raise InfraError(f"no quarkus-run.jar or *-runner.jar in {app}; delete {app.parent} to fetch it again")
+    return found[0]
 
 
 class SchemaRegistry(_LocalServer):
@@ -1114,7 +1121,7 @@ class SchemaRegistry(_LocalServer):
             f"-Dregistry.datasource.url=jdbc:h2:file:{database};DB_CLOSE_ON_EXIT=FALSE",
             "-Dquarkus.log.level=WARN",
             "-jar",
-            str(app / "quarkus-run.jar"),
+            str(_runner_jar(app)),
         ]
         self._launch(cmd, time.monotonic(), wait=False, url=self.url, version=self.version)
         return self

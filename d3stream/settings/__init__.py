@@ -22,7 +22,10 @@ from d3stream.settings.sections import (
     ModelSettings,
     ObservabilitySettings,
     Ordering,
+    RecordFormat,
+    RegistrySettings,
     StorageSettings,
+    SubjectNameStrategy,
 )
 from d3stream.settings.sources import (
     CONFIG_ENV,
@@ -54,6 +57,6 @@ __all__ = [
     "CACHE_ENV", "CONFIG_ENV", "CONNECTION_FIELDS", "ENV_PREFIX", "SECTIONS", "SETTINGS",
     "BatchingSettings", "ConnectionSettings", "DeliveryMode", "DeliverySettings", "EvaluationSettings",
     "LifecycleSettings", "LimitSettings", "MediaSettings", "ModelSettings", "ObservabilitySettings", "Ordering",
-    "Secret", "Setting", "Settings", "StorageSettings",
+    "RecordFormat", "RegistrySettings", "Secret", "Setting", "Settings", "StorageSettings", "SubjectNameStrategy",
     "add_arguments", "cache_root", "env_name", "flag_name", "heartbeat_interval_ms", "load_settings",
 ]

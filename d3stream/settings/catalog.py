@@ -1,4 +1,4 @@
-"""``Settings``: the ten sections together, and the catalogue of every setting by the name an operator writes.
+"""``Settings``: the eleven sections together, and the catalogue of every setting by the name an operator writes.
 
 An operator writes settings flat (``--answer-topic``, ``D3STREAM_ANSWER_TOPIC``, ``answer_topic = ...``); the
 code reads them by section (``settings.delivery.answer_topic``). ``SETTINGS`` maps each written name to its
@@ -27,6 +27,7 @@ from d3stream.settings.sections import (
     MediaSettings,
     ModelSettings,
     ObservabilitySettings,
+    RegistrySettings,
     StorageSettings,
 )
 
@@ -36,6 +37,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     names; ``settings.replaced(answer_topic=...)`` changes some."""
 
     connection: ConnectionSettings = msgspec.field(default_factory=ConnectionSettings)
+    registry: RegistrySettings = msgspec.field(default_factory=RegistrySettings)
     delivery: DeliverySettings = msgspec.field(default_factory=DeliverySettings)
     models: ModelSettings = msgspec.field(default_factory=ModelSettings)
     limits: LimitSettings = msgspec.field(default_factory=LimitSettings)

@@ -86,6 +86,69 @@ class ConnectionSettings(_Section, frozen=True, kw_only=True):
     )] = msgspec.field(default_factory=list)
 
 
+# How answers, dead letters and evaluations are written: plain JSON, or through the Schema Registry in Confluent's
+# wire format (a magic byte 0, the 4-byte schema id, then the Avro or JSON payload).
+RecordFormat = Literal["json", "avro", "json_schema"]
+# Which subject a topic's schema is registered under (Confluent's TopicNameStrategy, RecordNameStrategy and
+# TopicRecordNameStrategy).
+SubjectNameStrategy = Literal["topic", "record", "topic_record"]
+
+
+class RegistrySettings(_Section, frozen=True, kw_only=True):
+    """The Schema Registry (Confluent's API; Apicurio's /apis/ccompat/v7): framed requests in, the chosen
+    format out."""
+
+    schema_registry_url: Annotated[str | None, doc(
+        "Schema Registry URL (Confluent's API, e.g. http://registry:8081 or Apicurio's .../apis/ccompat/v7); with "
+        "it, requests framed by the registry (Avro, JSON Schema) are read beside plain JSON ones"
+    )] = None
+    schema_registry_basic_auth: Annotated[Secret | None, doc(
+        "user:password for the registry's basic auth (prefer the environment variable to a flag)"
+    )] = None
+    schema_registry_bearer_token: Annotated[Secret | None, doc(
+        "a static bearer token for the registry (prefer the environment variable to a flag)"
+    )] = None
+    schema_registry_ssl_cafile: Annotated[str | None, doc(
+        "CA bundle (PEM) that signs the registry's certificate (default: the system's CAs)"
+    )] = None
+    schema_registry_ssl_certfile: Annotated[str | None, doc(
+        "client certificate (PEM) for mutual TLS with the registry"
+    )] = None
+    schema_registry_ssl_keyfile: Annotated[str | None, doc(
+        "private key (PEM) of schema_registry_ssl_certfile"
+    )] = None
+    answer_format: Annotated[RecordFormat, doc(
+        "how answers, dead letters and evaluations are written: json (plain), avro or json_schema (both in the "
+        "registry's wire format; need schema_registry_url)"
+    )] = "json"
+    subject_name_strategy: Annotated[SubjectNameStrategy, doc(
+        "the subject a schema is registered under: topic (<topic>-value), record (d3stream.Answer) or "
+        "topic_record (<topic>-d3stream.Answer)"
+    )] = "topic"
+    schema_auto_register: Annotated[bool, doc(
+        "register the answer schemas at start (the demo does); off in production: they must be registered "
+        "already (d3stream schemas register), and the worker stops at start when they are not"
+    )] = False
+    schema_registry_timeout_s: Annotated[float, doc(
+        "how long one registry request may take before it counts as a fault (then retried with backoff)"
+    )] = 10.0
+    schema_registry_backoff_max_s: Annotated[float, doc(
+        "the longest wait between retries while the registry is down (the partition waits; nothing is "
+        "dead-lettered for it)"
+    )] = 30.0
+
+    def check(self) -> None:
+        if self.answer_format != "json" and not self.schema_registry_url:
+            raise ValueError(f"answer_format {self.answer_format} writes through a Schema Registry: set "
+                             "schema_registry_url, or answer_format json")
+        if self.schema_registry_basic_auth is not None and ":" not in self.schema_registry_basic_auth.reveal():
+            raise ValueError("schema_registry_basic_auth is user:password")
+        if self.schema_registry_ssl_keyfile and not self.schema_registry_ssl_certfile:
+            raise ValueError("schema_registry_ssl_keyfile needs schema_registry_ssl_certfile (the certificate it signs)")
+        _at_least("schema_registry_timeout_s", self.schema_registry_timeout_s, 0.1, "a tenth of a second")
+        _at_least("schema_registry_backoff_max_s", self.schema_registry_backoff_max_s, 0.1, "a tenth of a second")
+
+
 class DeliverySettings(_Section, frozen=True, kw_only=True):
     """Which topics a worker reads and writes, its consumer group, and how answers and offsets are committed."""
 
