@@ -1,7 +1,8 @@
-"""The JSON Schemas of the events, generated from the contract's Structs.
+"""The JSON Schemas and Avro schemas of the events, generated from the contract's Structs.
 
 ``python -m d3stream_client.schemas FOLDER`` writes ``request``, ``answer``, ``dead-letter``, ``label`` and
-``evaluation`` ``.schema.json`` files; the repository keeps them in ``schemas/`` for producers in other languages, and a
+``evaluation`` ``.schema.json`` files, and an ``.avsc`` file of each (its Avro schema, for a Schema Registry:
+``d3stream_client.avro``); the repository keeps them in ``schemas/`` for producers in other languages, and a
 test fails when the checked-in files drift from the Structs.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from d3stream_client.avro import avro_schema
 from d3stream_client.contract import SCHEMA_VERSION, Answer, DeadLetter, Evaluation, Label, Request
 
 SCHEMAS: dict[str, type[msgspec.Struct]] = {
@@ -30,13 +32,22 @@ def json_schema(name: str) -> dict[str, Any]:
     return schema
 
 
+def event_avro_schema(name: str) -> dict[str, object]:
+    """The Avro schema of one event type, as checked in under ``schemas/`` (``<name>.avsc``)."""
+    return avro_schema(SCHEMAS[name])
+
+
 def write_schemas(folder: Path) -> list[Path]:
-    """Write every event's schema into ``folder``; the paths written."""
+    """Write every event's JSON Schema and Avro schema into ``folder``; the paths written."""
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name in SCHEMAS:
         path = folder / f"{name}.schema.json"
         path.write_text(json.dumps(json_schema(name), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        written.append(path)
+        # Not sorted: an Avro record's fields are in order, and the order is part of the binary form.
+        path = folder / f"{name}.avsc"
+        path.write_text(json.dumps(event_avro_schema(name), indent=2) + "\n", encoding="utf-8")
         written.append(path)
     return written
 

@@ -26,7 +26,7 @@ from d3stream_client.contract import (
     decode_answer,
     encode,
 )
-from d3stream_client.schemas import json_schema, write_schemas
+from d3stream_client.schemas import SCHEMAS, event_avro_schema, json_schema, write_schemas
 from d3stream_client.validation import DEFAULT_LIMITS, MAX_NESTING, EventError, RequestLimits, decode_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -76,9 +76,24 @@ def test_schema_is_a_valid_2020_12_schema_with_version(name):
     jsonschema.Draft202012Validator.check_schema(schema)
 
 
-def test_write_schemas_writes_all_three(tmp_path):
+@pytest.mark.parametrize("name", ["request", "answer", "dead-letter", "label", "evaluation"])
+def test_checked_in_avro_schema_matches_the_structs(name):
+    path = SCHEMA_DIR / f"{name}.avsc"
+    assert path.is_file(), f"{path} is missing; run `python -m d3stream_client.schemas schemas`"
+    checked_in = json.loads(path.read_text(encoding="utf-8"))
+    # == on the parsed JSON: an Avro record's field order matters, and dict equality ignores only key order
+    assert checked_in == event_avro_schema(name), f"{path} drifted from the d3stream_client Structs; run `python -m d3stream_client.schemas schemas`"
+    assert [field["name"] for field in checked_in["fields"]] == [
+        field.encode_name for field in msgspec.structs.fields(SCHEMAS[name])
+    ]
+
+
+def test_write_schemas_writes_every_checked_in_file(tmp_path):
     written = write_schemas(tmp_path / "out")
-    assert sorted(p.name for p in written) == sorted(p.name for p in SCHEMA_DIR.glob("*.schema.json"))
+    checked_in = [*SCHEMA_DIR.glob("*.schema.json"), *SCHEMA_DIR.glob("*.avsc")]
+    assert sorted(p.name for p in written) == sorted(p.name for p in checked_in)
+    assert sorted(p.name for p in written) == sorted(f"{name}{suffix}" for name in SCHEMAS
+                                                     for suffix in (".schema.json", ".avsc"))
     for path in written:
         assert path.read_text(encoding="utf-8") == (SCHEMA_DIR / path.name).read_text(encoding="utf-8")
 
