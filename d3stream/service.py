@@ -41,13 +41,14 @@ from d3stream.core.passes import Passes, RowScheduler, default_token_budget, mod
 from d3stream.core.pipeline import RequestPipeline
 from d3stream.core.record import RequestRecord, Stage
 from d3stream.core.routing import Hosted
-from d3stream.core.seams import DecisionModel
+from d3stream.core.seams import DecisionModel, RecordKind
 from d3stream.core.storage import MediaFetcher
 from d3stream.kafka.commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
 from d3stream.kafka.connection import check_connection, connecting
 from d3stream.kafka.consume import ConsumeLoop, Fetch, LiveRead, ReadPolicy, group_consumer
 from d3stream.kafka.limits import Limits, WorkerFatal, producer_compression
 from d3stream.kafka.offsets import OffsetTracker
+from d3stream.kafka.registry import OutgoingFormat, Registry
 from d3stream.kafka.sinks import KafkaTopics, Sink, ensure_topics
 from d3stream.models.rollout import rollout_for
 from d3stream.models.shadow import shadow_hosted
@@ -143,6 +144,9 @@ class Service:
         self.delivery: CommitPolicy | None = None
         self.consumer: AIOKafkaConsumer | None = None
         self.loop: ConsumeLoop | None = None
+        # Requests framed by a Schema Registry, and answers written through it (kafka/registry.py).
+        self.registry = Registry(settings.registry, metrics=self.metrics) if settings.registry.schema_registry_url else None
+        self.outgoing_format: OutgoingFormat | None = None
         self.ready = False
         self._stop_asked = False
         self._answered = 0
@@ -187,7 +191,8 @@ class Service:
         """The default model's identity and kernels, and the readiness check, on the metrics endpoint."""
         self.metrics.set_model(self.model.model_name, self.provenance_sha256, str(self.model.device))
         self.metrics.set_kernels(self.model.kernel_record())
-        self.metrics.set_ready_check(lambda: self.ready and self.joined and not self.stopping and not self.stalled)
+        self.metrics.set_ready_check(lambda: self.ready and self.joined and not self.stopping and not self.stalled
+                                     and not self.registry_outage, why_not=lambda: self.registry_outage)
 
     def _hosted_all(self) -> list[Hosted]:
         """The served models and a shadow checkpoint of its own (a served model's shadow is one of them)."""
@@ -242,6 +247,11 @@ class Service:
         return self.loop.stalled if self.loop is not None else []
 
     @property
+    def registry_outage(self) -> str | None:
+        """Why the Schema Registry is not answering, while it is not (framed requests wait for it)."""
+        return self.registry.health.outage if self.registry is not None else None
+
+    @property
     def fatal(self) -> WorkerFatal | None:
         return self.loop.fatal if self.loop is not None else None
 
@@ -278,6 +288,8 @@ class Service:
             await self._connecting(ensure_topics(self.settings, self.sink))
         await self._connecting(self.sink.start())
         await self.delivery.start()
+        if self.registry is not None and settings.registry.answer_format != "json":
+            self.outgoing_format = await self.registry.writers_for(self._framed_topics())
         self.limits.topics = await self._connecting(self.sink.read_limits())
         log.info("topic limits", max_message_bytes=self.limits.topics, compression=self.limits.compression,
                  max_request_size=self.limits.max_request_size)
@@ -295,6 +307,14 @@ class Service:
         finally:
             self.ready = False
             await self.consumer.stop()
+
+    def _framed_topics(self) -> dict[RecordKind, str]:
+        """The topics written in the registry's wire format, by what they carry."""
+        delivery = self.settings.delivery
+        topics: dict[RecordKind, str] = {"answer": delivery.answer_topic, "dead_letter": delivery.dead_letter_topic}
+        if self.settings.models.shadow_topic:
+            topics["shadow"] = self.settings.models.shadow_topic
+        return topics
 
     async def _close(self) -> None:
         if self.rollout is not None:
@@ -337,7 +357,8 @@ class Service:
         as it is ready (beside the pipeline's further work, not after it)."""
         deliveries: list[asyncio.Future[None]] = []
         try:
-            async for answered in self.pipeline.answer(fetched.records):
+            records = fetched.records if self.registry is None else await self.registry.unframe(fetched.records)
+            async for answered in self.pipeline.answer(records):
                 deliveries.append(asyncio.ensure_future(self._deliver(fetched, answered)))
             await asyncio.gather(*deliveries)
         except asyncio.CancelledError:  # the loop gave up on this fetch: nothing of it is handed on any more
@@ -351,8 +372,11 @@ class Service:
         assert self.delivery is not None and self.loop is not None
         started = time.perf_counter()
         answered = []
+        framing = self.outgoing_format
         for record in records:
             record.publish_at = started
+            if framing is not None:
+                record.records = [framing.apply(each) for each in record.records]
             partition, epoch = fetched.origin(record.input)
             answered.append(Answered(partition, record.source.offset, record.records, epoch))
         try:

@@ -171,9 +171,13 @@ class RequestPipeline:
         """The request decoded and routed (``record.request``, ``record.model``), or the refusal that ends it."""
         read = record.input
         try:
+            # A framing layer (kafka/registry.py) hands on the refusal of a record it could not read.
+            unreadable = getattr(read, "unreadable", None)
+            if isinstance(unreadable, EventError):
+                raise unreadable
             request = decode_request(read.value, read.key, self.request_limits)
         except EventError as exc:
-            if exc.code == "undecodable_event":
+            if exc.code in DEAD_LETTERED:
                 record.records.append(self.router.default.answers.dead_letter(record, str(exc)))
             return Refusal(exc.code, str(exc), request_id=exc.request_id)
         record.request = request
@@ -374,6 +378,11 @@ def _expired(late: DeadlineExceeded, when: str) -> Refusal:
     return Refusal("deadline_exceeded",
                    f"the request's deadline had passed {late.late_ms:,} ms before it {when}; it was not run "
                    "(fields deadline / ttl_ms; honor_deadlines)", late_ms=late.late_ms)
+
+
+# Refusals whose record also goes to the dead-letter topic: what is certainly not a request a producer meant
+# (bytes that are not a JSON object, a registry framing whose schema is unknown) is kept there with the reason.
+DEAD_LETTERED = frozenset({"undecodable_event", "schema_not_found"})
 
 
 def request_tenant(settings: Settings, record: InputRecord, request: Request) -> str:

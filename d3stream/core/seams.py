@@ -28,7 +28,8 @@ from d3stream.runtime import Prepared, Row
 
 class InputRecord(Protocol):
     """One request as read from a topic: an aiokafka ``ConsumerRecord`` is one, so is any object with
-    these attributes (the pipeline's tests build them without a broker)."""
+    these attributes (the pipeline's tests build them without a broker). A record that a framing layer
+    could not read (kafka/registry.py) also has ``unreadable``, the ``EventError`` it is answered with."""
 
     @property
     def topic(self) -> str: ...

@@ -85,6 +85,7 @@ class Metrics(PartitionSeries, GroupSeries, FlowSeries, PassSeries, RequestSerie
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._ready_check: Callable[[], bool] = ready or (lambda: False)
+        self._why_not: Callable[[], str | None] | None = None
         # Each group registers its families; the order of these calls is the order of the exposition.
         PartitionSeries.__init__(self, self.registry)
         GroupSeries.__init__(self, self.registry)
@@ -105,9 +106,18 @@ class Metrics(PartitionSeries, GroupSeries, FlowSeries, PassSeries, RequestSerie
 
     # ------------------------------------------------------------------------------- readiness
 
-    def set_ready_check(self, check: Callable[[], bool]) -> None:
-        """Replace the readiness check (e.g. once the Service object exists)."""
+    def set_ready_check(self, check: Callable[[], bool], why_not: Callable[[], str | None] | None = None) -> None:
+        """Replace the readiness check (e.g. once the Service object exists); ``why_not`` says what a not-ready
+        ``/readyz`` answers beyond "not ready" (None: nothing more to say)."""
         self._ready_check = check
+        self._why_not = why_not
+
+    def why_not_ready(self) -> str | None:
+        """What keeps the worker from being ready, when something more can be said than "not ready"."""
+        try:
+            return self._why_not() if self._why_not is not None else None
+        except Exception:  # noqa: BLE001 - a broken explanation must not break the probe thread
+            return None
 
     def is_ready(self) -> bool:
         """What ``/readyz`` answers; a check that raises counts as not ready."""
@@ -165,7 +175,8 @@ class MetricsServer:
         if path == "/readyz":
             if self.metrics.is_ready():
                 return _plain(start_response, "200 OK", "ready\n")
-            return _plain(start_response, "503 Service Unavailable", "not ready\n")
+            why = getattr(self.metrics, "why_not_ready", lambda: None)()
+            return _plain(start_response, "503 Service Unavailable", f"not ready: {why}\n" if why else "not ready\n")
         if path in ("/metrics", "/"):
             return self._prometheus(environ, start_response)
         return _plain(start_response, "404 Not Found", "not found: try /metrics, /healthz or /readyz\n")

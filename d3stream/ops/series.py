@@ -43,6 +43,7 @@ STAGES = ("fetch", "decode", "prepare", "queued", "forward", "publish", "end_to_
 
 ERROR_CODES = (
     "undecodable_event",
+    "schema_not_found",
     "invalid_request",
     "model_not_served",
     "media_not_allowed",
@@ -465,6 +466,12 @@ class InputSeries:
             f"{PREFIX}_prefix_max_abs_dp",
             "Largest |dp| between a prefix-reuse answer and its full-prompt replay so far (prefix_tolerance "
             "is the limit).",
+            registry=registry,
+        )
+        self.registry_faults = Counter(
+            f"{PREFIX}_registry_faults",
+            "Schema Registry lookups that failed for the registry's sake (down, slow, refusing): each is "
+            "retried with backoff while the fetch that needs it waits; no request is refused for one.",
             registry=registry,
         )
         for hit_or_miss in ("hit", "miss"):  # so that rates start at zero

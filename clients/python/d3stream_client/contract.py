@@ -33,6 +33,7 @@ HEADERS: list[tuple[str, bytes]] = [("content-type", CONTENT_TYPE.encode()), ("d
 # Request-level error codes an answer event can carry (question-level errors live inside ``answers``).
 ERROR_CODES = (
     "undecodable_event",  # not UTF-8 JSON at all (also dead-lettered)
+    "schema_not_found",  # framed for a Schema Registry that has no schema of its id (also dead-lettered)
     "invalid_request",  # JSON, but not a valid request (schema or content)
     "model_not_served",  # the request names a model this worker does not serve
     "media_not_allowed",  # a media reference outside the allowlist, or an http(s) URL / local path

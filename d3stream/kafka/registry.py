@@ -1,0 +1,338 @@
+"""Records framed by a Schema Registry: requests read in Confluent's wire format, answers written in it.
+
+Many Kafka estates do not carry plain JSON: a producer serializes through a Schema Registry, and each record
+value is a magic byte 0, the 4-byte id of the writer's schema, then the Avro (or JSON Schema) payload.
+Downstream, Connect sinks and Avro consumers read a topic only through its registered schema.
+
+**In.** A request record that starts with the magic byte is decoded with its writer schema, fetched from the
+registry once per id and kept. Avro payloads become the request's JSON document (``d3stream_client.avro``:
+free-form values travel as JSON text); JSON Schema payloads are JSON already. The document then goes through
+exactly the checks and limits of a plain JSON request (``decode_request``), so a framed request can be refused
+for nothing a JSON one could not. A record without the magic byte is read as JSON, so one topic may carry
+both during a migration. An id the registry does not know is answered ``schema_not_found`` (and
+dead-lettered, naming the id); a payload its schema cannot read is ``invalid_request``.
+
+**A registry that is down or slow is not the request's fault.** Looking up an id waits and retries with
+backoff (up to ``schema_registry_backoff_max_s``) for as long as it takes: the fetch that needs it waits, its
+partition's offsets stay uncommitted, ``/readyz`` says why, ``d3stream_registry_faults_total`` counts the
+attempts, and no request is dead-lettered for it.
+
+**Out.** With ``answer_format`` avro or json_schema, answers and dead letters are written in the wire
+format under the subject the naming strategy gives, with the schema generated from the contract. At start
+the schema is registered (``schema_auto_register``, the demo) or must already be registered (production):
+a schema the registry refuses, or one not registered, stops the worker at start with the reason, instead of
+failing record by record.
+
+confluent-kafka's ``schema_registry`` module is the registry client (its asyncio one, so lookups never block
+the loop); fastavro is the Avro codec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import fastavro
+import msgspec
+import structlog
+from confluent_kafka.schema_registry import AsyncSchemaRegistryClient, Schema, SchemaRegistryError
+from d3stream_client import avro
+from d3stream_client.contract import Answer, DeadLetter, Request
+from d3stream_client.schemas import json_schema
+from d3stream_client.validation import EventError
+
+from d3stream.core.outgoing import Outgoing
+from d3stream.core.seams import InputRecord, RecordKind
+from d3stream.ops.metrics import Metrics
+from d3stream.settings import RegistrySettings
+
+log = structlog.get_logger(__name__)
+
+MAGIC = 0
+FRAME = struct.Struct(">bI")  # the magic byte and the big-endian schema id before every framed payload
+
+# The registry's schemaType names (Avro is the default and may be absent).
+AVRO, JSON_SCHEMA, PROTOBUF = "AVRO", "JSON", "PROTOBUF"
+
+# What each record kind the worker writes is, as an event of the contract.
+_EVENTS: dict[RecordKind, type[msgspec.Struct]] = {"answer": Answer, "shadow": Answer, "dead_letter": DeadLetter}
+
+
+def is_framed(value: bytes | None) -> bool:
+    """Whether a record value is in the registry's wire format (a JSON request starts with ``{`` or space)."""
+    return value is not None and len(value) > FRAME.size and value[0] == MAGIC
+
+
+def frame(schema_id: int, payload: bytes) -> bytes:
+    return FRAME.pack(MAGIC, schema_id) + payload
+
+
+def client_config(settings: RegistrySettings) -> dict[str, object]:
+    """confluent-kafka's registry client configuration from the registry settings."""
+    assert settings.schema_registry_url is not None
+    config: dict[str, object] = {
+        "url": settings.schema_registry_url,
+        "timeout": settings.schema_registry_timeout_s,
+        "max.retries": 0,  # this module retries with its own backoff, for as long as the registry is down
+    }
+    if settings.schema_registry_basic_auth is not None:
+        config["basic.auth.user.info"] = settings.schema_registry_basic_auth.reveal()
+    if settings.schema_registry_bearer_token is not None:
+        config["bearer.auth.credentials.source"] = "STATIC_TOKEN"
+        config["bearer.auth.token"] = settings.schema_registry_bearer_token.reveal()
+        config["bearer.auth.logical.cluster"] = ""  # Confluent Cloud's cluster header; other registries ignore it
+    if settings.schema_registry_ssl_cafile:
+        config["ssl.ca.location"] = settings.schema_registry_ssl_cafile
+    if settings.schema_registry_ssl_certfile:
+        config["ssl.certificate.location"] = settings.schema_registry_ssl_certfile
+    if settings.schema_registry_ssl_keyfile:
+        config["ssl.key.location"] = settings.schema_registry_ssl_keyfile
+    return config
+
+
+def subject_name(strategy: str, topic: str, record_name: str) -> str:
+    """The subject a value schema is registered under (Confluent's three strategies)."""
+    if strategy == "record":
+        return record_name
+    if strategy == "topic_record":
+        return f"{topic}-{record_name}"
+    return f"{topic}-value"
+
+
+def record_name(event: type[msgspec.Struct]) -> str:
+    """The full name of an event's Avro record (``d3stream.v2.Answer``), which the record strategies use."""
+    return f"{avro.NAMESPACE}.{event.__name__}"
+
+
+class SchemaNotFound(Exception):
+    """The registry answered that it has no schema of this id."""
+
+
+@dataclass(frozen=True)
+class WriterSchema:
+    """A writer schema as the registry gave it: its type and, for Avro, the parsed schema."""
+
+    schema_id: int
+    kind: str
+    parsed: dict[str, object] | None = None  # fastavro's parsed form of an Avro schema
+
+
+@dataclass
+class RegistryHealth:
+    """Whether the registry answers, for ``/readyz`` and the metrics."""
+
+    outage: str | None = None  # why the last lookup failed, while it keeps failing
+    faults: int = 0  # lookups that failed for the registry's sake (not a request's)
+
+
+@dataclass(frozen=True)
+class UnframedRecord:
+    """A framed request record as the pipeline reads it: its JSON document (``value``), or the refusal that
+    ends it (``unreadable``, with ``value`` the record's own bytes, which a dead letter keeps)."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int
+    key: bytes | None
+    value: bytes | None
+    headers: Sequence[tuple[str, bytes]] | None
+    unreadable: EventError | None = None
+
+
+class Registry:
+    """The worker's registry connection: writer schemas by id (kept once fetched), and the schemas it writes."""
+
+    def __init__(self, settings: RegistrySettings, *, metrics: Metrics | None = None,
+                 client: AsyncSchemaRegistryClient | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.client = client or AsyncSchemaRegistryClient(client_config(settings))
+        self.health = RegistryHealth()
+        self._writers: dict[int, WriterSchema | SchemaNotFound] = {}
+        self._lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------------------ in: requests
+
+    async def unframe(self, records: Sequence[InputRecord]) -> list[InputRecord]:
+        """The records as the pipeline reads them: framed ones decoded into their JSON documents, the rest as
+        they are. Waits while the registry is down (never refuses a request for it)."""
+        ids = {FRAME.unpack_from(r.value)[1] for r in records if r.value is not None and is_framed(r.value)}
+        if not ids:
+            return list(records)
+        for schema_id in sorted(ids):
+            await self._writer(schema_id)
+        return [self._unframed(record) if is_framed(record.value) else record for record in records]
+
+    async def _writer(self, schema_id: int) -> WriterSchema | SchemaNotFound:
+        """The writer schema of ``schema_id``, fetched once; retried with backoff while the registry fails."""
+        known = self._writers.get(schema_id)
+        if known is not None:
+            return known
+        async with self._lock:
+            delay = 0.2
+            while schema_id not in self._writers:
+                try:
+                    self._writers[schema_id] = await self._fetch(schema_id)
+                    if self.health.outage is not None:
+                        log.info("registry.back", schema_id=schema_id)
+                    self.health.outage = None
+                except (SchemaNotFound, ValueError) as exc:  # an answer, not a fault: kept like a schema
+                    self._writers[schema_id] = exc if isinstance(exc, SchemaNotFound) else SchemaNotFound(str(exc))
+                except Exception as exc:  # noqa: BLE001 - any other failure is the registry's, and is waited out
+                    self.health.faults += 1
+                    if self.metrics is not None:
+                        self.metrics.registry_faults.inc()
+                    reason = f"the Schema Registry did not answer for schema id {schema_id}: {describe(exc)}"
+                    if self.health.outage is None:
+                        log.warning("registry.unavailable", reason=reason, retry_s=delay)
+                    self.health.outage = reason
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.settings.schema_registry_backoff_max_s)
+            return self._writers[schema_id]
+
+    async def _fetch(self, schema_id: int) -> WriterSchema:
+        try:
+            schema = await self.client.get_schema(schema_id)
+        except SchemaRegistryError as exc:
+            if exc.http_status_code == 404:
+                raise SchemaNotFound(f"the Schema Registry has no schema with id {schema_id}") from exc
+            raise
+        kind = schema.schema_type or AVRO
+        if kind == AVRO:
+            try:
+                parsed = fastavro.parse_schema(json.loads(schema.schema_str or ""))
+                if not isinstance(parsed, dict):
+                    raise ValueError("a request's schema is an Avro record")
+            except (ValueError, fastavro.schema.SchemaParseException) as exc:
+                raise ValueError(f"schema id {schema_id} is not a valid Avro schema: {exc}") from exc
+            return WriterSchema(schema_id, kind, parsed)
+        return WriterSchema(schema_id, kind)
+
+    def _unframed(self, record: InputRecord) -> UnframedRecord:
+        value = record.value or b""
+        schema_id = FRAME.unpack_from(value)[1]
+        writer = self._writers[schema_id]
+        fallback_id = record.key.decode("utf-8", "replace") if record.key else None
+        try:
+            if isinstance(writer, SchemaNotFound):
+                raise EventError("schema_not_found", f"{writer}; the record is framed for the Schema Registry "
+                                 f"(magic byte 0, schema id {schema_id})", fallback_id)
+            document = self._document(writer, value[FRAME.size:], fallback_id)
+        except EventError as refusal:
+            return UnframedRecord(record.topic, record.partition, record.offset, record.timestamp, record.key,
+                                  value, record.headers, unreadable=refusal)
+        return UnframedRecord(record.topic, record.partition, record.offset, record.timestamp, record.key,
+                              document, record.headers)
+
+    def _document(self, writer: WriterSchema, payload: bytes, fallback_id: str | None) -> bytes:
+        """The request's JSON document from a framed payload (EventError when its schema cannot read it)."""
+        if writer.kind == JSON_SCHEMA:
+            return payload
+        if writer.kind != AVRO or writer.parsed is None:
+            raise EventError("invalid_request", f"the record is framed with a {writer.kind} schema (id "
+                             f"{writer.schema_id}); requests are read as JSON, Avro or JSON Schema", fallback_id)
+        try:
+            datum = fastavro.schemaless_reader(io.BytesIO(payload), writer.parsed, None)
+            if not isinstance(datum, Mapping):
+                raise ValueError(f"a request is an Avro record, got {type(datum).__name__}")
+            document = avro.from_avro(datum, Request)
+        except (ValueError, EOFError, TypeError, IndexError, KeyError) as exc:
+            raise EventError("invalid_request", f"the payload does not match its Avro schema (id "
+                             f"{writer.schema_id}): {exc}", fallback_id) from exc
+        return msgspec.json.encode(document)
+
+    # ------------------------------------------------------------------------------ out: answers
+
+    async def writers_for(self, topics: Mapping[RecordKind, str]) -> OutgoingFormat:
+        """The schema ids the worker writes each kind of record with, registered (``schema_auto_register``) or
+        looked up now. RuntimeError naming the subject and the registry's reason when the registry refuses
+        the schema or does not have it: the worker stops at start."""
+        chosen = self.settings.answer_format
+        ids: dict[RecordKind, int] = {}
+        for kind, topic in topics.items():
+            event = _EVENTS[kind]
+            subject = subject_name(self.settings.subject_name_strategy, topic, record_name(event))
+            schema = outgoing_schema(event, chosen)
+            try:
+                if self.settings.schema_auto_register:
+                    ids[kind] = await self.client.register_schema(subject, schema)
+                else:
+                    ids[kind] = (await self.client.lookup_schema(subject, schema)).schema_id or 0
+            except SchemaRegistryError as exc:
+                action = "refused to register" if self.settings.schema_auto_register else "does not have"
+                hint = ("register it first (d3stream schemas register), or set schema_auto_register"
+                        if not self.settings.schema_auto_register else
+                        "the registry's compatibility check keeps the change out: make it compatible or "
+                        "choose another subject (subject_name_strategy)")
+                raise RuntimeError(f"the Schema Registry {action} the {event.__name__} schema ({chosen}) under "
+                                   f"subject {subject!r}: {exc.error_message} (HTTP {exc.http_status_code}); "
+                                   f"{hint}") from exc
+            log.info("registry.writer", kind=kind, subject=subject, schema_id=ids[kind], format=chosen)
+        return OutgoingFormat(chosen, ids)
+
+
+def outgoing_schema(event: type[msgspec.Struct], chosen: str) -> Schema:
+    """The schema an event is written with, generated from the contract."""
+    if chosen == "avro":
+        return Schema(json.dumps(avro.avro_schema(event)), AVRO)
+    return Schema(json.dumps(registry_json_schema(event)), JSON_SCHEMA)
+
+
+def registry_json_schema(event: type[msgspec.Struct]) -> dict[str, object]:
+    """The event's JSON Schema (``schemas/``) with its root definition at the top: registries (Apicurio's
+    among them) want the root to say its ``type`` rather than ``$ref`` it."""
+    schema = json_schema({Request: "request", Answer: "answer", DeadLetter: "dead-letter"}[event])
+    definitions = dict(schema.pop("$defs"))
+    root = definitions.pop(event.__name__)
+    schema.pop("$ref", None)
+    return {**schema, **root, **({"$defs": definitions} if definitions else {})}
+
+
+@dataclass
+class OutgoingFormat:
+    """Writes the worker's answers and dead letters in the registry's wire format."""
+
+    chosen: str
+    schema_ids: dict[RecordKind, int]
+    _parsed: dict[RecordKind, dict[str, object]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.chosen == "avro":
+            for kind in self.schema_ids:
+                parsed = fastavro.parse_schema(avro.avro_schema(_EVENTS[kind]))
+                assert isinstance(parsed, dict)  # every event is a record
+                self._parsed[kind] = parsed
+
+    def apply(self, outgoing: Outgoing) -> Outgoing:
+        """The record in the wire format (its replacement too); kinds without a schema stay as they are."""
+        schema_id = self.schema_ids.get(outgoing.kind)
+        if schema_id is None:
+            return outgoing
+        replacement = outgoing.replacement
+        return Outgoing(
+            outgoing.topic, outgoing.key, self.encode(outgoing.kind, schema_id, outgoing.value), kind=outgoing.kind,
+            headers=[(name, _CONTENT_TYPES[self.chosen] if name == "content-type" else value)
+                     for name, value in outgoing.headers],
+            replacement=None if replacement is None else lambda cause: self.apply(replacement(cause)),
+        )
+
+    def encode(self, kind: RecordKind, schema_id: int, value: bytes) -> bytes:
+        if self.chosen != "avro":
+            return frame(schema_id, value)
+        datum = avro.to_avro(msgspec.json.decode(value), _EVENTS[kind])
+        out = io.BytesIO()
+        out.write(FRAME.pack(MAGIC, schema_id))
+        fastavro.schemaless_writer(out, self._parsed[kind], datum)
+        return out.getvalue()
+
+
+_CONTENT_TYPES = {"avro": b"application/vnd.d3stream+avro", "json_schema": b"application/vnd.d3stream+json"}
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -1,0 +1,267 @@
+"""Requests and answers through a Schema Registry (Apicurio, Confluent's API), with clients nobody here wrote.
+
+confluent-kafka's producer with its Avro and JSON Schema serializers publishes requests beside plain JSON ones;
+the worker answers them all alike. Its answers, written as Avro or JSON Schema, are read by confluent-kafka's
+consumer with the matching deserializer, read_committed. An unknown schema id is dead-lettered naming the id;
+a registry outage makes the stream wait, not fail; a schema change the registry refuses stops the worker at
+start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer, Producer
+from confluent_kafka.schema_registry import Schema, SchemaRegistryClient, topic_record_subject_name_strategy
+from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
+from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+from d3stream_client import avro
+from d3stream_client.contract import Answer, DeadLetter, Request
+from d3stream_client.publisher import produce
+
+from d3stream.dev.infra import SchemaRegistry
+from d3stream.kafka.registry import registry_json_schema
+from d3stream.ops.metrics import MetricsServer
+from d3stream.service import Service
+from tests.support.stream_helpers import (
+    Q_CHOICE,
+    Q_NOUL,
+    Q_SCORE,
+    Reader,
+    Stack,
+    assigned_and_ready,
+    close_to,
+    record,
+    run,
+    serve,
+    stop,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+STATE = {"speed": 12.5, "lane": "left", "signals": [1, 2, 3]}
+
+
+def _request(request_id: str, **extra: object) -> dict[str, object]:
+    return {"id": request_id, "state": STATE, "questions": {"n": Q_NOUL, "c": Q_CHOICE, "s": Q_SCORE},
+            "metadata": {"origin": "test"}, **extra}
+
+
+def _context(topic: str) -> SerializationContext:
+    return SerializationContext(topic, MessageField.VALUE)
+
+
+def _avro_serializer(registry: SchemaRegistry, schema: Mapping[str, object] | None = None) -> AvroSerializer:
+    return AvroSerializer(SchemaRegistryClient({"url": registry.url}), json.dumps(schema or avro.avro_schema(Request)),
+                          lambda document, _: avro.to_avro(document, Request))
+
+
+def _json_serializer(registry: SchemaRegistry) -> JSONSerializer:
+    # Under a subject of its own (topic and record name): the topic's own subject holds the Avro versions.
+    return JSONSerializer(json.dumps(registry_json_schema(Request)), SchemaRegistryClient({"url": registry.url}),
+                          conf={"subject.name.strategy": topic_record_subject_name_strategy})
+
+
+def _publish(bootstrap: str, topic: str, values: list[tuple[str, bytes]]) -> None:
+    """confluent-kafka's producer (librdkafka) publishes the records, keyed by request id."""
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
+    for key, value in values:
+        producer.produce(topic, key=key.encode(), value=value)
+    assert producer.flush(30) == 0
+
+
+def _settings(stack: Stack, registry: SchemaRegistry, **overrides: object) -> Any:
+    return stack.settings(schema_registry_url=registry.url, **overrides)
+
+
+def test_framed_requests_are_answered_like_json_ones(stack: Stack, schema_registry: SchemaRegistry,
+                                                      qwen35_model: Any) -> None:
+    """Avro, JSON Schema and plain JSON requests on one topic; a v2 request schema with an added optional
+    field beside v1: every request answered once, the same questions alike."""
+    topic = stack.requests
+    as_avro = _avro_serializer(schema_registry)
+    v2 = avro.avro_schema(Request)
+    v2 = {**v2, "fields": [*v2["fields"], {"name": "channel", "type": ["null", "string"], "default": None}]}  # type: ignore[misc]
+    as_avro_v2 = AvroSerializer(SchemaRegistryClient({"url": schema_registry.url}), json.dumps(v2),
+                                lambda document, _: {**avro.to_avro(document, Request), "channel": "web"})
+    values = [
+        ("avro-1", as_avro(_request("avro-1"), _context(topic))),
+        ("json-schema-1", _json_serializer(schema_registry)(_request("json-schema-1"), _context(topic))),
+        ("avro-v2-1", as_avro_v2(_request("avro-v2-1"), _context(topic))),
+        ("plain-1", json.dumps(_request("plain-1")).encode()),
+    ]
+    assert all(value[0] == 0 for _, value in values[:3]) and values[3][1][:1] == b"{"
+    ids = [key for key, _ in values]
+
+    async def during(service: Service, reader: Reader, task: asyncio.Task) -> None:
+        await asyncio.to_thread(_publish, stack.broker.bootstrap_servers, topic, values)
+
+    _, reader = run(serve(stack, _settings(stack, schema_registry), qwen35_model, [], ids, during=during))
+    answers = reader.by_id()
+    assert reader.counts() == {key: 1 for key in ids}
+    plain = answers["plain-1"]
+    assert "error" not in plain, plain
+    for key in ids[:3]:
+        assert "error" not in answers[key], answers[key]
+        assert answers[key]["metadata"] == {"origin": "test"}
+        close_to(answers[key]["answers"], plain["answers"], key)
+
+
+def test_unknown_schema_ids_and_unreadable_payloads_are_answered(stack: Stack, schema_registry: SchemaRegistry,
+                                                                  qwen35_model: Any) -> None:
+    unknown = struct.pack(">bI", 0, 987_654) + b"\x02\x04ab"
+    as_avro = _avro_serializer(schema_registry)
+    good = as_avro(_request("fine"), _context(stack.requests))
+    garbled = good[:5] + b"\xff\xff\xff"  # a known schema id, a payload it cannot read
+    records = [(b"unknown-id", unknown), (b"garbled", garbled), (b"fine", good)]
+    _, reader = run(serve(stack, _settings(stack, schema_registry), qwen35_model, records,
+                          ["unknown-id", "garbled", "fine"]))
+    answers = reader.by_id()
+    assert answers["unknown-id"]["error"]["code"] == "schema_not_found"
+    assert "987654" in answers["unknown-id"]["error"]["message"]
+    assert answers["garbled"]["error"]["code"] == "invalid_request"
+    assert "Avro" in answers["garbled"]["error"]["message"]
+    assert "error" not in answers["fine"]
+
+    async def letters() -> list[Any]:
+        async with Reader(stack.broker.bootstrap_servers, stack.dead_letters) as dead:
+            await dead.caught_up()
+            return dead.answers()
+
+    (letter,) = run(letters())
+    assert "987654" in letter["reason"] and letter["key"] == "unknown-id"
+
+
+def _consume(bootstrap: str, topic: str, want: int, decode: Callable[[bytes], dict[str, Any]]) -> list[dict[str, Any]]:
+    """confluent-kafka's consumer reads ``want`` records of ``topic``, read_committed, through ``decode``."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"foreign-{topic}", "auto.offset.reset": "earliest",
+                         "isolation.level": "read_committed", "enable.auto.commit": False})
+    consumer.subscribe([topic])
+    got: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 60
+    try:
+        while len(got) < want and time.monotonic() < deadline:
+            message = consumer.poll(0.5)
+            if message is None or message.error():
+                continue
+            got.append(decode(message.value()))
+    finally:
+        consumer.close()
+    return got
+
+
+@pytest.mark.parametrize("answer_format", ["avro", "json_schema"])
+def test_answers_and_dead_letters_read_by_foreign_deserializers(stack: Stack, schema_registry: SchemaRegistry,
+                                                                qwen35_model: Any, answer_format: str) -> None:
+    settings = _settings(stack, schema_registry, answer_format=answer_format, schema_auto_register=True)
+    records = [record(_request("a-1")), record(_request("a-2")), (b"junk", b"not json at all")]
+    service = Service(settings, qwen35_model)
+
+    async def main() -> None:
+        async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
+            task = asyncio.create_task(service.run())
+            try:
+                await reader.wait(lambda: assigned_and_ready(service), 60, task, what="the assignment")
+                await produce(stack.broker.bootstrap_servers, stack.requests, records)
+                await reader.wait(lambda: len(reader.records) >= 3, 90, task, what="three answers")
+            finally:
+                await stop(service, task)
+
+    run(main())
+    client = SchemaRegistryClient({"url": schema_registry.url})
+    if answer_format == "avro":
+        read_answer = AvroDeserializer(client)
+        answers = _consume(stack.broker.bootstrap_servers, stack.answers, 3,
+                           lambda value: avro.from_avro(read_answer(value, _context(stack.answers)), Answer))
+        read_letter = AvroDeserializer(client)
+        letters = _consume(stack.broker.bootstrap_servers, stack.dead_letters, 1,
+                           lambda value: avro.from_avro(read_letter(value, _context(stack.dead_letters)), DeadLetter))
+    else:
+        read = JSONDeserializer(None, schema_registry_client=client)
+        answers = _consume(stack.broker.bootstrap_servers, stack.answers, 3,
+                           lambda value: read(value, _context(stack.answers)))
+        letters = _consume(stack.broker.bootstrap_servers, stack.dead_letters, 1,
+                           lambda value: read(value, _context(stack.dead_letters)))
+    by_id = {answer["id"]: answer for answer in answers}
+    assert set(by_id) == {"a-1", "a-2", "junk"}
+    assert by_id["a-1"]["answers"]["n"]["type"] == "noul"
+    assert by_id["junk"]["error"]["code"] == "undecodable_event"
+    assert letters[0]["source"]["topic"] == stack.requests and letters[0]["key"] == "junk"
+    subjects = client.get_subjects()
+    assert f"{stack.answers}-value" in subjects and f"{stack.dead_letters}-value" in subjects
+
+
+def test_a_registry_outage_makes_the_stream_wait(stack: Stack, schema_registry: SchemaRegistry,
+                                                 qwen35_model: Any) -> None:
+    """The registry goes down before the worker has looked up a schema: the framed requests wait (not ready,
+    saying why; the fault counted; nothing dead-lettered), and are answered once it is back."""
+    as_avro = _avro_serializer(schema_registry)
+    ids = [f"outage-{i}" for i in range(4)]
+    values = [(each, as_avro(_request(each), _context(stack.requests))) for each in ids]
+    service = Service(_settings(stack, schema_registry), qwen35_model)
+    probes = MetricsServer(service.metrics, port=0)
+
+    def readyz() -> str:
+        try:
+            with urllib.request.urlopen(f"{probes.url}/readyz", timeout=5) as response:
+                return str(response.read().decode())
+        except urllib.error.HTTPError as refused:
+            return str(refused.read().decode())
+
+    async def main() -> Reader:
+        async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
+            probes.start()
+            task = asyncio.create_task(service.run())
+            try:
+                await reader.wait(lambda: assigned_and_ready(service), 60, task, what="the assignment")
+                schema_registry.stop()
+                try:
+                    await asyncio.to_thread(_publish, stack.broker.bootstrap_servers, stack.requests, values)
+                    await reader.wait(lambda: service.registry is not None and service.registry.health.faults >= 2,
+                                      60, task, what="failed lookups")
+                    assert "Schema Registry" in await asyncio.to_thread(readyz)
+                    assert reader.records == []
+                finally:
+                    await asyncio.to_thread(schema_registry.start)
+                await reader.wait_ids(ids, 90, task)
+                await reader.wait(lambda: service.registry_outage is None, 30, task, what="the registry back")
+            finally:
+                await stop(service, task)
+            await reader.caught_up()
+            return reader
+
+    try:
+        reader = run(main())
+    finally:
+        probes.stop()
+    assert reader.counts() == {each: 1 for each in ids}
+    assert all("error" not in answer for answer in reader.answers())
+    assert service.answers.dead_letters == 0
+
+
+def test_a_schema_change_the_registry_refuses_stops_the_worker_at_start(stack: Stack,
+                                                                        schema_registry: SchemaRegistry,
+                                                                        qwen35_model: Any) -> None:
+    client = SchemaRegistryClient({"url": schema_registry.url})
+    subject = f"{stack.answers}-value"
+    # What an older d3stream registered: an Answer whose id is a number. The new one cannot read it back.
+    older = {"type": "record", "name": "Answer", "namespace": avro.NAMESPACE,
+             "fields": [{"name": "id", "type": "long"}, {"name": "score", "type": "double"}]}
+    client.register_schema(subject, Schema(json.dumps(older), "AVRO"))
+    client.set_compatibility(subject, "FULL")
+    settings = _settings(stack, schema_registry, answer_format="avro", schema_auto_register=True)
+    with pytest.raises(RuntimeError, match=subject):
+        run(Service(settings, qwen35_model).run())
+    # Without auto-registration, a schema that is not registered stops it too, saying how to register it.
+    other = stack.settings(schema_registry_url=schema_registry.url, answer_format="avro",
+                           answer_topic=stack.unique("unregistered"))
+    with pytest.raises(RuntimeError, match="register"):
+        run(Service(other, qwen35_model).run())
