@@ -124,6 +124,9 @@ def _refuse_duplicate_keys(value: bytes, document: Any, request_id: str | None) 
         )
 
 
+_NO_QUESTIONS = "the request has no questions: questions must map at least one question ID to a question"
+
+
 def _check_limits(request: Request, limits: RequestLimits) -> None:
     if limits.questions is not None and len(request.questions) > limits.questions:
         raise EventError(
@@ -147,7 +150,7 @@ def decode_request(value: bytes | None, key: bytes | None = None, limits: Reques
     """A validated request from a record's bytes; EventError with the code and reason otherwise.
 
     ``limits`` are checked here, before anything is fetched or run: the record's size before it is
-    parsed, duplicate keys, then the counts of questions and options.
+    parsed, duplicate keys, at least one question, then the counts of questions and options.
     """
     fallback_id = key.decode("utf-8", "replace") if key else None
     if value is None:
@@ -168,6 +171,8 @@ def decode_request(value: bytes | None, key: bytes | None = None, limits: Reques
     except msgspec.ValidationError as exc:
         raise EventError("invalid_request", f"the request does not match the schema: {exc}", request_id) from exc
     _refuse_duplicate_keys(value, document, request.id)
+    if not request.questions:
+        raise EventError("invalid_request", _NO_QUESTIONS, request.id)
     _check_limits(request, limits)
     return request
 
@@ -236,7 +241,8 @@ def check_media_references(request: Request, limit: int) -> None:
 
 def validate_request(request: Request | dict[str, Any] | bytes, limits: RequestLimits = DEFAULT_LIMITS) -> bytes:
     """The record value of a request the worker would accept as far as it can be told without the worker:
-    the schema, the request limits, duplicate keys, nesting and the number of media references.
+    the schema, at least one question, the request limits, duplicate keys, nesting and the number of media
+    references.
     EventError with the worker's own code and message otherwise."""
     value = request if isinstance(request, bytes) else msgspec.json.encode(request)
     decoded = decode_request(value, limits=limits)

@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from d3stream_client import (
     AnswerWaiter,
+    EventError,
     Published,
     Request,
     validate_request,
 )
 from d3stream_client.asking import _Ask
 from d3stream_client.contract import Answer, Source
+from d3stream_client.validation import decode_request
 
 from tests.support.stream_helpers import Q_NOUL
 
@@ -28,6 +31,20 @@ def test_checks_pass_a_valid_request_in_every_form():
     typed = json.loads(validate_request(Request(id="t-1", questions={"q": Q_NOUL}, priority="high")))
     assert (typed["id"], typed["questions"], typed["priority"]) == ("t-1", {"q": Q_NOUL}, "high")
     assert validate_request(value) == value
+
+
+def _refusal(check, value) -> tuple[str, str, str | None]:
+    with pytest.raises(EventError) as caught:
+        check(value)
+    return caught.value.code, str(caught.value), caught.value.request_id
+
+
+def test_a_request_without_questions_is_refused_in_every_form_with_the_workers_answer():
+    request = {"id": "t-1", "state": "a quiet road", "questions": {}}
+    refused = _refusal(validate_request, request)
+    assert refused[0] == "invalid_request" and "the request has no questions" in refused[1]
+    assert refused == _refusal(validate_request, Request(**request)) == _refusal(validate_request, json.dumps(request).encode())
+    assert refused == _refusal(decode_request, json.dumps(request).encode())  # what the worker answers
 
 
 def test_a_repeated_answer_resolves_an_ask_once_and_a_stale_one_never():

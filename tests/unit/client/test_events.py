@@ -200,9 +200,11 @@ def test_schema_violations_are_invalid_and_name_the_field(document, where):
     assert where in str(error)
 
 
-def test_empty_questions_pass_the_schema():
-    # The schema allows {} -- the model's prepare() refuses it (the service answers invalid_request).
-    assert decode_request(_doc(id="r", questions={})).questions == {}
+def test_a_request_without_questions_is_invalid():
+    # The schema allows {}: decode_request refuses it, so the client and the worker answer it alike.
+    error = _refused(_doc(id="r", questions={}), b"k")
+    assert (error.code, error.request_id) == ("invalid_request", "r")
+    assert "the request has no questions" in str(error)
 
 
 @pytest.mark.parametrize("depth", [MAX_NESTING + 1, 200, 5_000, 200_000])
@@ -235,7 +237,7 @@ def test_deep_records_that_are_no_request_stay_undecodable(value):
 
 def test_nesting_at_the_limit_is_accepted():
     depth = MAX_NESTING - 2  # the request object and its metadata field count as levels
-    value = b'{"id": "ok", "questions": {}, "metadata": ' + b"[" * depth + b"]" * depth + b"}"
+    value = b'{"id": "ok", "questions": {"q": {}}, "metadata": ' + b"[" * depth + b"]" * depth + b"}"
     assert decode_request(value).id == "ok"
 
 
@@ -384,7 +386,7 @@ def _check_contract(value: bytes | None, key: bytes | None) -> None:
     # Anything accepted satisfies the schema the answer depends on.
     assert isinstance(request, Request)
     assert isinstance(request.id, str) and 1 <= len(request.id) <= 512
-    assert isinstance(request.questions, dict)
+    assert isinstance(request.questions, dict) and request.questions
     assert all(isinstance(m, str) and m for m in (*request.images, *request.videos))
     assert request.model is None or isinstance(request.model, str)
     assert request.permutation_average in (None, True, False)

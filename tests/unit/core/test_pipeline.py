@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from d3stream_client.contract import ERROR_CODES, decode_answer
+from d3stream_client.validation import EventError, validate_request
 
 from d3stream.core.record import RequestRecord
 from d3stream.service import Service
@@ -118,6 +119,28 @@ def test_the_error_table_without_a_broker(pipeline_service):
     assert dead == {"e-undecodable", "e-tombstone"}
     assert "max_media_references" in recorder.answers["e-too-many"].error.message
     assert "max_request_tokens" in recorder.answers["e-long"].error.message
+
+
+def test_what_the_client_refuses_the_worker_answers_with_the_same_code_and_message(pipeline_service):
+    """A request with no questions is refused by the client's checks before it is sent; one that is sent anyway
+    gets from the worker the very ``invalid_request`` and message the client raised, and no dead letter."""
+    service = pipeline_service()
+    documents = {
+        "e-no-questions": {"id": "e-no-questions", "state": "s", "questions": {}},
+    }
+    values = {rid: json.dumps(document).encode() for rid, document in documents.items()}
+    recorder = serve(service, records(*((rid.encode(), value) for rid, value in values.items())))
+    answers = recorder.answers
+    assert set(answers) == set(values)
+    for rid, value in values.items():
+        with pytest.raises(EventError) as client:  # what the client says before sending
+            validate_request(documents.get(rid, value))
+        error = answers[rid].error
+        assert (error.code, error.message) == (client.value.code, str(client.value))
+        assert error.code == "invalid_request"
+    assert "no questions" in answers["e-no-questions"].error.message
+    served = [s for call in recorder.calls for s in call]
+    assert not [s.answer.id for s in served if any(r.kind == "dead_letter" for r in s.records)]
 
 
 def test_an_answer_too_large_for_its_topic_is_replaced_under_the_same_id(pipeline_service):
