@@ -122,13 +122,19 @@ def test_the_error_table_without_a_broker(pipeline_service):
 
 
 def test_what_the_client_refuses_the_worker_answers_with_the_same_code_and_message(pipeline_service):
-    """A request with no questions is refused by the client's checks before it is sent; one that is sent anyway
-    gets from the worker the very ``invalid_request`` and message the client raised, and no dead letter."""
+    """A request with no questions, or a NaN or an infinity anywhere in it, is refused by the client's checks before
+    it is sent; one that is sent anyway (``json.dumps`` writes NaN and Infinity) gets from the worker the very
+    ``invalid_request`` and message the client raised, and no dead letter: it is JSON, just not a valid request."""
     service = pipeline_service()
     documents = {
         "e-no-questions": {"id": "e-no-questions", "state": "s", "questions": {}},
+        "e-nan": {"id": "e-nan", "state": {"x": float("nan")}, "questions": {"q": Q_NOUL}},
+        "e-inf": {"id": "e-inf", "state": "s", "questions": {"q": Q_NOUL}, "metadata": {"scores": [1.5, float("-inf")]}},
     }
     values = {rid: json.dumps(document).encode() for rid, document in documents.items()}
+    # A number too large for a double: valid JSON text, read as infinity.
+    values["e-huge"] = json.dumps({"id": "e-huge", "state": {"x": 1}, "questions": {"q": Q_NOUL}}).encode().replace(
+        b'"x": 1', b'"x": 1e400')
     recorder = serve(service, records(*((rid.encode(), value) for rid, value in values.items())))
     answers = recorder.answers
     assert set(answers) == set(values)
@@ -139,6 +145,9 @@ def test_what_the_client_refuses_the_worker_answers_with_the_same_code_and_messa
         assert (error.code, error.message) == (client.value.code, str(client.value))
         assert error.code == "invalid_request"
     assert "no questions" in answers["e-no-questions"].error.message
+    assert "NaN at state.x" in answers["e-nan"].error.message
+    assert "-Infinity at metadata.scores[1]" in answers["e-inf"].error.message
+    assert "1e400 at state.x" in answers["e-huge"].error.message
     served = [s for call in recorder.calls for s in call]
     assert not [s.answer.id for s in served if any(r.kind == "dead_letter" for r in s.records)]
 
