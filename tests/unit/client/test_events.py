@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from pathlib import Path
 
 import jsonschema
@@ -27,7 +28,15 @@ from d3stream_client.contract import (
     encode,
 )
 from d3stream_client.schemas import SCHEMAS, event_avro_schema, json_schema, write_schemas
-from d3stream_client.validation import DEFAULT_LIMITS, MAX_NESTING, EventError, RequestLimits, decode_request
+from d3stream_client.validation import (
+    DEFAULT_LIMITS,
+    MAX_NESTING,
+    EventError,
+    RequestLimits,
+    decode_document,
+    decode_request,
+    validate_request,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -146,7 +155,7 @@ def test_unknown_fields_are_tolerated():
 @pytest.mark.parametrize(
     "value",
     [b"{not json", b"", b"\xff\xfe\x00", b'{"id": "r1", "questions": {}} trailing', b"{'id': 'single'}",
-     b'{"id": "\\ud800", "questions": {}}', b'{"id": NaN}'],
+     b'{"id": "\\ud800", "questions": {}}'],
 )
 def test_invalid_json_is_undecodable(value):
     error = _refused(value, b"the-key")
@@ -215,9 +224,87 @@ def test_schema_violations_are_invalid_and_name_the_field(document, where):
     assert where in str(error)
 
 
-def test_empty_questions_pass_the_schema():
-    # The schema allows {} -- the model's prepare() refuses it (the service answers invalid_request).
-    assert decode_request(_doc(id="r", questions={})).questions == {}
+def test_a_request_without_questions_is_invalid():
+    # The schema allows {}: decode_request refuses it, so the client and the worker answer it alike.
+    error = _refused(_doc(id="r", questions={}), b"k")
+    assert (error.code, error.request_id) == ("invalid_request", "r")
+    assert "the request has no questions" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("wire", "where"),
+    [
+        ('{"id": "r", "state": {"x": NaN}, "questions": {"q": {"type": "noul"}}}', "NaN at state.x"),
+        ('{"id": "r", "questions": {"q": {"type": "noul"}}, "metadata": [1, [2, Infinity]]}', "Infinity at metadata[1][1]"),
+        ('{"id": "r", "questions": {"q": {"type": "noul"}}, "metadata": {"a": -Infinity}}', "-Infinity at metadata.a"),
+        ('{"id": "r", "state": {"x": 1e400}, "questions": {"q": {"type": "noul"}}}', "1e400 at state.x"),
+        ('{"id": "r", "questions": {"q": {"type": "choice", "criteria": {"a": -2E+999}}}}', "-2E+999 at questions.q.criteria.a"),
+    ],
+)
+def test_nan_and_infinities_in_json_text_are_invalid_requests_naming_where(wire, where):
+    # Not JSON (NaN, Infinity) or not a double (1e400), but a request all the same: answered invalid_request, not
+    # dead-lettered as undecodable.
+    error = _refused(wire.encode(), b"k")
+    assert (error.code, error.request_id) == ("invalid_request", "r")
+    assert f"the request has {where}: numbers must be finite" in str(error)
+
+
+def test_a_nan_id_is_answered_under_the_key():
+    error = _refused(b'{"id": NaN, "questions": {"q": {"type": "noul"}}}', b"the-key")
+    assert (error.code, error.request_id) == ("invalid_request", "the-key")
+    assert "NaN at id" in str(error)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b'[NaN]', b'NaN', b'{"id": "r", "state": NaN', b'{"id": "\\ud800", "state": NaN}', b'{"id": "r", "state": -NaN}',
+     b'{"id": "r", "state": NaN, "x": \'single\'}'],
+)
+def test_nan_in_what_is_no_json_object_otherwise_stays_undecodable(value):
+    assert _refused(value, b"k").code == "undecodable_event"
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"id": "r", "state": {"x": float("nan")}, "questions": QUESTIONS},
+        {"id": "r", "questions": QUESTIONS, "metadata": [1.0, {"a": float("-inf")}]},
+        {"id": float("inf"), "questions": QUESTIONS},
+        {"id": "r", "questions": {}},
+        {"id": "r", "questions": {}, "state": float("nan")},
+        {"id": "r", "questions": QUESTIONS, "metadata": _nested(MAX_NESTING + 1)},
+        {"id": "r", "state": float("nan"), "questions": QUESTIONS, "metadata": _nested(MAX_NESTING + 1)},
+        {"id": "r", "questions": ["q"], "state": float("nan")},
+        {"id": "r", "questions": ["q"]},
+        {"id": "r", "questions": QUESTIONS, "state": {"x": 1.5}},
+    ],
+    ids=["nan", "-inf", "inf id", "no questions", "no questions and nan", "too deep", "too deep and nan",
+         "schema and nan", "schema", "valid"],
+)
+def test_a_document_from_another_framing_gets_the_answer_its_json_text_gets(document):
+    """decode_document (a record another framing decoded: a float or an Avro double can be NaN) answers what
+    decode_request answers for the same document as JSON text (``json.dumps`` writes NaN and Infinity)."""
+    def outcome(decode, value):
+        try:
+            return decode(value, b"k")
+        except EventError as exc:
+            return exc.code, str(exc), exc.request_id
+
+    text = json.dumps(document).encode()
+    assert outcome(decode_document, document) == outcome(decode_request, text)
+
+
+def test_a_document_that_is_no_object_is_undecodable():
+    with pytest.raises(EventError) as caught:
+        decode_document([1, 2], b"k")
+    assert (caught.value.code, caught.value.request_id) == ("undecodable_event", "k")
 
 
 @pytest.mark.parametrize("depth", [MAX_NESTING + 1, 200, 5_000, 200_000])
@@ -250,7 +337,7 @@ def test_deep_records_that_are_no_request_stay_undecodable(value):
 
 def test_nesting_at_the_limit_is_accepted():
     depth = MAX_NESTING - 2  # the request object and its metadata field count as levels
-    value = b'{"id": "ok", "questions": {}, "metadata": ' + b"[" * depth + b"]" * depth + b"}"
+    value = b'{"id": "ok", "questions": {"q": {}}, "metadata": ' + b"[" * depth + b"]" * depth + b"}"
     assert decode_request(value).id == "ok"
 
 
@@ -399,7 +486,7 @@ def _check_contract(value: bytes | None, key: bytes | None) -> None:
     # Anything accepted satisfies the schema the answer depends on.
     assert isinstance(request, Request)
     assert isinstance(request.id, str) and 1 <= len(request.id) <= 512
-    assert isinstance(request.questions, dict)
+    assert isinstance(request.questions, dict) and request.questions
     assert all(isinstance(m, str) and m for m in (*request.images, *request.videos))
     assert request.model is None or isinstance(request.model, str)
     assert request.permutation_average in (None, True, False)
@@ -431,6 +518,40 @@ def test_fuzz_request_shaped_objects_with_wrong_types(document, key):
 def test_fuzz_truncated_and_corrupted_requests(document, cut, junk):
     wire = json.dumps(document).encode()
     _check_contract(wire[: cut % (len(wire) + 1)] + junk, None)
+
+
+non_finite = st.sampled_from([float("nan"), float("inf"), float("-inf")])
+value_with_non_finite = st.recursive(
+    st.one_of(json_leaf, non_finite),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+def _outcome(check, value) -> tuple[str, str, str | None] | None:
+    try:
+        check(value)
+    except EventError as exc:
+        return exc.code, str(exc), exc.request_id
+    return None
+
+
+@FUZZ
+@given(state=value_with_non_finite, metadata=value_with_non_finite)
+def test_fuzz_the_client_and_the_worker_answer_nan_and_infinities_alike(state, metadata):
+    """A document with NaN or an infinity anywhere: the client's check of it (before encoding) and the worker's of the
+    JSON text ``json.dumps`` makes of it (NaN, Infinity) give the same answer; without one, both accept it."""
+    document = {"id": "r", "state": state, "questions": QUESTIONS, "metadata": metadata}
+    client = _outcome(validate_request, document)
+    assert client == _outcome(decode_request, json.dumps(document).encode())
+    assert (client is None) == (not _holds_non_finite([state, metadata]))
+
+
+def _holds_non_finite(value) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return any(_holds_non_finite(item) for item in items)
 
 
 # ----------------------------------------------------------------------------------- duplicate keys

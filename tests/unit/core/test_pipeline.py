@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from d3stream_client.contract import ERROR_CODES, decode_answer
+from d3stream_client.validation import EventError, validate_request
 
 from d3stream.core.record import RequestRecord
 from d3stream.service import Service
@@ -118,6 +119,37 @@ def test_the_error_table_without_a_broker(pipeline_service):
     assert dead == {"e-undecodable", "e-tombstone"}
     assert "max_media_references" in recorder.answers["e-too-many"].error.message
     assert "max_request_tokens" in recorder.answers["e-long"].error.message
+
+
+def test_what_the_client_refuses_the_worker_answers_with_the_same_code_and_message(pipeline_service):
+    """A request with no questions, or a NaN or an infinity anywhere in it, is refused by the client's checks before
+    it is sent; one that is sent anyway (``json.dumps`` writes NaN and Infinity) gets from the worker the very
+    ``invalid_request`` and message the client raised, and no dead letter: it is JSON, just not a valid request."""
+    service = pipeline_service()
+    documents = {
+        "e-no-questions": {"id": "e-no-questions", "state": "s", "questions": {}},
+        "e-nan": {"id": "e-nan", "state": {"x": float("nan")}, "questions": {"q": Q_NOUL}},
+        "e-inf": {"id": "e-inf", "state": "s", "questions": {"q": Q_NOUL}, "metadata": {"scores": [1.5, float("-inf")]}},
+    }
+    values = {rid: json.dumps(document).encode() for rid, document in documents.items()}
+    # A number too large for a double: valid JSON text, read as infinity.
+    values["e-huge"] = json.dumps({"id": "e-huge", "state": {"x": 1}, "questions": {"q": Q_NOUL}}).encode().replace(
+        b'"x": 1', b'"x": 1e400')
+    recorder = serve(service, records(*((rid.encode(), value) for rid, value in values.items())))
+    answers = recorder.answers
+    assert set(answers) == set(values)
+    for rid, value in values.items():
+        with pytest.raises(EventError) as client:  # what the client says before sending
+            validate_request(documents.get(rid, value))
+        error = answers[rid].error
+        assert (error.code, error.message) == (client.value.code, str(client.value))
+        assert error.code == "invalid_request"
+    assert "no questions" in answers["e-no-questions"].error.message
+    assert "NaN at state.x" in answers["e-nan"].error.message
+    assert "-Infinity at metadata.scores[1]" in answers["e-inf"].error.message
+    assert "1e400 at state.x" in answers["e-huge"].error.message
+    served = [s for call in recorder.calls for s in call]
+    assert not [s.answer.id for s in served if any(r.kind == "dead_letter" for r in s.records)]
 
 
 def test_an_answer_too_large_for_its_topic_is_replaced_under_the_same_id(pipeline_service):
