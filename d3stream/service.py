@@ -389,4 +389,5 @@ class Service:
             metrics.count_answer(code, count)
         if self.tracing is not None:
             for record in records:
+                assert record.answer is not None  # as above: answered requests only
                 self.tracing.request_served(record.input, record, record.answer, published)
