@@ -159,7 +159,7 @@ class Service:
         digest = provenance_digest(provenance)
         answers = AnswerBuilder(
             self.settings.delivery,
-            model_record=ModelRecord(name=model.model_name, runtime=provenance.get("runtime", ""),
+            model_record=ModelRecord(name=model.model_name, runtime=str(provenance.get("runtime", "")),
                                      provenance_sha256=digest),
             worker=self.worker, fit=self.limits.fit, metrics=self.metrics, replay_id=replay_id,
         )
