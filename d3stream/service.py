@@ -163,7 +163,7 @@ class Service:
         digest = provenance_digest(provenance)
         answers = AnswerBuilder(
             self.settings.delivery,
-            model_record=ModelRecord(name=model.model_name, runtime=provenance.get("runtime", ""),
+            model_record=ModelRecord(name=model.model_name, runtime=str(provenance.get("runtime", "")),
                                      provenance_sha256=digest),
             worker=self.worker, fit=self.limits.fit, metrics=self.metrics, replay_id=replay_id,
         )
@@ -413,4 +413,5 @@ class Service:
             metrics.count_answer(code, count)
         if self.tracing is not None:
             for record in records:
+                assert record.answer is not None  # as above: answered requests only
                 self.tracing.request_served(record.input, record, record.answer, published)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from d3stream.runtime.kinds import finite_number, label_option, question_type
 
@@ -44,7 +43,7 @@ class Slot:
         return self.probabilities.get(self.decision, 0.0)
 
 
-def parse_slot(raw: Any) -> Slot | None:
+def parse_slot(raw: object) -> Slot | None:
     """A question's answer object as a :class:`Slot`; None for an error slot or an unreadable one."""
     if not isinstance(raw, dict) or "error" in raw:
         return None
@@ -59,7 +58,7 @@ def parse_slot(raw: Any) -> Slot | None:
                 texts)
 
 
-def label_key(slot: Slot, expected: Any) -> str | None:
+def label_key(slot: Slot, expected: object) -> str | None:
     """The option key a label names, in the slot's own terms (a score level by its text when the label is a
     string, by its index when it is an integer: ``kinds.label_option``); None when it names none of the slot's
     options (a label of another question type, an unknown option)."""

@@ -14,6 +14,7 @@ import base64
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -60,7 +61,7 @@ def dead_letter_event(reason: str, source: Source, key: bytes | None, raw: bytes
     )
 
 
-def provenance_digest(record: dict[str, Any]) -> str:
+def provenance_digest(record: Mapping[str, object]) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -79,6 +80,8 @@ class AnswerBuilder:
 
     def answered(self, record: RequestRecord, response: dict[str, Any]) -> Answer:
         """The answer event of a request the model answered (``Prepared.answers``' response)."""
+        # The response is the runtime's own untyped dict ({"model", "answers", "usage"}); its values go into the
+        # Answer's fields as they are.
         request = record.request
         assert request is not None  # the model answered it: it was decoded
         return Answer(

@@ -42,16 +42,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import structlog
 from d3stream_client.contract import BatchRecord
 
-from d3stream.core.seams import DEFAULT_SCHEDULING, DeadlineExceeded, Scheduling
+from d3stream.core.seams import DEFAULT_SCHEDULING, DeadlineExceeded, Position, Scheduling
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
+T = TypeVar("T")  # a row
+R = TypeVar("R")  # what ``run`` makes of a row (a full-prompt row: its option probabilities)
+V = TypeVar("V")  # whatever a future is settled with (``resolve``)
 
 
 @dataclass(frozen=True)
@@ -72,54 +74,65 @@ class PassRecord:
                                                       padded_tokens=self.padded_tokens))
 
 
-_UNSET: Any = object()
+# One row's outcome: what ``run`` made of it and the record of the pass it rode in, or the exception of a row
+# that failed alone (``DeadlineExceeded``: dropped at its request's deadline).
+RowOutcome = tuple[R, PassRecord] | BaseException
 
+
+class _Unset:
+    """The outcome of a row that has not run yet."""
+
+
+_UNSET = _Unset()
 
 
 @dataclass(eq=False)
-class _Submission:
+class _Submission(Generic[R]):
     """One request's rows (one ``enqueue`` call, or one request of ``enqueue_many``): their outcomes, filled in
     as their passes finish, handed to ``done`` once all are in (a future per row cost more event-loop time than
     the passes' bookkeeping itself; ``enqueue_many`` settles many requests without a future each)."""
 
-    done: Callable[[list[Any]], Any]
-    outcomes: list[Any]
+    done: Callable[[list[RowOutcome[R]]], object]
+    outcomes: list[RowOutcome[R] | _Unset]
     remaining: int
     scheduling: Scheduling = DEFAULT_SCHEDULING
     expired: bool = False  # its deadline passed: its rows still waiting are dropped
 
-    def settle(self, index: int, outcome: Any) -> None:
+    def settle(self, index: int, outcome: RowOutcome[R]) -> None:
         if self.outcomes[index] is not _UNSET:
             return
         self.outcomes[index] = outcome
         self.remaining -= 1
         if self.remaining == 0:
-            self.done(self.outcomes)
+            # Every slot holds its outcome now (each settles once, and none is left unset); handed over as is,
+            # not copied, since this runs for every request.
+            self.done(cast("list[RowOutcome[R]]", self.outcomes))
 
 
-def resolve(future: asyncio.Future[list[Any]], outcomes: list[Any]) -> None:
+def resolve(future: asyncio.Future[list[V]], outcomes: list[V]) -> None:
     """Settle ``future`` with a request's row outcomes (an ``enqueue_many`` callback made into a future)."""
     if not future.done():
         future.set_result(outcomes)
 
 
 @dataclass(eq=False)
-class _Waiting(Generic[T]):
+class _Waiting(Generic[T, R]):
     row: T
-    submission: _Submission
+    submission: _Submission[R]
     index: int
     since: float
     length: int
 
-    def settle(self, outcome: Any) -> None:
+    def settle(self, outcome: RowOutcome[R]) -> None:
         self.submission.settle(self.index, outcome)
 
 
-def _fill(upcoming: deque[_Waiting[T]], budget: int, max_rows: int) -> tuple[list[_Waiting[T]], list[_Waiting[T]]]:
+def _fill(upcoming: deque[_Waiting[T, R]], budget: int,
+          max_rows: int) -> tuple[list[_Waiting[T, R]], list[_Waiting[T, R]]]:
     """One pass of at most ``max_rows`` rows and ``budget`` padded tokens taken from the front of ``upcoming``,
     and the rows skipped for it (in order)."""
-    chosen: list[_Waiting[T]] = []
-    skipped: list[_Waiting[T]] = []
+    chosen: list[_Waiting[T, R]] = []
+    skipped: list[_Waiting[T, R]] = []
     longest = 0
     while upcoming and len(chosen) < max_rows and len(skipped) <= max_rows:
         waiting = upcoming.popleft()
@@ -132,12 +145,13 @@ def _fill(upcoming: deque[_Waiting[T]], budget: int, max_rows: int) -> tuple[lis
     return chosen, skipped
 
 
-class BatchScheduler(Generic[T]):
-    """Packs rows submitted by many requests into forward passes of ``run``."""
+class BatchScheduler(Generic[T, R]):
+    """Packs rows (``T``) submitted by many requests into forward passes of ``run``, which makes an ``R`` of
+    each."""
 
     def __init__(
         self,
-        run: Callable[[list[T]], list[Any]],
+        run: Callable[[list[T]], list[R]],
         *,
         length: Callable[[T], int],
         max_batch_rows: int = 64,
@@ -166,14 +180,14 @@ class BatchScheduler(Generic[T]):
         # One model thread: passes run one at a time, in the order they were cut.
         self._owns_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="d3stream-model")
-        self._waiting: list[_Waiting[T]] = []
+        self._waiting: list[_Waiting[T, R]] = []
         self._waiting_tokens = 0
         self._arrived = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._released = float("-inf")  # rows that arrived until then linger no more (see _loop)
         # Passes cut at the last cut and not run yet, in order; the lowest lane among rows queued since then.
-        self._planned: deque[list[_Waiting[T]]] = deque()
+        self._planned: deque[list[_Waiting[T, R]]] = deque()
         self._planned_at = float("-inf")
         self._best_new_lane: int | None = None
         self.passes_run = 0
@@ -200,33 +214,34 @@ class BatchScheduler(Generic[T]):
         if self._owns_executor:
             self._executor.shutdown(wait=False)
 
-    async def submit(self, rows: Sequence[T], scheduling: Scheduling | None = None) -> list[tuple[Any, PassRecord]]:
+    async def submit(self, rows: Sequence[T], scheduling: Scheduling | None = None) -> list[tuple[R, PassRecord]]:
         """Each row's result and the pass it ran in; raises what ``run`` raised for a row that fails alone
         (``DeadlineExceeded`` when the deadline passed first)."""
-        outcomes = list(await self.enqueue(rows, None, scheduling))
-        for outcome in outcomes:
+        results: list[tuple[R, PassRecord]] = []
+        for outcome in await self.enqueue(rows, None, scheduling):
             if isinstance(outcome, BaseException):
                 raise outcome
-        return outcomes
+            results.append(outcome)
+        return results
 
-    def expect(self, positions: Sequence[Any]) -> None:
+    def expect(self, positions: Sequence[Position]) -> None:
         """Passes here are cut by arrival and length, not by where requests were read: nothing to keep."""
 
-    def finished(self, position: Any) -> None:
+    def finished(self, position: Position) -> None:
         """See ``expect``."""
 
-    def enqueue(self, rows: Sequence[T], position: Any = None,
-                scheduling: Scheduling | None = None) -> asyncio.Future[list[Any]]:
+    def enqueue(self, rows: Sequence[T], position: Position | None = None,
+                scheduling: Scheduling | None = None) -> asyncio.Future[list[RowOutcome[R]]]:
         """Queue one request's rows; the future gets every row's outcome (its result and pass record, or the
         exception of a row that failed alone) once the last of them is run (``position``, where the request was
         read, matters to source-ordered schedulers only; ``scheduling`` is the request's lane and deadline)."""
-        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[list[RowOutcome[R]]] = asyncio.get_running_loop().create_future()
         self.enqueue_many([(rows, position, scheduling or DEFAULT_SCHEDULING)],
                           lambda _, outcomes: resolve(future, outcomes))
         return future
 
-    def enqueue_many(self, requests: Sequence[tuple[Sequence[T], Any, Scheduling]],
-                     settled: Callable[[int, list[Any]], Any]) -> None:
+    def enqueue_many(self, requests: Sequence[tuple[Sequence[T], Position | None, Scheduling]],
+                     settled: Callable[[int, list[RowOutcome[R]]], object]) -> None:
         """Queue the rows of several requests, each ``(rows, position, scheduling)``; ``settled(index, outcomes)``
         is called (on the event loop, as a pass finishes) once every row of request ``index`` is run, with one
         outcome per row as ``enqueue``'s future gets them. No future and no task per request."""
@@ -241,7 +256,8 @@ class BatchScheduler(Generic[T]):
             if not rows:
                 settled(number, [])
                 continue
-            submission = _Submission(partial(settled, number), [_UNSET] * len(rows), len(rows), scheduling)
+            outcomes: list[RowOutcome[R] | _Unset] = [_UNSET] * len(rows)
+            submission = _Submission(partial(settled, number), outcomes, len(rows), scheduling)
             if scheduling.deadline is not None:
                 self._dated += len(rows)
             lane = scheduling.lane
@@ -317,7 +333,7 @@ class BatchScheduler(Generic[T]):
             except TimeoutError:
                 break
 
-    def _rank(self, waiting: _Waiting[T], now: float) -> int:
+    def _rank(self, waiting: _Waiting[T, R], now: float) -> int:
         """The row's effective lane: its request's lane, one higher for every ``lane_ageing_ms`` waited."""
         lane = waiting.submission.scheduling.lane if self.lanes else 1
         return lane - math.floor((now - waiting.since) / self.ageing)
@@ -346,10 +362,10 @@ class BatchScheduler(Generic[T]):
             self._drop_expired(wall)
         ageing, floor = self.ageing, math.floor
         if self.lanes:
-            def rank(w: _Waiting[T]) -> tuple[int, int, float]:
+            def rank(w: _Waiting[T, R]) -> tuple[int, int, float]:
                 return w.submission.scheduling.lane - floor((now - w.since) / ageing), -w.length, w.since
         else:
-            def rank(w: _Waiting[T]) -> tuple[int, int, float]:
+            def rank(w: _Waiting[T, R]) -> tuple[int, int, float]:
                 return 1 - floor((now - w.since) / ageing), -w.length, w.since
         # A stable sort: rows equal in all three stay in the order they were queued.
         upcoming = deque(sorted(self._waiting, key=rank))
@@ -367,9 +383,9 @@ class BatchScheduler(Generic[T]):
         self._waiting_tokens -= sum(w.length for w in self._waiting) - sum(w.length for w in kept)
         self._waiting = kept
 
-    def _unexpired(self, rows: list[_Waiting[T]], wall: float) -> list[_Waiting[T]]:
+    def _unexpired(self, rows: list[_Waiting[T, R]], wall: float) -> list[_Waiting[T, R]]:
         """``rows`` without those of requests past their deadline, which are settled ``DeadlineExceeded``."""
-        kept: list[_Waiting[T]] = []
+        kept: list[_Waiting[T, R]] = []
         for waiting in rows:
             submission = waiting.submission
             deadline = submission.scheduling.deadline
@@ -386,7 +402,7 @@ class BatchScheduler(Generic[T]):
             kept.append(waiting)
         return kept
 
-    async def _run_pass(self, group: list[_Waiting[T]]) -> None:
+    async def _run_pass(self, group: list[_Waiting[T, R]]) -> None:
         loop = asyncio.get_running_loop()
         rows = [w.row for w in group]
         started = time.perf_counter()

@@ -42,12 +42,15 @@ from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
 from d3stream.runtime import media as media_io
 from d3stream.settings import MediaSettings
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 log = structlog.get_logger(__name__)
 
@@ -69,7 +72,7 @@ class DecodeCrashed(ValueError):
 class DecodedMedia:
     """A request's decoded images and videos, one per reference, in request order."""
 
-    images: list[Any]
+    images: list[Image.Image]
     videos: list[media_io.Video]
 
     @property
@@ -113,7 +116,7 @@ def _each_named(read: Callable[[bytes, str], T], datas: Sequence[bytes], labels:
 # -------------------------------------------------------------------------------------- worker process
 
 
-def _serve_jobs(connection: Any) -> None:
+def _serve_jobs(connection: Connection) -> None:
     """The decoding process: run (function, args) jobs sent over ``connection`` until it closes."""
     import cv2  # noqa: F401 - imported once here, not inside the first job's deadline
 
@@ -124,7 +127,7 @@ def _serve_jobs(connection: Any) -> None:
             return
         try:
             function, args = pickle.loads(message)
-            outcome: tuple[str, Any] = ("ok", function(*args))
+            outcome: tuple[str, object] = ("ok", function(*args))
         except media_io.MediaBudgetExceeded as exc:
             outcome = ("budget", str(exc))
         except ValueError as exc:
@@ -192,6 +195,8 @@ class ProcessDecoder:
         self.busy = 0  # jobs running now (read by tests and metrics)
         self.abandoned = 0  # jobs killed at their deadline
 
+    # Untyped for now: as ``Callable[[*Ts], T]`` with ``*args: *Ts`` (returning T), ``decode`` must first stop
+    # reusing one local for the videos' results and the images'.
     async def run(self, function: Callable[..., Any], *args: Any) -> Any:
         """``function(*args)`` in a worker process within the deadline; its ValueError is re-raised here."""
         loop = asyncio.get_running_loop()
@@ -299,7 +304,7 @@ class MediaDecoder:
         return total
 
     async def decode(self, images: Sequence[bytes], videos: Sequence[bytes],
-                     reserve: Callable[[int], Awaitable[Any]] | None = None) -> DecodedMedia:
+                     reserve: Callable[[int], Awaitable[object]] | None = None) -> DecodedMedia:
         """Decode one request's media (one entry per reference; equal bytes are decoded once).
 
         Image headers are read and the budget spent first, and the videos' headers read in a decoding process
@@ -322,14 +327,14 @@ class MediaDecoder:
             result = await self.processes.run(decode_videos, list(distinct_videos), budget, labels)
             by_content = dict(zip(distinct_videos, result, strict=True))
             decoded_videos = [by_content[data] for data in videos]
-        decoded_images: list[Any] = []
+        decoded_images: list[Image.Image] = []
         if images:
             distinct = _distinct(images)
             began: asyncio.Future[None] = loop.create_future()
             job = loop.run_in_executor(self._images, _decode_images, list(distinct), list(distinct.values()),
                                        partial(loop.call_soon_threadsafe, _settle, began))
             try:
-                either: list[asyncio.Future[Any]] = [began, job]
+                either: list[asyncio.Future[None] | asyncio.Future[list[Image.Image]]] = [began, job]
                 await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)  # a free thread: the deadline starts
                 result = await asyncio.wait_for(asyncio.shield(job), self.timeout_s)
             except TimeoutError:
@@ -398,7 +403,7 @@ def _settle(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def _decode_images(datas: list[bytes], numbers: list[int], began: Callable[[], Any]) -> list[Any]:
+def _decode_images(datas: list[bytes], numbers: list[int], began: Callable[[], object]) -> list[Image.Image]:
     """Decode images (on a decoding thread), saying first that the decode began: its deadline starts now."""
     began()
     return _each_named(lambda data, label: media_io.checked_image_bytes(data), datas,

@@ -22,7 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-Outcome = tuple["asyncio.Future[Any]", Any, BaseException | None]
+# A queued job and the future its result goes to. Jobs of every result type share the queues, and no type says
+# "the same T for both, some T per entry": the future's result type is left open (what ``run`` types for its caller).
+_Job = tuple[Callable[[], object], "asyncio.Future[Any]"]
+# A job run: its future, and its result or the exception it raised.
+Outcome = tuple["asyncio.Future[Any]", object, BaseException | None]
 # Results of a backlog go back to the event loop in batches of this many jobs.
 HAND_BACK_EVERY = 32
 
@@ -34,8 +38,7 @@ class JobThread:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=initializer)
         # Deques, not a heap under a lock: appending and popping are atomic, and a lock held by the worker
         # when the interpreter switches threads would stall the event loop for a whole switch interval.
-        self._queued: list[deque[tuple[Callable[[], Any], asyncio.Future[Any]]]] = [
-            deque() for _ in range(priorities)]
+        self._queued: list[deque[_Job]] = [deque() for _ in range(priorities)]
         self._draining = False  # a drain is scheduled or running and will see what is queued now
 
     def run(self, job: Callable[[], T], priority: int = 1) -> asyncio.Future[T]:
@@ -51,7 +54,7 @@ class JobThread:
             self._executor.submit(self._drain, loop)
         return future
 
-    def _next(self) -> tuple[int, tuple[Callable[[], Any], asyncio.Future[Any]]] | None:
+    def _next(self) -> tuple[int, _Job] | None:
         for level, queued in enumerate(self._queued):
             if queued:
                 try:

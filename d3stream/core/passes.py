@@ -22,13 +22,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, TypedDict, Unpack, cast
 
 import structlog
 from d3stream_client.contract import BatchRecord
 
 from d3stream.core.answers import ms
-from d3stream.core.batching import BatchScheduler, PassRecord, resolve
+from d3stream.core.batching import BatchScheduler, PassRecord, RowOutcome, resolve
 from d3stream.core.record import RequestRecord, Stage
 from d3stream.core.seams import DeadlineExceeded, DecisionModel, Position, Scheduling
 from d3stream.ops.metrics import Metrics
@@ -38,10 +38,24 @@ from d3stream.settings import BatchingSettings
 
 if TYPE_CHECKING:
     from d3stream.runtime.model import D3
+    from d3stream.runtime.prefix import Check, PassInfo, PrefixRunner
+    from d3stream.runtime.prefix_passes import Plan
 
 log = structlog.get_logger(__name__)
 
-Outcome = tuple[Any, PassRecord] | BaseException
+# A full-prompt row's outcome: its option probabilities and the pass it rode in, or its exception.
+Outcome = RowOutcome[list[float]]
+# A shared-prefix request's outcome: its rows' probabilities and the runner's passes that answered them.
+SharedRun = tuple[dict[Row, list[float]], list["PassInfo"]]
+# A request prepared on the prepare thread, with its shared-prefix plan (``Passes.plan``), or what went wrong.
+PrepareOutcome = tuple[Prepared, "Plan | None"] | BaseException
+
+
+class SharedPrefix(TypedDict, total=False):
+    """What a shared-prefix run adds to the batch record of the request it answered."""
+
+    shared_prefix: bool
+    saved_tokens: int
 
 
 def model_thread(intraop_threads: int | None = None) -> ThreadPoolExecutor:
@@ -73,7 +87,7 @@ class RowScheduler(Protocol):
         ...
 
     def enqueue_many(self, requests: Sequence[tuple[Sequence[Row], Position, Scheduling]],
-                     settled: Callable[[int, list[Outcome]], Any]) -> None:
+                     settled: Callable[[int, list[Outcome]], object]) -> None:
         """Queue the rows of several requests, each ``(rows, position, scheduling)``; ``settled(index, outcomes)``
         is called on the event loop once every row of request ``index`` has run, with each row's
         (probabilities, pass record), or the exception of a row that failed alone. ``scheduling`` (lane,
@@ -109,9 +123,9 @@ class Passes:
             lane_ageing_ms=batching.lane_ageing_ms,
             lane_pass_tokens=lane_budget,
         )
-        self.prefix_runner: Any = self._prefix_runner(batching, model) if scheduler is None else None
-        self.prefix_scheduler: BatchScheduler | None = None
-        self._call_passes: list[Any] = []  # the runner's passes during the current call (model thread only)
+        self.prefix_runner: PrefixRunner | None = self._prefix_runner(batching, model) if scheduler is None else None
+        self.prefix_scheduler: BatchScheduler[Plan, SharedRun] | None = None
+        self._call_passes: list[PassInfo] = []  # the runner's passes during the current call (model thread only)
         if self.prefix_runner is not None:
             self.prefix_scheduler = BatchScheduler(
                 self._run_shared_prefix,
@@ -127,7 +141,7 @@ class Passes:
                 lane_pass_tokens=lane_budget,  # a call of this budget runs passes within it too
             )
 
-    def provenance(self) -> dict[str, Any]:
+    def provenance(self) -> dict[str, object]:
         """What answers depend on besides the model: the prefix reuse policy, when it is on."""
         return self.prefix_runner.provenance() if self.prefix_runner is not None else {}
 
@@ -140,7 +154,7 @@ class Passes:
 
     # ---------------------------------------------------------------------------------- planning
 
-    def plan(self, prepared: Prepared) -> Any:
+    def plan(self, prepared: Prepared) -> Plan | None:
         """The shared-prefix plan of a prepared request, or None (runs on the prepare thread)."""
         runner = self.prefix_runner
         if runner is None or len(prepared.rows) < runner.min_rows:
@@ -224,7 +238,7 @@ class Passes:
         rows = prepared.rows
         record = _one_pass(outcomes)
         if record is not None:  # the common case: every row answered, all in one pass
-            answered = cast("list[tuple[Any, PassRecord]]", outcomes)
+            answered = cast("list[tuple[list[float], PassRecord]]", outcomes)
             item.probabilities = {row: result for row, (result, _) in zip(rows, answered, strict=True)}
             item.device_seconds += _share(record.seconds, sum(row.length for row in rows), record.real_tokens)
             item.padded_tokens += len(rows) * (record.padded_tokens // max(record.rows, 1))
@@ -263,6 +277,7 @@ class Passes:
         """A multi-question request on its shared prefix; if that fails, its rows run as full prompts."""
         assert self.prefix_scheduler is not None
         plan = item.plan
+        assert plan is not None  # only requests with a plan run here
         submitted = item.submitted_at = time.perf_counter()
         try:
             [((probabilities, passes), _)] = await self.prefix_scheduler.submit([plan], item.scheduling)
@@ -276,17 +291,16 @@ class Passes:
         # Shared only if each row's answer came from a suffix pass (a failed check re-answers from full prompts).
         answered_by = {row: info.kind for info in passes if info.kind in ("suffix", "full") for row in info.done}
         reused = bool(answered_by) and all(kind == "suffix" for kind in answered_by.values())
-        self._share_prefix_passes(item, passes)
+        self._share_prefix_passes(item, plan, passes)
         self._account(item, submitted, passes, shared_prefix=reused,
                       saved_tokens=(len(plan.rows) - 1) * plan.length if reused else 0)
         item.probabilities = probabilities
 
     @staticmethod
-    def _share_prefix_passes(item: RequestRecord, passes: Sequence[Any]) -> None:
+    def _share_prefix_passes(item: RequestRecord, plan: Plan, passes: Sequence[PassInfo]) -> None:
         """The request's share of the shared-prefix runner's passes, by the tokens it ran in each: its prefix
         in a prefix pass, its rows' suffixes (or whole prompts) in the passes that answered them. Exact-replay
         check passes are not attributed to any request (docs/SCHEDULING.md)."""
-        plan = item.plan
         rows = set(plan.rows)
         for info in passes:
             if info.kind == "prefix":
@@ -298,8 +312,9 @@ class Passes:
             item.device_seconds += _share(info.seconds, tokens, info.real_tokens)
             item.padded_tokens += count * (info.padded_tokens // max(info.rows, 1))
 
-    def _account(self, item: RequestRecord, submitted: float, passes: Sequence[Any], now: float | None = None,
-                 times: dict[tuple[float, float], int] | None = None, **batch: Any) -> None:
+    def _account(self, item: RequestRecord, submitted: float, passes: Sequence[PassRecord | PassInfo],
+                 now: float | None = None, times: dict[tuple[float, float], int] | None = None,
+                 **batch: Unpack[SharedPrefix]) -> None:
         """The request's forward and queueing time and its batch record, from the passes that carried it
         (``PassRecord`` or the prefix runner's ``PassInfo``: both have rows, tokens and seconds), as of ``now``
         (default: now). With ``times`` its (forward, queued) seconds are counted there, for the caller to
@@ -343,16 +358,18 @@ class Passes:
             )
         return False
 
-    def _prefix_runner(self, batching: BatchingSettings, model: DecisionModel) -> Any:
+    def _prefix_runner(self, batching: BatchingSettings, model: DecisionModel) -> PrefixRunner | None:
         if not self._reuse_wanted(batching, model):
             return None
         from d3stream.runtime.prefix import PrefixRunner
 
-        def checked(check: Any) -> None:
-            self.metrics.observe_prefix_check(check.passed, self.prefix_runner.max_abs_dp)
+        def checked(check: Check) -> None:
+            # The runner counts a check into its running maximum before reporting it: the maximum is set.
+            largest = runner.max_abs_dp
+            self.metrics.observe_prefix_check(check.passed, check.max_abs_dp if largest is None else largest)
 
         # The runner reaches into the backbone: a causal model here is a D3 (or a test's wrapper of one).
-        return PrefixRunner(
+        runner = PrefixRunner(
             cast("D3", model),
             max_batch_tokens=self.budget,
             max_batch_rows=batching.max_batch_rows,
@@ -362,16 +379,19 @@ class Passes:
             on_check=checked,
             on_fallback=lambda reason, prepared: self.metrics.count_prefix_request(reason),
         )
+        return runner
 
-    def _runner_pass(self, info: Any) -> None:
+    def _runner_pass(self, info: PassInfo) -> None:
         self._call_passes.append(info)
         self.metrics.observe_pass_record(info)
 
-    def _run_shared_prefix(self, plans: list[Any]) -> list[tuple[dict[Row, list[float]], list[Any]]]:
+    def _run_shared_prefix(self, plans: list[Plan]) -> list[SharedRun]:
         """One call of the prefix runner on the model thread: each request's probabilities, and the passes
         that answered its rows (for its provenance)."""
+        runner = self.prefix_runner
+        assert runner is not None  # the shared-prefix scheduler runs beside a runner only
         self._call_passes = []
-        results = self.prefix_runner.run_requests(plans)
+        results = runner.run_requests(plans)
         passes = self._call_passes
         return [
             (result, [info for info in passes if plan in info.prefixes or any(row in result for row in info.done)])

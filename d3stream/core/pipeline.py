@@ -49,7 +49,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
-from typing import Any
 
 import structlog
 from d3stream_client.contract import HEADERS, PRIORITIES, Answer, Request, Source
@@ -60,6 +59,7 @@ from d3stream.core.decoding import MediaDecoder
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.jobthread import JobThread
 from d3stream.core.media_stage import MediaStage
+from d3stream.core.passes import PrepareOutcome
 from d3stream.core.record import Refusal, RequestRecord, Stage
 from d3stream.core.routing import Hosted, Router
 from d3stream.core.seams import DeadlineExceeded, InputRecord, Scheduling
@@ -68,7 +68,6 @@ from d3stream.core.storage import MediaFetcher
 from d3stream.core.streams import Streams
 from d3stream.ops.metrics import Metrics
 from d3stream.ops.tracing import forwarded_headers, header_names
-from d3stream.runtime import Prepared
 from d3stream.runtime.cpu_threads import use_intraop_threads
 from d3stream.runtime.media import reason
 from d3stream.settings import Settings
@@ -294,28 +293,28 @@ class RequestPipeline:
             yield [self._answered(hosted, record) for record in done]
 
     async def _prepare_all(self, hosted: Hosted,
-                           records: list[RequestRecord]) -> list[tuple[Prepared, Any] | BaseException]:
+                           records: list[RequestRecord]) -> list[PrepareOutcome]:
         """Each request prepared (or what went wrong), in trips of ``PREPARE_CHUNK`` requests of one priority
         lane: a high-priority request's trip goes before a flood's backlog waiting on the prepare thread."""
         lanes = [record.scheduling.lane if self.settings.batching.priority_lanes else 1 for record in records]
         order = sorted(range(len(records)), key=lanes.__getitem__)
         chunks = [order[at:at + PREPARE_CHUNK] for at in range(0, len(order), PREPARE_CHUNK)]
 
-        def trip(chunk: list[int]) -> list[tuple[Prepared, Any] | BaseException]:
+        def trip(chunk: list[int]) -> list[PrepareOutcome]:
             return [self._prepare(hosted, records[index]) for index in chunk]
 
         results = await asyncio.gather(*(self.prepare_thread.run(partial(trip, chunk), priority=lanes[chunk[0]])
                                          for chunk in chunks))
         if order == list(range(len(order))):  # one lane (a fetch's text requests are grouped by lane): in order
             return [outcome for prepared in results for outcome in prepared]
-        outcomes: list[tuple[Prepared, Any] | BaseException] = [RuntimeError("not prepared")] * len(records)
+        outcomes: list[PrepareOutcome] = [RuntimeError("not prepared")] * len(records)
         for chunk, prepared in zip(chunks, results, strict=True):
             for index, outcome in zip(chunk, prepared, strict=True):
                 outcomes[index] = outcome
         return outcomes
 
     @staticmethod
-    def _prepare(hosted: Hosted, record: RequestRecord) -> tuple[Prepared, Any] | BaseException:
+    def _prepare(hosted: Hosted, record: RequestRecord) -> PrepareOutcome:
         """On the prepare thread: the prepared request and its shared-prefix plan, or what went wrong."""
         request = record.request
         assert request is not None  # admitted: decoded

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from d3stream_client.contract import HEADERS, Answer, BatchRecord, Cost, MediaRecord, Request, Source, Timings
 
@@ -42,8 +42,14 @@ from d3stream.core.outgoing import Outgoing
 from d3stream.core.seams import DEFAULT_SCHEDULING, DeadlineExceeded, InputRecord, Position, Scheduling
 from d3stream.runtime import Prepared, Row
 
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from d3stream.runtime.media import Video
+    from d3stream.runtime.prefix_passes import Plan
+
 # A request's decoded media (images, videos), or None for a text-only request.
-Media = tuple[list[Any], list[Any]] | None
+Media = tuple[list["Image.Image"], list["Video"]] | None
 
 
 class Stage(enum.Enum):
@@ -124,7 +130,7 @@ class RequestRecord:
 
     # -- the passes
     prepared: Prepared | None = None
-    plan: Any = None  # its shared-prefix plan (runtime.prefix), if it has one
+    plan: Plan | None = None  # its shared-prefix plan (runtime.prefix), if it has one
     probabilities: dict[Row, list[float]] = field(default_factory=dict)
     expired: DeadlineExceeded | None = None  # its deadline passed before a pass carried all its rows
     batch: BatchRecord = field(default_factory=BatchRecord)

@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from d3stream_client.contract import Request
 
@@ -44,7 +43,7 @@ class Hosted:
     model: DecisionModel
     passes: Passes
     answers: AnswerBuilder
-    provenance: dict[str, Any]
+    provenance: dict[str, object]  # a JSON object: digested and published as it is
     provenance_sha256: str
 
     @property

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from d3stream.runtime import Prepared, Row
+
+if TYPE_CHECKING:
+    import torch
 
 # ------------------------------------------------------------------------------------------- records
 
@@ -66,7 +69,9 @@ class DecisionModel(Protocol):
     @property
     def model_name(self) -> str: ...
     @property
-    def device(self) -> Any: ...
+    def device(self) -> torch.device | str:
+        """Where its passes run; ``str`` of it names the device (``cpu``, ``cuda:0``)."""
+        ...
     @property
     def attention_mode(self) -> str:
         """"causal" lets a request's questions share one prefix pass (runtime/prefix.py); anything else does not."""
@@ -80,7 +85,7 @@ class DecisionModel(Protocol):
         """Why video inputs cannot be answered (None: they can)."""
         ...
 
-    def provenance(self) -> dict[str, Any]: ...
+    def provenance(self) -> Mapping[str, object]: ...
 
     def kernel_record(self) -> dict[str, str]:
         """Which kernels its passes run (``path`` and one implementation per op); empty if it has none."""
@@ -94,15 +99,18 @@ class DecisionModel(Protocol):
         """A cheap bound: whether a request this large could be over the request token limit."""
         ...
 
-    def check_request_tokens(self, state: Any, questions: Mapping[str, Any], *, permutation_average: bool | None = None) -> None:
+    def check_request_tokens(self, state: object, questions: Mapping[str, object], *,
+                             permutation_average: bool | None = None) -> None:
         """Raise ``ValueError`` if the request's prompts are certainly over the request token limit."""
         ...
 
     def prepare(
         self,
-        state: Any,
-        questions: Mapping[str, Any],
+        state: object,
+        questions: Mapping[str, object],
         *,
+        # The runtime takes list[Image.Image] and list[Video], a stand-in model (the benchmark's) lists of anything:
+        # list is invariant, so only an untyped element fits both.
         decoded_images: list[Any] | None = None,
         decoded_videos: list[Any] | None = None,
         permutation_average: bool | None = None,

@@ -38,7 +38,6 @@ import hashlib
 import time
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any
 
 import msgspec
 import structlog
@@ -48,10 +47,11 @@ from d3stream.core.agreement import join_slots, parse_slot
 from d3stream.core.answers import AnswerBuilder, answer_identity
 from d3stream.core.jobthread import JobThread
 from d3stream.core.outgoing import Outgoing
+from d3stream.core.passes import PrepareOutcome
 from d3stream.core.record import RequestRecord, Stage
+from d3stream.core.routing import Hosted
 from d3stream.core.seams import Scheduling
 from d3stream.ops.metrics import Metrics
-from d3stream.runtime import Prepared
 from d3stream.runtime.media import reason
 from d3stream.settings import Settings
 
@@ -80,7 +80,7 @@ def chosen(request_id: str, share: float) -> bool:
 class Shadow:
     """The shadow of one worker: its model's passes, an answer builder for the shadow topic, the share."""
 
-    def __init__(self, settings: Settings, hosted: Any, *, prepare_thread: JobThread, metrics: Metrics):
+    def __init__(self, settings: Settings, hosted: Hosted, *, prepare_thread: JobThread, metrics: Metrics):
         self.hosted = hosted
         self.name: str = hosted.name
         self.topic = shadow_topic(settings)
@@ -172,9 +172,9 @@ class Shadow:
                              stage=Stage.ROUTED, request=live.request, model=self.name, tenant=live.tenant,
                              media=live.media, decoded=live.decoded)
 
-    def _prepare_all(self, pending: list[RequestRecord]) -> list[tuple[Prepared, Any] | BaseException]:
+    def _prepare_all(self, pending: list[RequestRecord]) -> list[PrepareOutcome]:
         """On the prepare thread (in its requests' lane): each request prepared for the shadow model, or what went wrong."""
-        outcomes: list[tuple[Prepared, Any] | BaseException] = []
+        outcomes: list[PrepareOutcome] = []
         for record in pending:
             request = record.request
             assert request is not None  # the live model answered it

@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol, TypedDict
 from urllib.parse import parse_qs, urlsplit
 
 import structlog
@@ -135,6 +135,48 @@ class Allowlist:
         return False
 
 
+class ObjectBody(Protocol):
+    """An object's bytes as S3 streams them (botocore's ``StreamingBody``)."""
+
+    def read(self, amt: int | None = None) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class HeadObjectResponse(TypedDict, total=False):
+    """What is read of a HEAD answer (botocore's dict has more keys)."""
+
+    ContentLength: int
+    ETag: str
+
+
+class GetObjectResponse(TypedDict, total=False):
+    """What is read of a GET answer (botocore's dict has more keys)."""
+
+    Body: ObjectBody
+    ETag: str
+    VersionId: str
+
+
+class S3Client(Protocol):
+    """The calls media reads make on a boto3 S3 client (boto3 ships no types of its own)."""
+
+    def head_object(self, *, Bucket: str, Key: str, VersionId: str = ...) -> HeadObjectResponse: ...
+
+    def get_object(self, *, Bucket: str, Key: str, IfMatch: str | None = ...,
+                   VersionId: str = ...) -> GetObjectResponse: ...
+
+
+class S3ClientOptions(TypedDict):
+    """The arguments of ``s3_client``."""
+
+    endpoint_url: str | None
+    region_name: str | None
+    connect_timeout: float
+    read_timeout: float
+    max_attempts: int
+
+
 def s3_client(
     *,
     endpoint_url: str | None,
@@ -142,7 +184,7 @@ def s3_client(
     connect_timeout: float,
     read_timeout: float,
     max_attempts: int,
-) -> Any:
+) -> S3Client:
     """A boto3 S3 client with the worker's endpoint, region, timeouts and retries; credentials from the
     standard AWS chain. Media and checkpoints (``d3stream.models.checkpoints``) are read through the same kind."""
     import boto3
@@ -190,13 +232,13 @@ class MediaFetcher:
         connect_timeout: float = 5.0,
         read_timeout: float = 20.0,
         max_attempts: int = 4,
-        client: Any | None = None,
+        client: S3Client | None = None,
     ):
         self.allowlist = Allowlist(list(allowlist))
         self._executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="d3stream-s3")
         self._client = client
         self._client_lock = threading.Lock()
-        self._client_options: dict[str, Any] = {
+        self._client_options: S3ClientOptions = {
             "endpoint_url": endpoint_url,
             "region_name": region,
             "connect_timeout": connect_timeout,
@@ -219,7 +261,7 @@ class MediaFetcher:
         )
 
     @property
-    def client(self) -> Any:
+    def client(self) -> S3Client:
         # One client for every fetch thread (botocore clients are thread-safe). Built once under a lock: the
         # first requests' threads would otherwise each build one, about half a CPU-second apiece.
         with self._client_lock:

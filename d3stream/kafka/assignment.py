@@ -135,7 +135,7 @@ class Assignment:
         skipped, state.skipped = state.skipped, None
         return skipped
 
-    def settled(self, partitions: Iterable[TopicPartition], task: asyncio.Task[Any] | None) -> list[TopicPartition]:
+    def settled(self, partitions: Iterable[TopicPartition], task: asyncio.Task[None] | None) -> list[TopicPartition]:
         """``task`` finished settling ``partitions``: those it still settled are read again (unless another
         reason holds them); returns them."""
         settled = [partition for partition in partitions

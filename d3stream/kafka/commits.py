@@ -34,9 +34,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import NotRequired, Protocol, TypedDict, Unpack
 
 import structlog
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 from d3stream.kafka.offsets import OffsetTracker
@@ -92,10 +93,21 @@ class CommitPolicy(Protocol):
     async def revoked(self, partitions: Sequence[TopicPartition]) -> None: ...
 
 
+class Common(TypedDict):
+    """What every commit policy is made with (``delivery_for``): the consumer whose offsets it commits, the
+    tracker of what is answered, the group and the metrics."""
+
+    consumer: AIOKafkaConsumer
+    tracker: OffsetTracker
+    group_id: str
+    metrics: NotRequired[Metrics | None]
+
+
 class _Counted:
     """What both policies share: whose offsets they commit and what they count."""
 
-    def __init__(self, *, consumer: Any, tracker: OffsetTracker, group_id: str, metrics: Metrics | None = None):
+    def __init__(self, *, consumer: AIOKafkaConsumer, tracker: OffsetTracker, group_id: str,
+                 metrics: Metrics | None = None):
         self.consumer = consumer
         self.tracker = tracker
         self.group_id = group_id
@@ -115,7 +127,7 @@ class CommitAfterWrite(_Counted):
 
     settles_assignments = False
 
-    def __init__(self, sink: Sink, **kwargs: Any):
+    def __init__(self, sink: Sink, **kwargs: Unpack[Common]):
         super().__init__(**kwargs)
         self.sink = sink
 
@@ -193,9 +205,9 @@ class PartitionTransactions:
 
     partition: TopicPartition
     state: TxnState = TxnState.IDLE
-    producer: Any = None
+    producer: AIOKafkaProducer | None = None
     batches: RecordBatches | None = None  # its producer's, made with it
-    creating: asyncio.Future[Any] | None = None  # the producer's start, shared by every caller meanwhile
+    creating: asyncio.Future[AIOKafkaProducer] | None = None  # the producer's start, shared by every caller meanwhile
     pending: dict[int, list[Outgoing]] = field(default_factory=dict)  # answered offset -> records waiting
     failures: int = 0  # retriable transaction failures in a row
     retry_at: float = 0.0  # monotonic time the next periodic attempt may start
@@ -210,7 +222,7 @@ class PartitionTransactions:
         if self.state is not TxnState.CLOSED:
             self.to(state)
 
-    def drop_producer(self) -> Any:
+    def drop_producer(self) -> AIOKafkaProducer | None:
         """Let the producer go after a failed transaction (a fresh one is made for the next); returns it, for
         the caller to stop."""
         producer, self.producer, self.batches, self.creating = self.producer, None, None, None
@@ -218,7 +230,7 @@ class PartitionTransactions:
             self.to(TxnState.IDLE)
         return producer
 
-    def close(self) -> Any:
+    def close(self) -> AIOKafkaProducer | None:
         """Closed for good: the waiting answers are dropped (the partition's next owner answers them); returns
         the producer, for the caller to stop (None: none, or closed already)."""
         if self.state is TxnState.CLOSED:
@@ -237,14 +249,15 @@ class CommitInTransaction(_Counted):
     # last transaction is then complete) and re-reads its committed offset: see consume.py.
     settles_assignments = True
 
-    def __init__(self, *, producer_factory: Callable[[TopicPartition], Any], **kwargs: Any):
+    def __init__(self, *, producer_factory: Callable[[TopicPartition], AIOKafkaProducer],
+                 **kwargs: Unpack[Common]):
         super().__init__(**kwargs)
         self._factory = producer_factory
         self._partitions: dict[TopicPartition, PartitionTransactions] = {}
         self._lock = asyncio.Lock()
 
     @property
-    def producers(self) -> dict[TopicPartition, Any]:
+    def producers(self) -> dict[TopicPartition, AIOKafkaProducer]:
         """Each partition's started transactional producer (a partition without one cannot commit yet)."""
         return {partition: txns.producer for partition, txns in self._partitions.items()
                 if txns.producer is not None}
@@ -269,7 +282,7 @@ class CommitInTransaction(_Counted):
             self._transactions(item.partition).pending[item.offset] = item.records
             self.tracker.done(item.partition, item.offset, item.epoch)
 
-    async def _producer(self, txns: PartitionTransactions) -> Any:
+    async def _producer(self, txns: PartitionTransactions) -> AIOKafkaProducer:
         # One creation per partition even when a flush and the rebalance callback ask at once: a second
         # producer with the same transactional id would fence the first, i.e. this worker itself.
         if txns.state is TxnState.CLOSED:
@@ -280,7 +293,7 @@ class CommitInTransaction(_Counted):
             txns.creating.add_done_callback(retrieved)  # a caller cancelled meanwhile (a bounded revocation) reads none
         return await asyncio.shield(txns.creating)
 
-    async def _create_producer(self, txns: PartitionTransactions) -> Any:
+    async def _create_producer(self, txns: PartitionTransactions) -> AIOKafkaProducer:
         producer = self._factory(txns.partition)
         try:
             await producer.start()  # init_transactions: fences any older producer of this partition
@@ -296,7 +309,7 @@ class CommitInTransaction(_Counted):
         txns.to(TxnState.READY)
         return producer
 
-    async def flush(self, partitions: Sequence[Any] | None = None) -> None:
+    async def flush(self, partitions: Sequence[TopicPartition] | None = None) -> None:
         async with self._lock:
             # Each partition has its own producer: their transactions commit side by side.
             # Named partitions (a revocation, the shutdown) are tried now; the periodic flush backs off.
@@ -425,7 +438,7 @@ class CommitInTransaction(_Counted):
         if producer is not None:
             await quietly_stop(producer)
 
-    async def assigned(self, partitions: Sequence[Any]) -> None:
+    async def assigned(self, partitions: Sequence[TopicPartition]) -> None:
         for partition in partitions:
             try:
                 await self._producer(self._transactions(partition))
@@ -434,7 +447,7 @@ class CommitInTransaction(_Counted):
             except Exception as exc:  # noqa: BLE001 - retried lazily at the first commit
                 log.warning("transactional producer not ready", partition=str(partition), error=str(exc))
 
-    async def revoked(self, partitions: Sequence[Any]) -> None:
+    async def revoked(self, partitions: Sequence[TopicPartition]) -> None:
         for partition in partitions:
             txns = self._partitions.get(partition)
             if txns is not None:
@@ -456,12 +469,12 @@ def answer_file(mode: str, kafka: Callable[[], KafkaTopics], file: Path | None) 
     return JsonLinesFile(file)
 
 
-def commit_after_write(mode: str, sink: Sink, common: dict[str, Any]) -> CommitPolicy:
+def commit_after_write(mode: str, sink: Sink, common: Common) -> CommitPolicy:
     """A mode's commit policy: offsets behind the sink's acknowledgements."""
     return CommitAfterWrite(sink, **common)
 
 
-def commit_in_transaction(mode: str, sink: Sink, common: dict[str, Any]) -> CommitPolicy:
+def commit_in_transaction(mode: str, sink: Sink, common: Common) -> CommitPolicy:
     """A mode's commit policy: offsets in the answers' Kafka transaction (its sink must be Kafka topics)."""
     if not isinstance(sink, KafkaTopics):
         raise ValueError(f"delivery {mode} commits in Kafka transactions: its answers must go to a topic")
@@ -471,7 +484,7 @@ def commit_in_transaction(mode: str, sink: Sink, common: dict[str, Any]) -> Comm
 # What makes a mode's sink (from the mode's name, a maker of Kafka topics and the caller's answer file), and
 # its commit policy (from the mode's name, the sink and the consumer, tracker, group and metrics).
 SinkFactory = Callable[[str, Callable[[], KafkaTopics], Path | None], Sink]
-PolicyFactory = Callable[[str, Sink, dict[str, Any]], CommitPolicy]
+PolicyFactory = Callable[[str, Sink, Common], CommitPolicy]
 
 
 @dataclass(frozen=True)
@@ -510,10 +523,10 @@ DELIVERY_MODES: dict[str, DeliveryMode] = {
 }
 
 
-def delivery_for(mode: DeliveryMode, *, sink: Sink, consumer: Any, tracker: OffsetTracker, group_id: str,
+def delivery_for(mode: DeliveryMode, *, sink: Sink, consumer: AIOKafkaConsumer, tracker: OffsetTracker, group_id: str,
                  metrics: Metrics | None) -> CommitPolicy:
     """The commit policy of ``mode`` over ``sink`` (a transactional mode needs Kafka topics to write to)."""
-    common: dict[str, Any] = {"consumer": consumer, "tracker": tracker, "group_id": group_id, "metrics": metrics}
+    common: Common = {"consumer": consumer, "tracker": tracker, "group_id": group_id, "metrics": metrics}
     return mode.policy(mode.name, sink, common)
 
 

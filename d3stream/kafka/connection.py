@@ -28,6 +28,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 if TYPE_CHECKING:
+    from aiokafka.abc import AbstractTokenProvider
+
     from d3stream.settings import ConnectionSettings
 
 Client = Literal["consumer", "producer", "admin"]
@@ -72,12 +74,12 @@ RESERVED: dict[str, str] = {
 
 
 @functools.cache
-def accepted_parameters() -> dict[Client, dict[str, Any]]:
+def accepted_parameters() -> dict[Client, dict[str, object]]:
     """The keyword parameters (name -> default) of aiokafka's consumer, producer and admin constructors."""
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
     from aiokafka.admin import AIOKafkaAdminClient
 
-    classes: dict[Client, Any] = {"consumer": AIOKafkaConsumer, "producer": AIOKafkaProducer,
+    classes: dict[Client, type] = {"consumer": AIOKafkaConsumer, "producer": AIOKafkaProducer,
                                   "admin": AIOKafkaAdminClient}
     return {
         client: {name: p.default for name, p in inspect.signature(cls).parameters.items()
@@ -86,12 +88,13 @@ def accepted_parameters() -> dict[Client, dict[str, Any]]:
     }
 
 
-def _parse_value(key: str, text: str, default: Any) -> Any:
+def _parse_value(key: str, text: str, default: object) -> object:
     """``30000`` -> 30000, ``true`` -> True, ``none`` -> None, anything else stays text; checked against the
     type of the parameter's default."""
     lowered = text.strip().lower()
     if lowered in ("none", "null"):
         return None
+    value: object
     try:
         value = json.loads(lowered if lowered in ("true", "false") else text)
     except json.JSONDecodeError:
@@ -105,14 +108,14 @@ def _parse_value(key: str, text: str, default: Any) -> Any:
     return value
 
 
-def parse_kafka_options(options: list[str]) -> dict[Client, dict[str, Any]]:
+def parse_kafka_options(options: list[str]) -> dict[Client, dict[str, object]]:
     """``kafka_options`` (``key=value`` texts) -> the options of each kind of client that takes them.
 
     ValueError names the offending entry: not ``key=value``, a parameter no aiokafka client takes (with the
     closest names), one d3stream sets itself (with the setting to use), or a value of the wrong type."""
     accepted = accepted_parameters()
     known = sorted(set().union(*accepted.values()) - set(RESERVED))
-    chosen: dict[Client, dict[str, Any]] = {"consumer": {}, "producer": {}, "admin": {}}
+    chosen: dict[Client, dict[str, object]] = {"consumer": {}, "producer": {}, "admin": {}}
     for entry in options:
         key, sep, text = entry.partition("=")
         key = key.strip()
@@ -161,14 +164,15 @@ def ssl_context(connection: ConnectionSettings) -> ssl.SSLContext:
 # ------------------------------------------------------------------------------------------ OAUTHBEARER
 
 
-def _token_provider_class() -> type:
+def _token_provider_class() -> type[AbstractTokenProvider]:
     from aiokafka.abc import AbstractTokenProvider
 
     class CallableTokenProvider(AbstractTokenProvider):
         """An aiokafka token provider over a function that returns a token (str, or an awaitable of one);
         a synchronous function runs on a thread, since fetching a token may be network I/O."""
 
-        def __init__(self, source: Callable[[], Any], name: str) -> None:
+        # ``source`` returns a token, a (token, expiry) tuple or an awaitable of either: checked in ``token``.
+        def __init__(self, source: Callable[[], object], name: str) -> None:
             self.source = source
             self.name = name
 
@@ -200,7 +204,7 @@ def aws_msk_iam_token() -> tuple[str, int]:
     return MSKAuthTokenProvider.generate_auth_token(region)
 
 
-def token_provider(spec: str) -> Any:
+def token_provider(spec: str) -> AbstractTokenProvider:
     """The aiokafka token provider a ``sasl_oauth_token_provider`` setting names: ``aws-msk-iam``, or
     ``module:callable`` -- an ``AbstractTokenProvider`` subclass (instantiated without arguments), an
     instance of one, or a function of no arguments that returns a token."""
@@ -217,7 +221,7 @@ def token_provider(spec: str) -> Any:
     if not sep or not module_name or not attribute:
         raise ValueError(f"sasl_oauth_token_provider {spec!r}: expected module:callable or {AWS_MSK_IAM}")
     try:
-        target: Any = importlib.import_module(module_name)
+        target: object = importlib.import_module(module_name)
         for part in attribute.split("."):
             target = getattr(target, part)
     except (ImportError, AttributeError) as exc:
@@ -258,10 +262,10 @@ def check_connection(connection: ConnectionSettings) -> None:
     parse_kafka_options(connection.kafka_options)
 
 
-def security_options(connection: ConnectionSettings) -> dict[str, Any]:
+def security_options(connection: ConnectionSettings) -> dict[str, object]:
     """The aiokafka keyword arguments of the security settings (protocol, SASL, TLS)."""
     check_connection(connection)
-    options: dict[str, Any] = {"security_protocol": connection.security_protocol}
+    options: dict[str, object] = {"security_protocol": connection.security_protocol}
     if connection.security_protocol.startswith("SASL"):
         options["sasl_mechanism"] = connection.sasl_mechanism
         if connection.sasl_mechanism == "OAUTHBEARER":
@@ -273,10 +277,13 @@ def security_options(connection: ConnectionSettings) -> dict[str, Any]:
     return options
 
 
-def client_options(connection: ConnectionSettings, client: Client, **own: Any) -> dict[str, Any]:
+def client_options(connection: ConnectionSettings, client: Client, **own: object) -> dict[str, Any]:
     """The keyword arguments of one aiokafka client: ``own`` (what the caller needs), then the connection
     (bootstrap servers, security), then the ``kafka_options`` this kind of client takes, which win over
-    ``own``'s tuning values (never over what :data:`RESERVED` protects)."""
+    ``own``'s tuning values (never over what :data:`RESERVED` protects).
+
+    The values stay untyped: they are of every type an aiokafka constructor takes, and callers read some back
+    (``bootstrap_servers``, a str, goes to clients that take it apart from the rest)."""
     return {
         **own,
         "bootstrap_servers": connection.bootstrap_servers,

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -102,7 +102,7 @@ class Fetch:
     """The records of one ``getmany`` handed on by the consume loop, and for each partition they came from,
     the partition and the assignment (epoch) they were read in."""
 
-    records: list[ConsumerRecord]
+    records: list[ConsumerRecord[bytes, bytes]]
     partitions: dict[tuple[str, int], tuple[TopicPartition, int]]
 
     def origin(self, record: InputRecord) -> tuple[TopicPartition, int]:
@@ -129,7 +129,7 @@ class ReadPolicy(Protocol):
         """Where a settled partition is read from; None: leave it where aiokafka put it."""
         ...
 
-    def accept(self, record: ConsumerRecord) -> bool:
+    def accept(self, record: ConsumerRecord[bytes, bytes]) -> bool:
         """Whether a fetched record is served."""
         ...
 
@@ -155,7 +155,7 @@ class LiveRead:
     def start_position(self, partition: TopicPartition, committed: int | None) -> int | None:
         return committed
 
-    def accept(self, record: ConsumerRecord) -> bool:
+    def accept(self, record: ConsumerRecord[bytes, bytes]) -> bool:
         return True
 
     async def finished(self, consumer: AIOKafkaConsumer, in_flight: int) -> bool:
@@ -273,7 +273,7 @@ class ConsumeLoop:
         if flushing is not None:
             await flushing
 
-    def _take(self, batches: dict[TopicPartition, list[ConsumerRecord]]) -> Fetch:
+    def _take(self, batches: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> Fetch:
         """The fetched records to serve, tracked under their partitions' assignments."""
         fetched = Fetch([], {})
         accept = self.read.accept
@@ -455,10 +455,10 @@ class _Rebalance(ConsumerRebalanceListener):
     def __init__(self, loop: ConsumeLoop):
         self.loop = loop
 
-    async def on_partitions_revoked(self, revoked: Any) -> None:
+    async def on_partitions_revoked(self, partitions: Iterable[TopicPartition]) -> None:
         """Drain, commit and let go, all within the rebalance timeout: the member rejoins only when this
         returns, and one that rejoins too late is dropped and starts another rebalance."""
-        revoked = list(revoked)
+        revoked = list(partitions)
         if not revoked:
             return
         loop = self.loop
@@ -480,8 +480,8 @@ class _Rebalance(ConsumerRebalanceListener):
         log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked],
                  abandoned=abandoned, committed=committed, seconds=round(time.monotonic() - started, 3))
 
-    async def on_partitions_assigned(self, assigned: Any) -> None:
-        assigned = list(assigned)
+    async def on_partitions_assigned(self, partitions: Iterable[TopicPartition]) -> None:
+        assigned = list(partitions)
         loop = self.loop
         generation = getattr(getattr(loop.consumer, "_coordinator", None), "generation", None)
         loop.assignment = Assignment(loop.consumer, assigned, generation)  # unpaused, as aiokafka's own states
@@ -520,7 +520,7 @@ async def committed_offset(consumer: AIOKafkaConsumer, partition: TopicPartition
     return found.offset, found.metadata or ""
 
 
-async def _within(step: Awaitable[Any], deadline: float, what: str) -> bool:
+async def _within(step: Awaitable[object], deadline: float, what: str) -> bool:
     """Run a revocation step until ``deadline`` (monotonic); past it, leave it behind and say so. A step cut
     short loses nothing: an unfinished transaction is aborted (or completed) by the new owner's producer, and
     an uncommitted offset is answered by the new owner."""

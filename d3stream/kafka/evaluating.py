@@ -36,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict
 
 import msgspec
 import structlog
@@ -62,12 +62,31 @@ from d3stream.ops.quality import QualityMetrics
 from d3stream.settings import Settings, cache_root
 
 if TYPE_CHECKING:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+    from aiokafka import (
+        AIOKafkaConsumer,
+        AIOKafkaProducer,
+        ConsumerRebalanceListener,
+        ConsumerRecord,
+        TopicPartition,
+    )
+    from aiokafka.admin import AIOKafkaAdminClient
 
 log = structlog.get_logger(__name__)
 
 MAX_BATCH_RECORDS = 2_000
 MAX_DEAD_LETTER_BYTES = 65_536
+
+
+class Restore(TypedDict):
+    """How one unit's state was brought up to date: from the changelog's tail after a clean close, or a whole
+    restore; what it read, what waits, how long it took."""
+
+    partition: int
+    mode: Literal["tail", "restore"]
+    records: int
+    waiting: int
+    answers_waiting: int
+    seconds: float
 
 
 class EvaluateSetupError(Exception):
@@ -186,7 +205,7 @@ class Evaluator:
         self._restorer: AIOKafkaConsumer | None = None
         self._joined_group = False
         self._tombstone_retention_ms = DEFAULT_DELETE_RETENTION_MS
-        self.restores: list[dict[str, Any]] = []  # how each unit's state was brought up to date (tests, logs)
+        self.restores: list[Restore] = []  # how each unit's state was brought up to date (tests, logs)
 
     @property
     def ready(self) -> bool:
@@ -477,7 +496,7 @@ class Evaluator:
             state.restore_end()
         state.commit()
         seconds = time.perf_counter() - started
-        how = {"partition": partition, "mode": "tail" if resume is not None else "restore", "records": records,
+        how: Restore = {"partition": partition, "mode": "tail" if resume is not None else "restore", "records": records,
                "waiting": len(state), "answers_waiting": state.answers_waiting, "seconds": round(seconds, 3)}
         self.restores.append(how)
         log.info("evaluating partition", **how, records_per_s=round(records / seconds) if seconds > 0 else None)
@@ -503,7 +522,7 @@ class Evaluator:
                 yield records
 
 
-def _listener(evaluator: Evaluator) -> Any:
+def _listener(evaluator: Evaluator) -> ConsumerRebalanceListener:
     """The group's rebalance callbacks, as unit numbers (aiokafka wants its own listener class)."""
     from aiokafka import ConsumerRebalanceListener
 
@@ -590,7 +609,7 @@ async def prepare_topics(settings: Settings, topics: EvaluateTopics) -> int:
         await admin.close()
 
 
-async def _partition_counts(admin: Any, names: list[str]) -> dict[str, int]:
+async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:
     described = await admin.describe_topics(names)
     return {topic["topic"]: len(topic["partitions"]) for topic in described
             if topic.get("error_code", 0) == 0 and topic["partitions"]}

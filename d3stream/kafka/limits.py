@@ -16,9 +16,8 @@ large; ``fits`` compresses with the producer's own codec to know it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
@@ -105,7 +104,7 @@ def producer_compression(setting: str) -> str | None:
 
 
 async def read_topic_limits(
-    admin_options: dict[str, Any], topics: Sequence[str], *, create_topics: bool
+    admin_options: Mapping[str, object], topics: Sequence[str], *, create_topics: bool
 ) -> dict[str, int]:
     """Each topic's ``max.message.bytes``, read from the broker (``DescribeConfigs``).
 

@@ -20,13 +20,20 @@ import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import structlog
+from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.structs import RecordMetadata
 
 from d3stream.core.outgoing import Outgoing
 from d3stream.kafka.limits import WorkerFatal
+
+if TYPE_CHECKING:
+    from aiokafka.producer.message_accumulator import BatchBuilder
+
+    from d3stream.ops.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 
@@ -143,7 +150,7 @@ class RecordBatches:
     batch's error; the caller decides what each failure means (``classify``), and may retry a record alone.
     """
 
-    def __init__(self, producer: Any):
+    def __init__(self, producer: AIOKafkaProducer):
         self.producer = producer
         self._partitioner = getattr(producer, "_partitioner", None)
         # Records over half a batch go alone, through ``send`` (which refuses one over max_request_size itself).
@@ -161,7 +168,7 @@ class RecordBatches:
             return []
         loop = asyncio.get_running_loop()
         waiting = _Waiting(loop.create_future(), len(records))
-        alone: list[tuple[int, asyncio.Future[Any]]] = []
+        alone: list[tuple[int, asyncio.Future[RecordMetadata]]] = []
         placement = await self._placement({record.topic for record in records})
         limit = self._alone_over
         for index, record in enumerate(records):
@@ -229,7 +236,7 @@ class RecordBatches:
             self._queues.pop(place, None)
 
     async def _send_batches(self, topic: str, partition: int, taken: list[_Queued]) -> None:
-        batches: list[tuple[Any, list[_Queued]]] = []
+        batches: list[tuple[BatchBuilder, list[_Queued]]] = []
         try:
             builder, members = self.producer.create_batch(), list[_Queued]()
             for queued in taken:
@@ -286,11 +293,11 @@ def murmur2(key: bytes) -> int:
     return h ^ (h >> 15)
 
 
-def _settle_one(waiting: _Waiting, index: int, future: asyncio.Future[Any]) -> None:
+def _settle_one(waiting: _Waiting, index: int, future: asyncio.Future[RecordMetadata]) -> None:
     waiting.settle(index, _error_of(future))
 
 
-def _settle_batch(members: list[_Queued], future: asyncio.Future[Any]) -> None:
+def _settle_batch(members: list[_Queued], future: asyncio.Future[RecordMetadata]) -> None:
     _settle_all(members, _error_of(future))
 
 
@@ -299,7 +306,7 @@ def _settle_all(members: list[_Queued], error: BaseException | None) -> None:
         waiting.settle(index, error)
 
 
-def _error_of(future: asyncio.Future[Any]) -> BaseException | None:
+def _error_of(future: asyncio.Future[RecordMetadata]) -> BaseException | None:
     if future.cancelled():
         return asyncio.CancelledError()
     return future.exception()
@@ -311,7 +318,7 @@ def retrieved(future: asyncio.Future) -> None:
         future.exception()
 
 
-async def quietly_stop(producer: Any) -> None:
+async def quietly_stop(producer: AIOKafkaProducer) -> None:
     try:
         await producer.stop()
     except Exception as exc:  # noqa: BLE001 - stopping a broken producer must not stop the worker
@@ -319,8 +326,8 @@ async def quietly_stop(producer: Any) -> None:
 
 
 async def send_with_retries(
-    producer: Any, record: Outgoing, metrics: Any = None, enqueue: asyncio.Lock | None = None,
-    renew: Callable[[Any, bool], Awaitable[Any]] | None = None,
+    producer: AIOKafkaProducer, record: Outgoing, metrics: Metrics | None = None, enqueue: asyncio.Lock | None = None,
+    renew: Callable[[AIOKafkaProducer, bool], Awaitable[AIOKafkaProducer]] | None = None,
 ) -> Outgoing:
     """Publish and wait for the acknowledgement, retrying retriable errors with backoff through broker
     outages (``PUBLISH_BACKOFF_S``, then ``WorkerFatal``). A record refused as too large is replaced by its

@@ -12,7 +12,7 @@ import asyncio
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
 
 import structlog
 from aiokafka import AIOKafkaProducer
@@ -77,7 +77,7 @@ class KafkaTopics:
         """A producer with this worker's settings; for an input ``partition``, transactional with an id derived
         from the group, topic and partition (so the partition's next owner fences this one)."""
         settings = self.settings
-        options: dict[str, Any] = {}
+        options: dict[str, object] = {}
         if partition is not None:
             options["transactional_id"] = (
                 f"{settings.delivery.transactional_id_prefix}-{settings.delivery.group_id}-{partition.topic}-{partition.partition}"
@@ -144,7 +144,7 @@ class KafkaTopics:
             raise RuntimeError("the Kafka sink is not started")
         return self.producer
 
-    async def _renew(self, failed: Any, broken: bool) -> Any:
+    async def _renew(self, failed: AIOKafkaProducer, broken: bool) -> AIOKafkaProducer:
         """The producer to send with after ``failed`` failed: with ``broken``, a fresh idempotent producer
         (new producer id, sequences from zero) in its place, which callers that saw the same failure share;
         else the current one (which a caller of the old one needs after a replacement)."""

@@ -26,9 +26,11 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TextIO
+from types import TracebackType
+from typing import TextIO
 
 import structlog
+from structlog.typing import Processor
 
 # The handler this module installs on the root logger (found again, and replaced, by a second call).
 HANDLER_NAME = "d3stream"
@@ -78,7 +80,7 @@ def configure_logging(log_format: str = "auto", level: str = "info") -> Callable
     restore = _snapshot()
     numeric = getattr(logging, level.upper(), logging.INFO)
     console = log_format == "console" or (log_format == "auto" and sys.stderr.isatty())
-    shared: list[Any] = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
@@ -93,7 +95,7 @@ def configure_logging(log_format: str = "auto", level: str = "info") -> Callable
     )
     # The console renderer draws exceptions itself (a plain traceback: a rich one would print local variables,
     # credentials among them); JSON gets the traceback as a string field.
-    rendering: list[Any] = (
+    rendering: list[Processor] = (
         [structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)] if console
         else [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     )
@@ -219,7 +221,7 @@ def _route_transformers(numeric: int, *, quiet_progress: bool) -> None:
         hf_logging.disable_progress_bar()
 
 
-def _log_uncaught(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+def _log_uncaught(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
     """An exception nobody caught ends the process as one JSON line too (not a bare traceback)."""
     if issubclass(kind, KeyboardInterrupt):
         sys.__excepthook__(kind, value, traceback)

@@ -19,8 +19,8 @@ to the partition's transaction; the answer becomes visible when that commits (``
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence, Sized
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 import structlog
@@ -28,6 +28,11 @@ import structlog
 from d3stream import __version__
 
 if TYPE_CHECKING:
+    from d3stream_client.contract import Answer, BatchRecord, Timings
+    from opentelemetry.sdk.trace import SpanProcessor
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.util.types import AttributeValue
+
     from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -71,11 +76,52 @@ def traces_url(endpoint: str) -> str:
     return endpoint if urlsplit(endpoint).path.strip("/") else endpoint.rstrip("/") + "/v1/traces"
 
 
+class ReadRecord(Protocol):
+    """Where a served request was read (``core.seams.InputRecord``, an aiokafka record, is one)."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def headers(self) -> Sequence[tuple[str, bytes | None]] | None: ...
+
+
+class ServedWork(Protocol):
+    """What the service recorded of a request on its way (``core.record.RequestRecord`` is one): the passes
+    that carried it, its stage durations (ms) and the perf_counter second each stage started at (0: not
+    reached)."""
+
+    @property
+    def batch(self) -> BatchRecord: ...
+    @property
+    def timings(self) -> Timings: ...
+    @property
+    def media(self) -> Sized: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def received(self) -> float: ...
+    @property
+    def fetch_at(self) -> float: ...
+    @property
+    def decode_at(self) -> float: ...
+    @property
+    def prepare_at(self) -> float: ...
+    @property
+    def submitted_at(self) -> float: ...
+    @property
+    def publish_at(self) -> float: ...
+
+
 class Tracing:
     """Spans of served requests, exported through an OpenTelemetry SDK tracer provider of this worker's own
     (the process's global provider is left alone)."""
 
-    def __init__(self, *, endpoint: str | None = None, exporter: Any = None, group_id: str | None = None):
+    def __init__(self, *, endpoint: str | None = None, exporter: SpanExporter | None = None,
+                 group_id: str | None = None):
         try:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
@@ -91,7 +137,7 @@ class Tracing:
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            processor: Any = BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint or "")))
+            processor: SpanProcessor = BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint or "")))
         else:  # a test's in-memory exporter: every span at once, in order
             processor = SimpleSpanProcessor(exporter)
         # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES, when set, say what this worker is called.
@@ -109,7 +155,7 @@ class Tracing:
             return None
         return cls(endpoint=settings.observability.otlp_endpoint, group_id=settings.delivery.group_id)
 
-    def request_served(self, record: Any, work: Any, answer: Any, finished: float) -> None:
+    def request_served(self, record: ReadRecord, work: ServedWork, answer: Answer, finished: float) -> None:
         """The spans of one request, from ``work``'s recorded stage starts and durations (perf_counter
         seconds; ``finished``: when delivery took the answer). Never raises into the service."""
         try:
@@ -119,7 +165,7 @@ class Tracing:
                 self._failed = True
                 log.warning("request span not recorded", error=f"{type(exc).__name__}: {exc}")
 
-    def _spans(self, record: Any, work: Any, answer: Any, finished: float) -> None:
+    def _spans(self, record: ReadRecord, work: ServedWork, answer: Answer, finished: float) -> None:
         from opentelemetry import trace
 
         to_ns = _clock(time.time_ns() - time.perf_counter_ns())
@@ -127,7 +173,7 @@ class Tracing:
                    and value is not None}
         parent = self.propagator.extract(carrier) if carrier else None
         batch = work.batch
-        batch_attributes = {
+        batch_attributes: dict[str, AttributeValue] = {
             "d3stream.batch.passes": batch.passes,
             "d3stream.batch.rows": batch.rows,
             "d3stream.batch.real_tokens": batch.real_tokens,
@@ -135,7 +181,7 @@ class Tracing:
             "d3stream.batch.shared_prefix": batch.shared_prefix,
             "d3stream.batch.saved_tokens": batch.saved_tokens,
         }
-        attributes: dict[str, Any] = {
+        attributes: dict[str, AttributeValue] = {
             "messaging.system": "kafka",
             "messaging.operation.type": "process",
             "messaging.destination.name": record.topic,
@@ -156,7 +202,7 @@ class Tracing:
             span.set_status(trace.Status(trace.StatusCode.ERROR, f"{answer.error.code}: {answer.error.message[:200]}"))
         inside = trace.set_span_in_context(span)
         timings = work.timings
-        stages: list[tuple[str, float, float, dict[str, Any]]] = [
+        stages: list[tuple[str, float, float, Mapping[str, AttributeValue]]] = [
             ("fetch", work.fetch_at, timings.fetch / 1e3, {"d3stream.media.count": len(work.media)}),
             ("decode", work.decode_at, timings.decode / 1e3, {}),
             ("prepare", work.prepare_at, timings.prepare / 1e3, {"d3stream.tokens": work.tokens}),
@@ -178,6 +224,6 @@ class Tracing:
         self.provider.shutdown()
 
 
-def _clock(offset_ns: int) -> Any:
+def _clock(offset_ns: int) -> Callable[[float], int]:
     """perf_counter seconds -> epoch nanoseconds, for spans built after the fact."""
     return lambda seconds: int(seconds * 1e9) + offset_ns
