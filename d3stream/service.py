@@ -28,9 +28,10 @@ from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import msgspec
 import structlog
 from aiokafka import AIOKafkaConsumer
-from d3stream_client.contract import ModelRecord, Worker
+from d3stream_client.contract import Answer, DeadLetter, ModelRecord, Worker
 
 from d3stream import __version__
 from d3stream.core.answers import AnswerBuilder, answer_identity, provenance_digest
@@ -41,7 +42,7 @@ from d3stream.core.passes import Passes, RowScheduler, default_token_budget, mod
 from d3stream.core.pipeline import RequestPipeline
 from d3stream.core.record import RequestRecord, Stage
 from d3stream.core.routing import Hosted
-from d3stream.core.seams import DecisionModel, RecordKind
+from d3stream.core.seams import DecisionModel
 from d3stream.core.storage import MediaFetcher
 from d3stream.kafka.commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
 from d3stream.kafka.connection import check_connection, connecting
@@ -308,12 +309,12 @@ class Service:
             self.ready = False
             await self.consumer.stop()
 
-    def _framed_topics(self) -> dict[RecordKind, str]:
-        """The topics written in the registry's wire format, by what they carry."""
+    def _framed_topics(self) -> dict[str, type[msgspec.Struct]]:
+        """The topics written in the registry's wire format, and the event each carries."""
         delivery = self.settings.delivery
-        topics: dict[RecordKind, str] = {"answer": delivery.answer_topic, "dead_letter": delivery.dead_letter_topic}
+        topics: dict[str, type[msgspec.Struct]] = {delivery.answer_topic: Answer, delivery.dead_letter_topic: DeadLetter}
         if self.settings.models.shadow_topic:
-            topics["shadow"] = self.settings.models.shadow_topic
+            topics[self.settings.models.shadow_topic] = Answer
         return topics
 
     async def _close(self) -> None:

@@ -41,7 +41,16 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict
 import msgspec
 import structlog
 from d3stream_client.connection import partition_for
-from d3stream_client.contract import Role, Source, decode_answer, encode
+from d3stream_client.contract import (
+    Answer,
+    DeadLetter,
+    Evaluation,
+    Label,
+    Role,
+    Source,
+    decode_answer,
+    encode,
+)
 from d3stream_client.validation import EventError, decode_label
 
 from d3stream.core.agreement import calibration_bin
@@ -58,6 +67,7 @@ from d3stream.core.evaluation import (
 from d3stream.core.state_store import ROW_OVERHEAD_BYTES, WaitingStore
 from d3stream.kafka.connection import client_options
 from d3stream.kafka.publishing import RecordBatches
+from d3stream.kafka.registry import OutgoingFormat, Registry
 from d3stream.ops.quality import QualityMetrics
 from d3stream.settings import Settings, cache_root
 
@@ -206,6 +216,9 @@ class Evaluator:
         self._joined_group = False
         self._tombstone_retention_ms = DEFAULT_DELETE_RETENTION_MS
         self.restores: list[Restore] = []  # how each unit's state was brought up to date (tests, logs)
+        # Answers and labels framed by a Schema Registry are read, and evaluations written in answer_format.
+        self.registry = Registry(settings.registry) if settings.registry.schema_registry_url else None
+        self.outgoing: OutgoingFormat | None = None
 
     @property
     def ready(self) -> bool:
@@ -218,6 +231,9 @@ class Evaluator:
         from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
         self.partitions = await prepare_topics(self.settings, self.topics)
+        if self.registry is not None and self.settings.registry.answer_format != "json":
+            self.outgoing = await self.registry.writers_for({self.topics.evaluations: Evaluation,
+                                                             self.topics.dead_letters: DeadLetter})
         self._tombstone_retention_ms = await tombstone_retention_ms(self.settings, self.topics.state)
         settings = self.settings
         self._restorer = AIOKafkaConsumer(**client_options(settings.connection, "consumer", client_id=f"{settings.connection.client_id}-evaluate-restore", group_id=None,
@@ -255,6 +271,9 @@ class Evaluator:
         """Join one fetch's records and commit each unit's results with its offsets."""
         by_unit: dict[int, list[tuple[str, list[ConsumerRecord]]]] = {}
         for tp, records in fetched.items():
+            if self.registry is not None:  # framed answers and labels read as JSON (waits out a registry outage)
+                event = Label if self.topics.role(tp.topic) is None else Answer
+                records = await self.registry.unframe(records, event)
             by_unit.setdefault(tp.partition, []).append((tp.topic, records))
         async with self._lock:
             for partition, parts in sorted(by_unit.items()):
@@ -283,6 +302,9 @@ class Evaluator:
 
     def _take_label(self, unit: Unit, record: ConsumerRecord, batch: Batch) -> None:
         try:
+            unreadable = getattr(record, "unreadable", None)  # framed, and its schema could not read it
+            if isinstance(unreadable, EventError):
+                raise EventError("invalid_label", str(unreadable), unreadable.request_id)
             label = decode_label(record.value, record.key)
         except EventError as exc:
             batch.dead_letters.append((record.key, dead_letter(record, f"invalid_label: {exc}")))
@@ -343,6 +365,9 @@ class Evaluator:
                                         encode(joined.evaluation)) for joined in batch.joined]
         records += [Record(self.topics.state, request_id.encode(), value) for request_id, value in changes.items()]
         records += [Record(self.topics.dead_letters, key, value) for key, value in batch.dead_letters]
+        if self.outgoing is not None:
+            records = [Record(each.topic, each.key, self.outgoing.encode(each.topic, each.value))
+                       if each.value is not None else each for each in records]
         try:
             await producer.begin_transaction()
             failures = await unit.batches.send(records)

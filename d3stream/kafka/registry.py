@@ -41,12 +41,12 @@ import msgspec
 import structlog
 from confluent_kafka.schema_registry import AsyncSchemaRegistryClient, Schema, SchemaRegistryError
 from d3stream_client import avro
-from d3stream_client.contract import Answer, DeadLetter, Request
+from d3stream_client.contract import Answer, DeadLetter, Evaluation, Label, Request
 from d3stream_client.schemas import json_schema
 from d3stream_client.validation import EventError
 
 from d3stream.core.outgoing import Outgoing
-from d3stream.core.seams import InputRecord, RecordKind
+from d3stream.core.seams import InputRecord
 from d3stream.ops.metrics import Metrics
 from d3stream.settings import RegistrySettings
 
@@ -57,10 +57,6 @@ FRAME = struct.Struct(">bI")  # the magic byte and the big-endian schema id befo
 
 # The registry's schemaType names (Avro is the default and may be absent).
 AVRO, JSON_SCHEMA, PROTOBUF = "AVRO", "JSON", "PROTOBUF"
-
-# What each record kind the worker writes is, as an event of the contract.
-_EVENTS: dict[RecordKind, type[msgspec.Struct]] = {"answer": Answer, "shadow": Answer, "dead_letter": DeadLetter}
-
 
 def is_framed(value: bytes | None) -> bool:
     """Whether a record value is in the registry's wire format (a JSON request starts with ``{`` or space)."""
@@ -158,15 +154,16 @@ class Registry:
 
     # ------------------------------------------------------------------------------ in: requests
 
-    async def unframe(self, records: Sequence[InputRecord]) -> list[InputRecord]:
-        """The records as the pipeline reads them: framed ones decoded into their JSON documents, the rest as
-        they are. Waits while the registry is down (never refuses a request for it)."""
+    async def unframe(self, records: Sequence[InputRecord], event: type[msgspec.Struct] = Request) -> list[InputRecord]:
+        """The records as a JSON reader reads them: framed ones decoded into their ``event`` documents (a request,
+        or an answer for the evaluator), the rest as they are. Waits while the registry is down (never refuses
+        a record for it)."""
         ids = {FRAME.unpack_from(r.value)[1] for r in records if r.value is not None and is_framed(r.value)}
         if not ids:
             return list(records)
         for schema_id in sorted(ids):
             await self._writer(schema_id)
-        return [self._unframed(record) if is_framed(record.value) else record for record in records]
+        return [self._unframed(record, event) if is_framed(record.value) else record for record in records]
 
     async def _writer(self, schema_id: int) -> WriterSchema | SchemaNotFound:
         """The writer schema of ``schema_id``, fetched once; retried with backoff while the registry fails."""
@@ -213,7 +210,7 @@ class Registry:
             return WriterSchema(schema_id, kind, parsed)
         return WriterSchema(schema_id, kind)
 
-    def _unframed(self, record: InputRecord) -> UnframedRecord:
+    def _unframed(self, record: InputRecord, event: type[msgspec.Struct]) -> UnframedRecord:
         value = record.value or b""
         schema_id = FRAME.unpack_from(value)[1]
         writer = self._writers[schema_id]
@@ -222,25 +219,26 @@ class Registry:
             if isinstance(writer, SchemaNotFound):
                 raise EventError("schema_not_found", f"{writer}; the record is framed for the Schema Registry "
                                  f"(magic byte 0, schema id {schema_id})", fallback_id)
-            document = self._document(writer, value[FRAME.size:], fallback_id)
+            document = self._document(writer, value[FRAME.size:], event, fallback_id)
         except EventError as refusal:
             return UnframedRecord(record.topic, record.partition, record.offset, record.timestamp, record.key,
                                   value, record.headers, unreadable=refusal)
         return UnframedRecord(record.topic, record.partition, record.offset, record.timestamp, record.key,
                               document, record.headers)
 
-    def _document(self, writer: WriterSchema, payload: bytes, fallback_id: str | None) -> bytes:
-        """The request's JSON document from a framed payload (EventError when its schema cannot read it)."""
+    def _document(self, writer: WriterSchema, payload: bytes, event: type[msgspec.Struct],
+                  fallback_id: str | None) -> bytes:
+        """The event's JSON document from a framed payload (EventError when its schema cannot read it)."""
         if writer.kind == JSON_SCHEMA:
             return payload
         if writer.kind != AVRO or writer.parsed is None:
             raise EventError("invalid_request", f"the record is framed with a {writer.kind} schema (id "
-                             f"{writer.schema_id}); requests are read as JSON, Avro or JSON Schema", fallback_id)
+                             f"{writer.schema_id}); records are read as JSON, Avro or JSON Schema", fallback_id)
         try:
             datum = fastavro.schemaless_reader(io.BytesIO(payload), writer.parsed, None)
             if not isinstance(datum, Mapping):
-                raise ValueError(f"a request is an Avro record, got {type(datum).__name__}")
-            document = avro.from_avro(datum, Request)
+                raise ValueError(f"an event is an Avro record, got {type(datum).__name__}")
+            document = avro.from_avro(datum, event)
         except (ValueError, EOFError, TypeError, IndexError, KeyError) as exc:
             raise EventError("invalid_request", f"the payload does not match its Avro schema (id "
                              f"{writer.schema_id}): {exc}", fallback_id) from exc
@@ -248,21 +246,20 @@ class Registry:
 
     # ------------------------------------------------------------------------------ out: answers
 
-    async def writers_for(self, topics: Mapping[RecordKind, str]) -> OutgoingFormat:
-        """The schema ids the worker writes each kind of record with, registered (``schema_auto_register``) or
-        looked up now. RuntimeError naming the subject and the registry's reason when the registry refuses
-        the schema or does not have it: the worker stops at start."""
+    async def writers_for(self, topics: Mapping[str, type[msgspec.Struct]]) -> OutgoingFormat:
+        """The schema id each topic's records are written with (``topics``: topic -> the event it carries),
+        registered (``schema_auto_register``) or looked up now. RuntimeError naming the subject and the
+        registry's reason when the registry refuses the schema or does not have it: the worker stops at start."""
         chosen = self.settings.answer_format
-        ids: dict[RecordKind, int] = {}
-        for kind, topic in topics.items():
-            event = _EVENTS[kind]
+        ids: dict[str, tuple[int, type[msgspec.Struct]]] = {}
+        for topic, event in topics.items():
             subject = subject_name(self.settings.subject_name_strategy, topic, record_name(event))
             schema = outgoing_schema(event, chosen)
             try:
                 if self.settings.schema_auto_register:
-                    ids[kind] = await self.client.register_schema(subject, schema)
+                    schema_id = await self.client.register_schema(subject, schema)
                 else:
-                    ids[kind] = (await self.client.lookup_schema(subject, schema)).schema_id or 0
+                    schema_id = (await self.client.lookup_schema(subject, schema)).schema_id or 0
             except SchemaRegistryError as exc:
                 action = "refused to register" if self.settings.schema_auto_register else "does not have"
                 hint = ("register it first (d3stream schemas register), or set schema_auto_register"
@@ -272,7 +269,8 @@ class Registry:
                 raise RuntimeError(f"the Schema Registry {action} the {event.__name__} schema ({chosen}) under "
                                    f"subject {subject!r}: {exc.error_message} (HTTP {exc.http_status_code}); "
                                    f"{hint}") from exc
-            log.info("registry.writer", kind=kind, subject=subject, schema_id=ids[kind], format=chosen)
+            ids[topic] = (schema_id, event)
+            log.info("registry.writer", topic=topic, subject=subject, schema_id=schema_id, format=chosen)
         return OutgoingFormat(chosen, ids)
 
 
@@ -286,7 +284,8 @@ def outgoing_schema(event: type[msgspec.Struct], chosen: str) -> Schema:
 def registry_json_schema(event: type[msgspec.Struct]) -> dict[str, object]:
     """The event's JSON Schema (``schemas/``) with its root definition at the top: registries (Apicurio's
     among them) want the root to say its ``type`` rather than ``$ref`` it."""
-    schema = json_schema({Request: "request", Answer: "answer", DeadLetter: "dead-letter"}[event])
+    schema = json_schema({Request: "request", Answer: "answer", DeadLetter: "dead-letter",
+                          Evaluation: "evaluation", Label: "label"}[event])
     definitions = dict(schema.pop("$defs"))
     root = definitions.pop(event.__name__)
     schema.pop("$ref", None)
@@ -295,39 +294,45 @@ def registry_json_schema(event: type[msgspec.Struct]) -> dict[str, object]:
 
 @dataclass
 class OutgoingFormat:
-    """Writes the worker's answers and dead letters in the registry's wire format."""
+    """Writes records of the chosen topics in the registry's wire format, each with its topic's schema."""
 
     chosen: str
-    schema_ids: dict[RecordKind, int]
-    _parsed: dict[RecordKind, dict[str, object]] = field(default_factory=dict)
+    schemas: dict[str, tuple[int, type[msgspec.Struct]]]  # topic -> its schema id and event
+    _parsed: dict[type[msgspec.Struct], dict[str, object]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.chosen == "avro":
-            for kind in self.schema_ids:
-                parsed = fastavro.parse_schema(avro.avro_schema(_EVENTS[kind]))
+            for _, event in self.schemas.values():
+                parsed = fastavro.parse_schema(avro.avro_schema(event))
                 assert isinstance(parsed, dict)  # every event is a record
-                self._parsed[kind] = parsed
+                self._parsed[event] = parsed
 
     def apply(self, outgoing: Outgoing) -> Outgoing:
-        """The record in the wire format (its replacement too); kinds without a schema stay as they are."""
-        schema_id = self.schema_ids.get(outgoing.kind)
-        if schema_id is None:
+        """The record in the wire format (its replacement too); other topics' records stay as they are."""
+        if outgoing.topic not in self.schemas:
             return outgoing
         replacement = outgoing.replacement
         return Outgoing(
-            outgoing.topic, outgoing.key, self.encode(outgoing.kind, schema_id, outgoing.value), kind=outgoing.kind,
-            headers=[(name, _CONTENT_TYPES[self.chosen] if name == "content-type" else value)
-                     for name, value in outgoing.headers],
+            outgoing.topic, outgoing.key, self.encode(outgoing.topic, outgoing.value), kind=outgoing.kind,
+            headers=self.headers(outgoing.headers),
             replacement=None if replacement is None else lambda cause: self.apply(replacement(cause)),
         )
 
-    def encode(self, kind: RecordKind, schema_id: int, value: bytes) -> bytes:
+    def headers(self, headers: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """The record's headers with its content type saying the format."""
+        return [(name, _CONTENT_TYPES[self.chosen] if name == "content-type" else value) for name, value in headers]
+
+    def encode(self, topic: str, value: bytes) -> bytes:
+        """A JSON event value of ``topic`` in the wire format (unchanged for a topic written as JSON)."""
+        if topic not in self.schemas:
+            return value
+        schema_id, event = self.schemas[topic]
         if self.chosen != "avro":
             return frame(schema_id, value)
-        datum = avro.to_avro(msgspec.json.decode(value), _EVENTS[kind])
+        datum = avro.to_avro(msgspec.json.decode(value), event)
         out = io.BytesIO()
         out.write(FRAME.pack(MAGIC, schema_id))
-        fastavro.schemaless_writer(out, self._parsed[kind], datum)
+        fastavro.schemaless_writer(out, self._parsed[event], datum)
         return out.getvalue()
 
 
