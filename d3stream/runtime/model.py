@@ -35,7 +35,7 @@ import time
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from d3stream.runtime import media as media_io
 from d3stream.runtime.cache import MediaFeatureCache
@@ -314,7 +314,7 @@ class D3(ModelAttributes):
         readout_dtype: str | None = None,
         model_name: str | None = None,
         permutation_average: bool = False,
-    ) -> D3:
+    ) -> Self:
         """Load a local checkpoint directory.
 
         ``verify``: ``fast`` (default) hashes every file of ``MODEL_MANIFEST.json`` up to 64 MiB and checks
