@@ -34,11 +34,19 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import structlog
 
-from d3stream.core.storage import Allowlist, MediaError, S3Location, parse_s3_reference, s3_client
+from d3stream.core.storage import (
+    Allowlist,
+    GetObjectResponse,
+    MediaError,
+    S3Client,
+    S3Location,
+    parse_s3_reference,
+    s3_client,
+)
 from d3stream.runtime.package import MANIFEST, MANIFEST_SCHEMA
 from d3stream.settings import StorageSettings, cache_root
 
@@ -120,7 +128,7 @@ class ObjectStoreAccess:
             max_attempts=storage.s3_max_attempts,
         )
 
-    def client(self) -> Any:
+    def client(self) -> S3Client:
         return s3_client(
             endpoint_url=self.endpoint_url,
             region_name=self.region,
@@ -143,7 +151,7 @@ class ResolvedModel:
     name: str | None
 
 
-def resolve_model(text: str, storage: StorageSettings | None, *, client: Any | None = None) -> ResolvedModel:
+def resolve_model(text: str, storage: StorageSettings | None, *, client: S3Client | None = None) -> ResolvedModel:
     """The local directory of one ``--model`` value: a directory as given, an ``s3://`` prefix fetched
     into the cache first (``fetch_checkpoint``)."""
     spec = parse_model_spec(text)
@@ -185,14 +193,14 @@ def checkpoint_location(uri: str, allowlist: Iterable[str]) -> S3Location:
     return location
 
 
-def fetch_checkpoint(uri: str, access: ObjectStoreAccess, *, client: Any | None = None) -> Path:
+def fetch_checkpoint(uri: str, access: ObjectStoreAccess, *, client: S3Client | None = None) -> Path:
     """The local, verified copy of the checkpoint at ``uri`` (``s3://bucket/prefix/``), downloaded when the
     cache holds no copy of its current manifest. CheckpointError names what is wrong."""
     location = checkpoint_location(uri, access.allowlist)
     client = client if client is not None else access.client()
     manifest_bytes = _read_small(client, location, MANIFEST, "a checkpoint in object storage must carry "
                                  f"{MANIFEST} (d3stream make-checkpoint writes one)")
-    manifest = _parse_manifest(manifest_bytes, f"{location.uri}/{MANIFEST}")
+    files, sizes = _listed_files(manifest_bytes, f"{location.uri}/{MANIFEST}")
     digest = hashlib.sha256(manifest_bytes).hexdigest()
     target = access.cache_dir / "s3" / location.bucket / location.key / digest
     if (target / MANIFEST).is_file():
@@ -201,7 +209,7 @@ def fetch_checkpoint(uri: str, access: ObjectStoreAccess, *, client: Any | None 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}.partial-", dir=target.parent))
     try:
-        total = _download_files(client, location, manifest, staging)
+        total = _download_files(client, location, files, sizes, staging)
         (staging / MANIFEST).write_bytes(manifest_bytes)
         try:
             staging.rename(target)
@@ -210,12 +218,11 @@ def fetch_checkpoint(uri: str, access: ObjectStoreAccess, *, client: Any | None 
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("checkpoint downloaded", uri=f"{location.uri}/", path=str(target), files=len(manifest["files_sha256"]),
-             bytes=total)
+    log.info("checkpoint downloaded", uri=f"{location.uri}/", path=str(target), files=len(files), bytes=total)
     return target
 
 
-def _json_object(data: bytes, where: str, schema: str, refusal: str) -> dict[str, Any]:
+def _json_object(data: bytes, where: str, schema: str, refusal: str) -> dict[str, object]:
     """A JSON object whose ``schema`` field is ``schema``; CheckpointError naming ``where`` otherwise."""
     try:
         document = json.loads(data.decode("utf-8"))
@@ -226,8 +233,9 @@ def _json_object(data: bytes, where: str, schema: str, refusal: str) -> dict[str
     return document
 
 
-def _parse_manifest(data: bytes, where: str) -> dict[str, Any]:
-    """The manifest of a checkpoint to download, with every listed name checked to stay inside it."""
+def _listed_files(data: bytes, where: str) -> tuple[dict[str, str], dict[str, object]]:
+    """What the manifest of a checkpoint to download lists: each file's SHA-256 by name (every name checked to
+    stay inside the checkpoint) and the sizes it gives (``files_bytes``, by name)."""
     manifest = _json_object(data, where, MANIFEST_SCHEMA, f"is not a {MANIFEST_SCHEMA} manifest")
     files = manifest.get("files_sha256")
     if not isinstance(files, dict) or not files:
@@ -235,7 +243,10 @@ def _parse_manifest(data: bytes, where: str) -> dict[str, Any]:
     for name, value in files.items():
         if not _inside(name) or not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)):
             raise CheckpointError(f"{where}: {name!r} is not a file name inside the checkpoint with a SHA-256")
-    return manifest
+    sizes = manifest.get("files_bytes") or {}
+    if not isinstance(sizes, dict):
+        raise CheckpointError(f"{where}: files_bytes must map file names to sizes")
+    return files, sizes
 
 
 def _inside(name: str) -> bool:
@@ -245,11 +256,12 @@ def _inside(name: str) -> bool:
             and all(segment not in ("", ".", "..") and not segment.startswith(".") for segment in segments))
 
 
-def _download_files(client: Any, location: S3Location, manifest: Mapping[str, Any], staging: Path) -> int:
+def _download_files(
+    client: S3Client, location: S3Location, files: Mapping[str, str], sizes: Mapping[str, object], staging: Path
+) -> int:
     """Every listed file into ``staging``, hashed as it arrives; the first problem raises, naming the file."""
-    sizes = manifest.get("files_bytes") or {}
     total = 0
-    for name, expected in sorted(manifest["files_sha256"].items()):
+    for name, expected in sorted(files.items()):
         uri = f"{location.uri}/{name}"
         path = staging / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -265,9 +277,12 @@ def _download_files(client: Any, location: S3Location, manifest: Mapping[str, An
     return total
 
 
-def _stream_to_file(client: Any, bucket: str, key: str, path: Path, uri: str, limit: Any) -> tuple[str, int]:
-    """Write an object to ``path`` in chunks and return its SHA-256 and size; stops one byte past ``limit``."""
-    body = _get(client, bucket, key, uri, "it is listed in the manifest").get("Body")
+def _stream_to_file(
+    client: S3Client, bucket: str, key: str, path: Path, uri: str, limit: object
+) -> tuple[str, int]:
+    """Write an object to ``path`` in chunks and return its SHA-256 and size; stops one byte past ``limit`` (the
+    manifest's size, when it gives a whole number)."""
+    body = _get(client, bucket, key, uri, "it is listed in the manifest")["Body"]
     digest = hashlib.sha256()
     size = 0
     cap = limit + 1 if isinstance(limit, int) else None
@@ -288,7 +303,7 @@ def _stream_to_file(client: Any, bucket: str, key: str, path: Path, uri: str, li
     return digest.hexdigest(), size
 
 
-def _get(client: Any, bucket: str, key: str, uri: str, missing_hint: str) -> Any:
+def _get(client: S3Client, bucket: str, key: str, uri: str, missing_hint: str) -> GetObjectResponse:
     """``get_object``, its failures as CheckpointError naming the object and the settings to check."""
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -308,12 +323,12 @@ def _get(client: Any, bucket: str, key: str, uri: str, missing_hint: str) -> Any
                               "s3_endpoint_url, s3_read_timeout, s3_max_attempts") from exc
 
 
-def _read_small(client: Any, location: S3Location, name: str, missing_hint: str) -> bytes:
+def _read_small(client: S3Client, location: S3Location, name: str, missing_hint: str) -> bytes:
     """A manifest or pointer object's bytes (at most ``MAX_SMALL_OBJECT_BYTES``)."""
     uri = f"{location.uri}/{name}"
     body = _get(client, location.bucket, f"{location.key}/{name}", uri, missing_hint)["Body"]
     try:
-        data: bytes = body.read(MAX_SMALL_OBJECT_BYTES + 1)
+        data = body.read(MAX_SMALL_OBJECT_BYTES + 1)
     finally:
         body.close()
     if len(data) > MAX_SMALL_OBJECT_BYTES:
@@ -340,7 +355,9 @@ class SourcePointer:
     canary: Canary | None = None
 
 
-def resolve_source(source: str, access: ObjectStoreAccess | None = None, *, client: Any | None = None) -> SourcePointer:
+def resolve_source(
+    source: str, access: ObjectStoreAccess | None = None, *, client: S3Client | None = None
+) -> SourcePointer:
     """Read the pointer of a model source (a directory or an ``s3://`` prefix, docs/MODELS.md) and return
     the locations of its current checkpoint and canary, as ``--model`` takes them."""
     if source.startswith("s3://"):
@@ -379,7 +396,7 @@ def parse_pointer(data: bytes, source: str) -> SourcePointer:
     return SourcePointer(current=source + current, canary=canary)
 
 
-def _parse_canary(value: Any, where: str, source: str) -> Canary:
+def _parse_canary(value: object, where: str, source: str) -> Canary:
     if not isinstance(value, dict) or set(value) != {"checkpoint", "share"}:
         raise CheckpointError(f"{where}: canary must be {{\"checkpoint\": NAME, \"share\": 0..1}}")
     name = _checkpoint_name(value["checkpoint"], where, "canary.checkpoint")
@@ -389,7 +406,7 @@ def _parse_canary(value: Any, where: str, source: str) -> Canary:
     return Canary(location=source + name, share=float(share))
 
 
-def _checkpoint_name(value: Any, where: str, field: str) -> str:
+def _checkpoint_name(value: object, where: str, field: str) -> str:
     if not isinstance(value, str) or not MODEL_NAME.fullmatch(value) or value in (".", ".."):
         raise CheckpointError(f"{where}: {field} must name a checkpoint folder of the source (one path segment "
                               f"of letters, digits, '.', '_', '-'), got {value!r}")
@@ -419,7 +436,15 @@ def checkpoint_memory_bytes(path: Path) -> int:
     return total
 
 
-def _safetensors_header(file: Path) -> dict[str, Any]:
+class TensorHeader(TypedDict):
+    """One tensor's entry in a safetensors header."""
+
+    dtype: str  # F32, BF16, ... (``DTYPE_BYTES``)
+    shape: list[int]
+    data_offsets: list[int]
+
+
+def _safetensors_header(file: Path) -> dict[str, TensorHeader]:
     """The tensors' dtypes and shapes: an 8-byte little-endian length, then that much JSON."""
     with file.open("rb") as stream:
         length = int.from_bytes(stream.read(8), "little")

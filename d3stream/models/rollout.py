@@ -32,17 +32,18 @@ import gc
 import hashlib
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 from d3stream_client.contract import Request
 
 from d3stream.core.pipeline import RequestPipeline
 from d3stream.core.routing import Hosted
+from d3stream.core.storage import S3Client
 from d3stream.models.checkpoints import (
     MODEL_NAME,
     CheckpointError,
@@ -55,6 +56,7 @@ from d3stream.models.checkpoints import (
 )
 from d3stream.ops.collector import collect_released
 from d3stream.ops.metrics import Metrics
+from d3stream.runtime import D3
 from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -113,14 +115,19 @@ def checkpoint_folder(location: str) -> str:
     return location.rstrip("/").rsplit("/", 1)[-1]
 
 
-def load_checkpoint(location: str, settings: Settings, served: Sequence[Path] = ()) -> Any:
+class SourceModel(D3):
+    """A checkpoint of the model source, as ``load_checkpoint`` loads it: it knows where the pointer named it,
+    so a later pointer may retire it (models given with --model stay)."""
+
+    model_source_location: str
+
+
+def load_checkpoint(location: str, settings: Settings, served: Sequence[Path] = ()) -> SourceModel:
     """Load a checkpoint of a model source under its folder's name, every file's full SHA-256 checked
     against its manifest (a pointer can be changed by anyone who can write to the source), its format
     version checked by the runtime; first, its weights and those of the ``served`` checkpoints must fit
     together (``model_memory_bytes``, else the device's free memory), since the old model stays loaded
     until its requests are answered. Blocking: run it off the event loop. RefusedCheckpoint says why not."""
-    from d3stream.runtime import D3
-
     try:
         if location.startswith("s3://"):
             path = fetch_checkpoint(location, ObjectStoreAccess.from_settings(settings.storage))
@@ -128,12 +135,12 @@ def load_checkpoint(location: str, settings: Settings, served: Sequence[Path] = 
             path = Path(location).expanduser()
         _check_fit(location, path, served, settings)
         with collector_paused():
-            model: Any = D3.from_pretrained(path, device=settings.models.device, verify="full",
-                                            model_name=checkpoint_folder(location),
-                                            permutation_average=settings.models.permutation_average)
+            model = SourceModel.from_pretrained(path, device=settings.models.device, verify="full",
+                                                model_name=checkpoint_folder(location),
+                                                permutation_average=settings.models.permutation_average)
     except (CheckpointError, ValueError, OSError) as exc:
         raise RefusedCheckpoint(location, "refused_verification", str(exc)) from exc
-    model.model_source_location = location  # a pointer may retire it (models given with --model stay)
+    model.model_source_location = location
     return model
 
 
@@ -167,26 +174,28 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def warm_up(model: Any, location: str) -> None:
+def warm_up(model: D3, location: str) -> None:
     """One forward pass through the model's own prepare; RefusedCheckpoint when it fails or answers no
     probability (NaN weights load and verify, but cannot answer)."""
     try:
-        answer = model.system_one(state="warm-up", questions=WARMUP_QUESTIONS)["answers"]["warm-up"]
+        answers = model.system_one(state="warm-up", questions=WARMUP_QUESTIONS)["answers"]
+        answer = answers["warm-up"] if isinstance(answers, Mapping) else None  # system_one's answers: a mapping
     except Exception as exc:  # noqa: BLE001 - whatever the pass raised refuses the checkpoint
         raise RefusedCheckpoint(location, "refused_warmup", f"the warm-up pass failed: {exc}") from exc
-    p = answer.get("noul")
-    if "error" in answer or not isinstance(p, float) or not 0.0 <= p <= 1.0:
+    p = answer.get("noul") if isinstance(answer, Mapping) else None
+    if not isinstance(answer, Mapping) or "error" in answer or not isinstance(p, float) or not 0.0 <= p <= 1.0:
         raise RefusedCheckpoint(location, "refused_warmup", f"the warm-up pass answered no probability: {answer}")
 
 
-def load_source_models(settings: Settings, beside: Sequence[Path] = ()) -> list[Any]:
+def load_source_models(settings: Settings, beside: Sequence[Path] = ()) -> list[D3]:
     """At start: the pointer's current checkpoint (the default) and its canary, loaded and verified as a
     swap would load them, each checked to fit beside the checkpoints ``beside`` (the --model and --shadow
     ones) and the ones loaded before it. CheckpointError names what is wrong."""
     assert settings.models.model_source is not None
     pointer = resolve_source(settings.models.model_source, ObjectStoreAccess.from_settings(settings.storage))
     locations = [pointer.current, *([pointer.canary.location] if pointer.canary else [])]
-    served, models = list(beside), []
+    served: list[Path] = list(beside)
+    models: list[D3] = []
     try:
         for location in locations:
             model = load_checkpoint(location, settings, served)
@@ -211,7 +220,7 @@ class RolloutHost(Protocol):
         """The one thread every pass of the device runs on (the warm-up pass takes its turn there)."""
         ...
 
-    def host_model(self, model: Any) -> Hosted:
+    def host_model(self, model: D3) -> Hosted:
         """The model's own parts (passes on the shared model thread, answer builder, provenance)."""
         ...
 
@@ -240,12 +249,12 @@ class Rollout:
         # Models given with --model (not loaded from the source) other than the default: never retired.
         self.pinned = {name for name, hosted in self.router.routes.items()
                        if hosted is not self.router.default
-                       and getattr(hosted.model, "model_source_location", None) is None}
+                       and not isinstance(hosted.model, SourceModel)}
         self.canary: CanaryRoute | None = None
         self._set_canary(None)
         self.router.route_default = self._route
         self._access = ObjectStoreAccess.from_settings(settings.storage) if self.source else None
-        self._client: Any = None
+        self._client: S3Client | None = None
         self._applied: SourcePointer | None = None
         self._refused: SourcePointer | None = None
         self._problem: str | None = None

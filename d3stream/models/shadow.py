@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from d3stream.core.routing import Hosted
 from d3stream.models.checkpoints import MODEL_NAME, CheckpointError, parse_model_spec
 from d3stream.settings import ModelSettings
 
@@ -30,8 +30,8 @@ def parse_shadow(text: str) -> ShadowSpec:
                           "served model (setting: shadow)")
 
 
-def shadow_hosted(models: ModelSettings, served: Sequence[Any], own: Any | None) -> Any | None:
-    """The served model (``routing.Hosted``) that is the shadow: ``own`` (a shadow checkpoint of its own,
+def shadow_hosted(models: ModelSettings, served: Sequence[Hosted], own: Hosted | None) -> Hosted | None:
+    """The served model that is the shadow: ``own`` (a shadow checkpoint of its own,
     hosted by the caller), or the served model ``shadow`` names; None without a shadow. ValueError names the
     setting when ``shadow`` names neither."""
     if own is not None:

@@ -26,17 +26,20 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from d3stream.runtime.kinds import IMAGE, MEDIA_KINDS, VIDEO, MediaKind, media_kind
+from d3stream.runtime.package import Manifest
 from d3stream.runtime.rows import Features, RequestMedia
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
+    from transformers import ProcessorMixin
+    from transformers.image_processing_base import ImageProcessingMixin
 
     from d3stream.runtime.media import Video
 
@@ -59,13 +62,13 @@ class EncodingModel(Protocol):
     @property
     def root(self) -> Path: ...
     @property
-    def manifest(self) -> Mapping[str, Any] | None: ...
+    def manifest(self) -> Manifest | None: ...
     @property
     def device(self) -> torch.device: ...
     @property
-    def processor(self) -> Any: ...  # transformers processor
+    def processor(self) -> ProcessorMixin | None: ...
     @property
-    def backbone(self) -> Any: ...  # transformers model with get_image_features / get_video_features
+    def backbone(self) -> torch.nn.Module | None: ...  # a transformers model with get_image_features / ...
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -83,8 +86,9 @@ def vision_dtype(model: EncodingModel) -> str:
     return ""
 
 
-def settings_digest(processor: Any) -> str:
-    """A digest of a (image or video) processor's settings; any setting that changes patches changes it."""
+def settings_digest(processor: ImageProcessingMixin) -> str:
+    """A digest of an image or video processor's settings (a video processor is an image processor too in
+    transformers); any setting that changes patches changes it."""
     try:
         settings = processor.to_dict()
     except Exception:  # noqa: BLE001 - a processor without to_dict: fall back to its attributes

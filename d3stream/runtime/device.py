@@ -15,7 +15,7 @@ import inspect
 import os
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -137,7 +137,14 @@ def gpu_only_kernels(kernels: Mapping[str, str]) -> bool:
 # ------------------------------------------------------------------------------ vision patch embedding
 
 
-def _patch_embed_as_matmul(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+class PatchEmbed(Protocol):
+    """A vision patch embedding as ``linearize_patch_embed`` finds it: a Conv3d ``proj`` and its width."""
+
+    proj: torch.nn.Conv3d
+    embed_dim: int
+
+
+def _patch_embed_as_matmul(self: PatchEmbed, hidden_states: torch.Tensor) -> torch.Tensor:
     import torch.nn.functional as F
 
     weight = self.proj.weight
@@ -156,7 +163,7 @@ def linearize_patch_embed(model: torch.nn.Module) -> int:
 
     count = 0
     for module in model.modules():
-        # Any module may be the patch embedding: the one with a Conv3d ``proj`` and an ``embed_dim``.
+        # Whichever module has a Conv3d ``proj`` and an ``embed_dim`` is a patch embedding (``PatchEmbed``).
         proj = getattr(module, "proj", None)
         if (
             isinstance(proj, torch.nn.Conv3d)

@@ -39,7 +39,7 @@ import json
 import math
 import string
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Literal, Protocol, TypedDict
 
 FORMAT_ID = "d3-format/1"
 MAX_OPTIONS = 255
@@ -58,13 +58,44 @@ _DEFAULT_INSTRUCTIONS = "Which option fits the state best?"
 _ANSWER_LINE = "Answer with the code of one option."
 
 
+class Tokenizer(Protocol):
+    """What the contract asks of a tokenizer (a transformers ``PreTrainedTokenizerBase`` is one)."""
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]: ...
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, str]],
+        *,
+        tokenize: bool,
+        add_generation_prompt: bool,
+        enable_thinking: bool,
+    ) -> object: ...
+
+
+class ChoiceAnswer(TypedDict):
+    """The answer object of a choice question: the chosen option key and every option's probability."""
+
+    type: Literal["choice"]
+    choice: str
+    probabilities: dict[str, float]
+
+
+class NoulAnswer(TypedDict):
+    """The answer object of a noul question: the probability of ``true``, and of both outcomes."""
+
+    type: Literal["noul"]
+    noul: float
+    probabilities: dict[str, float]
+
+
 def _code_candidates() -> list[str]:
     """Upper-case letters, then lower-case letters, then two upper-case letters (AA, AB, ... ZZ)."""
     upper, lower = string.ascii_uppercase, string.ascii_lowercase
     return list(upper) + list(lower) + [a + b for a in upper for b in upper]
 
 
-def answer_codes(tokenizer: Any) -> tuple[list[str], list[int]]:
+def answer_codes(tokenizer: Tokenizer) -> tuple[list[str], list[int]]:
     """The ``MAX_OPTIONS`` answer codes of a tokenizer and their token ids, in option order.
 
     A code qualifies when the tokenizer encodes it on its own as exactly one token. Option ``i`` of every question is shown under ``codes[i]``; the readout row ``i`` scores it.
@@ -83,7 +114,7 @@ def answer_codes(tokenizer: Any) -> tuple[list[str], list[int]]:
     )
 
 
-def describe(value: Any) -> str:
+def describe(value: object) -> str:
     """The text shown for a description, instruction or state value.
 
     Strings are shown verbatim (surrounding whitespace removed), ``None`` as nothing, and any other JSON
@@ -96,12 +127,16 @@ def describe(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
 
 
-def options(question: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+def options(question: Mapping[str, object]) -> tuple[list[str], list[str]]:
     """The option keys of a rendered question and the text shown for each, in code order."""
     kind = question.get("type")
     criteria = question.get("criteria")
     if kind == "noul":
-        described = dict(criteria or {})
+        described: Mapping[str, object] = {}
+        if isinstance(criteria, Mapping):
+            described = criteria
+        elif criteria:
+            raise ValueError('noul criteria map "false" and "true" to descriptions')
         keys = ["false", "true"]
         return keys, [describe(described.get(key, NOUL_DEFAULTS[key])) or NOUL_DEFAULTS[key] for key in keys]
     if kind == "choice":
@@ -112,7 +147,7 @@ def options(question: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     raise ValueError(f"d3_format renders choice and noul questions, not {kind!r}")
 
 
-def user_prompt(state: Any, question: Mapping[str, Any], codes: Sequence[str]) -> str:
+def user_prompt(state: object, question: Mapping[str, object], codes: Sequence[str]) -> str:
     """The user-turn text of one question: the state, then the question and its coded options."""
     keys, texts = options(question)
     if len(keys) > min(MAX_OPTIONS, len(codes)):
@@ -128,7 +163,7 @@ def user_prompt(state: Any, question: Mapping[str, Any], codes: Sequence[str]) -
     return "\n".join(lines)
 
 
-def messages(state: Any, question: Mapping[str, Any], codes: Sequence[str]) -> list[dict[str, Any]]:
+def messages(state: object, question: Mapping[str, object], codes: Sequence[str]) -> list[dict[str, str]]:
     """The chat messages of a text-only prompt."""
     return [
         {"role": "system", "content": SYSTEM_PROMPT},
@@ -136,14 +171,17 @@ def messages(state: Any, question: Mapping[str, Any], codes: Sequence[str]) -> l
     ]
 
 
-def render(tokenizer: Any, state: Any, question: Mapping[str, Any], codes: Sequence[str]) -> str:
+def render(tokenizer: Tokenizer, state: object, question: Mapping[str, object], codes: Sequence[str]) -> str:
     """The full prompt text of a text-only question, through the tokenizer's chat template."""
-    return tokenizer.apply_chat_template(
+    text = tokenizer.apply_chat_template(
         messages(state, question, codes),
         tokenize=False,
         add_generation_prompt=True,
         enable_thinking=False,
     )
+    if not isinstance(text, str):  # tokenize=False: the template's text, never token ids
+        raise TypeError(f"the chat template gave {type(text).__name__}, not text")
+    return text
 
 
 def normalized(probabilities: Sequence[float], count: int) -> list[float]:
@@ -162,7 +200,7 @@ def normalized(probabilities: Sequence[float], count: int) -> list[float]:
     return [p / total for p in values]
 
 
-def option_keys(question: Mapping[str, Any]) -> list[str]:
+def option_keys(question: Mapping[str, object]) -> list[str]:
     """The option keys of a rendered question in code order (``options`` without rendering their texts,
     which answering does not need)."""
     kind = question.get("type")
@@ -174,7 +212,7 @@ def option_keys(question: Mapping[str, Any]) -> list[str]:
     return options(question)[0]  # raises, naming what is wrong
 
 
-def to_answer(question: Mapping[str, Any], probabilities: Sequence[float]) -> dict[str, Any]:
+def to_answer(question: Mapping[str, object], probabilities: Sequence[float]) -> ChoiceAnswer | NoulAnswer:
     """The answer object of a rendered choice or noul question from its option probabilities."""
     keys = option_keys(question)
     shares = normalized(probabilities, len(keys))

@@ -27,10 +27,44 @@ import json
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Literal, NamedTuple, NotRequired, Protocol, TypedDict
 
 from d3stream.runtime import format as d3_format
 from d3stream.runtime import media as media_io
+
+# -- the prompt contract, as the question types use it -----------------------------------------------
+
+
+class PromptContract(Protocol):
+    """What the runtime reads of a prompt contract module: the built-in ``format.py`` or the copy a checkpoint
+    ships as ``d3_format.py`` (loaded by ``loading.prompt_contract``). A module is one when it has these names."""
+
+    @property
+    def MAX_OPTIONS(self) -> int: ...
+    @property
+    def SYSTEM_PROMPT(self) -> str: ...
+
+    def answer_codes(self, tokenizer: d3_format.Tokenizer) -> tuple[list[str], list[int]]: ...
+    def describe(self, value: object) -> str: ...
+    def options(self, question: Mapping[str, object]) -> tuple[list[str], list[str]]: ...
+    def user_prompt(self, state: object, question: Mapping[str, object], codes: Sequence[str]) -> str: ...
+    def render(
+        self, tokenizer: d3_format.Tokenizer, state: object, question: Mapping[str, object], codes: Sequence[str]
+    ) -> str: ...
+    def normalized(self, probabilities: Sequence[float], count: int) -> list[float]: ...
+    def to_answer(
+        self, question: Mapping[str, object], probabilities: Sequence[float]
+    ) -> d3_format.ChoiceAnswer | d3_format.NoulAnswer: ...
+
+
+class RenderedQuestion(TypedDict):
+    """A question as the prompt contract renders it: a ``choice`` (a score too, over its level texts) or a
+    ``noul``; its criteria as validated (a noul's only when it describes its outcomes)."""
+
+    type: Literal["choice", "noul"]
+    instructions: object  # JSON, shown through the contract's ``describe``
+    criteria: NotRequired[dict[str, object]]  # option key -> description (JSON)
+
 
 # -- the question record and the helpers its types share ---------------------------------------------
 
@@ -40,16 +74,16 @@ class Question:
     """One validated question: what the prompt renders and how its answer is reported."""
 
     kind: str  # the QuestionType's name
-    rendered: dict[str, Any]  # the choice or noul question handed to the prompt contract
+    rendered: RenderedQuestion  # the choice or noul question handed to the prompt contract
     keys: list[str]  # option keys in code order
-    descriptions: list[Any]  # what each option means (score: the level values, for the legend)
+    descriptions: list[object]  # what each option means (score: the level values, for the legend)
 
     @property
     def option_count(self) -> int:
         return len(self.keys)
 
 
-def require_json(value: Any, what: str = "value") -> None:
+def require_json(value: object, what: str = "value") -> None:
     """Refuse values strict JSON cannot carry (NaN, infinities, non-JSON types, runaway nesting)."""
     if _plainly_json(value):
         return  # the common shapes (text, a flat mapping or list of texts) need no trial encoding
@@ -59,7 +93,7 @@ def require_json(value: Any, what: str = "value") -> None:
         raise ValueError(f"the {what} is not representable as JSON: {exc}") from exc
 
 
-def _plainly_json(value: Any) -> bool:
+def _plainly_json(value: object) -> bool:
     """Whether ``value`` is a string, or a mapping or list of strings under string keys: JSON as it stands."""
     if isinstance(value, str):
         return True
@@ -70,7 +104,7 @@ def _plainly_json(value: Any) -> bool:
     return False
 
 
-def canonical_text(value: Any) -> str:
+def canonical_text(value: object) -> str:
     """Stable text for a score level: strings verbatim, anything else as compact key-sorted JSON."""
     if isinstance(value, str):
         return value
@@ -99,19 +133,18 @@ class ReadAnswer(NamedTuple):
     score: float | None = None
 
 
-def finite_number(value: Any) -> float | None:
+def finite_number(value: object) -> float | None:
     """A JSON number that is finite (booleans are not numbers here); None otherwise."""
-    kind = type(value)  # the common cases first: the evaluator reads a dozen numbers per answer
-    if kind is float:
+    if type(value) is float:  # the common cases first: the evaluator reads a dozen numbers per answer
         return value if math.isfinite(value) else None
-    if kind is int:
+    if type(value) is int:
         return float(value) if math.isfinite(value) else None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return float(value)
 
 
-def probability_map(raw: Any) -> dict[str, float] | None:
+def probability_map(raw: object) -> dict[str, float] | None:
     """A non-empty object of finite numbers by option key; None when ``raw`` is anything else."""
     if not isinstance(raw, dict) or not raw:
         return None
@@ -138,9 +171,10 @@ def _level(key: str) -> int | None:
 # -- the question types ----------------------------------------------------------------------------
 
 # A builder gets the question object, its (JSON-checked) instructions and the checkpoint's prompt contract.
-Builder = Callable[[Mapping[str, Any], Any, Any], Question]
-# An answerer gets the validated question, its option probabilities (code order) and the prompt contract.
-Answerer = Callable[[Question, Sequence[float], Any], dict[str, Any]]
+Builder = Callable[[Mapping[str, object], object, PromptContract], Question]
+# An answerer gets the validated question, its option probabilities (code order) and the prompt contract, and
+# makes the public answer object (JSON).
+Answerer = Callable[[Question, Sequence[float], PromptContract], Mapping[str, object]]
 
 
 @dataclass(frozen=True)
@@ -150,13 +184,13 @@ class QuestionType:
     name: str
     build: Builder  # validate the question's criteria and render it for the prompt contract
     answer: Answerer  # the public answer object; ValueError when the probabilities cannot be one
-    read: Callable[[Mapping[str, Any]], ReadAnswer | None]  # an answer object back (compare)
-    label_key: Callable[[Any], str | None]  # the option key a label names (compare --labels, training)
+    read: Callable[[Mapping[str, object]], ReadAnswer | None]  # an answer object back (compare)
+    label_key: Callable[[object], str | None]  # the option key a label names (compare --labels, training)
     fixed_options: int | None = None  # options whatever the criteria say (None: one per criterion)
     permutable: bool = False  # options may be shown in reverse order (permutation averaging)
 
 
-def _build_choice(question: Mapping[str, Any], instructions: Any, contract: Any) -> Question:
+def _build_choice(question: Mapping[str, object], instructions: object, contract: PromptContract) -> Question:
     criteria = question.get("criteria")
     limit = contract.MAX_OPTIONS
     if not isinstance(criteria, Mapping) or not 1 <= len(criteria) <= limit:
@@ -164,18 +198,17 @@ def _build_choice(question: Mapping[str, Any], instructions: Any, contract: Any)
     if any(not isinstance(key, str) or not key for key in criteria):
         raise ValueError("choice option keys must be nonempty strings")
     require_json(dict(criteria), "criteria")
-    rendered = {"type": "choice", "instructions": instructions, "criteria": dict(criteria)}
+    rendered: RenderedQuestion = {"type": "choice", "instructions": instructions, "criteria": dict(criteria)}
     keys = list(criteria)
     return Question("choice", rendered, keys, [criteria[key] for key in keys])
 
 
-def _answer_choice(question: Question, probabilities: Sequence[float], contract: Any) -> dict[str, Any]:
-    answer: dict[str, Any] = contract.to_answer(question.rendered, probabilities)
-    answer["confidence"] = confidence(answer["probabilities"].values())
-    return answer
+def _answer_choice(question: Question, probabilities: Sequence[float], contract: PromptContract) -> dict[str, object]:
+    answer = contract.to_answer(question.rendered, probabilities)
+    return {**answer, "confidence": confidence(answer["probabilities"].values())}
 
 
-def _read_choice(raw: Mapping[str, Any]) -> ReadAnswer | None:
+def _read_choice(raw: Mapping[str, object]) -> ReadAnswer | None:
     probabilities = probability_map(raw.get("probabilities"))
     if probabilities is None:
         return None
@@ -186,13 +219,13 @@ def _read_choice(raw: Mapping[str, Any]) -> ReadAnswer | None:
     return ReadAnswer(probabilities, decision)
 
 
-def _choice_label(expected: Any) -> str | None:
+def _choice_label(expected: object) -> str | None:
     return expected if isinstance(expected, str) else None
 
 
-def _build_noul(question: Mapping[str, Any], instructions: Any, contract: Any) -> Question:
+def _build_noul(question: Mapping[str, object], instructions: object, contract: PromptContract) -> Question:
     criteria = question.get("criteria")
-    rendered: dict[str, Any] = {"type": "noul", "instructions": instructions}
+    rendered: RenderedQuestion = {"type": "noul", "instructions": instructions}
     if criteria is not None:
         if not isinstance(criteria, Mapping) or set(criteria) - {"false", "true"}:
             raise ValueError('noul criteria may only describe "false" and "true"')
@@ -202,12 +235,11 @@ def _build_noul(question: Mapping[str, Any], instructions: Any, contract: Any) -
     return Question("noul", rendered, list(keys), list(texts))
 
 
-def _answer_noul(question: Question, probabilities: Sequence[float], contract: Any) -> dict[str, Any]:
-    answer: dict[str, Any] = contract.to_answer(question.rendered, probabilities)
-    return answer
+def _answer_noul(question: Question, probabilities: Sequence[float], contract: PromptContract) -> Mapping[str, object]:
+    return contract.to_answer(question.rendered, probabilities)
 
 
-def _read_noul(raw: Mapping[str, Any]) -> ReadAnswer | None:
+def _read_noul(raw: Mapping[str, object]) -> ReadAnswer | None:
     probabilities = probability_map(raw.get("probabilities"))
     p = finite_number(raw.get("noul"))
     if probabilities is None or not {"false", "true"} <= probabilities.keys():
@@ -219,7 +251,7 @@ def _read_noul(raw: Mapping[str, Any]) -> ReadAnswer | None:
     return ReadAnswer(probabilities, "true" if p >= 0.5 else "false")
 
 
-def _noul_label(expected: Any) -> str | None:
+def _noul_label(expected: object) -> str | None:
     if isinstance(expected, bool):
         return "true" if expected else "false"
     if isinstance(expected, str) and expected.lower() in ("true", "false"):
@@ -230,7 +262,7 @@ def _noul_label(expected: Any) -> str | None:
 SCORE_LEVELS = (2, 10)
 
 
-def _build_score(question: Mapping[str, Any], instructions: Any, contract: Any) -> Question:
+def _build_score(question: Mapping[str, object], instructions: object, contract: PromptContract) -> Question:
     criteria = question.get("criteria")
     low, high = SCORE_LEVELS
     if not isinstance(criteria, list | tuple) or not low <= len(criteria) <= high:
@@ -245,12 +277,12 @@ def _build_score(question: Mapping[str, Any], instructions: Any, contract: Any) 
         raise ValueError("score levels must be distinct and nonempty (an object with the same keys and values in "
                          "another order is the same level)")
     # Each level is an option shown by its text alone; code order is level order.
-    rendered = {"type": "choice", "instructions": instructions, "criteria": dict.fromkeys(texts)}
+    rendered: RenderedQuestion = {"type": "choice", "instructions": instructions, "criteria": dict.fromkeys(texts)}
     return Question("score", rendered, [str(level) for level in range(len(texts))], list(criteria))
 
 
-def _answer_score(question: Question, probabilities: Sequence[float], contract: Any) -> dict[str, Any]:
-    shares: list[float] = contract.normalized(probabilities, len(question.keys))
+def _answer_score(question: Question, probabilities: Sequence[float], contract: PromptContract) -> dict[str, object]:
+    shares = contract.normalized(probabilities, len(question.keys))
     return {
         "type": "score",
         "score": sum([level * p for level, p in enumerate(shares)]),
@@ -261,7 +293,7 @@ def _answer_score(question: Question, probabilities: Sequence[float], contract: 
     }
 
 
-def _read_score(raw: Mapping[str, Any]) -> ReadAnswer | None:
+def _read_score(raw: Mapping[str, object]) -> ReadAnswer | None:
     probabilities = probability_map(raw.get("probabilities"))
     if probabilities is None:
         return None
@@ -278,7 +310,7 @@ def _read_score(raw: Mapping[str, Any]) -> ReadAnswer | None:
     return ReadAnswer(probabilities, _argmax(probabilities, ordered), score)
 
 
-def _score_label(expected: Any) -> str | None:
+def _score_label(expected: object) -> str | None:
     if isinstance(expected, bool):
         return None
     if isinstance(expected, int):
@@ -297,12 +329,12 @@ QUESTION_TYPE_NAMES: tuple[str, ...] = tuple(kind.name for kind in QUESTION_TYPE
 _QUESTION_TYPES_BY_NAME = {kind.name: kind for kind in QUESTION_TYPES}
 
 
-def question_type(name: Any) -> QuestionType | None:
+def question_type(name: object) -> QuestionType | None:
     """The question type of that name; None for any other value (a request's ``type`` may be anything)."""
     return _QUESTION_TYPES_BY_NAME.get(name) if isinstance(name, str) else None
 
 
-def label_option(type_name: Any, expected: Any, legend: Sequence[tuple[str, str]] = ()) -> str | None:
+def label_option(type_name: object, expected: object, legend: Sequence[tuple[str, str]] = ()) -> str | None:
     """The option key a label names for a question of that type (None: none). ``legend`` is a score's level
     texts by key, as its answer gives them: a score label that is a string names a level by its text, even a
     digit (on a ``["1", ..., "5"]`` scale, ``"3"`` is the level whose text is "3"), and an integer is a level
@@ -336,13 +368,13 @@ class MediaKind:
     grid_input: str  # the processor output holding its (t, h, w) patch grids
     features_method: str  # the backbone method encoding it
 
-    def references(self, request: Any) -> list[Any]:
-        """The references of this kind a request (a struct or a dict) names."""
+    def references(self, request: object) -> list[str]:
+        """The references of this kind a request (a ``Request`` struct or its JSON object) names."""
         if isinstance(request, Mapping):
             return list(request.get(self.request_attribute) or [])
         return list(getattr(request, self.request_attribute))
 
-    def unavailable(self, model: Any) -> str | None:
+    def unavailable(self, model: object) -> str | None:
         """Why the model cannot take this kind (None when it can, or when the model does not say)."""
         reason: str | None = getattr(model, self.unavailable_attribute, None)
         return reason

@@ -21,16 +21,22 @@ import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from d3stream.runtime import format as builtin_format
 from d3stream.runtime import media as media_io
 from d3stream.runtime.device import gpu_only_kernels, kernel_report, linearize_patch_embed
+from d3stream.runtime.kinds import PromptContract
+from d3stream.runtime.package import Manifest
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    # The backbone of a checkpoint, as ``backbone_class`` names it.
+    Backbone = Qwen3_5Model | Qwen3VLModel
 
 FORMAT_VERSION = 1
 PROMPTS = ("d3",)
@@ -69,7 +75,7 @@ def load_file_module(path: Path) -> types.ModuleType:
     return sys.modules[name]
 
 
-def prompt_contract(root: Path) -> types.ModuleType:
+def prompt_contract(root: Path) -> PromptContract:
     """The checkpoint's own ``d3_format.py`` when it ships one, else the built-in contract."""
     path = Path(root) / "d3_format.py"
     return load_file_module(path) if path.is_file() else builtin_format
@@ -132,7 +138,7 @@ def quiet_transformers() -> Iterator[None]:
 class DecisionConfig:
     """``decision_config.json``, validated, with the load options (readout dtype, context length) applied."""
 
-    raw: dict[str, Any]  # the file as read: its codes, token ids and format_id
+    raw: dict[str, object]  # the file as read: its codes, token ids and format_id
     backbone_type: str
     prompt: str
     attention_mode: str
@@ -191,7 +197,9 @@ class Vocabulary:
     added_token_ids: frozenset[int]
 
     @classmethod
-    def of(cls, tokenizer: Any, contract: types.ModuleType, config: Mapping[str, object]) -> Vocabulary:
+    def of(
+        cls, tokenizer: PreTrainedTokenizerBase, contract: PromptContract, config: Mapping[str, object]
+    ) -> Vocabulary:
         """Check ``tokenizer`` against the decision config's answer codes and read its special ids."""
         codes, token_ids = contract.answer_codes(tokenizer)
         if config.get("codes") != codes or config.get("token_ids") != token_ids:
@@ -209,12 +217,12 @@ class Vocabulary:
         return cls(codes, token_ids, pad_id, vocabulary.get(IMAGE_TOKEN), vocabulary.get(VIDEO_TOKEN), added)
 
 
-def load_processor(root: Path) -> Any:
+def load_processor(root: Path) -> ProcessorMixin:
     """The checkpoint's processor (tokenizer, image and video processors), images sized to the runtime's
     pixel budget."""
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(str(root))
+    processor: ProcessorMixin = AutoProcessor.from_pretrained(str(root))  # the class the checkpoint names
     processor.tokenizer.padding_side = "left"
     processor.image_processor.size = {
         "shortest_edge": media_io.IMAGE_MIN_PIXELS,
@@ -223,7 +231,20 @@ def load_processor(root: Path) -> Any:
     return processor
 
 
-def configure_video_processor(video: Any) -> None:
+class VideoSettings(Protocol):
+    """The settings of a checkpoint's video processor (transformers' ``Qwen3VLVideoProcessor``, for both
+    backbones) that the runtime reads and sets. (transformers declares ``cap_pixels_per_frame`` as always
+    None, though it takes a bool: the processor itself cannot be the annotation.)"""
+
+    patch_size: int
+    merge_size: int
+    size: dict[str, int]
+    cap_pixels_per_frame: bool | None
+    max_video_tokens: int
+    do_sample_frames: bool
+
+
+def configure_video_processor(video: VideoSettings) -> None:
     """Read already-sampled frames at up to 0.2 MP each with the checkpoint's video processor."""
     factor = video.patch_size * video.merge_size
     video.size = {
@@ -243,15 +264,15 @@ class Checkpoint:
     """A checkpoint directory loaded onto a device, as every part of the model reads it."""
 
     root: Path
-    manifest: dict[str, Any] | None
-    contract: types.ModuleType  # the prompt contract (d3_format)
+    manifest: Manifest | None
+    contract: PromptContract  # the prompt contract (d3_format)
     config: DecisionConfig
-    processor: Any | None  # transformers processor (vision checkpoints whose processor loaded), else None
-    tokenizer: Any  # transformers tokenizer; a caller may swap it (tests count its calls)
+    processor: ProcessorMixin | None  # vision checkpoints whose processor loaded, else None
+    tokenizer: PreTrainedTokenizerBase  # a caller may swap it (tests count its calls)
     vocabulary: Vocabulary
     device: torch.device
     kernels: dict[str, str]  # Gated DeltaNet op -> implementation (``device.kernel_report``)
-    backbone: Any  # transformers Qwen3_5Model or Qwen3VLModel, BF16, SDPA, eval mode
+    backbone: Backbone  # BF16, SDPA, eval mode
     readout: torch.Tensor  # [MAX_OPTIONS, hidden] in the readout dtype, on the device
     # Why image or video inputs cannot be read (None: they can).
     image_unavailable: str | None
@@ -262,26 +283,30 @@ class Checkpoint:
     def max_options(self) -> int:
         return int(self.contract.MAX_OPTIONS)
 
-    def media_processor(self) -> Any:
+    def media_processor(self) -> ProcessorMixin:
         """The processor, for reading images and videos (only asked for where they are available)."""
         if self.processor is None:
             raise ValueError(f"image inputs are not available: {self.image_unavailable}")
         return self.processor
 
 
-def _text_side(root: Path, has_vision: bool) -> tuple[Any | None, str | None, Any]:
+def _text_side(
+    root: Path, has_vision: bool
+) -> tuple[ProcessorMixin | None, str | None, PreTrainedTokenizerBase]:
     """(processor, why it failed to load, tokenizer). A vision checkpoint's processor carries the same
     tokenizer: it is loaded once (it is 33 MB of BPE)."""
     from transformers import AutoTokenizer
 
-    processor = None
+    processor: ProcessorMixin | None = None
     processor_error: str | None = None
     if has_vision:
         try:
             processor = load_processor(root)
         except Exception as exc:  # noqa: BLE001 - text requests do not need the processor
             processor_error = f"the image processor failed to load ({type(exc).__name__}: {exc})"
-    tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(str(root))
+    tokenizer: PreTrainedTokenizerBase = (
+        processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(str(root))
+    )
     tokenizer.padding_side = "left"
     return processor, processor_error, tokenizer
 
@@ -304,15 +329,17 @@ def _device(requested: str | None, kind: str) -> tuple[torch.device, dict[str, s
     return device, kernels
 
 
-def _weights(root: Path, kind: str, max_options: int, device: torch.device, dtype: str) -> tuple[Any, torch.Tensor]:
+def _weights(
+    root: Path, kind: str, max_options: int, device: torch.device, dtype: str
+) -> tuple[Backbone, torch.Tensor]:
     """The BF16 backbone (eval mode, no gradients) and the readout matrix, on ``device``."""
     import torch
     from safetensors.torch import load_file
+    from transformers import PreTrainedConfig
 
     torch.manual_seed(SEED)
     with quiet_transformers():
-        # Any: transformers types the config's text_config as optional; these backbones always have one.
-        backbone: Any = backbone_class(kind).from_pretrained(
+        backbone = backbone_class(kind).from_pretrained(
             str(root),
             dtype=torch.bfloat16,
             attn_implementation="sdpa",
@@ -320,7 +347,12 @@ def _weights(root: Path, kind: str, max_options: int, device: torch.device, dtyp
         )
     backbone.eval().requires_grad_(False)
     weight = load_file(str(root / "readout.safetensors")).get("weight")
-    hidden = backbone.config.text_config.hidden_size
+    # transformers types the text config as optional (or a dict before it is read); these backbones always
+    # have one, read at load.
+    text_config = backbone.config.text_config
+    if not isinstance(text_config, PreTrainedConfig):
+        raise ValueError(f"config.json of this {kind} checkpoint has no text_config")
+    hidden = text_config.hidden_size
     if weight is None or tuple(weight.shape) != (max_options, hidden):
         shape = None if weight is None else tuple(weight.shape)
         raise ValueError(f"readout.safetensors: weight has shape {shape}, expected {(max_options, hidden)}")
@@ -329,7 +361,11 @@ def _weights(root: Path, kind: str, max_options: int, device: torch.device, dtyp
 
 
 def _media_availability(
-    has_vision: bool, backbone: Any, processor: Any | None, processor_error: str | None, kind: str
+    has_vision: bool,
+    backbone: Backbone,
+    processor: ProcessorMixin | None,
+    processor_error: str | None,
+    kind: str,
 ) -> tuple[str | None, str | None]:
     """Why images, and why videos, cannot be read (None: they can). Linearizes the patch embedding and
     configures the video processor on the way."""
@@ -358,10 +394,10 @@ def _media_availability(
 
 def load_checkpoint(
     root: Path,
-    contract: types.ModuleType,
+    contract: PromptContract,
     config: DecisionConfig,
     *,
-    manifest: dict[str, Any] | None,
+    manifest: Manifest | None,
     device: str | None,
     started: float,
 ) -> Checkpoint:

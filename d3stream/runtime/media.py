@@ -38,9 +38,14 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import cv2
+    from numpy.typing import NDArray
+    from PIL import Image, ImageFile
 
 # Image budget of the processor: each image is resized into this pixel range, aspect ratio kept.
 IMAGE_MIN_PIXELS = 65_536
@@ -174,7 +179,7 @@ def decode_base64(text: str, limit: int | None = None) -> bytes:
 # ---------------------------------------------------------------------------------------------- images
 
 
-def _decode_image(data: bytes) -> Any:
+def _decode_image(data: bytes) -> Image.Image:
     from PIL import Image
 
     try:
@@ -184,7 +189,7 @@ def _decode_image(data: bytes) -> Any:
         raise ValueError(f"the image could not be decoded ({reason(exc)})") from exc
 
 
-def _open_checked(data: bytes) -> Any:
+def _open_checked(data: bytes) -> ImageFile.ImageFile:
     """The PIL image of encoded bytes from outside, opened (header read, nothing decoded) and checked:
     byte limit, format, pixel limit."""
     from PIL import Image
@@ -230,7 +235,7 @@ def image_header(data: bytes) -> tuple[int, int]:
         return probe.size
 
 
-def checked_image_bytes(data: bytes) -> Any:
+def checked_image_bytes(data: bytes) -> Image.Image:
     """Strictly read encoded image bytes from outside: format, size and pixel limits, integrity check."""
     with _open_checked(data) as probe:
         try:
@@ -240,7 +245,7 @@ def checked_image_bytes(data: bytes) -> Any:
     return _decode_image(data)
 
 
-def load_image(value: Any, *, strict: bool = False) -> Any:
+def load_image(value: object, *, strict: bool = False) -> Image.Image:
     """One image as an RGB PIL image (no EXIF rotation, no resize).
 
     In process: a PIL image, a local path or a ``data:image/...;base64,`` URL. ``strict``: encoded
@@ -276,11 +281,22 @@ def load_image(value: Any, *, strict: bool = False) -> Any:
 # ---------------------------------------------------------------------------------------------- videos
 
 
+class VideoMetadata(TypedDict):
+    """A video's ``video_metadata`` for the video processor: it turns frame indices into timestamps."""
+
+    total_num_frames: int
+    fps: float
+    width: int
+    height: int
+    duration: float
+    frames_indices: list[int]
+
+
 @dataclass
 class Video:
     """Sampled RGB frames (uint8 ``[frames, height, width, 3]``, an even count) and where they came from."""
 
-    frames: np.ndarray
+    frames: NDArray[np.uint8]
     fps: float
     indices: list[int]
     total_frames: int
@@ -291,7 +307,7 @@ class Video:
         """(width, height) of the frames."""
         return int(self.frames.shape[2]), int(self.frames.shape[1])
 
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> VideoMetadata:
         """The video processor's ``video_metadata``: it turns frame indices into timestamps."""
         width, height = self.size
         return {
@@ -332,7 +348,7 @@ def container_of(data: bytes) -> str | None:
     return None
 
 
-def _open_video(source: str) -> Any:
+def _open_video(source: str) -> cv2.VideoCapture:
     import cv2
 
     try:
@@ -360,7 +376,7 @@ def _count_frames(source: str, fps: float, strict: bool) -> int:
     return total
 
 
-def _read_sampled(reader: Any, indices: list[int]) -> tuple[list[np.ndarray], list[int], int]:
+def _read_sampled(reader: cv2.VideoCapture, indices: list[int]) -> tuple[list[np.ndarray], list[int], int]:
     """The frames at ``indices`` (ascending): read on across short gaps, seek across long ones, so the
     frames read stay near ``len(indices) * VIDEO_SEEK_GAP`` however long the clip claims to be."""
     import cv2
@@ -410,7 +426,7 @@ class VideoHeader:
         return len(self.indices) + len(self.indices) % 2
 
 
-def _read_header(reader: Any, source: str, strict: bool) -> VideoHeader:
+def _read_header(reader: cv2.VideoCapture, source: str, strict: bool) -> VideoHeader:
     """The header of an opened video, after the strict frame-size and length checks."""
     import cv2
 
@@ -513,7 +529,7 @@ def checked_video_header(data: bytes) -> VideoHeader:
         return _video_header(path, strict=True)
 
 
-def frames_video(value: Any) -> Video:
+def frames_video(value: object) -> Video:
     """A frame array read as frames sampled at 2 per second, thinned evenly to at most 32."""
     from PIL import Image
 
@@ -540,7 +556,7 @@ def frames_video(value: Any) -> Video:
     return _assemble([array[i] for i in indices], indices, VIDEO_FPS, total)
 
 
-def load_video(value: Any, *, strict: bool = False) -> Video:
+def load_video(value: object, *, strict: bool = False) -> Video:
     """One video, decoded and sampled.
 
     In process: a local path, encoded bytes, a ``data:video/<format>;base64,`` URL, a frame array or a

@@ -35,7 +35,7 @@ import time
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from d3stream.runtime import media as media_io
 from d3stream.runtime.cache import MediaFeatureCache
@@ -51,6 +51,7 @@ from d3stream.runtime.device import (
     to_device,
 )
 from d3stream.runtime.forward import DEFAULT_BATCH_SIZE, MERGE_TOKENS, Padded, RowRunner, bucketed_width
+from d3stream.runtime.kinds import PromptContract
 from d3stream.runtime.loading import (
     ATTENTION_MODES,
     BACKBONES,
@@ -67,7 +68,7 @@ from d3stream.runtime.loading import (
     vision_weights_present,
 )
 from d3stream.runtime.multimodal import MediaPlanner
-from d3stream.runtime.package import verify_package
+from d3stream.runtime.package import Manifest, verify_package
 from d3stream.runtime.prompts import PROMPT_OVERHEAD_BYTES, PromptPreparer
 from d3stream.runtime.provenance import RUNTIME, Provenance
 from d3stream.runtime.rows import Prepared, RequestMedia, Row
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
     from PIL import Image
     from torch import Tensor
     from torch import device as Device
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 # Names this module has always offered; each now lives in the module of its part.
 __all__ = [
@@ -107,20 +109,22 @@ class ModelAttributes:
         return self.checkpoint.root
 
     @property
-    def manifest(self) -> dict[str, Any] | None:
+    def manifest(self) -> Manifest | None:
         return self.checkpoint.manifest
 
     @property
-    def config(self) -> dict[str, Any]:
+    def config(self) -> dict[str, object]:
         """``decision_config.json`` as read (``checkpoint.config`` has it validated)."""
         return self.checkpoint.config.raw
 
     @property
-    def contract(self) -> types.ModuleType:
+    def contract(self) -> PromptContract:
         return self.checkpoint.contract
 
     @property
     def backbone(self) -> Any:
+        # Any, not ``Backbone`` (``checkpoint.backbone`` has that type): the benchmark's FLOP count reads its
+        # embeddings' weight through ``nn.Module`` attributes, which torch types as ``Tensor | Module``.
         return self.checkpoint.backbone
 
     @property
@@ -128,15 +132,15 @@ class ModelAttributes:
         return self.checkpoint.readout
 
     @property
-    def processor(self) -> Any:
+    def processor(self) -> ProcessorMixin | None:
         return self.checkpoint.processor
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.checkpoint.tokenizer
 
     @tokenizer.setter
-    def tokenizer(self, value: Any) -> None:
+    def tokenizer(self, value: PreTrainedTokenizerBase) -> None:
         self.checkpoint.tokenizer = value
 
     @property
@@ -272,7 +276,7 @@ class D3(ModelAttributes):
         *,
         device: str | None = None,
         batch_size: int = DEFAULT_BATCH_SIZE,
-        manifest: dict[str, Any] | None = None,
+        manifest: Manifest | None = None,
         max_length: int | None = None,
         readout_dtype: str | None = None,
         model_name: str | None = None,
@@ -310,7 +314,7 @@ class D3(ModelAttributes):
         readout_dtype: str | None = None,
         model_name: str | None = None,
         permutation_average: bool = False,
-    ) -> D3:
+    ) -> Self:
         """Load a local checkpoint directory.
 
         ``verify``: ``fast`` (default) hashes every file of ``MODEL_MANIFEST.json`` up to 64 MiB and checks
@@ -419,7 +423,7 @@ class D3(ModelAttributes):
         images: Sequence[object] | None = None,
         videos: Sequence[object] | None = None,
         strict: bool = False,
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         """Typed choice / noul / score answers about one state: ``{"model", "answers", "usage"}``.
 
         ``images`` and ``videos`` (any number each) are seen by every question. A question that cannot
@@ -459,7 +463,7 @@ class D3(ModelAttributes):
 
     # -------------------------------------------------------------------------------------- records
 
-    def provenance(self) -> dict[str, Any]:
+    def provenance(self) -> dict[str, object]:
         """Everything that determines an answer: files, numerics, prompt, media contracts."""
         return self.records.record()
 
@@ -469,16 +473,16 @@ class D3(ModelAttributes):
         publishes."""
         return self.records.kernel_record()
 
-    def image_contract(self) -> dict[str, Any]:
+    def image_contract(self) -> dict[str, object]:
         """How image inputs are read (or why they are not available)."""
         return self.records.image_contract()
 
-    def video_contract(self) -> dict[str, Any]:
+    def video_contract(self) -> dict[str, object]:
         """How video inputs are read (or why they are not available)."""
         return self.records.video_contract()
 
     def parameter_count(self) -> int:
         return self.records.parameter_count()
 
-    def runtime_info(self) -> dict[str, Any]:
+    def runtime_info(self) -> dict[str, object]:
         return self.records.runtime_info()

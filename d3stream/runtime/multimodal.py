@@ -10,8 +10,8 @@ the model thread (``vision.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 from d3stream.runtime import media as media_io
 from d3stream.runtime.cache import content_digests
@@ -144,7 +144,11 @@ class MediaPlanner:
         kinds = torch.zeros_like(tensor)
         kinds[tensor == vocabulary.image_token_id] = 1
         kinds[tensor == vocabulary.video_token_id] = 2
-        positions, _ = self.checkpoint.backbone.get_rope_index(
+        # transformers annotates these index inputs with torch's legacy LongTensor / IntTensor classes, which no
+        # tensor made today is typed as (all four are int64 tensors).
+        backbone = self.checkpoint.backbone
+        rope_index = cast("Callable[..., tuple[torch.Tensor, torch.Tensor]]", backbone.get_rope_index)
+        positions, _ = rope_index(
             tensor,
             mm_token_type_ids=kinds,
             image_grid_thw=media.inputs.get("image_grid_thw"),

@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 MANIFEST = "MODEL_MANIFEST.json"
 MANIFEST_SCHEMA = "d3-package-manifest/1"
@@ -28,7 +28,19 @@ FAST_HASH_BYTES = 64 << 20
 _SKIPPED_PARTS = ("__pycache__",)
 
 
-def sha256_file(path: str | os.PathLike) -> str:
+class Manifest(TypedDict, total=False):
+    """``MODEL_MANIFEST.json``: ``write_manifest`` writes every field; a manifest read back is only checked for
+    its ``schema``, so a field may be missing."""
+
+    schema: str
+    model_name: str
+    repo_id: str | None
+    identity: dict[str, object]  # model_sha256, then the fields the writer added (seed, backbone, ...)
+    files_sha256: dict[str, str]  # file name -> hex SHA-256
+    files_bytes: dict[str, int]  # file name -> size
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
     """Hex SHA-256 of a file's bytes, read in 16 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as stream:
@@ -37,7 +49,7 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def package_files(root: str | os.PathLike) -> list[str]:
+def package_files(root: str | os.PathLike[str]) -> list[str]:
     """The files a manifest lists: every regular file under ``root`` (POSIX relative names, sorted), except
     the manifest itself, hidden files and folders, and ``__pycache__`` folders."""
     root = Path(root)
@@ -52,7 +64,7 @@ def package_files(root: str | os.PathLike) -> list[str]:
     return sorted(names)
 
 
-def model_sha256(root: str | os.PathLike) -> str | None:
+def model_sha256(root: str | os.PathLike[str]) -> str | None:
     """The checkpoint's weight identity: SHA-256 of ``model.safetensors``, or of the shard index for sharded
     weights (the index names the shards, whose own hashes are in ``files_sha256``)."""
     root = Path(root)
@@ -63,12 +75,12 @@ def model_sha256(root: str | os.PathLike) -> str | None:
 
 
 def write_manifest(
-    root: str | os.PathLike,
+    root: str | os.PathLike[str],
     *,
     model_name: str | None = None,
     repo_id: str | None = None,
-    identity: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+    identity: Mapping[str, object] | None = None,
+) -> Manifest:
     """Write ``MODEL_MANIFEST.json`` for the files now in ``root`` and return it.
 
     ``identity`` adds fields (seed, backbone, ...) after ``model_sha256``; ``model_name`` defaults to the
@@ -78,7 +90,7 @@ def write_manifest(
     names = package_files(root)
     if not names:
         raise ValueError(f"{root} holds no files to list in {MANIFEST}")
-    manifest: dict[str, Any] = {
+    manifest: Manifest = {
         "schema": MANIFEST_SCHEMA,
         "model_name": model_name or root.resolve().name,
         "repo_id": repo_id,
@@ -93,13 +105,13 @@ def write_manifest(
     return manifest
 
 
-def read_manifest(root: str | os.PathLike) -> dict[str, Any] | None:
+def read_manifest(root: str | os.PathLike[str]) -> Manifest | None:
     """The parsed manifest of ``root`` (None without one); ValueError when it is not a d3 manifest."""
     path = Path(root) / MANIFEST
     if not path.is_file():
         return None
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest: Manifest = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{MANIFEST} is not valid JSON ({exc})") from exc
     if not isinstance(manifest, dict) or manifest.get("schema") != MANIFEST_SCHEMA:
@@ -107,7 +119,7 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any] | None:
     return manifest
 
 
-def verify_package(root: str | os.PathLike, mode: str = "fast") -> dict[str, Any] | None:
+def verify_package(root: str | os.PathLike[str], mode: str = "fast") -> Manifest | None:
     """Check the files of ``root`` against ``MODEL_MANIFEST.json``; returns the manifest (None without one).
 
     ``fast`` hashes every listed file up to ``FAST_HASH_BYTES`` and checks the size of larger ones, ``full``

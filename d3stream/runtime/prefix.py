@@ -39,7 +39,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict, Unpack
 
 import structlog
 
@@ -101,6 +101,23 @@ class PassInfo:
     attention_pairs: int = 0
     done: tuple[Row, ...] = ()
     prefixes: tuple[Plan, ...] = ()  # prefix passes: the requests whose prefixes it ran
+
+
+class RunnerOptions(TypedDict, total=False):
+    """The settings ``PrefixRunner`` takes by keyword (``reuse_probabilities`` passes them on)."""
+
+    max_batch_tokens: int
+    max_batch_rows: int
+    max_cache_tokens: int | None
+    round_tokens: int
+    verify_every: int
+    tolerance: float
+    min_rows: int
+    sticky: bool
+    solo_prefix_tokens: int | None | str
+    on_pass: Callable[[PassInfo], None] | None
+    on_check: Callable[[Check], None] | None
+    on_fallback: Callable[[str, Prepared], None] | None
 
 
 class PrefixRunner:
@@ -335,7 +352,7 @@ class PrefixRunner:
     def max_abs_dp(self) -> float | None:
         return self._max_abs_dp
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, object]:
         """Counters for metrics and benchmark reports."""
         return {
             "enabled": self.disabled is None,
@@ -355,7 +372,7 @@ class PrefixRunner:
             "fallbacks": dict(self.fallbacks),
         }
 
-    def provenance(self) -> dict[str, Any]:
+    def provenance(self) -> dict[str, object]:
         """What to merge into the model's provenance record when the runner serves answers."""
         return {
             "shared_prefix_reuse": {
@@ -418,7 +435,7 @@ def split_at_question(model: D3, prepared: Prepared, rows: list[Row]) -> Plan:
 
 
 def reuse_probabilities(
-    model: D3, requests: Sequence[Prepared], **options: Any
+    model: D3, requests: Sequence[Prepared], **options: Unpack[RunnerOptions]
 ) -> tuple[dict[Row, list[float]], PrefixRunner]:
     """One-shot helper: run ``requests`` through a fresh ``PrefixRunner(model, **options)``."""
     runner = PrefixRunner(model, **options)

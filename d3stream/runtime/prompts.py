@@ -11,11 +11,11 @@ over the request token limit (docs/LIMITS.md), raises ValueError before any devi
 
 from __future__ import annotations
 
-import types
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from d3stream.runtime import media as media_io
+from d3stream.runtime.kinds import PromptContract
 from d3stream.runtime.loading import Checkpoint
 from d3stream.runtime.multimodal import MediaPlanner
 from d3stream.runtime.questions import normalize_question, question_error, require_json, reversed_question
@@ -45,7 +45,7 @@ class PromptRenderer:
         self.checkpoint = checkpoint
 
     @property
-    def contract(self) -> types.ModuleType:
+    def contract(self) -> PromptContract:
         return self.checkpoint.contract
 
     def user_prompt(self, state: object, question: Mapping[str, object]) -> str:
@@ -70,8 +70,10 @@ class PromptRenderer:
             raise ValueError(f"unknown prompt family {checkpoint.config.prompt!r}")
         if not n_images and not n_videos:
             return str(self.contract.render(checkpoint.tokenizer, state, question, checkpoint.vocabulary.codes))
+        # transformers annotates a conversation's content as text only; a turn with media has a list of parts.
+        conversation = cast("list[dict[str, str]]", self._messages(state, question, n_images, n_videos))
         return str(checkpoint.media_processor().apply_chat_template(
-            self._messages(state, question, n_images, n_videos),
+            conversation,
             tokenize=False,
             add_generation_prompt=True,
             enable_thinking=False,

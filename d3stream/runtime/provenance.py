@@ -9,8 +9,6 @@ device, load time).
 
 from __future__ import annotations
 
-from typing import Any
-
 from d3stream.runtime import media as media_io
 from d3stream.runtime.device import kernel_path
 from d3stream.runtime.forward import RowRunner
@@ -41,7 +39,7 @@ class Provenance:
         self.prompts = prompts
         self.runner = runner
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> dict[str, object]:
         """Everything that determines an answer: files, numerics, prompt, media contracts."""
         from importlib.metadata import version
 
@@ -53,7 +51,7 @@ class Provenance:
         root = checkpoint.root
         files = {name: sha256_file(root / name) for name in RECORDED_FILES if (root / name).is_file()}
         manifest = checkpoint.manifest or {}
-        record: dict[str, Any] = {
+        record: dict[str, object] = {
             "kind": "d3-code-readout",
             "runtime": RUNTIME,
             "implementation": f"d3stream/{__version__}",
@@ -73,13 +71,12 @@ class Provenance:
             "batch_size": self.runner.batch_size,
             "files_sha256": files,
             "kernels": self.kernel_record(),
-            "policy": POLICY,
+            "policy": POLICY + (PERMUTATION_POLICY if self.prompts.permutation_average else ""),
             "images": self.image_contract(),
             "videos": self.video_contract(),
         }
         if self.prompts.permutation_average:
             record["permutation_average"] = True
-            record["policy"] += PERMUTATION_POLICY
         return record
 
     def kernel_record(self) -> dict[str, str]:
@@ -89,10 +86,10 @@ class Provenance:
         kernels = self.checkpoint.kernels
         return {"path": kernel_path(kernels), **kernels}
 
-    def image_contract(self) -> dict[str, Any]:
+    def image_contract(self) -> dict[str, object]:
         """How image inputs are read (or why they are not available)."""
         checkpoint = self.checkpoint
-        contract: dict[str, Any] = {
+        contract: dict[str, object] = {
             "supported": checkpoint.image_unavailable is None,
             "min_pixels": media_io.IMAGE_MIN_PIXELS,
             "max_pixels": media_io.IMAGE_MAX_PIXELS,
@@ -116,10 +113,10 @@ class Provenance:
             contract["unavailable"] = checkpoint.image_unavailable
         return contract
 
-    def video_contract(self) -> dict[str, Any]:
+    def video_contract(self) -> dict[str, object]:
         """How video inputs are read (or why they are not available)."""
         checkpoint = self.checkpoint
-        contract: dict[str, Any] = {
+        contract: dict[str, object] = {
             "supported": checkpoint.video_unavailable is None,
             "fps": media_io.VIDEO_FPS,
             "min_frames": media_io.VIDEO_MIN_FRAMES,
@@ -150,13 +147,13 @@ class Provenance:
         checkpoint = self.checkpoint
         return sum(p.numel() for p in checkpoint.backbone.parameters()) + checkpoint.readout.numel()
 
-    def runtime_info(self) -> dict[str, Any]:
+    def runtime_info(self) -> dict[str, object]:
         """Library versions, device, load time and size of the loaded model."""
         import torch
         import transformers
 
         checkpoint = self.checkpoint
-        info: dict[str, Any] = {
+        info: dict[str, object] = {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "device": str(checkpoint.device),

@@ -17,13 +17,14 @@ helpers (``Question``, ``require_json``, ``confidence``, ``canonical_text``) tha
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from d3stream.runtime import format as d3_format
 from d3stream.runtime.kinds import (
     QUESTION_TYPE_NAMES,
     SCORE_LEVELS,
+    PromptContract,
     Question,
+    RenderedQuestion,
     canonical_text,
     confidence,
     question_type,
@@ -39,7 +40,7 @@ __all__ = [
 ERRORS = ("invalid_question", "max_length_exceeded", "invalid_model_output")
 
 
-def normalize_question(question: Any, *, contract: Any = d3_format) -> Question:
+def normalize_question(question: object, *, contract: PromptContract = d3_format) -> Question:
     """Validate one question; ValueError says what is wrong with it.
 
     ``contract`` is the checkpoint's prompt contract module (its own ``d3_format.py`` when it ships one).
@@ -56,7 +57,7 @@ def normalize_question(question: Any, *, contract: Any = d3_format) -> Question:
     return found.build(question, instructions, contract)
 
 
-def question_error(question: Any, code: str, message: str) -> dict[str, Any]:
+def question_error(question: object, code: str, message: str) -> dict[str, object]:
     """The answer slot of a question that could not be answered."""
     kind = question.get("type") if isinstance(question, Mapping) else None
     if isinstance(question, Question):
@@ -64,13 +65,15 @@ def question_error(question: Any, code: str, message: str) -> dict[str, Any]:
     return {"type": kind if isinstance(kind, str) else None, "error": code, "message": message}
 
 
-def reversed_question(question: Question) -> dict[str, Any] | None:
+def reversed_question(question: Question) -> RenderedQuestion | None:
     """The rendered question with its options in reverse order (None when nothing to permute)."""
     found = question_type(question.kind)
     if found is None or not found.permutable or len(question.keys) < 2:
         return None
-    criteria = question.rendered["criteria"]
-    return dict(question.rendered, criteria={key: criteria[key] for key in reversed(criteria)})
+    flipped = question.rendered.copy()
+    criteria = flipped["criteria"]  # a permutable type always has criteria
+    flipped["criteria"] = {key: criteria[key] for key in reversed(criteria)}
+    return flipped
 
 
 def average_orders(forward: Sequence[float], backward: Sequence[float]) -> list[float]:
@@ -79,8 +82,8 @@ def average_orders(forward: Sequence[float], backward: Sequence[float]) -> list[
 
 
 def answer_object(
-    question: Question, probabilities: Sequence[float], *, contract: Any = d3_format
-) -> dict[str, Any]:
+    question: Question, probabilities: Sequence[float], *, contract: PromptContract = d3_format
+) -> Mapping[str, object]:
     """The public answer of one question from its option probabilities (code order).
 
     ValueError when the probabilities cannot be an answer (the caller reports ``invalid_model_output``).

@@ -10,12 +10,12 @@ these types without loading the model's libraries.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from d3stream.runtime import format as builtin_format
+from d3stream.runtime.kinds import PromptContract
 from d3stream.runtime.questions import Question, answer_object, average_orders, question_error
 
 if TYPE_CHECKING:
@@ -75,16 +75,16 @@ class Prepared:
     keys: list[str]
     model_name: str
     questions: dict[str, Question] = field(default_factory=dict)
-    errors: dict[str, dict[str, Any]] = field(default_factory=dict)  # question id -> its error answer (JSON)
+    errors: dict[str, dict[str, object]] = field(default_factory=dict)  # question id -> its error answer (JSON)
     rows: list[Row] = field(default_factory=list)
     media: RequestMedia | None = None
-    contract: types.ModuleType = builtin_format
+    contract: PromptContract = builtin_format
 
     @property
     def input_tokens(self) -> int:
         return sum(row.length for row in self.rows)
 
-    def answers(self, probabilities: Mapping[Row, Sequence[float]]) -> dict[str, Any]:
+    def answers(self, probabilities: Mapping[Row, Sequence[float]]) -> dict[str, object]:
         """The response ``{"model", "answers", "usage"}`` from the probabilities of every row."""
         merged: dict[str, Sequence[float]] = {}
         twins: list[Row] = []  # reversed-option rows, averaged in once their originals are in
@@ -97,7 +97,7 @@ class Prepared:
                 merged[row.key] = probabilities[row]
         for row in twins:
             merged[row.key] = average_orders(merged[row.key], probabilities[row])
-        answers: dict[str, Any] = {}
+        answers: dict[str, Mapping[str, object]] = {}
         errors, questions, contract = self.errors, self.questions, self.contract
         for key in self.keys:
             if key in errors:

@@ -12,8 +12,8 @@ features to the backbone in placeholder order.
 from __future__ import annotations
 
 import types
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from d3stream.runtime.cache import Entry, MediaFeatureCache, tensor_bytes
 from d3stream.runtime.device import to_device
@@ -33,6 +33,15 @@ DEFAULT_MEDIA_BATCH_PATCHES = 32768
 Item = tuple["torch.Tensor", "torch.Tensor"]
 # One encoded item: its merged features and, for Qwen3-VL, its deepstack features (one per layer).
 Encoded = tuple["torch.Tensor", "list[torch.Tensor] | None"]
+
+
+class TowerOutput(Protocol):
+    """What the backbone's ``get_image_features`` / ``get_video_features`` return with ``return_dict=True``: the
+    merged features of each item (transformers annotates them as one tensor; they come split per item). Qwen3-VL's
+    also carries ``deepstack_features``, read where present."""
+
+    @property
+    def pooler_output(self) -> Sequence[torch.Tensor]: ...
 
 
 def split_media(pixels: torch.Tensor, grids: torch.Tensor) -> list[Item]:
@@ -80,7 +89,7 @@ class VisionEncoder:
         # Optional bounded cache of vision-tower features (``runtime/cache.py``); None: encode per request.
         self.media_cache: MediaFeatureCache | None = None
 
-    def _tower(self, kind: str) -> Any:
+    def _tower(self, kind: str) -> Callable[..., TowerOutput]:
         """The backbone's encoder of one media kind (``get_image_features`` / ``get_video_features``)."""
         backbone = self.checkpoint.backbone
         return backbone.get_image_features if kind == "image" else backbone.get_video_features
