@@ -46,7 +46,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Self, TypeVar
 
 import structlog
 
@@ -372,20 +372,21 @@ def _run_sync(factory: Callable[[], Awaitable[_T]]) -> _T:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(runner())
-    box: dict[str, Any] = {}
+    values: list[_T] = []
+    errors: list[BaseException] = []
 
     def target() -> None:
         try:
-            box["value"] = asyncio.run(runner())
+            values.append(asyncio.run(runner()))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = exc
+            errors.append(exc)
 
     t = threading.Thread(target=target, name="d3stream-infra-sync")
     t.start()
     t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    if errors:
+        raise errors[0]
+    return values[0]
 
 
 def _wait_until(
@@ -639,7 +640,7 @@ class KafkaBroker(_LocalServer):
         heap: str = "512m",
         startup_timeout: float = 90.0,
         stop_grace: float = 30.0,
-        client_options: Mapping[str, Any] | None = None,
+        client_options: Mapping[str, object] | None = None,
         format_arguments: Sequence[str] = (),
     ) -> None:
         """``client_options`` are extra aiokafka kwargs (``security_protocol``, ``sasl_*``) that the
@@ -656,7 +657,7 @@ class KafkaBroker(_LocalServer):
         self.heap = heap
         self.startup_timeout = startup_timeout
         self.stop_grace = stop_grace
-        self.client_options: dict[str, Any] = dict(client_options or {})
+        self.client_options: dict[str, object] = dict(client_options or {})
         self.format_arguments = list(format_arguments)
         self.log_path = self.workdir / "kafka.log"
         self.data_dir = self.workdir / "data"
@@ -913,7 +914,7 @@ class ObjectStore(_LocalServer):
             conn.close()
 
     @property
-    def client_kwargs(self) -> dict[str, Any]:
+    def client_kwargs(self) -> dict[str, str]:
         """What ``boto3.client("s3", **kwargs)`` needs to reach this store (also useful for service config)."""
         return {
             "endpoint_url": self.endpoint_url,
@@ -922,7 +923,7 @@ class ObjectStore(_LocalServer):
             "region_name": self.region,
         }
 
-    def client(self, **config: Any) -> BaseClient:
+    def client(self, **config: object) -> BaseClient:
         """A boto3 S3 client for this store: path-style addressing (no DNS for bucket names on 127.0.0.1).
 
         ``config`` goes to ``botocore.config.Config`` (e.g. ``retries``, ``connect_timeout``).

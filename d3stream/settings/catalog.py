@@ -11,7 +11,7 @@ from __future__ import annotations
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, get_args, get_origin
+from typing import get_args, get_origin
 
 import msgspec
 
@@ -49,16 +49,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     lifecycle: LifecycleSettings = msgspec.field(default_factory=LifecycleSettings)
 
     @classmethod
-    def from_flat(cls, values: Mapping[str, Any] | None = None, /, **named: Any) -> Settings:
+    def from_flat(cls, values: Mapping[str, object] | None = None, /, **named: object) -> Settings:
         """Settings from written names (``answer_topic="a"``); the rest at their defaults. Unchecked, as a
         struct built by hand is: ``check`` (or ``load_settings``) refuses values that cannot work."""
         return _convert({**(values or {}), **named}, strict=True)
 
-    def replaced(self, **named: Any) -> Settings:
+    def replaced(self, **named: object) -> Settings:
         """A copy with some settings changed, by written name."""
         return _convert({**self.flat(), **named}, strict=True)
 
-    def flat(self) -> dict[str, Any]:
+    def flat(self) -> dict[str, object]:
         """Every setting by written name."""
         return {name: getattr(getattr(self, setting.section), setting.attribute) for name, setting in SETTINGS.items()}
 
@@ -94,8 +94,8 @@ class Setting:
     name: str
     section: str
     attribute: str
-    type: Any  # the field's type, without its help annotation
-    default: Any  # None: unset
+    type: object  # the field's type (a type form such as ``int | None``), without its help annotation
+    default: object  # None: unset
     help: str
 
     @property
@@ -141,18 +141,18 @@ def _catalogue() -> dict[str, Setting]:
 SETTINGS: dict[str, Setting] = _catalogue()
 
 
-def _convert(flat: Mapping[str, Any], *, strict: bool) -> Settings:
+def _convert(flat: Mapping[str, object], *, strict: bool) -> Settings:
     """Written names into sections; msgspec checks each value against its field's type."""
     unknown = sorted(set(flat) - set(SETTINGS))
     if unknown:
         raise ValueError(f"unknown settings {', '.join(unknown)}; see `d3stream serve --help`")
-    nested: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    nested: dict[str, dict[str, object]] = {section: {} for section in SECTIONS}
     for name, value in flat.items():
         nested[SETTINGS[name].section][name] = value
     return msgspec.convert(nested, Settings, strict=strict, dec_hook=decode_secret)
 
 
-def settings_from_text(flat: Mapping[str, Any]) -> Settings:
+def settings_from_text(flat: Mapping[str, object]) -> Settings:
     """Settings from the loose values of flags, variables and files (numbers as text, for instance);
     ValueError names the setting that does not fit."""
     try:

@@ -7,8 +7,6 @@ asks for it by name (``reveal``): the Kafka connection that signs in with it.
 
 from __future__ import annotations
 
-from typing import Any
-
 MASK = "**********"
 
 
@@ -37,9 +35,13 @@ class Secret:
         return hash((Secret, self._value))
 
 
-def decode_secret(annotation: type, value: Any) -> Any:
+def decode_secret(annotation: type, value: object) -> object:
     """msgspec's hook for the one custom type of the settings: text (from a flag, a variable or a file)
     becomes a Secret."""
     if annotation is Secret:
-        return value if isinstance(value, Secret) else Secret(value)
+        if isinstance(value, Secret):
+            return value
+        if not isinstance(value, str):
+            raise TypeError(f"a secret is text, got {type(value).__name__}")  # msgspec names the setting
+        return Secret(value)
     raise NotImplementedError(f"no settings type {annotation!r}")

@@ -17,7 +17,6 @@ import argparse
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
 
 from d3stream.settings.catalog import SECTIONS, SETTINGS, Setting, Settings, settings_from_text
 
@@ -37,7 +36,7 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def default_text(default: Any) -> str:
+def default_text(default: object) -> str:
     """A setting's default as it is written in a flag or the environment (nothing when it has none: unset)."""
     if default is None:
         return ""
@@ -80,7 +79,7 @@ def _add_flag(group: argparse._ArgumentGroup, setting: Setting) -> None:
     group.add_argument(*names, dest=setting.name, default=None, choices=setting.choices, action=action, help=text)
 
 
-def _coerce_text(setting: Setting, text: str) -> Any:
+def _coerce_text(setting: Setting, text: str) -> object:
     """Environment and flag strings into the shape msgspec converts: lists split on commas, an empty
     string for an optional setting means unset."""
     if setting.optional and text.strip().lower() in ("", "none"):
@@ -97,7 +96,7 @@ def _coerce_text(setting: Setting, text: str) -> Any:
     return text
 
 
-def _from_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+def _from_file(path: str | os.PathLike[str]) -> dict[str, object]:
     try:
         document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -111,8 +110,13 @@ def _from_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(table)
 
 
+def _split(value: object) -> list[object]:
+    """A list setting's text coerced: its items."""
+    return list(value) if isinstance(value, list) else [value]
+
+
 def load_settings(
-    flags: argparse.Namespace | dict[str, Any] | None = None,
+    flags: argparse.Namespace | dict[str, object] | None = None,
     *,
     environ: dict[str, str] | None = None,
     config_file: str | os.PathLike[str] | None = None,
@@ -120,8 +124,9 @@ def load_settings(
     """Settings from the three sources, checked; ValueError names the offending setting and source."""
     environ = dict(os.environ if environ is None else environ)
     given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
-    merged: dict[str, Any] = {}
-    path = config_file or given.get("config") or environ.get(CONFIG_ENV)
+    merged: dict[str, object] = {}
+    named = given.get("config")
+    path = config_file or (named if isinstance(named, str) else None) or environ.get(CONFIG_ENV)
     if path:
         merged.update(_from_file(path))
     for name, setting in SETTINGS.items():
@@ -130,7 +135,8 @@ def load_settings(
     for name, setting in SETTINGS.items():
         value = given.get(name)
         if isinstance(value, list) and setting.is_list:  # a repeated flag: each may hold a, b
-            value = [part for item in value for part in (_coerce_text(setting, item) if isinstance(item, str) else [item])]
+            value = [part for item in value
+                     for part in (_split(_coerce_text(setting, item)) if isinstance(item, str) else [item])]
         if value is not None:
             merged[name] = _coerce_text(setting, value) if isinstance(value, str) else value
     return settings_from_text(merged).check()
