@@ -23,13 +23,14 @@ from d3stream.cli import (
     make_checkpoint,
     produce,
     replay,
+    schemas,
     serve,
 )
 from d3stream.cli.shape import Command, HelpFormatter, register
 
 COMMANDS: tuple[Command, ...] = (
     serve.COMMAND, produce.COMMAND, consume.COMMAND, decide.COMMAND, demo.COMMAND, demo_task.COMMAND,
-    make_checkpoint.COMMAND, replay.COMMAND, compare.COMMAND, evaluate.COMMAND, chaos.COMMAND, bench.COMMAND,
+    make_checkpoint.COMMAND, replay.COMMAND, compare.COMMAND, evaluate.COMMAND, schemas.COMMAND, chaos.COMMAND, bench.COMMAND,
 )
 
 

@@ -163,19 +163,7 @@ def test_answers_and_dead_letters_read_by_foreign_deserializers(stack: Stack, sc
                                                                 qwen35_model: Any, answer_format: str) -> None:
     settings = _settings(stack, schema_registry, answer_format=answer_format, schema_auto_register=True)
     records = [record(_request("a-1")), record(_request("a-2")), (b"junk", b"not json at all")]
-    service = Service(settings, qwen35_model)
-
-    async def main() -> None:
-        async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
-            task = asyncio.create_task(service.run())
-            try:
-                await reader.wait(lambda: assigned_and_ready(service), 60, task, what="the assignment")
-                await produce(stack.broker.bootstrap_servers, stack.requests, records)
-                await reader.wait(lambda: len(reader.records) >= 3, 90, task, what="three answers")
-            finally:
-                await stop(service, task)
-
-    run(main())
+    _framed_answers(stack, Service(settings, qwen35_model), records, 3)
     client = SchemaRegistryClient({"url": schema_registry.url})
     if answer_format == "avro":
         read_answer = AvroDeserializer(client)
@@ -265,3 +253,37 @@ def test_a_schema_change_the_registry_refuses_stops_the_worker_at_start(stack: S
                            answer_topic=stack.unique("unregistered"))
     with pytest.raises(RuntimeError, match="register"):
         run(Service(other, qwen35_model).run())
+
+
+def test_schemas_registered_ahead_let_a_production_worker_start(stack: Stack, schema_registry: SchemaRegistry,
+                                                                qwen35_model: Any,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Production: ``d3stream schemas register`` once, then workers that do not register find the schemas."""
+    from d3stream.cli import main
+
+    assert main(["schemas", "register", "--schema-registry-url", schema_registry.url, "--answer-format", "avro",
+                 "--request-topics", stack.requests, "--answer-topic", stack.answers,
+                 "--dead-letter-topic", stack.dead_letters]) == 0
+    printed = capsys.readouterr().out
+    assert f"{stack.answers}\tAnswer\tschema id" in printed and f"{stack.requests}\tRequest" in printed
+    settings = _settings(stack, schema_registry, answer_format="avro")
+    assert not settings.registry.schema_auto_register
+    answers = _framed_answers(stack, Service(settings, qwen35_model), [record(_request("prod-1"))], 1)
+    assert answers[0][:1] == b"\x00"
+
+
+def _framed_answers(stack: Stack, service: Service, records: list[tuple[bytes, bytes]], count: int) -> list[bytes]:
+    """Run ``service`` until ``count`` answer records are on the answer topic; their values, as written."""
+
+    async def main() -> list[bytes]:
+        async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
+            task = asyncio.create_task(service.run())
+            try:
+                await reader.wait(lambda: assigned_and_ready(service), 60, task, what="the assignment")
+                await produce(stack.broker.bootstrap_servers, stack.requests, records)
+                await reader.wait(lambda: len(reader.records) >= count, 90, task, what=f"{count} answers")
+            finally:
+                await stop(service, task)
+            return [each.value for each in reader.records]
+
+    return run(main())
