@@ -1,7 +1,8 @@
 """``d3stream stack`` runs the README's "Your own stream" as written: the stack started in the background with
 ``--env-file``, the section's bash block run with the environment from that file, every request of
 ``examples/requests.jsonl`` answered, and Ctrl-C (SIGINT) stopping the stack with exit status 0 and its servers
-gone.
+gone. And a stack with ``--data-dir`` stopped by SIGTERM (exit 0) comes back, on fresh ports, with its records
+and objects.
 
 The commands are read out of README.md, so a README edit that breaks them breaks this test. One is not run as
 written: ``make-checkpoint ... --train demo`` trains for a minute, so its output folder is the session's tiny
@@ -10,6 +11,7 @@ checkpoint instead (``tests/unit/dev`` tests the training); what the other comma
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -178,3 +180,68 @@ def test_the_readme_stream_runs_against_d3stream_stack(tmp_path, qwen35_checkpoi
     from_env = load_settings({}, environ={name: value for name, value in exported.items()
                                           if name.startswith("D3STREAM_")})
     assert from_file == from_env, "the printed settings file says what the export lines say"
+
+
+def _start(folder: Path, env_file: Path, *options: str) -> subprocess.Popen:
+    """``d3stream stack`` with ``options``; returns once its env file is written (the servers are ready)."""
+    env_file.unlink(missing_ok=True)
+    with open(folder / "stack.err", "a") as stderr:
+        stack = subprocess.Popen([sys.executable, "-m", "d3stream", "stack", "--env-file", str(env_file), *options],
+                                 cwd=folder, env=_environment(), stdout=subprocess.DEVNULL, stderr=stderr)
+    while not env_file.exists():
+        if stack.poll() is not None:
+            pytest.fail(f"d3stream stack exited with {stack.returncode}:\n{(folder / 'stack.err').read_text()}")
+        time.sleep(0.2)
+    return stack
+
+
+async def _requests_kept(bootstrap_servers: str, expected: int) -> list[bytes]:
+    """The keys of the first ``expected`` records of d3.requests, read from the start."""
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer("d3.requests", bootstrap_servers=bootstrap_servers, auto_offset_reset="earliest",
+                                enable_auto_commit=False)
+    await consumer.start()
+    try:
+        keys: list[bytes] = []
+        while len(keys) < expected:
+            batches = await consumer.getmany(timeout_ms=1000)
+            keys += [record.key for records in batches.values() for record in records]
+        return keys
+    finally:
+        await consumer.stop()
+
+
+def test_a_stack_with_a_data_dir_keeps_records_and_objects_across_a_sigterm(tmp_path):
+    import boto3
+
+    data, env_file = tmp_path / "data", tmp_path / "stack.env"
+    stack = _start(tmp_path, env_file, "--data-dir", str(data), "--no-registry")
+    try:
+        first = read_env_file(env_file)
+        published = subprocess.run([sys.executable, "-m", "d3stream", "produce", "d3.requests", str(REQUESTS)],
+                                   env={**_environment(), **first}, capture_output=True, text=True,
+                                   timeout=COMMAND_TIMEOUT_S)
+        assert published.returncode == 0, published.stderr
+        store = boto3.client("s3", endpoint_url=first["D3STREAM_S3_ENDPOINT_URL"], region_name=first["AWS_REGION"],
+                             aws_access_key_id=first["AWS_ACCESS_KEY_ID"],
+                             aws_secret_access_key=first["AWS_SECRET_ACCESS_KEY"])
+        store.put_object(Bucket="d3-media", Key="kept.txt", Body=b"kept")
+    finally:
+        status = _stop(stack, signal.SIGTERM)
+    assert status == 0, (tmp_path / "stack.err").read_text()
+
+    stack = _start(tmp_path, env_file, "--data-dir", str(data), "--no-registry")
+    try:
+        again = read_env_file(env_file)
+        store = boto3.client("s3", endpoint_url=again["D3STREAM_S3_ENDPOINT_URL"], region_name=again["AWS_REGION"],
+                             aws_access_key_id=again["AWS_ACCESS_KEY_ID"],
+                             aws_secret_access_key=again["AWS_SECRET_ACCESS_KEY"])
+        assert store.get_object(Bucket="d3-media", Key="kept.txt")["Body"].read() == b"kept"
+        ids = [json.loads(line)["id"].encode() for line in REQUESTS.read_text(encoding="utf-8").splitlines() if line]
+        kept = asyncio.run(_requests_kept(again["D3STREAM_BOOTSTRAP_SERVERS"], len(ids)))
+        assert sorted(kept) == sorted(ids)
+    finally:
+        status = _stop(stack, signal.SIGTERM)
+    assert status == 0, (tmp_path / "stack.err").read_text()
+    assert (data / "kafka").is_dir() and (data / "s3").is_dir(), "--data-dir is kept after the stack stops"
