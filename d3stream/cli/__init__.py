@@ -25,12 +25,14 @@ from d3stream.cli import (
     replay,
     schemas,
     serve,
+    stack,
 )
 from d3stream.cli.shape import Command, HelpFormatter, register
 
 COMMANDS: tuple[Command, ...] = (
-    serve.COMMAND, produce.COMMAND, consume.COMMAND, decide.COMMAND, demo.COMMAND, demo_task.COMMAND,
-    make_checkpoint.COMMAND, replay.COMMAND, compare.COMMAND, evaluate.COMMAND, schemas.COMMAND, chaos.COMMAND, bench.COMMAND,
+    serve.COMMAND, produce.COMMAND, consume.COMMAND, decide.COMMAND, demo.COMMAND, stack.COMMAND,
+    demo_task.COMMAND, make_checkpoint.COMMAND, replay.COMMAND, compare.COMMAND, evaluate.COMMAND,
+    schemas.COMMAND, chaos.COMMAND, bench.COMMAND,
 )
 
 
