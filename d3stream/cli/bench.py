@@ -135,17 +135,17 @@ def _workloads_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _workloads(args: argparse.Namespace) -> Outcome:
-    from d3stream.benchmarks.bench import markdown, run_bench
+    from d3stream.benchmarks.bench import markdown, report_of, run_bench
 
-    report, calibration = run_bench(args)
-    table = markdown(report, calibration if args.calibrate else None)
+    runs, calibration = run_bench(args)
+    table = markdown(runs, calibration if args.calibrate else None)
     if args.markdown:
         Path(args.markdown).write_text(table, encoding="utf-8")
     if args.calibrate:
-        print(f"best max_batch_tokens for {report[next(iter(report))]['setup']['device']}: "
+        print(f"best max_batch_tokens for {runs[next(iter(runs))].setup['device']}: "
               f"{calibration['max_batch_tokens']} (serve with --max-batch-tokens {calibration['max_batch_tokens']})",
               file=sys.stderr)
-    return report, table
+    return report_of(runs), table
 
 
 # -------------------------------------------------------------------------------- on the embedded stack

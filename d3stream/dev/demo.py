@@ -117,9 +117,9 @@ def sample_requests(
 
     requests: list[dict[str, Any]] = []
     for example in examples:
-        request = dict(example.request)
-        if "images" in request:
-            png = base64.b64decode(request["images"][0].split(",", 1)[1])
+        request: dict[str, object] = dict(example.request)
+        if "images" in example.request:
+            png = base64.b64decode(example.request["images"][0].split(",", 1)[1])
             request["images"] = [upload(f"pictures/{example.id}.png", png)]
         requests.append(request)
     requests += [
@@ -155,7 +155,7 @@ def reevaluation(
     """The trained and the baseline answers against the labels: what ``d3stream compare --labels`` reports."""
     from d3stream.jobs import compare
 
-    labels = {(r["id"], r["question"]): r["answer"] for r in tasks.label_records(examples)}
+    labels: compare.Labels = {(r["id"], r["question"]): r["answer"] for r in tasks.label_records(examples)}
     report = compare.compare(trained, baseline, labels)
     figures = report.labels
     assert figures is not None
