@@ -17,7 +17,7 @@ import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from d3stream.core.agreement import LabelStats, Scored, Tally
 
@@ -62,13 +62,42 @@ def figures(evaluations: Iterable[object]) -> list[ModelFigures]:
                 item[0][0] != "live", item[0][1]))]
 
 
-def _stats_json(stats: LabelStats) -> dict[str, float | None]:
+class StatsJson(TypedDict):
+    """Figures over one group of evaluations (``LabelStats``), as ``--report --json`` prints them."""
+
+    n: int
+    accuracy: float | None
+    brier: float | None
+    log_loss: float | None
+    ece: float | None
+    estimated_accuracy: float | None
+    estimated_brier: float | None
+    accuracy_error: float | None
+    brier_error: float | None
+
+
+class ModelJson(StatsJson):
+    """One model's figures: overall, and by question."""
+
+    model: str
+    role: str
+    requests: int
+    questions: dict[str, StatsJson]
+
+
+class FiguresJson(TypedDict):
+    """``d3stream evaluate --report --json``."""
+
+    models: list[ModelJson]
+
+
+def _stats_json(stats: LabelStats) -> StatsJson:
     return {"n": stats.n, "accuracy": stats.accuracy, "brier": stats.brier, "log_loss": stats.log_loss,
             "ece": stats.ece, "estimated_accuracy": stats.estimated_accuracy, "estimated_brier": stats.estimated_brier,
             "accuracy_error": stats.accuracy_error, "brier_error": stats.brier_error}
 
 
-def figures_json(models: list[ModelFigures]) -> dict[str, list[dict[str, object]]]:
+def figures_json(models: list[ModelFigures]) -> FiguresJson:
     return {"models": [{"model": m.model, "role": m.role, "requests": m.requests, **_stats_json(m.overall),
                         "questions": {q: _stats_json(s) for q, s in m.by_question.items()}} for m in models]}
 
