@@ -58,7 +58,7 @@ def _common(parser: argparse.ArgumentParser, *, checkpoint: bool = True, threads
     parser.set_defaults(progress=sys.stderr.isatty())
 
 
-def _count(parser: argparse.ArgumentParser, default: float, what: str, kind: type = int) -> None:
+def _count(parser: argparse.ArgumentParser, default: float, what: str, kind: type[int] | type[float] = int) -> None:
     parser.add_argument("count", type=kind, nargs="?", default=default, metavar="N" if kind is int else "SECONDS",
                         help=what)
 
@@ -246,7 +246,8 @@ def _scheduling(args: argparse.Namespace) -> Outcome:
     return report, bench_sched.scheduling_markdown(report).rstrip("\n")
 
 
-def _counted(default: float, what: str, kind: type = int, **common: bool) -> Callable[[argparse.ArgumentParser], None]:
+def _counted(default: float, what: str, kind: type[int] | type[float] = int,
+             **common: bool) -> Callable[[argparse.ArgumentParser], None]:
     def add(parser: argparse.ArgumentParser) -> None:
         _count(parser, default, what, kind)
         _common(parser, **common)
