@@ -54,16 +54,16 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 
 import numpy as np
 
 from d3stream.benchmarks.bench_workloads import DEFAULT_REQUESTS, WORKLOADS, Request, make_workload
 from d3stream.dev.progress import Progress
-from d3stream.dev.tasks import heldout
+from d3stream.dev.tasks import TaskRequest, heldout
 
 # The runtime's public names only (the runtime package imports neither torch nor transformers until a model
 # loads, so the CLI's ``--help`` stays quick): a runtime change that breaks the harness fails here, at import.
@@ -89,6 +89,17 @@ VARIANTS = {
 
 
 # ---------------------------------------------------------------------------------------- measuring
+
+
+class PeakFigures(TypedDict):
+    """Peak memory of one run, in MB: resident set size, and allocated device memory (None off CUDA)."""
+
+    peak_rss_mb: float
+    peak_cuda_mb: float | None
+
+
+PeakKey = Literal["peak_rss_mb", "peak_cuda_mb"]
+PEAK_KEYS: tuple[PeakKey, ...] = ("peak_rss_mb", "peak_cuda_mb")
 
 
 class PeakMemory:
@@ -126,7 +137,7 @@ class PeakMemory:
 
         self.peak_rss = max(self.peak_rss, psutil.Process().memory_info().rss)
 
-    def figures(self) -> dict[str, float | None]:
+    def figures(self) -> PeakFigures:
         cuda = None
         if self.device.type == "cuda":
             import torch
@@ -180,23 +191,21 @@ class Rounds:
 
     tallies: list[Tally] = field(default_factory=list)
     walls: list[float] = field(default_factory=list)
-    peaks: list[dict[str, float | None]] = field(default_factory=list)
-    media_cache: dict[str, Any] | None = None
-    prefix: dict[str, Any] | None = None
+    peaks: list[PeakFigures] = field(default_factory=list)
+    media_cache: Mapping[str, object] | None = None  # MediaFeatureCache.stats()
+    prefix: Mapping[str, object] | None = None  # PrefixRunner.report()
 
-    def peak(self, key: str) -> float | None:
+    def peak(self, key: PeakKey) -> float | None:
         """The largest of the rounds' ``key`` figures (``peak_rss_mb``, ``peak_cuda_mb``); None: none measured."""
         values = [value for peak in self.peaks if (value := peak[key]) is not None]
         return max(values) if values else None
 
-    def figures(self, prepared: Sequence[Prepared], flops: Flops, peak_tflops: float | None) -> dict[str, Any]:
+    def figures(self, prepared: Sequence[Prepared], flops: Flops, peak_tflops: float | None) -> PathFigures:
         """The path's throughput record: each pass at its fastest round (``best_seconds``), peak memory."""
         seconds = best_seconds(self.tallies, self.walls)
         figures = throughput_figures(self.tallies[-1], seconds, prepared, flops, peak_tflops)
-        figures["peak_rss_mb"] = self.peak("peak_rss_mb")
-        figures["peak_cuda_mb"] = self.peak("peak_cuda_mb")
-        figures["round_seconds"] = [round(wall, 4) for wall in self.walls]
-        return {**figures, "media_cache": self.media_cache}
+        return {**figures, "peak_rss_mb": self.peak("peak_rss_mb"), "peak_cuda_mb": self.peak("peak_cuda_mb"),
+                "round_seconds": [round(wall, 4) for wall in self.walls], "media_cache": self.media_cache}
 
 
 class Shape(TypedDict):
@@ -209,13 +218,135 @@ class Shape(TypedDict):
     seconds: float
 
 
-class Calibration(TypedDict):
-    """The calibration sweep and what it gives: the saturated throughput and the recommended budget."""
+class Peak(TypedDict):
+    """What the calibration sweep gives: the saturated throughput, its shape and the recommended budget (each
+    workload's ``calibration`` in the report)."""
 
     peak_tokens_per_s: float
     best_shape: list[int]
     max_batch_tokens: int
+
+
+class Calibration(Peak):
+    """The calibration sweep and what it gives."""
+
     sweep: list[Shape]
+
+
+class Throughput(TypedDict):
+    """One path's throughput figures (``throughput_figures``)."""
+
+    seconds: float
+    questions: int
+    questions_per_s: float
+    requests_per_s: float
+    input_tokens_per_s: float
+    computed_tokens_per_s: float
+    real_tokens: int
+    padded_tokens: int
+    real_over_padded: float | None
+    passes: int
+    model_tflops_per_s: float
+    mfu: float | None
+
+
+class Latency(TypedDict):
+    """One path's latency under Poisson arrivals (``latency_figures``), in ms."""
+
+    rate_rps: float
+    linger_ms: float
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    runs: int
+
+
+class PathFigures(Throughput):
+    """One path's record in the report: throughput, peak memory and the caches' counters; latency (not for
+    b's variants) and prefix reuse (c) added as they are measured."""
+
+    peak_rss_mb: float | None
+    peak_cuda_mb: float | None
+    round_seconds: list[float]
+    media_cache: Mapping[str, object] | None
+    prefix: NotRequired[Mapping[str, object] | None]
+    latency: NotRequired[Latency]
+
+
+class Comparison(TypedDict):
+    """The paths against each other and against the calibrated peak (``comparison``)."""
+
+    b_over_a: float
+    b_over_peak: float
+    b_over_peak_at_length: float
+    c_over_b: float | None
+    real_over_padded: float | None
+    max_abs_dp: float | None
+
+
+class VariantComparison(TypedDict):
+    """A variant of b against b (``b_<variant>_over_b`` and ``b_<variant>_max_abs_dp`` in the report)."""
+
+    over_b: float
+    max_abs_dp: float
+
+
+class WorkloadShape(TypedDict):
+    """What a workload held (its ``workload`` in the report)."""
+
+    requests: int
+    questions: int
+    input_tokens: int
+    prompt_tokens: dict[str, int]  # min, p50, max
+    images: int
+    seed: int
+
+
+class Setup(TypedDict):
+    """The run's settings and machine (``Bench.setup``; ``run_bench`` adds the checkpoint and its kernels)."""
+
+    device: str
+    load_average_1m: float | None
+    repeat: int
+    threads: int
+    parameters: int
+    flop_parameters: int
+    max_batch_tokens: int
+    max_batch_rows: int
+    reference_batch_size: int
+    verify_every: int
+    peak_tflops: float | None
+    media_batch_patches: int
+    pad_buckets: bool
+    checkpoint: NotRequired[str]
+    kernels: NotRequired[dict[str, str]]
+
+
+@dataclass
+class WorkloadRun:
+    """One workload's figures (``Bench.workload``). Its object in the report (``entry``) is flat: each path's
+    record and the comparisons beside ``workload``, ``setup`` and ``calibration``."""
+
+    workload: WorkloadShape
+    paths: dict[str, PathFigures]  # a, b, c (where prefix reuse works), then b_<variant>
+    comparison: Comparison
+    variants: dict[str, VariantComparison]
+    setup: Setup
+    calibration: Peak
+
+    def entry(self) -> dict[str, object]:
+        """The workload's object in the JSON report."""
+        variants: dict[str, float] = {}
+        for variant, compared in self.variants.items():
+            variants[f"b_{variant}_over_b"] = compared["over_b"]
+            variants[f"b_{variant}_max_abs_dp"] = compared["max_abs_dp"]
+        return {"workload": self.workload, **self.paths, **self.comparison, **variants, "setup": self.setup,
+                "calibration": self.calibration}
+
+
+def report_of(runs: Mapping[str, WorkloadRun]) -> dict[str, dict[str, object]]:
+    """The JSON report: each workload's object by name."""
+    return {name: run.entry() for name, run in runs.items()}
 
 
 # A scheduler's run of the waiting requests: ``execute(requests, finished)`` (``schedule``).
@@ -319,7 +450,7 @@ def question_waits(prepared: Sequence[Prepared], arrivals: Sequence[float], done
     return waits
 
 
-def latency_figures(waits: Sequence[float], rps: float, linger_ms: float, runs: int) -> dict[str, float | int]:
+def latency_figures(waits: Sequence[float], rps: float, linger_ms: float, runs: int) -> Latency:
     """The latency record of one simulated run: percentiles and mean of every question's wait (ms)."""
     ordered = sorted(waits)
     return {
@@ -365,7 +496,7 @@ class Flops:
 
 
 def throughput_figures(tally: Tally, seconds: float, prepared: Sequence[Prepared], flops: Flops,
-                       peak_tflops: float | None) -> dict[str, Any]:
+                       peak_tflops: float | None) -> Throughput:
     """One path's throughput record: rates, tokens, padding and model FLOP utilisation."""
     questions = sum(len(request.rows) for request in prepared)
     tokens = sum(request.input_tokens for request in prepared)
@@ -396,12 +527,12 @@ def paths_for(model: D3, variants: Sequence[str]) -> tuple[str, ...]:
     return paths + tuple(f"b_{variant}" for variant in variants)  # throughput only, beside b
 
 
-def comparison(out: dict[str, dict[str, Any]], results: dict[str, Results], prepared: Sequence[Prepared],
-               peak: Calibration, lengths: Sequence[int], variants: Sequence[str]) -> dict[str, Any]:
-    """The paths against each other and against the calibrated peak; |Δp| of c and the variants vs b."""
+def comparison(out: Mapping[str, PathFigures], results: Mapping[str, Results], prepared: Sequence[Prepared],
+               peak: Calibration, lengths: Sequence[int]) -> Comparison:
+    """The paths against each other and against the calibrated peak; |Δp| of c vs b."""
     causal = "c" in out
     b_rate = out["b"]["questions_per_s"]
-    compared: dict[str, Any] = {
+    return {
         "b_over_a": round(b_rate / out["a"]["questions_per_s"], 3),
         "b_over_peak": round(out["b"]["computed_tokens_per_s"] / peak["peak_tokens_per_s"], 3),
         # b against the best sweep shape whose rows are about as long as this workload's (a fairer peak
@@ -411,10 +542,15 @@ def comparison(out: dict[str, dict[str, Any]], results: dict[str, Results], prep
         "real_over_padded": out["b"]["real_over_padded"],
         "max_abs_dp": max_abs_dp(results["b"], results["c"], prepared) if causal else None,
     }
-    for variant in variants:
-        compared[f"b_{variant}_over_b"] = round(out[f"b_{variant}"]["questions_per_s"] / b_rate, 3)
-        compared[f"b_{variant}_max_abs_dp"] = max_abs_dp(results["b"], results[f"b_{variant}"], prepared)
-    return compared
+
+
+def variants_against_b(out: Mapping[str, PathFigures], results: Mapping[str, Results],
+                       prepared: Sequence[Prepared], variants: Sequence[str]) -> dict[str, VariantComparison]:
+    """Each variant of b against b: questions/s over b's, and the largest |Δp|."""
+    b_rate = out["b"]["questions_per_s"]
+    return {variant: {"over_b": round(out[f"b_{variant}"]["questions_per_s"] / b_rate, 3),
+                      "max_abs_dp": max_abs_dp(results["b"], results[f"b_{variant}"], prepared)}
+            for variant in variants}
 
 
 def schedule(prepared: Sequence[Prepared], arrivals: Sequence[float], execute: Execute, *, max_rows: int,
@@ -656,7 +792,7 @@ class Bench:
     # ------------------------------------------------------------------------------ one workload
 
     def workload(self, name: str, requests: list[Request], *, seed: int, rate: float | None,
-                 peak: Calibration) -> dict[str, Any]:
+                 peak: Calibration) -> WorkloadRun:
         """Every path's throughput and latency on ``requests``, and how the paths compare."""
         model = self.model
         prepared = [model.prepare(r.state, r.questions, r.images or None) for r in requests]
@@ -669,8 +805,8 @@ class Bench:
             rps = rate if rate is not None else DEFAULT_RATE_SHARE * out["a"]["requests_per_s"]
             self._latency(prepared, poisson_arrivals(rps, len(prepared), seed, name), rps, paths, out)
             model.media_cache = None
-        entry: dict[str, Any] = {
-            "workload": {
+        return WorkloadRun(
+            workload={
                 "requests": len(prepared),
                 "questions": len(lengths),
                 "input_tokens": sum(lengths),
@@ -678,13 +814,13 @@ class Bench:
                 "images": sum(len(r.images) for r in requests),
                 "seed": seed,
             },
-            **out,
-            **comparison(out, results, prepared, peak, lengths, self.variants),
-            "setup": self.setup(),
-            "calibration": {"peak_tokens_per_s": peak["peak_tokens_per_s"], "best_shape": peak["best_shape"],
-                            "max_batch_tokens": peak["max_batch_tokens"]},
-        }
-        return entry
+            paths=out,
+            comparison=comparison(out, results, prepared, peak, lengths),
+            variants=variants_against_b(out, results, prepared, self.variants),
+            setup=self.setup(),
+            calibration={"peak_tokens_per_s": peak["peak_tokens_per_s"], "best_shape": peak["best_shape"],
+                         "max_batch_tokens": peak["max_batch_tokens"]},
+        )
 
     def _warm_up(self, few: Sequence[Prepared], paths: Sequence[str]) -> None:
         """Every path on a few requests (not timed, no progress), so kernel selection is not measured."""
@@ -695,7 +831,7 @@ class Bench:
         self._bar = saved_bar
 
     def _throughput(self, prepared: Sequence[Prepared],
-                    paths: Sequence[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Results]]:
+                    paths: Sequence[str]) -> tuple[dict[str, PathFigures], dict[str, Results]]:
         """Each path's throughput figures over ``repeat`` rounds, and its answers (from its last round)."""
         results: dict[str, Results] = {}
         rounds = {path: Rounds() for path in paths}
@@ -705,7 +841,7 @@ class Bench:
         for _ in range(self.repeat):
             for path in paths:
                 results[path] = self._throughput_round(path, prepared, rounds[path])
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, PathFigures] = {}
         for path in paths:
             out[path] = rounds[path].figures(prepared, self.flops, self.peak_tflops)
             if path == "c":
@@ -732,22 +868,24 @@ class Bench:
         return results
 
     def _latency(self, prepared: Sequence[Prepared], arrivals: list[float], rps: float, paths: Sequence[str],
-                 out: dict[str, dict[str, Any]]) -> None:
+                 out: dict[str, PathFigures]) -> None:
         """Each path's latency under ``arrivals`` into ``out`` (b's variants are throughput only)."""
         # Like the throughput rounds, the simulations run ``repeat`` times interleaved; each path reports the
         # run with the lowest mean latency (the one least disturbed by other load on the machine).
         for _ in range(self.repeat):
             for path in (p for p in paths if not p.startswith("b_")):
                 latency, peaks = self._latency_run(path, prepared, arrivals, rps)
-                previous = out[path].get("latency")
+                figures = out[path]
+                previous = figures.get("latency")
                 if previous is None or latency["mean_ms"] < previous["mean_ms"]:
-                    out[path]["latency"] = latency
-                for key, value in peaks.items():
+                    figures["latency"] = latency
+                for key in PEAK_KEYS:
+                    value = peaks[key]
                     if value is not None:
-                        out[path][key] = max(out[path][key] or 0, value)
+                        figures[key] = max(figures[key] or 0, value)
 
     def _latency_run(self, path: str, prepared: Sequence[Prepared], arrivals: list[float],
-                     rps: float) -> tuple[dict[str, float | int], dict[str, float | None]]:
+                     rps: float) -> tuple[Latency, PeakFigures]:
         """One simulated run of ``path``: its latency figures and peak memory."""
         model = self.model
         model.media_cache = None if path == "a" else MediaFeatureCache()
@@ -758,7 +896,7 @@ class Bench:
         waits = question_waits(prepared, arrivals, done)
         return latency_figures(waits, rps, self.linger_ms, self.repeat), memory.figures()
 
-    def setup(self) -> dict[str, Any]:
+    def setup(self) -> Setup:
         """The run's settings and machine, as the report records them."""
         model = self.model
         return {
@@ -785,7 +923,20 @@ class Bench:
 KERNEL_TOLERANCE = 1e-2
 
 
-def kernel_check(model: D3, *, tickets: int = 60, pictures: int = 20) -> dict[str, Any]:
+class KernelCheck(TypedDict):
+    """``kernel_check``: the bound kernels against the reference code on the held-out requests."""
+
+    kernels: dict[str, str]
+    requests: int
+    questions: int
+    max_abs_dp: float
+    tolerance: float
+    passed: bool
+    bound_seconds: float
+    reference_seconds: float
+
+
+def kernel_check(model: D3, *, tickets: int = 60, pictures: int = 20) -> KernelCheck:
     """The held-out requests of the demo task (``tasks.heldout``) answered with the kernels transformers bound
     and again with its reference PyTorch code (``reference_kernels``), same weights, same process: the
     largest |Δp| of any question and whether it is within ``KERNEL_TOLERANCE``. Run before timing anything:
@@ -801,13 +952,13 @@ def kernel_check(model: D3, *, tickets: int = 60, pictures: int = 20) -> dict[st
     worst = 0.0
     questions = 0
     for fast, slow in zip(bound, reference, strict=True):
-        for key, answer in fast["answers"].items():
-            other = slow["answers"][key]
-            if "probabilities" not in answer or "probabilities" not in other:
+        slow_answers = _probabilities(slow)
+        for key, probabilities in _probabilities(fast).items():
+            other = slow_answers.get(key)
+            if other is None:
                 continue
             questions += 1
-            worst = max(worst, max(abs(answer["probabilities"][k] - other["probabilities"][k])
-                                   for k in answer["probabilities"]))
+            worst = max(worst, max(abs(probabilities[k] - other[k]) for k in probabilities))
     return {
         "kernels": model.kernel_record(),
         "requests": len(examples),
@@ -820,56 +971,68 @@ def kernel_check(model: D3, *, tickets: int = 60, pictures: int = 20) -> dict[st
     }
 
 
-def _answer(model: D3, request: dict[str, Any]) -> dict[str, Any]:
+def _answer(model: D3, request: TaskRequest) -> Mapping[str, object]:
     return model.system_one(state=request["state"], questions=request["questions"], images=request.get("images"))
+
+
+def _probabilities(response: Mapping[str, object]) -> dict[str, Mapping[str, float]]:
+    """The option probabilities of each question a ``system_one`` response answered (an error answer has
+    none), by question id."""
+    answers = response["answers"]
+    assert isinstance(answers, dict)  # system_one answers every question: an answer or an error
+    return {key: answer["probabilities"] for key, answer in answers.items()
+            if isinstance(answer, dict) and "probabilities" in answer}
 
 
 # ------------------------------------------------------------------------------------------ reports
 
 
-def markdown(report: dict[str, Any], calibration: Calibration | None = None) -> str:
+def markdown(runs: Mapping[str, WorkloadRun], calibration: Calibration | None = None) -> str:
     """The report as Markdown tables."""
     out = io.StringIO()
     names = {"a": "a reference (per request, batch 8)", "b": "b token-budget batching", "c": "c b + prefix reuse",
              **{f"b_{variant}": f"b {text}" for variant, text in VARIANTS.items()}}
     out.write("| workload | path | questions/s | input tokens/s | real ÷ padded | p50 ms | p99 ms | peak RSS MB |"
               " MFU |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
-    for workload, entry in report.items():
+    for workload, run in runs.items():
         for path in names:
-            figures = entry.get(path)
+            figures = run.paths.get(path)
             if not figures:
                 continue
-            latency = figures.get("latency") or {}
+            latency = figures.get("latency")
+            p50, p99 = (latency["p50_ms"], latency["p99_ms"]) if latency else (float("nan"), float("nan"))
             mfu = figures.get("mfu")
             cuda = f" (GPU {figures['peak_cuda_mb']:.0f})" if figures.get("peak_cuda_mb") is not None else ""
             out.write(
                 f"| {workload} | {names[path]} | {figures['questions_per_s']:,.1f} | "
                 f"{figures['input_tokens_per_s']:,.0f} | {figures['real_over_padded']:.3f} | "
-                f"{latency.get('p50_ms', float('nan')):,.1f} | {latency.get('p99_ms', float('nan')):,.1f} | "
+                f"{p50:,.1f} | {p99:,.1f} | "
                 f"{figures['peak_rss_mb']:,.0f}{cuda} | {'-' if mfu is None else f'{100 * mfu:.1f} %'} |\n"
             )
     out.write("\n| workload | b ÷ a | b ÷ peak | b ÷ peak at its row length | c ÷ b | real ÷ padded (b) | "
               "max abs Δp (c vs b) | arrival rate req/s |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
-    for workload, entry in report.items():
+    for workload, run in runs.items():
         def show(value: float | None, digits: int = 2) -> str:
             return "-" if value is None else f"{value:.{digits}f}"
 
-        delta = entry["max_abs_dp"]
-        out.write(f"| {workload} | {show(entry['b_over_a'])} | {show(entry['b_over_peak'])} | "
-                  f"{show(entry.get('b_over_peak_at_length'))} | {show(entry['c_over_b'])} | "
-                  f"{show(entry['real_over_padded'], 3)} | "
-                  f"{'-' if delta is None else format(delta, '.1e')} | {entry['a']['latency']['rate_rps']:.2f} |\n")
-    variants = [v for v in VARIANTS if any(f"b_{v}_over_b" in entry for entry in report.values())]
+        compared = run.comparison
+        delta = compared["max_abs_dp"]
+        out.write(f"| {workload} | {show(compared['b_over_a'])} | {show(compared['b_over_peak'])} | "
+                  f"{show(compared.get('b_over_peak_at_length'))} | {show(compared['c_over_b'])} | "
+                  f"{show(compared['real_over_padded'], 3)} | "
+                  f"{'-' if delta is None else format(delta, '.1e')} | {run.paths['a']['latency']['rate_rps']:.2f} |\n")
+    variants = [v for v in VARIANTS if any(v in run.variants for run in runs.values())]
     if variants:
         out.write("\n| workload | variant of b | ÷ b (questions/s) | max abs Δp vs b |\n|---|---|---:|---:|\n")
-        for workload, entry in report.items():
+        for workload, run in runs.items():
             for variant in variants:
-                if f"b_{variant}_over_b" in entry:
-                    out.write(f"| {workload} | {VARIANTS[variant]} | {entry[f'b_{variant}_over_b']:.3f} | "
-                              f"{entry[f'b_{variant}_max_abs_dp']:.1e} |\n")
-    first = next(iter(report.values()), None)
+                if variant in run.variants:
+                    against_b = run.variants[variant]
+                    out.write(f"| {workload} | {VARIANTS[variant]} | {against_b['over_b']:.3f} | "
+                              f"{against_b['max_abs_dp']:.1e} |\n")
+    first = next(iter(runs.values()), None)
     if first is not None:
-        setup, peak = first["setup"], first["calibration"]
+        setup, peak = first.setup, first.calibration
         out.write(
             f"\nDevice {setup['device']}, {setup['threads']} threads, {setup['parameters']:,} parameters; "
             f"max_batch_tokens {setup['max_batch_tokens']}, max_batch_rows {setup['max_batch_rows']}; "
@@ -888,8 +1051,9 @@ def markdown(report: dict[str, Any], calibration: Calibration | None = None) -> 
 # ---------------------------------------------------------------------------------------- a run
 
 
-def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Calibration]:
-    """Load the model, calibrate, run the chosen workloads; returns (report keyed by workload, calibration)."""
+def run_bench(args: argparse.Namespace) -> tuple[dict[str, WorkloadRun], Calibration]:
+    """Load the model, calibrate, run the chosen workloads; returns (each workload's figures by name,
+    calibration); ``report_of`` makes the JSON report of them."""
     import torch
 
     threads = torch.get_num_threads()
@@ -901,7 +1065,7 @@ def run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Calibration]:
         torch.set_num_threads(threads)
 
 
-def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Calibration]:
+def _run_bench(args: argparse.Namespace) -> tuple[dict[str, WorkloadRun], Calibration]:
     import torch
 
     try:
@@ -934,14 +1098,14 @@ def _run_bench(args: argparse.Namespace) -> tuple[dict[str, Any], Calibration]:
         bench.max_batch_tokens = calibration["max_batch_tokens"]
 
     names = WORKLOADS if args.workload == "all" else (args.workload,)
-    report: dict[str, Any] = {}
+    runs: dict[str, WorkloadRun] = {}
     for name in names:
         count = args.requests or max(2, round(DEFAULT_REQUESTS[name][1 if cuda else 0] * args.scale))
         requests = make_workload(name, count, args.seed, model.tokenizer,
                                  images_supported=model.image_unavailable is None)
-        report[name] = bench.workload(name, requests, seed=args.seed, rate=args.rate, peak=calibration)
-        report[name]["setup"]["checkpoint"] = str(root)
-        report[name]["setup"]["kernels"] = model.kernel_record()
+        runs[name] = bench.workload(name, requests, seed=args.seed, rate=args.rate, peak=calibration)
+        runs[name].setup["checkpoint"] = str(root)
+        runs[name].setup["kernels"] = model.kernel_record()
         if args.out:  # after every workload, so a run stopped early still leaves what it measured
-            Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    return report, calibration
+            Path(args.out).write_text(json.dumps(report_of(runs), indent=2) + "\n", encoding="utf-8")
+    return runs, calibration

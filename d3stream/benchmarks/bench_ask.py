@@ -19,7 +19,7 @@ import asyncio
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from d3stream_client import D3Client
 
@@ -34,7 +34,19 @@ QUESTION = {"type": "choice", "criteria": {"billing": "a payment or a refund", "
 MODES: tuple[DeliveryMode, ...] = ("exactly_once", "at_least_once")
 
 
-async def _asks(settings: Settings, model: D3, count: int, rate: float, prefix: str) -> dict[str, Any]:
+class AskFigures(TypedDict):
+    """One delivery mode: ``asks`` at ``rate``/s, ask()'s latency beside the worker's own end-to-end, in ms."""
+
+    asks: int
+    rate: float
+    commit_interval_ms: int
+    ask_p50_ms: float
+    ask_p99_ms: float
+    worker_p50_ms: float
+    worker_p99_ms: float
+
+
+async def _asks(settings: Settings, model: D3, count: int, rate: float, prefix: str) -> AskFigures:
     from d3stream.benchmarks.bench_service import until_joined
     from d3stream.service import Service
 
@@ -75,8 +87,8 @@ def _ms(seconds: list[float], percent: int) -> float:
 
 
 def ask_latency(checkpoint: Path, count: int = 300, *, rate: float = 20.0, broker: KafkaBroker | None = None,
-                threads: int | None = 1) -> dict[str, Any]:
-    """Both delivery modes, one after the other on one broker (default: a fresh embedded one)."""
+                threads: int | None = 1) -> dict[str, AskFigures]:
+    """Both delivery modes, one after the other on one broker (default: a fresh embedded one); figures by mode."""
     if broker is None:
         from d3stream.dev.infra import KafkaBroker, ensure_jars
 
@@ -86,7 +98,7 @@ def ask_latency(checkpoint: Path, count: int = 300, *, rate: float = 20.0, broke
     model = D3.from_pretrained(checkpoint, device="cpu")
     from d3stream.benchmarks.bench_service import worker_settings
 
-    report: dict[str, Any] = {}
+    report: dict[str, AskFigures] = {}
     for mode in MODES:
         prefix = f"ask-{mode.replace('_', '-')}-{time.time_ns()}"
         settings = worker_settings(broker, prefix, 4, delivery=mode, torch_threads=threads)
@@ -94,7 +106,7 @@ def ask_latency(checkpoint: Path, count: int = 300, *, rate: float = 20.0, broke
     return report
 
 
-def ask_markdown(report: dict[str, Any]) -> str:
+def ask_markdown(report: dict[str, AskFigures]) -> str:
     """The figures as the table of docs/CLIENT.md."""
     lines = ["| delivery | asks | rate | ask() p50 | ask() p99 | worker end-to-end p50 | p99 |",
              "|---|---:|---:|---:|---:|---:|---:|"]

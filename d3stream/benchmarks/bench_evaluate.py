@@ -27,7 +27,7 @@ import time
 import tracemalloc
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from d3stream_client.contract import Source, decode_answer
 from d3stream_client.publisher import produce
@@ -35,11 +35,14 @@ from d3stream_client.publisher import produce
 from d3stream.core.evaluation import JoinState, answer_entry
 from d3stream.settings import Settings
 
+if TYPE_CHECKING:
+    from d3stream.dev.infra import KafkaBroker
+
 TEAMS = ("billing", "tech", "sales")
 MAX_BATCH = 2_000  # answers per state commit, as the evaluator's largest fetch
 
 
-def answer_event(request_id: str, rng: random.Random) -> dict[str, Any]:
+def answer_event(request_id: str, rng: random.Random) -> dict[str, object]:
     """An answer event as a worker publishes it, with a choice, a noul and a score."""
     team = [rng.random() + 0.05 for _ in TEAMS]
     levels = [rng.random() + 0.05 for _ in range(3)]
@@ -57,12 +60,43 @@ def answer_event(request_id: str, rng: random.Random) -> dict[str, Any]:
     }
 
 
-def label_event(request_id: str, rng: random.Random) -> dict[str, Any]:
+def label_event(request_id: str, rng: random.Random) -> dict[str, object]:
     return {"id": request_id, "labels": {"team": rng.choice(TEAMS), "refund": rng.random() < 0.5,
                                          "urgency": rng.randrange(3)}}
 
 
-def state_memory(waiting: int = 100_000) -> dict[str, Any]:
+class StateMemory(TypedDict):
+    """What ``waiting`` answers with no label cost the state: its byte count, its file, the heap."""
+
+    waiting_answers: int
+    state_bytes: int
+    disk_bytes: int
+    heap_bytes: int
+    state_mb_per_100k: float
+    disk_mb_per_100k: float
+    heap_mb_per_100k: float
+
+
+class Throughput(TypedDict):
+    """One evaluate worker joining ``pairs`` answers and labels, timed from its start and from its join."""
+
+    pairs: int
+    evaluations: int
+    seconds: float
+    pairs_per_s: float
+    seconds_after_join: float
+    pairs_per_s_after_join: float
+    partitions: int
+
+
+class EvaluateReport(TypedDict):
+    """``d3stream bench evaluate``."""
+
+    throughput: Throughput
+    memory: StateMemory
+
+
+def state_memory(waiting: int = 100_000) -> StateMemory:
     """The state's byte count, its file on disk and the heap growth for ``waiting`` answers with no label."""
     from d3stream.core.state_store import WaitingStore
 
@@ -93,7 +127,7 @@ def state_memory(waiting: int = 100_000) -> dict[str, Any]:
             "heap_mb_per_100k": round(heap / waiting * 100_000 / 2**20, 1)}
 
 
-async def _throughput(settings: Settings, count: int) -> dict[str, Any]:
+async def _throughput(settings: Settings, count: int) -> Throughput:
     from d3stream.jobs.compare import TopicRange, read_topic
     from d3stream.jobs.evaluate import make_evaluator
 
@@ -127,7 +161,7 @@ async def _throughput(settings: Settings, count: int) -> dict[str, Any]:
             "pairs_per_s_after_join": round(count / steady, 1), "partitions": settings.delivery.topic_partitions}
 
 
-def evaluate_bench(count: int = 20_000, *, partitions: int = 4) -> dict[str, Any]:
+def evaluate_bench(count: int = 20_000, *, partitions: int = 4) -> EvaluateReport:
     """Throughput on a fresh embedded broker, and memory per 100,000 waiting answers."""
     from d3stream.dev.infra import KafkaBroker, ensure_jars
 
@@ -146,7 +180,7 @@ def evaluate_bench(count: int = 20_000, *, partitions: int = 4) -> dict[str, Any
     return {"throughput": throughput, "memory": state_memory()}
 
 
-def evaluate_markdown(report: dict[str, Any]) -> str:
+def evaluate_markdown(report: EvaluateReport) -> str:
     throughput, memory = report["throughput"], report["memory"]
     return (f"d3stream evaluate: {throughput['pairs']:,} answers and their labels joined in "
             f"{throughput['seconds']:g} s by one worker ({throughput['partitions']} partitions): "
@@ -197,6 +231,16 @@ async def _produce_stamped(servers: str, topic: str, chunks: Iterable[list[tuple
     finally:
         await producer.stop()
     return sent
+
+
+class Adopted(TypedDict):
+    """A worker's "evaluating partition" log line, the fields the report reads (kafka/evaluating.py logs them)."""
+
+    partition: int
+    mode: str  # tail (the changelog after the state on disk) or restore (all of it)
+    records: int
+    waiting: int
+    seconds: float
 
 
 class _Worker:
@@ -255,16 +299,70 @@ class _Worker:
             self.process.send_signal(sig)
             self.process.wait(timeout=300)
 
-    def adopted(self) -> list[dict[str, Any]]:
+    def adopted(self) -> list[Adopted]:
         """The worker's "evaluating partition" log lines since the log was last read (JSON)."""
         lines = self.log.read_text(encoding="utf-8").splitlines()
-        found = [json.loads(line) for line in lines if '"evaluating partition"' in line]
+        found: list[Adopted] = [json.loads(line) for line in lines if '"evaluating partition"' in line]
         self.log.write_text("", encoding="utf-8")
         return found
 
 
+class Ingest(TypedDict):
+    """Taking the answers in: rate (None: too quick to time), memory and disk with all of them waiting."""
+
+    seconds: float
+    answers_per_s: int | None
+    rss_mb: int
+    state_bytes: int
+    disk_bytes: int
+    evicted: int
+    coverage_days: float
+
+
+class Join(TypedDict):
+    """Joining labels spread from the oldest answer to the newest."""
+
+    labels: int
+    seconds: float
+    pairs_per_s: int
+    rss_mb: int
+    oldest_joined: bool
+    newest_joined: bool
+    oldest_age_days: float
+
+
+class Restart(TypedDict):
+    """A clean restart: the changelog's tail read."""
+
+    seconds: float
+    modes: list[str]
+    changelog_records: int
+    waiting: int
+
+
+class Restore(Restart):
+    """A crash onto an empty state directory: the whole changelog read."""
+
+    records_per_s: int
+    rss_mb: int
+
+
+class VolumeReport(TypedDict):
+    """``d3stream bench evaluate-volume``."""
+
+    waiting: int
+    days: float
+    partitions: int
+    window_days: float
+    budget_gib: float
+    ingest: Ingest
+    join: Join
+    restart: Restart
+    restore: Restore
+
+
 def volume_bench(waiting: int = 2_000_000, *, labels: int = VOLUME_LABELS, days: float = VOLUME_DAYS,
-                 tick: Callable[[str], None] | None = None) -> dict[str, Any]:
+                 tick: Callable[[str], None] | None = None) -> VolumeReport:
     """One evaluate worker with the default settings (window and state budget) on a fresh embedded broker:
     it takes in ``waiting`` answers stamped over ``days`` of stream time (ingest rate, resident memory with
     all of them waiting, disk bytes), joins ``labels`` labels spread from the oldest answer to the newest (join
@@ -278,8 +376,8 @@ def volume_bench(waiting: int = 2_000_000, *, labels: int = VOLUME_LABELS, days:
         return asyncio.run(_volume(broker.bootstrap_servers, broker, prefix, Path(tmp), waiting, labels, days, tick))
 
 
-async def _volume(servers: str, broker: Any, prefix: str, tmp: Path, waiting: int, label_count: int, days: float,
-                  tick: Callable[[str], None] | None) -> dict[str, Any]:
+async def _volume(servers: str, broker: KafkaBroker, prefix: str, tmp: Path, waiting: int, label_count: int,
+                  days: float, tick: Callable[[str], None] | None) -> VolumeReport:
     from d3stream.benchmarks.scaleout import free_port
 
     settings = Settings.from_flat(bootstrap_servers=servers, answer_topic=f"{prefix}.answers", label_topic=f"{prefix}.labels",
@@ -305,21 +403,18 @@ async def _volume(servers: str, broker: Any, prefix: str, tmp: Path, waiting: in
 
     step("publishing answers")
     await _produce_stamped(servers, settings.delivery.answer_topic, _stamped_answers(waiting, days, start_ms))
-    report: dict[str, Any] = {"waiting": waiting, "days": days, "partitions": VOLUME_PARTITIONS,
-                              "window_days": settings.evaluation.evaluate_window_s / 86_400,
-                              "budget_gib": settings.evaluation.evaluate_max_state_bytes / 2**30}
     step("taking answers in")
     started = worker.start()
     joined_at = await worker.until(lambda s: s.get("d3stream_eval_ready") == 1.0, "readiness", 300)
     done = await worker.until(lambda s: s.get("d3stream_eval_answers_total", 0) >= waiting, "every answer", 3_600)
     series = worker.series()
     seconds = done - joined_at  # read once a second: under MIN_TIMED_S that is no measurement
-    report["ingest"] = {"seconds": round(seconds, 1),
-                        "answers_per_s": round(waiting / seconds) if seconds >= MIN_TIMED_S else None,
-                        "rss_mb": round(worker.rss_mb()), "state_bytes": int(series["d3stream_eval_state_bytes"]),
-                        "disk_bytes": sum(f.stat().st_size for f in state_dir.rglob("*") if f.is_file()),
-                        "evicted": int(series.get("d3stream_eval_evicted_total", 0)),
-                        "coverage_days": round(series.get("d3stream_eval_state_coverage_seconds", 0) / 86_400, 2)}
+    ingest: Ingest = {
+        "seconds": round(seconds, 1), "answers_per_s": round(waiting / seconds) if seconds >= MIN_TIMED_S else None,
+        "rss_mb": round(worker.rss_mb()), "state_bytes": int(series["d3stream_eval_state_bytes"]),
+        "disk_bytes": sum(f.stat().st_size for f in state_dir.rglob("*") if f.is_file()),
+        "evicted": int(series.get("d3stream_eval_evicted_total", 0)),
+        "coverage_days": round(series.get("d3stream_eval_state_coverage_seconds", 0) / 86_400, 2)}
     del started
     step("joining labels")
     rng = random.Random(4)
@@ -331,21 +426,22 @@ async def _volume(servers: str, broker: Any, prefix: str, tmp: Path, waiting: in
     await produce(servers, settings.evaluation.label_topic, label_records)
     done = await worker.until(lambda s: s.get("d3stream_eval_pairs_total", 0) - before >= 3 * len(chosen),
                               "every label joined", 1_800)
-    report["join"] = {"labels": len(chosen), "seconds": round(done - sent_at, 1),
-                      "pairs_per_s": round(len(chosen) / (done - sent_at)), "rss_mb": round(worker.rss_mb())}
+    join_rss_mb = round(worker.rss_mb())
     evaluations = await _evaluated(servers, settings.evaluation.evaluation_topic, {f"ticket-{n:09d}" for n in (0, waiting - 1)})
-    report["join"]["oldest_joined"] = f"ticket-{0:09d}" in evaluations
-    report["join"]["newest_joined"] = f"ticket-{waiting - 1:09d}" in evaluations
-    report["join"]["oldest_age_days"] = round((time.time() * 1000 - start_ms) / 86_400_000, 2)
+    join: Join = {"labels": len(chosen), "seconds": round(done - sent_at, 1),
+                  "pairs_per_s": round(len(chosen) / (done - sent_at)), "rss_mb": join_rss_mb,
+                  "oldest_joined": f"ticket-{0:09d}" in evaluations,
+                  "newest_joined": f"ticket-{waiting - 1:09d}" in evaluations,
+                  "oldest_age_days": round((time.time() * 1000 - start_ms) / 86_400_000, 2)}
     step("clean restart")
     worker.adopted()
     worker.stop()
     started = worker.start()
     ready = await worker.until(lambda s: s.get("d3stream_eval_ready") == 1.0, "readiness after a restart", 600)
     adopted = worker.adopted()
-    report["restart"] = {"seconds": round(ready - started, 1), "modes": sorted({a["mode"] for a in adopted}),
-                         "changelog_records": sum(a["records"] for a in adopted),
-                         "waiting": sum(a["waiting"] for a in adopted)}
+    restart: Restart = {"seconds": round(ready - started, 1), "modes": sorted({a["mode"] for a in adopted}),
+                        "changelog_records": sum(a["records"] for a in adopted),
+                        "waiting": sum(a["waiting"] for a in adopted)}
     step("crash and restore")
     worker.stop(signal.SIGKILL)
     shutil.rmtree(state_dir)  # a new machine: nothing on disk
@@ -354,11 +450,14 @@ async def _volume(servers: str, broker: Any, prefix: str, tmp: Path, waiting: in
     adopted = worker.adopted()
     records = sum(a["records"] for a in adopted)
     restore_seconds = sum(a["seconds"] for a in adopted)
-    report["restore"] = {"seconds": round(ready - started, 1), "modes": sorted({a["mode"] for a in adopted}),
-                         "changelog_records": records, "records_per_s": round(records / max(restore_seconds, 1e-9)),
-                         "waiting": sum(a["waiting"] for a in adopted), "rss_mb": round(worker.rss_mb())}
+    restore: Restore = {"seconds": round(ready - started, 1), "modes": sorted({a["mode"] for a in adopted}),
+                        "changelog_records": records, "records_per_s": round(records / max(restore_seconds, 1e-9)),
+                        "waiting": sum(a["waiting"] for a in adopted), "rss_mb": round(worker.rss_mb())}
     worker.stop()
-    return report
+    return {"waiting": waiting, "days": days, "partitions": VOLUME_PARTITIONS,
+            "window_days": settings.evaluation.evaluate_window_s / 86_400,
+            "budget_gib": settings.evaluation.evaluate_max_state_bytes / 2**30,
+            "ingest": ingest, "join": join, "restart": restart, "restore": restore}
 
 
 async def _evaluated(servers: str, topic: str, wanted: set[str]) -> set[str]:
@@ -368,7 +467,7 @@ async def _evaluated(servers: str, topic: str, wanted: set[str]) -> set[str]:
     return {r["id"] for r in records if isinstance(r, dict) and r.get("id") in wanted}
 
 
-def volume_markdown(report: dict[str, Any]) -> str:
+def volume_markdown(report: VolumeReport) -> str:
     ingest, join, restart, restore = report["ingest"], report["join"], report["restart"], report["restore"]
     return "\n".join([
         f"d3stream evaluate at volume: one worker, default settings (window {report['window_days']:g} days, state "

@@ -20,11 +20,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from d3stream.settings import Settings
 
 if TYPE_CHECKING:
+    from d3stream.core.seams import DecisionModel
     from d3stream.dev.infra import KafkaBroker, ObjectStore
     from d3stream.service import Service
 
@@ -92,8 +93,36 @@ def _request(rid: str, uris: list[str]) -> tuple[bytes, bytes]:
     return rid.encode(), json.dumps(body).encode()
 
 
-async def _soak(settings: Settings, model: Any, bootstrap: str, requests: list[list[str]], sampler: RssSampler,
-                tick: Callable[[str], None] | None) -> dict[str, Any]:
+class Peaks(TypedDict):
+    """RSS over the idle worker while requests were served and a few seconds after their answers, MB."""
+
+    peak_over_idle_mb: float
+    after_over_idle_mb: float
+
+
+class SoakFigures(TypedDict):
+    """What ``_soak`` measured: the idle worker, each request alone, ``AT_ONCE`` together, idle again."""
+
+    requests: list[Peaks]
+    idle_mb: float
+    at_once: Peaks
+    idle_after_mb: float
+    errors: int
+
+
+class ImageSoakReport(SoakFigures):
+    """``d3stream bench soak-images``: the figures, the requests' shape, and whether RSS kept to the budget."""
+
+    checkpoint: str
+    images_per_request: int
+    megapixels_per_image: float
+    budget_mb: float
+    steady_after_over_idle_mb: float
+    within_budget: bool
+
+
+async def _soak(settings: Settings, model: DecisionModel, bootstrap: str, requests: list[list[str]],
+                sampler: RssSampler, tick: Callable[[str], None] | None) -> SoakFigures:
     from d3stream_client.publisher import produce
 
     from d3stream.benchmarks.bench_service import until_joined
@@ -102,13 +131,13 @@ async def _soak(settings: Settings, model: Any, bootstrap: str, requests: list[l
     service = Service(settings, model)
     task = asyncio.create_task(service.run())
     topic = settings.delivery.request_topics[0]
-    figures: dict[str, Any] = {"requests": []}
+    each: list[Peaks] = []
     try:
         await until_joined(service, task)
         await produce(bootstrap, topic, [_request("warm", requests[0][:1])])  # first batch shapes, then idle
         await _answered(service, task, 1)
         await asyncio.sleep(SETTLE_S)
-        idle = figures["idle_mb"] = _mb(sampler.now())
+        idle = _mb(sampler.now())
         single = len(requests) - AT_ONCE
         for number, uris in enumerate(requests[:single]):
             if tick is not None:
@@ -118,8 +147,8 @@ async def _soak(settings: Settings, model: Any, bootstrap: str, requests: list[l
             await _answered(service, task, number + 2)
             peak = sampler.peak()
             await asyncio.sleep(SETTLE_S)
-            figures["requests"].append({"peak_over_idle_mb": round(_mb(peak) - idle, 1),
-                                        "after_over_idle_mb": round(_mb(sampler.now()) - idle, 1)})
+            each.append({"peak_over_idle_mb": round(_mb(peak) - idle, 1),
+                         "after_over_idle_mb": round(_mb(sampler.now()) - idle, 1)})
         if tick is not None:
             tick(f"{AT_ONCE} at once")
         sampler.reset()
@@ -128,13 +157,14 @@ async def _soak(settings: Settings, model: Any, bootstrap: str, requests: list[l
         await _answered(service, task, len(requests) + 1)
         peak = sampler.peak()
         await asyncio.sleep(SETTLE_S)
-        figures["at_once"] = {"peak_over_idle_mb": round(_mb(peak) - idle, 1),
-                              "after_over_idle_mb": round(_mb(sampler.now()) - idle, 1)}
+        at_once: Peaks = {"peak_over_idle_mb": round(_mb(peak) - idle, 1),
+                          "after_over_idle_mb": round(_mb(sampler.now()) - idle, 1)}
         if tick is not None:
             tick("idle")
         await asyncio.sleep(IDLE_S)
-        figures["idle_after_mb"] = round(_mb(sampler.now()) - idle, 1)
-        figures["errors"] = service.counts["errors"]
+        figures: SoakFigures = {"requests": each, "idle_mb": idle, "at_once": at_once,
+                                "idle_after_mb": round(_mb(sampler.now()) - idle, 1),
+                                "errors": service.counts["errors"]}
     finally:
         service.stop()
         await asyncio.wait_for(task, 120)
@@ -159,9 +189,9 @@ def progress_steps(count: int) -> int:
 
 
 def image_soak(checkpoint: Path, count: int = 20, *, stack: tuple[KafkaBroker, ObjectStore] | None = None,
-               tick: Callable[[str], None] | None = None) -> dict[str, Any]:
+               tick: Callable[[str], None] | None = None) -> ImageSoakReport:
     """Serve ``count`` large-image requests one at a time, then ``AT_ONCE`` together, on one worker with the
-    default settings; the RSS figures (MB over the idle worker) as a dict."""
+    default settings; the RSS figures (MB over the idle worker)."""
     if stack is None:
         from d3stream.dev.infra import local_stack
 
@@ -190,7 +220,7 @@ def image_soak(checkpoint: Path, count: int = 20, *, stack: tuple[KafkaBroker, O
     with RssSampler() as sampler:
         figures = asyncio.run(_soak(settings, model, broker.bootstrap_servers, requests, sampler, tick))
     budget_mb = _mb(settings.media.max_inflight_media_bytes)
-    after = [each["after_over_idle_mb"] for each in figures["requests"]]
+    after = [peaks["after_over_idle_mb"] for peaks in figures["requests"]]
     steady = max(after[len(after) // 2:]) if after else 0.0
     return {
         **figures,
@@ -203,7 +233,7 @@ def image_soak(checkpoint: Path, count: int = 20, *, stack: tuple[KafkaBroker, O
     }
 
 
-def image_soak_markdown(report: dict[str, Any]) -> str:
+def image_soak_markdown(report: ImageSoakReport) -> str:
     lines = [
         f"One worker, default settings, requests of {report['images_per_request']} distinct "
         f"{report['megapixels_per_image']:.0f}-megapixel PNGs, one at a time; RSS over the idle worker "

@@ -25,7 +25,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 
 from d3stream_client.publisher import Publisher
 from d3stream_client.subscriber import AnswerSubscription
@@ -38,9 +38,11 @@ from d3stream.settings import Ordering, Settings
 if TYPE_CHECKING:
     from d3stream.dev.infra import KafkaBroker, ObjectStore
 
-QUESTION = {"type": "choice", "criteria": {"billing": "a payment or a refund", "tech": "the app or the site",
-                                           "account": "logging in or the profile"}}
-RUNS: tuple[tuple[str, float | None, Ordering], ...] = (
+QUESTION: dict[str, object] = {
+    "type": "choice", "criteria": {"billing": "a payment or a refund", "tech": "the app or the site",
+                                   "account": "logging in or the profile"}}
+RunName = Literal["fast store, ordering key", "slow store, ordering key", "slow store, ordering partition"]
+RUNS: tuple[tuple[RunName, float | None, Ordering], ...] = (
     ("fast store, ordering key", 0.0, "key"), ("slow store, ordering key", None, "key"),
     ("slow store, ordering partition", None, "partition"))
 
@@ -59,14 +61,23 @@ class SlowStore(MediaFetcher):
 CUSTOMERS = 300  # record keys; a text request whose customer has an image request pending waits for it (key order)
 
 
-def _stream(seconds: float, image_uri: str, seed: int) -> list[tuple[float, str, dict[str, Any]]]:
+class _Request(TypedDict):
+    """A request of the stream: a text ticket, or one with an image."""
+
+    id: str
+    state: str
+    questions: dict[str, dict[str, object]]
+    images: NotRequired[list[str]]
+
+
+def _stream(seconds: float, image_uri: str, seed: int) -> list[tuple[float, str, _Request]]:
     """(send at, key, request): text at 4/s and images at 2/s, keyed by one of ``CUSTOMERS`` customers."""
     rng = random.Random(seed)
     stream = []
     for n in range(int(seconds * 6)):
         at = n / 6
         image = n % 3 == 0
-        request: dict[str, Any] = {"id": f"{'img' if image else 'txt'}-{n}", "state": f"ticket {n}: help",
+        request: _Request = {"id": f"{'img' if image else 'txt'}-{n}", "state": f"ticket {n}: help",
                                    "questions": {"team": QUESTION}}
         if image:
             request["images"] = [image_uri]
@@ -74,7 +85,7 @@ def _stream(seconds: float, image_uri: str, seed: int) -> list[tuple[float, str,
     return stream
 
 
-async def _one_run(settings: Settings, model: D3, fetcher: MediaFetcher, stream: list[tuple[float, str, dict]],
+async def _one_run(settings: Settings, model: D3, fetcher: MediaFetcher, stream: list[tuple[float, str, _Request]],
                    drain_s: float) -> dict[str, list[float]]:
     from d3stream.benchmarks.bench_service import until_joined
     from d3stream.service import Service
@@ -108,13 +119,47 @@ async def _one_run(settings: Settings, model: D3, fetcher: MediaFetcher, stream:
     return waits
 
 
-def _figures(waits: list[float]) -> dict[str, float]:
+class Figures(TypedDict):
+    """Median and 95th percentile of the waits from publish to answer, in ms."""
+
+    p50_ms: float
+    p95_ms: float
+
+
+class RunFigures(TypedDict):
+    """One run: the text and the image requests' waits; beside the fast store, text's p95 over its p95 there."""
+
+    text: Figures
+    image: Figures
+    text_p95_vs_fast_store: NotRequired[float]
+
+
+class StreamShape(TypedDict):
+    """The stream: its length, rates and partitions, and the slow store's delay per image read."""
+
+    seconds: float
+    text_per_s: int
+    images_per_s: int
+    partitions: int
+    delay_s: float
+
+
+# ``d3stream bench head-of-line``: the stream, and each run by its name (``RUNS``).
+HeadOfLineReport = TypedDict("HeadOfLineReport", {
+    "stream": StreamShape,
+    "fast store, ordering key": RunFigures,
+    "slow store, ordering key": RunFigures,
+    "slow store, ordering partition": RunFigures,
+})
+
+
+def _figures(waits: list[float]) -> Figures:
     cuts = statistics.quantiles(waits, n=100, method="inclusive")
     return {"p50_ms": round(cuts[49] * 1000, 1), "p95_ms": round(cuts[94] * 1000, 1)}
 
 
 def head_of_line(checkpoint: Path, *, seconds: float = 20.0, delay_s: float = 1.5, seed: int = 0,
-                 stack: tuple[KafkaBroker, ObjectStore] | None = None, threads: int | None = 1) -> dict[str, Any]:
+                 stack: tuple[KafkaBroker, ObjectStore] | None = None, threads: int | None = 1) -> HeadOfLineReport:
     """The three runs side by side on one broker and store (default: a fresh embedded pair)."""
     if stack is None:
         from d3stream.dev.infra import local_stack
@@ -129,8 +174,7 @@ def head_of_line(checkpoint: Path, *, seconds: float = 20.0, delay_s: float = 1.
     store.client().put_object(Bucket="hol", Key="ticket.png", Body=sample_png(64, 48))
     stream = _stream(seconds, "s3://hol/ticket.png", seed)
     model = D3.from_pretrained(checkpoint, device="cpu")
-    report: dict[str, Any] = {"stream": {"seconds": seconds, "text_per_s": 4, "images_per_s": 2, "partitions": 3,
-                                         "delay_s": delay_s}}
+    runs: dict[RunName, RunFigures] = {}
     for name, delay, ordering in RUNS:
         prefix = f"hol-{ordering}-{'fast' if delay == 0.0 else 'slow'}-{time.time_ns()}"
         for topic in ("requests", "answers", "dlq", "prov"):
@@ -146,14 +190,17 @@ def head_of_line(checkpoint: Path, *, seconds: float = 20.0, delay_s: float = 1.
         assert isinstance(fetcher, SlowStore)
         fetcher.delay_s = delay_s if delay is None else delay
         waits = asyncio.run(_one_run(settings, model, fetcher, stream, drain_s=120 + 10 * delay_s))
-        report[name] = {"text": _figures(waits["text"]), "image": _figures(waits["image"])}
-    base_p95 = report[RUNS[0][0]]["text"]["p95_ms"]
+        runs[name] = {"text": _figures(waits["text"]), "image": _figures(waits["image"])}
+    base_p95 = runs[RUNS[0][0]]["text"]["p95_ms"]
     for name, _, _ in RUNS[1:]:
-        report[name]["text_p95_vs_fast_store"] = round(report[name]["text"]["p95_ms"] / base_p95, 2)
-    return report
+        runs[name]["text_p95_vs_fast_store"] = round(runs[name]["text"]["p95_ms"] / base_p95, 2)
+    return {"stream": {"seconds": seconds, "text_per_s": 4, "images_per_s": 2, "partitions": 3, "delay_s": delay_s},
+            "fast store, ordering key": runs["fast store, ordering key"],
+            "slow store, ordering key": runs["slow store, ordering key"],
+            "slow store, ordering partition": runs["slow store, ordering partition"]}
 
 
-def head_of_line_markdown(report: dict[str, Any]) -> str:
+def head_of_line_markdown(report: HeadOfLineReport) -> str:
     stream = report["stream"]
     lines = [f"Text 4/s and images 2/s keyed by one of {CUSTOMERS} customers on {stream['partitions']} partitions, "
              f"{stream['seconds']:g} s; the slow store adds {stream['delay_s']:g} s to every image read.", "",

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 
 from d3stream_client.contract import HEADERS
 
@@ -237,12 +237,83 @@ def _within(run: _Run, prefix: str, seconds: float) -> float:
     return round(done / seconds, 1)
 
 
-def _lane_figures(run: _Run, seconds: float) -> dict[str, Any]:
+class Quantiles(TypedDict):
+    """Median and 99th percentile, in ms."""
+
+    p50: float
+    p99: float
+
+
+class LaneFigures(TypedDict):
+    """One lanes run: the high stream's latency and where it went, the loop's lag, the flood's throughput."""
+
+    p50_ms: float
+    p99_ms: float
+    requests: int
+    flood_per_s: float
+    flood_answered: int
+    passes: int
+    padded_tokens_per_pass: int
+    stages_ms: dict[str, Quantiles]  # by STAGES
+    loop_lag_ms: Quantiles
+
+
+class Expired(TypedDict):
+    """The expired burst: its requests, the passes they cost, the deadline_exceeded answers."""
+
+    requests: int
+    passes_run: int
+    deadline_exceeded: int
+
+
+class TenantRun(TypedDict):
+    """The steady tenant in one run; beside the flood, its throughput over its throughput alone."""
+
+    steady_per_s: float
+    steady_p99_ms: float
+    vs_alone: NotRequired[float | None]
+
+
+TenantRunName = Literal["alone", "flood_quotas_off", "flood_quotas_on"]
+
+
+class Tenants(TypedDict):
+    """The steady tenant alone and beside a flooding tenant, quotas off and on; the quota."""
+
+    quota_tokens: int
+    alone: TenantRun
+    flood_quotas_off: TenantRun
+    flood_quotas_on: TenantRun
+
+
+class SchedulingSetup(TypedDict):
+    """The run's path, settings and measured capacity (``_lanes`` adds the flood's size)."""
+
+    path: str
+    seconds: float
+    torch_threads: int | None
+    capacity_per_s: float
+    max_inflight_requests: int
+    inflight_drain_s: float
+    lane_pass_tokens: int | None
+    flood_requests: NotRequired[int]
+
+
+class SchedulingReport(TypedDict):
+    """``d3stream bench scheduling``."""
+
+    setup: SchedulingSetup
+    lanes: dict[str, LaneFigures]
+    expired: Expired
+    tenants: Tenants
+
+
+def _lane_figures(run: _Run, seconds: float) -> LaneFigures:
     """The high stream's latency and where it went, the loop's lag and the flood's throughput in one run."""
     latency = run.latencies("hi")
     scheduler = run.service.scheduler
     assert isinstance(scheduler, BatchScheduler)  # serving, not a replay's ordered passes
-    stages = {stage: {"p50": round(_quantile(sorted(each[stage] for each in run.stages), 0.5), 1),
+    stages: dict[str, Quantiles] = {stage: {"p50": round(_quantile(sorted(each[stage] for each in run.stages), 0.5), 1),
                       "p99": round(_quantile(sorted(each[stage] for each in run.stages), 0.99), 1)}
               for stage in STAGES}
     lag = sorted(run.loop_lag)
@@ -256,7 +327,7 @@ def _lane_figures(run: _Run, seconds: float) -> dict[str, Any]:
             "loop_lag_ms": {"p50": round(1000 * _quantile(lag, 0.5), 1), "p99": round(1000 * _quantile(lag, 0.99), 1)}}
 
 
-def _with(settings: Settings, **changes: Any) -> Settings:
+def _with(settings: Settings, **changes: object) -> Settings:
     """A copy of ``settings`` for one run (a run's service never shares its settings object with another)."""
     return settings.replaced(**changes)
 
@@ -269,14 +340,14 @@ def _capacity(settings: Settings, model: DecisionModel, seconds: float) -> float
 
 
 def _lanes(settings: Settings, model: DecisionModel, capacity: float, seconds: float,
-           setup: dict[str, Any]) -> dict[str, Any]:
+           setup: SchedulingSetup) -> dict[str, LaneFigures]:
     """The high stream alone, and under a low flood with lanes on (capped and not) and off."""
     interactive = _steady("hi", INTERACTIVE_SHARE * capacity, seconds, priority="high")
     # Floods twice as long as the streams, so the worker is saturated for the whole window.
     flood = _burst("flood", int(2 * capacity * seconds), priority="low")
     setup["flood_requests"] = len(flood)
     flooded = _merged(interactive, flood)
-    lanes: dict[str, Any] = {}
+    lanes: dict[str, LaneFigures] = {}
     runs: tuple[tuple[str, Arrivals, dict[str, object]], ...] = (
         ("alone", interactive, {}),
         ("flood_lanes_on", flooded, {}),
@@ -289,23 +360,25 @@ def _lanes(settings: Settings, model: DecisionModel, capacity: float, seconds: f
     return lanes
 
 
-def _expired(settings: Settings, model: DecisionModel, expired: int) -> dict[str, Any]:
+def _expired(settings: Settings, model: DecisionModel, expired: int) -> Expired:
     """A burst of requests already past their deadline: the passes they cost (none, if refused in time)."""
     run, _ = _run(_with(settings), model, _burst("late", expired, deadline=1_000))
     return {"requests": expired, "passes_run": run.service.scheduler.passes_run,
             "deadline_exceeded": len(run.answered)}
 
 
-def _tenants(settings: Settings, model: DecisionModel, capacity: float, seconds: float) -> dict[str, Any]:
+def _tenants(settings: Settings, model: DecisionModel, capacity: float, seconds: float) -> Tenants:
     """A steady tenant's throughput alone and beside a flooding tenant, quotas off and on."""
     steady = _steady("steady", STEADY_SHARE * capacity, seconds, tenant="steady")
     flooding = _burst("flood", int(2 * capacity * seconds), tenant="flood")
     # A quota of about two fetches of 64 of these requests: enough for the steady tenant's arrivals.
     tokens = model.prepare(json.loads(steady[0][1].value)["state"], {"a": QUESTION}).input_tokens
     quota = 2 * 64 * tokens
-    tenants: dict[str, Any] = {"quota_tokens": quota}
-    for name, arrivals, limit in (("alone", steady, 0), ("flood_quotas_off", _merged(steady, flooding), 0),
-                                  ("flood_quotas_on", _merged(steady, flooding), quota)):
+    runs: tuple[tuple[TenantRunName, Arrivals, int], ...] = (
+        ("alone", steady, 0), ("flood_quotas_off", _merged(steady, flooding), 0),
+        ("flood_quotas_on", _merged(steady, flooding), quota))
+    tenants: dict[TenantRunName, TenantRun] = {}
+    for name, arrivals, limit in runs:
         run, _ = _run(_with(settings, tenant_max_inflight_tokens=limit), model, arrivals)
         # Its throughput: what was answered while it was sending (a backlog answered later does not count).
         tenants[name] = {"steady_per_s": _within(run, "steady", seconds),
@@ -313,18 +386,19 @@ def _tenants(settings: Settings, model: DecisionModel, capacity: float, seconds:
     for name in ("flood_quotas_off", "flood_quotas_on"):
         alone = tenants["alone"]["steady_per_s"]  # 0 only on runs too short to answer within the window
         tenants[name]["vs_alone"] = round(tenants[name]["steady_per_s"] / alone, 3) if alone else None
-    return tenants
+    return {"quota_tokens": quota, "alone": tenants["alone"], "flood_quotas_off": tenants["flood_quotas_off"],
+            "flood_quotas_on": tenants["flood_quotas_on"]}
 
 
 def scheduling_bench(model: DecisionModel | str | os.PathLike[str], *, seconds: float = 6.0,
-                     threads: int | None = 1, expired: int = 200) -> dict[str, Any]:
+                     threads: int | None = 1, expired: int = 200) -> SchedulingReport:
     """All three figures on ``model`` (a loaded model or a checkpoint path), each stream ``seconds`` long."""
     if isinstance(model, (str, os.PathLike)):
         model = D3.from_pretrained(Path(model), device="cpu")
     base = Settings.from_flat(metrics_port=None, answer_topic="answers", dead_letter_topic="dead-letters",
                     torch_threads=threads, linger_ms=5, prefix_reuse="off", log_level="warning")
     capacity = _capacity(base, model, seconds)
-    setup: dict[str, Any] = {"path": "pipeline alone (no broker), consume loop's admission",
+    setup: SchedulingSetup = {"path": "pipeline alone (no broker), consume loop's admission",
                              "seconds": seconds, "torch_threads": threads,
                              "capacity_per_s": round(capacity, 1),
                              "max_inflight_requests": base.batching.max_inflight_requests,
@@ -332,14 +406,11 @@ def scheduling_bench(model: DecisionModel | str | os.PathLike[str], *, seconds: 
                              # flood rows reach the high lane (docs/SCHEDULING.md).
                              "inflight_drain_s": round(base.batching.max_inflight_requests / capacity, 2),
                              "lane_pass_tokens": base.batching.lane_pass_tokens}
-    report: dict[str, Any] = {"setup": setup}
-    report["lanes"] = _lanes(base, model, capacity, seconds, setup)
-    report["expired"] = _expired(base, model, expired)
-    report["tenants"] = _tenants(base, model, capacity, seconds)
-    return report
+    return {"setup": setup, "lanes": _lanes(base, model, capacity, seconds, setup),  # which adds to setup
+            "expired": _expired(base, model, expired), "tenants": _tenants(base, model, capacity, seconds)}
 
 
-def scheduling_markdown(report: dict[str, Any]) -> str:
+def scheduling_markdown(report: SchedulingReport) -> str:
     setup, lanes, expired, tenants = report["setup"], report["lanes"], report["expired"], report["tenants"]
     cap = setup["lane_pass_tokens"]
     lines = [
@@ -368,7 +439,13 @@ def scheduling_markdown(report: dict[str, Any]) -> str:
         "| steady tenant (30 % of capacity) | answered/s in its window | vs alone | p99 ms |",
         "|---|---:|---:|---:|",
         *(f"| {name.replace('_', ' ')} | {row['steady_per_s']:,.1f} | {row.get('vs_alone', 1.0) or 0:.2f} | "
-          f"{row['steady_p99_ms']:,.1f} |" for name, row in tenants.items() if isinstance(row, dict)),
+          f"{row['steady_p99_ms']:,.1f} |" for name, row in _tenant_runs(tenants)),
         f"(quota: {tenants['quota_tokens']:,} tokens per tenant)",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _tenant_runs(tenants: Tenants) -> list[tuple[str, TenantRun]]:
+    """The steady tenant's runs in the report's order, by name."""
+    return [("alone", tenants["alone"]), ("flood_quotas_off", tenants["flood_quotas_off"]),
+            ("flood_quotas_on", tenants["flood_quotas_on"])]

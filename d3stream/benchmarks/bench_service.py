@@ -32,7 +32,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import structlog
 
@@ -208,13 +208,13 @@ async def until_joined(service: Service, task: asyncio.Task[None]) -> None:
         await asyncio.sleep(0.002)
 
 
-async def serve_until_answered(settings: Settings, model: DecisionModel, count: int,
-                       **service_options: Any) -> tuple[float, Service]:
+async def serve_until_answered(settings: Settings, model: DecisionModel, count: int, *,
+                               shadow: DecisionModel | None = None) -> tuple[float, Service]:
     """Serve until ``count`` requests are answered and committed; seconds from assignment to done.
-    ``service_options`` go to ``Service`` (e.g. ``shadow``: bench/shadow_cost.py)."""
+    ``shadow`` goes to ``Service`` (bench/shadow_cost.py)."""
     from d3stream.service import Service
 
-    service = Service(settings, model, **service_options)
+    service = Service(settings, model, shadow=shadow)
     task = asyncio.create_task(service.run())
     try:
         await until_joined(service, task)
@@ -232,8 +232,38 @@ async def serve_until_answered(settings: Settings, model: DecisionModel, count: 
     return seconds, service
 
 
+# The four paths of ``d3stream bench kafka``, in the order they take turns.
+KafkaRun = Literal["raw_at_least_once", "d3stream_at_least_once", "raw_transactional", "d3stream_exactly_once"]
+KAFKA_RUNS: tuple[KafkaRun, ...] = (
+    "raw_at_least_once", "d3stream_at_least_once", "raw_transactional", "d3stream_exactly_once",
+)
+
+
+class RunFigures(TypedDict):
+    """One path's best round."""
+
+    seconds: float
+    events_per_s: float
+
+
+class KafkaReport(TypedDict):
+    """``d3stream bench kafka``: each path's best round, every round's rate, and d3stream over raw."""
+
+    requests: int
+    partitions: int
+    rounds: int
+    topics: dict[str, str]
+    by_round: dict[str, list[float]]
+    raw_at_least_once: RunFigures
+    d3stream_at_least_once: RunFigures
+    raw_transactional: RunFigures
+    d3stream_exactly_once: RunFigures
+    at_least_once_ratio: float
+    exactly_once_ratio: float
+
+
 def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker | None = None,
-                   prefix: str = "bench", progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                   prefix: str = "bench", progress: Callable[[str], None] | None = None) -> KafkaReport:
     """The raw-versus-d3stream comparison on ``broker`` (an ``infra.KafkaBroker``; default: a fresh one,
     started and stopped here), on topics named ``<prefix>.*``; figures as one dict.
 
@@ -258,27 +288,34 @@ def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker 
     for transactional in (False, True):  # the broker's code paths of both modes
         asyncio.run(consume_answer_loop(bootstrap, topics["requests"], topics["warm-up"],
                                         f"{prefix}-warm-up-{transactional}", count, transactional=transactional))
-    report: dict[str, Any] = {"requests": count, "partitions": 4, "rounds": rounds, "topics": topics}
-    runs: tuple[tuple[str, bool, DeliveryMode], ...] = (  # (name, the raw loop?, delivery mode)
+    runs: tuple[tuple[KafkaRun, bool, DeliveryMode], ...] = (  # (name, the raw loop?, delivery mode)
         ("raw_at_least_once", True, "at_least_once"),
         ("d3stream_at_least_once", False, "at_least_once"),
         ("raw_transactional", True, "exactly_once"),
         ("d3stream_exactly_once", False, "exactly_once"),
     )
+    by_round: dict[str, list[float]] = {}
+    best: dict[KafkaRun, RunFigures] = {}  # each path's best round
     for round_number in range(rounds):
         for name, raw, mode in runs:
             if progress is not None:
                 progress(f"{name} ({round_number + 1}/{rounds})")
             seconds = _one_kafka_run(raw, mode, bootstrap, topics, f"{prefix}-{name}-{round_number}", count)
-            figures = {"seconds": round(seconds, 3), "events_per_s": round(count / seconds, 1)}
-            report.setdefault("by_round", {}).setdefault(name, []).append(figures["events_per_s"])
-            if name not in report or figures["events_per_s"] > report[name]["events_per_s"]:
-                report[name] = figures
-    report["at_least_once_ratio"] = round(
-        report["d3stream_at_least_once"]["events_per_s"] / report["raw_at_least_once"]["events_per_s"], 3)
-    report["exactly_once_ratio"] = round(
-        report["d3stream_exactly_once"]["events_per_s"] / report["raw_transactional"]["events_per_s"], 3)
-    return report
+            figures: RunFigures = {"seconds": round(seconds, 3), "events_per_s": round(count / seconds, 1)}
+            by_round.setdefault(name, []).append(figures["events_per_s"])
+            if name not in best or figures["events_per_s"] > best[name]["events_per_s"]:
+                best[name] = figures
+    return {
+        "requests": count, "partitions": 4, "rounds": rounds, "topics": topics, "by_round": by_round,
+        "raw_at_least_once": best["raw_at_least_once"],
+        "d3stream_at_least_once": best["d3stream_at_least_once"],
+        "raw_transactional": best["raw_transactional"],
+        "d3stream_exactly_once": best["d3stream_exactly_once"],
+        "at_least_once_ratio": round(
+            best["d3stream_at_least_once"]["events_per_s"] / best["raw_at_least_once"]["events_per_s"], 3),
+        "exactly_once_ratio": round(
+            best["d3stream_exactly_once"]["events_per_s"] / best["raw_transactional"]["events_per_s"], 3),
+    }
 
 
 def _one_kafka_run(raw: bool, mode: DeliveryMode, bootstrap: str, topics: dict[str, str], group: str,
@@ -298,7 +335,7 @@ def _one_kafka_run(raw: bool, mode: DeliveryMode, bootstrap: str, topics: dict[s
     return seconds
 
 
-def kafka_markdown(report: dict[str, Any]) -> str:
+def kafka_markdown(report: KafkaReport) -> str:
     lines = [
         f"Kafka path with a null model, {report['requests']:,} small requests, {report['partitions']} partitions, "
         f"best of {report['rounds']} rounds after warm-up passes:",
@@ -306,7 +343,7 @@ def kafka_markdown(report: dict[str, Any]) -> str:
         "| path | seconds | events/s |",
         "|---|---:|---:|",
     ]
-    for name in ("raw_at_least_once", "d3stream_at_least_once", "raw_transactional", "d3stream_exactly_once"):
+    for name in KAFKA_RUNS:
         figures = report[name]
         lines.append(f"| {name.replace('_', ' ')} | {figures['seconds']:.2f} | {figures['events_per_s']:,.0f} |")
     lines += [
@@ -317,13 +354,13 @@ def kafka_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def worker_settings(broker: KafkaBroker, prefix: str, partitions: int, **overrides: Any) -> Settings:
+def worker_settings(broker: KafkaBroker, prefix: str, partitions: int, **overrides: object) -> Settings:
     """A benchmark worker's settings on topics ``<prefix>.requests|answers|dlq|prov`` of ``broker`` (created
     here, ``partitions`` each), its group and client named ``prefix``; ``overrides`` on top."""
     topics = {name: f"{prefix}.{name}" for name in ("requests", "answers", "dlq", "prov")}
     for topic in topics.values():
         broker.create_topic(topic, partitions, exist_ok=True)
-    values: dict[str, Any] = dict(
+    values: dict[str, object] = dict(
         bootstrap_servers=broker.bootstrap_servers, request_topics=[topics["requests"]],
         answer_topic=topics["answers"], dead_letter_topic=topics["dlq"], provenance_topic=topics["prov"],
         group_id=prefix, client_id=prefix, metrics_port=None, create_topics=False, log_level="warning",
@@ -371,7 +408,7 @@ async def _soak(settings: Settings, model: DecisionModel, bootstrap: str, total:
 
 def rss_soak(model: DecisionModel | str | os.PathLike[str], total: int = 100_000, *, chunk: int = 2_000,
              threads: int | None = 1, broker: KafkaBroker | None = None, prefix: str = "soak",
-             tick: Callable[[int], None] | None = None) -> dict[str, Any]:
+             tick: Callable[[int], None] | None = None) -> SoakVerdict:
     """Answer ``total`` small requests with ``model`` (a loaded D3, or a checkpoint path) on ``broker`` (an
     ``infra.KafkaBroker``; default: a fresh one); RSS samples and the verdict."""
     if isinstance(model, (str, os.PathLike)):
@@ -390,7 +427,23 @@ def rss_soak(model: DecisionModel | str | os.PathLike[str], total: int = 100_000
     return soak_verdict(samples, total, time.perf_counter() - started)
 
 
-def soak_verdict(samples: list[tuple[int, int]], total: int, seconds: float) -> dict[str, Any]:
+class SoakVerdict(TypedDict):
+    """``d3stream bench soak``: RSS over the soak (MB) and whether its second half stayed flat."""
+
+    requests: int
+    seconds: float
+    events_per_s: float
+    rss_mb_first_tenth: float
+    rss_mb_halfway: float
+    rss_mb_at_end: float
+    rss_mb_max: float
+    growth_since_first_tenth: float
+    growth_second_half: float
+    flat_within_5pct: bool
+    samples: list[tuple[int, float]]  # (requests answered, RSS in MB) after each chunk
+
+
+def soak_verdict(samples: list[tuple[int, int]], total: int, seconds: float) -> SoakVerdict:
     """Whether RSS stayed flat. A leak grows with every request; warm-up (allocator arenas, new batch
     shapes) levels off. So the verdict compares the second half of the soak: the last tenth of the samples
     against the samples around the middle. The growth since the first tenth is reported beside it."""

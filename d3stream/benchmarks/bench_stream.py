@@ -27,20 +27,22 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 from d3stream.benchmarks.bench_workloads import Request, make_stream
 from d3stream.runtime import D3
 from d3stream.settings import Settings
 
 if TYPE_CHECKING:
+    from botocore.client import BaseClient
     from PIL.Image import Image
 
     from d3stream.dev.infra import KafkaBroker, ObjectStore
 
 BUCKET = "bench-stream"
 PARTITIONS = 4
-RUNS = ("loop_text", "d3stream_text", "loop_mixed", "d3stream_mixed")
+Run = Literal["loop_text", "d3stream_text", "loop_mixed", "d3stream_mixed"]
+RUNS: tuple[Run, ...] = ("loop_text", "d3stream_text", "loop_mixed", "d3stream_mixed")
 
 
 def stream_records(requests: Sequence[Request], uris: dict[int, str], *,
@@ -48,10 +50,11 @@ def stream_records(requests: Sequence[Request], uris: dict[int, str], *,
     """The requests as (key, value) records; ``uris`` maps a pool image (by ``id``) to its object's URI."""
     records = []
     for number, request in enumerate(requests):
-        event: dict[str, Any] = {"id": f"r{number:06d}", "state": request.state, "questions": request.questions}
+        request_id = f"r{number:06d}"
+        event: dict[str, object] = {"id": request_id, "state": request.state, "questions": request.questions}
         if with_images and request.images:
             event["images"] = [uris[id(image)] for image in request.images]
-        records.append((event["id"].encode(), json.dumps(event).encode()))
+        records.append((request_id.encode(), json.dumps(event).encode()))
     return records
 
 
@@ -78,14 +81,14 @@ def upload_pool(store: ObjectStore, requests: Sequence[Request]) -> dict[int, st
 # ---------------------------------------------------------------------------------------------- the loop
 
 
-def loop_answer(model: D3, s3: Any) -> Callable[[bytes], bytes]:
+def loop_answer(model: D3, s3: BaseClient) -> Callable[[bytes], bytes]:
     """What the loop publishes for a record: ``system_one``'s answer to it, its images read with boto3. The
     stream is well formed, so a request it cannot answer raises and stops the run (a failing loop is not
     measured)."""
 
     def answer(value: bytes) -> bytes:
         request = json.loads(value)
-        images = []
+        images: list[bytes] = []
         for uri in request.get("images", []):
             bucket, _, key = uri.removeprefix("s3://").partition("/")
             images.append(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
@@ -122,10 +125,38 @@ def _one_run(name: str, model: D3, stack: tuple[KafkaBroker, ObjectStore], topic
     return seconds
 
 
+class RunFigures(TypedDict):
+    """One run's best round."""
+
+    seconds: float
+    requests_per_s: float
+
+
+class StreamReport(TypedDict):
+    """``d3stream bench stream``: the stream, each run's best round and every round's rate, d3stream over the
+    loop."""
+
+    requests: int
+    with_images: int
+    images: int
+    questions: int
+    partitions: int
+    rounds: int
+    torch_threads: int
+    checkpoint: str
+    by_round: dict[str, list[float]]
+    loop_text: RunFigures
+    d3stream_text: RunFigures
+    loop_mixed: RunFigures
+    d3stream_mixed: RunFigures
+    text_ratio: float
+    mixed_ratio: float
+
+
 def stream_bench(checkpoint: Path, count: int = 300, *, rounds: int = 3, seed: int = 0, threads: int | None = None,
                  images_per_request: int = 1, stack: tuple[KafkaBroker, ObjectStore] | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The four runs side by side on one broker and store (default: a fresh embedded pair); figures as a dict."""
+                 progress: Callable[[str], None] | None = None) -> StreamReport:
+    """The four runs side by side on one broker and store (default: a fresh embedded pair)."""
     if stack is None:
         from d3stream.dev.infra import local_stack
 
@@ -152,11 +183,9 @@ def stream_bench(checkpoint: Path, count: int = 300, *, rounds: int = 3, seed: i
             broker.create_topic(topic, PARTITIONS, exist_ok=True)
         asyncio.run(produce(broker.bootstrap_servers, topics[kind]["source"], records))
     with_images = sum(1 for request in requests if request.images)
-    report: dict[str, Any] = {
-        "requests": count, "with_images": with_images, "images": sum(len(r.images) for r in requests),
-        "questions": sum(len(r.questions) for r in requests), "partitions": PARTITIONS, "rounds": rounds,
-        "torch_threads": torch.get_num_threads(), "checkpoint": str(checkpoint), "by_round": {},
-    }
+    torch_threads = torch.get_num_threads()
+    by_round: dict[str, list[float]] = {}
+    best: dict[Run, RunFigures] = {}  # each run's best round
     for round_number in range(-1, rounds):  # round -1 warms both paths up, unmeasured
         for name in RUNS:
             if progress is not None:
@@ -166,16 +195,21 @@ def stream_bench(checkpoint: Path, count: int = 300, *, rounds: int = 3, seed: i
             if round_number < 0:
                 continue
             rate = round(count / seconds, 2)
-            report["by_round"].setdefault(name, []).append(rate)
-            if name not in report or rate > report[name]["requests_per_s"]:
-                report[name] = {"seconds": round(seconds, 2), "requests_per_s": rate}
-    for kind in ("text", "mixed"):
-        report[f"{kind}_ratio"] = round(report[f"d3stream_{kind}"]["requests_per_s"]
-                                        / report[f"loop_{kind}"]["requests_per_s"], 2)
-    return report
+            by_round.setdefault(name, []).append(rate)
+            if name not in best or rate > best[name]["requests_per_s"]:
+                best[name] = {"seconds": round(seconds, 2), "requests_per_s": rate}
+    return {
+        "requests": count, "with_images": with_images, "images": sum(len(r.images) for r in requests),
+        "questions": sum(len(r.questions) for r in requests), "partitions": PARTITIONS, "rounds": rounds,
+        "torch_threads": torch_threads, "checkpoint": str(checkpoint), "by_round": by_round,
+        "loop_text": best["loop_text"], "d3stream_text": best["d3stream_text"],
+        "loop_mixed": best["loop_mixed"], "d3stream_mixed": best["d3stream_mixed"],
+        "text_ratio": round(best["d3stream_text"]["requests_per_s"] / best["loop_text"]["requests_per_s"], 2),
+        "mixed_ratio": round(best["d3stream_mixed"]["requests_per_s"] / best["loop_mixed"]["requests_per_s"], 2),
+    }
 
 
-def stream_markdown(report: dict[str, Any]) -> str:
+def stream_markdown(report: StreamReport) -> str:
     lines = [
         f"{report['requests']:,} requests ({report['questions']:,} questions; {report['with_images']} with "
         f"{report['images']} images in the mixed stream), {report['partitions']} partitions, torch threads "
@@ -184,8 +218,9 @@ def stream_markdown(report: dict[str, Any]) -> str:
         "| stream | loop (aiokafka + system_one) | d3stream | d3stream ÷ loop |",
         "|---|---:|---:|---:|",
     ]
-    for kind in ("text", "mixed"):
-        lines.append(f"| {'text only' if kind == 'text' else 'mixed (images)'} | "
-                     f"{report[f'loop_{kind}']['requests_per_s']:,.1f} req/s | "
-                     f"{report[f'd3stream_{kind}']['requests_per_s']:,.1f} req/s | {report[f'{kind}_ratio']:.2f}x |")
+    for stream, loop, d3stream, ratio in (
+            ("text only", report["loop_text"], report["d3stream_text"], report["text_ratio"]),
+            ("mixed (images)", report["loop_mixed"], report["d3stream_mixed"], report["mixed_ratio"])):
+        lines.append(f"| {stream} | {loop['requests_per_s']:,.1f} req/s | "
+                     f"{d3stream['requests_per_s']:,.1f} req/s | {ratio:.2f}x |")
     return "\n".join(lines)

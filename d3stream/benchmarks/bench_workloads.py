@@ -14,9 +14,9 @@ the same seed and tokenizer always give the same requests, which is what lets tw
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -52,7 +52,7 @@ _WORDS = (
 class Tokenizer(Protocol):
     """What the workloads need of a tokenizer: the ids of a text (to size filler text in tokens)."""
 
-    def __call__(self, text: str, *, add_special_tokens: bool = ...) -> Mapping[str, Any]: ...
+    def __call__(self, text: str, *, add_special_tokens: bool = ...) -> Mapping[str, Sequence[int]]: ...
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Request:
     """One synthetic request: a state, its questions (request JSON) and the images every question sees."""
 
     state: str
-    questions: dict[str, dict[str, Any]]
+    questions: dict[str, dict[str, object]]
     images: list[Image] = field(default_factory=list)
     kind: str = ""
 
@@ -90,7 +90,7 @@ class _Text:
         return self.words(max(1, round(count / self.tokens_per_word)))
 
 
-def _question(rng: np.random.Generator, text: _Text) -> dict[str, Any]:
+def _question(rng: np.random.Generator, text: _Text) -> dict[str, object]:
     kind = rng.choice(["choice", "choice", "noul", "score"])
     if kind == "noul":
         return {"type": "noul", "instructions": text.words(int(rng.integers(4, 12))).rstrip(".") + "?"}
@@ -101,13 +101,13 @@ def _question(rng: np.random.Generator, text: _Text) -> dict[str, Any]:
     count = int(rng.integers(2, 7))
     keys = [str(_WORDS[i]) for i in rng.choice(len(_WORDS), size=count, replace=False)]
     criteria = {key: (text.words(int(rng.integers(1, 8))) if rng.random() < 0.8 else "") for key in keys}
-    question: dict[str, Any] = {"type": "choice", "criteria": criteria}
+    question: dict[str, object] = {"type": "choice", "criteria": criteria}
     if rng.random() < 0.6:
         question["instructions"] = text.words(int(rng.integers(4, 14))).rstrip(".") + "?"
     return question
 
 
-def _questions(rng: np.random.Generator, text: _Text, count: int) -> dict[str, dict[str, Any]]:
+def _questions(rng: np.random.Generator, text: _Text, count: int) -> dict[str, dict[str, object]]:
     return {f"q{n}": _question(rng, text) for n in range(count)}
 
 

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 if TYPE_CHECKING:
     from d3stream.dev.infra import KafkaBroker, ObjectStore
@@ -42,12 +42,12 @@ CHAOS_BUCKET = "d3stream-chaos"
 # ---------------------------------------------------------------------------------------- the stream
 
 
-def valid_request(number: int, rng: random.Random, image_uri: str | None) -> dict[str, Any]:
+def valid_request(number: int, rng: random.Random, image_uri: str | None) -> dict[str, object]:
     """A small valid request; every seventh one sees an image."""
-    questions: dict[str, Any] = {"ok": {"type": "noul", "instructions": f"Is item {number} in stock?"}}
+    questions: dict[str, object] = {"ok": {"type": "noul", "instructions": f"Is item {number} in stock?"}}
     if rng.random() < 0.5:
         questions["route"] = {"type": "choice", "criteria": {"a": "first", "b": "second", "c": None}}
-    request: dict[str, Any] = {"id": f"req-{number:06d}", "state": f"Order {number}: " + "item " * rng.randint(1, 40),
+    request: dict[str, object] = {"id": f"req-{number:06d}", "state": f"Order {number}: " + "item " * rng.randint(1, 40),
                                "questions": questions}
     if image_uri and number % 7 == 0:
         request["images"] = [image_uri]
@@ -58,7 +58,7 @@ def fuzzed_event(number: int, rng: random.Random) -> tuple[bytes, bytes]:
     """(key, value) of one hostile or malformed record; its key is always its id, so it can be counted."""
     key = f"fuzz-{number:06d}"
     kind = number % 10
-    base: dict[str, Any] = {"id": key, "state": "x", "questions": {"q": {"type": "noul"}}}
+    base: dict[str, object] = {"id": key, "state": "x", "questions": {"q": {"type": "noul"}}}
     if kind == 0:
         value = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))
     elif kind == 1:
@@ -149,13 +149,16 @@ class Tally:
     answers: Counter[str | None] = field(default_factory=Counter)  # answers per request id (None: no id)
     errors_by_code: Counter[str] = field(default_factory=Counter)
 
-    def add(self, answer: dict[str, Any]) -> None:
-        self.answers[answer.get("id")] += 1
-        if answer.get("error"):
-            self.errors_by_code[answer["error"]["code"]] += 1
+    def add(self, answer: Mapping[str, object]) -> None:
+        request_id = answer.get("id")
+        self.answers[request_id if isinstance(request_id, str) else None] += 1
+        error = answer.get("error")
+        if error:
+            assert isinstance(error, dict)  # the contract's error object: code and message
+            self.errors_by_code[error["code"]] += 1
 
 
-async def count_topic(bootstrap: str, topic: str, settle_s: float = 30.0) -> list[dict[str, Any]]:
+async def count_topic(bootstrap: str, topic: str, settle_s: float = 30.0) -> list[dict[str, object]]:
     """Every committed record of a topic, up to its end at the time of the call.
 
     A transaction whose commit has returned may not have its markers written yet, and until then its
@@ -174,7 +177,7 @@ async def count_topic(bootstrap: str, topic: str, settle_s: float = 30.0) -> lis
             partitions = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
-        records: list[dict[str, Any]] = []
+        records: list[dict[str, object]] = []
         deadline = time.monotonic() + settle_s
         while True:
             ends = await consumer.end_offsets(partitions)  # read_committed: the last stable offsets
@@ -250,9 +253,10 @@ class _Watch:
         """Read answers for ``seconds``, or until every id is answered."""
         from d3stream_client.subscriber import consume_answers
 
-        def note(answer: dict[str, Any]) -> None:
-            if answer.get("id") in self.ids and answer["id"] not in self.answered:
-                self.answered.add(answer["id"])
+        def note(answer: Mapping[str, object]) -> None:
+            request_id = answer.get("id")
+            if isinstance(request_id, str) and request_id in self.ids and request_id not in self.answered:
+                self.answered.add(request_id)
                 self.bar.update()
 
         await consume_answers(self.bootstrap, self.topic, timeout_s=seconds, on_record=note,
@@ -279,7 +283,28 @@ async def _disrupt(events: list[str], watch: _Watch, worker: WorkerProcess, brok
     return restarts
 
 
-def _count(ids: set[str], answers: list[dict[str, Any]]) -> dict[str, Any]:
+class Counts(TypedDict):
+    """The stream's requests: sent, answered, duplicated and lost, and the error answers by code."""
+
+    sent: int
+    answered: int
+    duplicated: int
+    lost: int
+    errors_by_code: dict[str, int]
+
+
+class ChaosReport(Counts):
+    """``d3stream chaos``: the counts, the dead letters, and what was broken on the way."""
+
+    mode: DeliveryMode
+    dead_letters: int
+    restarts: int
+    broker_restarts: int
+    store_outages: int
+    seconds: float
+
+
+def _count(ids: set[str], answers: list[dict[str, object]]) -> Counts:
     """Answered, duplicated and lost ids of the stream, and the error answers by code."""
     tally = Tally(sent=len(ids))
     for answer in answers:
@@ -306,8 +331,8 @@ async def run_chaos(
     timeout_s: float = 3600.0,
     progress: bool = True,
     workdir: Path | None = None,
-) -> dict[str, Any]:
-    """Run the chaos scenario on an embedded stack; returns the tally as a dict."""
+) -> ChaosReport:
+    """Run the chaos scenario on an embedded stack; returns the tally."""
     import tempfile
 
     from d3stream_client.publisher import produce
@@ -351,10 +376,16 @@ async def run_chaos(
     }
 
 
-def iter_table(report: dict[str, Any]) -> Iterator[str]:
+# The report's figures in the table's order.
+_TABLE: tuple[Literal["sent", "answered", "duplicated", "lost", "dead_letters", "restarts", "broker_restarts",
+                      "store_outages", "seconds"], ...] = (
+    "sent", "answered", "duplicated", "lost", "dead_letters", "restarts", "broker_restarts", "store_outages",
+    "seconds")
+
+
+def iter_table(report: ChaosReport) -> Iterator[str]:
     yield f"{'mode':<26}{report['mode']}"
-    for key in ("sent", "answered", "duplicated", "lost", "dead_letters", "restarts", "broker_restarts",
-                "store_outages", "seconds"):
+    for key in _TABLE:
         yield f"{key:<26}{report[key]}"
     for code, count in report["errors_by_code"].items():
         yield f"{'error ' + code:<26}{count}"
@@ -363,8 +394,19 @@ def iter_table(report: dict[str, Any]) -> Iterator[str]:
 # -------------------------------------------------------------------------------- what a mode costs
 
 
+class ModeCost(TypedDict):
+    """One delivery mode on one stream (``measure_mode``): a flood (``rate`` None) or paced."""
+
+    mode: DeliveryMode
+    requests: int
+    rate: float | None
+    answers_per_s: float
+    latency_ms_p50: float
+    latency_ms_p99: float
+
+
 async def measure_mode(broker: KafkaBroker, model: D3, mode: DeliveryMode, *, requests: int,
-                       rate: float | None) -> dict[str, Any]:
+                       rate: float | None) -> ModeCost:
     """Serve one stream in ``mode``; latency is request timestamp -> answer readable by read_committed."""
     from d3stream_client.publisher import produce
     from d3stream_client.subscriber import consume_answers
@@ -385,8 +427,10 @@ async def measure_mode(broker: KafkaBroker, model: D3, mode: DeliveryMode, *, re
     serving = asyncio.create_task(service.run())
     latencies: list[float] = []
 
-    def note(answer: dict[str, Any]) -> None:
-        latencies.append(time.time() * 1000 - answer["source"]["timestamp"])
+    def note(answer: Mapping[str, object]) -> None:
+        source = answer["source"]
+        assert isinstance(source, dict)  # the contract's source: topic, partition, offset, timestamp
+        latencies.append(time.time() * 1000 - source["timestamp"])
 
     started = time.perf_counter()
     reading = asyncio.create_task(consume_answers(broker.bootstrap_servers, answers_topic, expected=requests,
@@ -428,13 +472,13 @@ async def publish_paced(bootstrap: str, topic: str, stream: list[tuple[bytes, by
         await producer.stop()
 
 
-async def delivery_costs(requests: int = 1000, rate: float = 100.0, progress: bool = False) -> list[dict[str, Any]]:
+async def delivery_costs(requests: int = 1000, rate: float = 100.0, progress: bool = False) -> list[ModeCost]:
     """Both delivery modes on the same stream and machine: flood throughput, and latency at ``rate``/s."""
     from d3stream.dev.demo import demo_checkpoint
     from d3stream.dev.infra import local_stack
     from d3stream.runtime import D3
 
-    rows = []
+    rows: list[ModeCost] = []
     with local_stack(progress=progress) as (broker, _store):
         model = D3.from_pretrained(demo_checkpoint())
         modes: tuple[DeliveryMode, ...] = ("at_least_once", "exactly_once")

@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from d3stream.benchmarks.chaos import WorkerProcess, count_topic, worker_env
 
@@ -254,7 +254,32 @@ async def _answered(stream: Stream, watch: AnswerWatch, timeout_s: float) -> set
     return ids
 
 
-def _answer_counts(ids: set[str], answers: list[dict[str, Any]]) -> dict[str, Any]:
+class AnswerCounts(TypedDict):
+    """Every id answered once? The ids answered, lost and duplicated, and the error answers."""
+
+    sent: int
+    answered: int
+    lost: list[str]
+    duplicated: list[str]
+    errors: int
+
+
+class ChurnReport(AnswerCounts):
+    """One scenario (``churn``): the group, the answers, each membership change, and what the logs show."""
+
+    workers: int
+    static: bool
+    session_timeout_ms: int
+    changes: list[Change]
+    baseline_wait_p50_s: float | None
+    abandoned_on_revocation: int
+    exit_codes: list[int | None]
+    tracebacks: int
+    never_retrieved: int
+    seconds: float
+
+
+def _answer_counts(ids: set[str], answers: list[dict[str, object]]) -> AnswerCounts:
     """Every id answered once? The ids answered, lost and duplicated, and the error answers."""
     counts = Counter(a["id"] for a in answers)
     return {
@@ -281,7 +306,7 @@ async def churn(
     rate: float = 8.0,
     between_s: float = 3.0,
     settle_timeout_s: float = 90.0,
-) -> dict[str, Any]:
+) -> ChurnReport:
     """Run the scenario with ``workers`` processes (``env``: their common settings) and return the figures."""
     members = _members(env, folder, workers, static, session_timeout_ms)
     group = Group(members, partitions)
@@ -343,7 +368,7 @@ def worker_settings(bootstrap: str, topics: Mapping[str, object], group: str, ch
     return env
 
 
-async def _report(workers: int, kills: int, cases: list[tuple[bool, int]]) -> list[dict[str, Any]]:
+async def _report(workers: int, kills: int, cases: list[tuple[bool, int]]) -> list[ChurnReport]:
     import tempfile
 
     from d3stream.dev.demo import demo_checkpoint
@@ -369,7 +394,7 @@ async def _report(workers: int, kills: int, cases: list[tuple[bool, int]]) -> li
     return results
 
 
-def _line(result: dict[str, Any]) -> str:
+def _line(result: ChurnReport) -> str:
     changes = result["changes"]
     return (
         f"{'static' if result['static'] else 'dynamic':8} session {result['session_timeout_ms'] / 1000:>4g} s  "

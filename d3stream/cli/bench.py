@@ -20,12 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from d3stream.cli.shape import Command, HelpFormatter, show_defaults
+from d3stream.dev.progress import Progress
+
+# What a benchmark's run returns: its report (a JSON object) and its table.
+Outcome = tuple[Mapping[str, object], str]
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class Benchmark:
     name: str
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], tuple[dict[str, Any], str]]
+    run: Callable[[argparse.Namespace], Outcome]
 
 
 # ------------------------------------------------------------------------------------------- shared
@@ -54,7 +58,7 @@ def _common(parser: argparse.ArgumentParser, *, checkpoint: bool = True, threads
     parser.set_defaults(progress=sys.stderr.isatty())
 
 
-def _count(parser: argparse.ArgumentParser, default: float, what: str, kind: type = int) -> None:
+def _count(parser: argparse.ArgumentParser, default: float, what: str, kind: type[int] | type[float] = int) -> None:
     parser.add_argument("count", type=kind, nargs="?", default=default, metavar="N" if kind is int else "SECONDS",
                         help=what)
 
@@ -67,7 +71,18 @@ def _checkpoint(args: argparse.Namespace) -> Path:
     return demo_checkpoint(progress=args.progress)
 
 
-def _stepper(bar: Any) -> Callable[[str], None]:
+class _Bar(Progress, Protocol):
+    """A tqdm bar as the commands below use it: also in a with-block, and its count and total read."""
+
+    n: float
+    total: float
+
+    def __enter__(self) -> _Bar: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def _stepper(bar: Progress) -> Callable[[str], None]:
     """A progress callback called as each run or step of a benchmark starts: the previous one is done."""
     started: list[str] = []
 
@@ -79,7 +94,7 @@ def _stepper(bar: Any) -> Callable[[str], None]:
     return step
 
 
-def _bar(args: argparse.Namespace, total: int, desc: str, unit: str = "step") -> Any:
+def _bar(args: argparse.Namespace, total: int, desc: str, unit: str = "step") -> _Bar:
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not args.progress)
@@ -119,24 +134,24 @@ def _workloads_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser)
 
 
-def _workloads(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from d3stream.benchmarks.bench import markdown, run_bench
+def _workloads(args: argparse.Namespace) -> Outcome:
+    from d3stream.benchmarks.bench import markdown, report_of, run_bench
 
-    report, calibration = run_bench(args)
-    table = markdown(report, calibration if args.calibrate else None)
+    runs, calibration = run_bench(args)
+    table = markdown(runs, calibration if args.calibrate else None)
     if args.markdown:
         Path(args.markdown).write_text(table, encoding="utf-8")
     if args.calibrate:
-        print(f"best max_batch_tokens for {report[next(iter(report))]['setup']['device']}: "
+        print(f"best max_batch_tokens for {runs[next(iter(runs))].setup['device']}: "
               f"{calibration['max_batch_tokens']} (serve with --max-batch-tokens {calibration['max_batch_tokens']})",
               file=sys.stderr)
-    return report, table
+    return report_of(runs), table
 
 
 # -------------------------------------------------------------------------------- on the embedded stack
 
 
-def _kafka(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def _kafka(args: argparse.Namespace) -> Outcome:
     from d3stream.benchmarks import bench_service
 
     with _bar(args, 4, "kafka", "run") as bar:
@@ -145,7 +160,7 @@ def _kafka(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return report, bench_service.kafka_markdown(report)
 
 
-def _soak(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def _soak(args: argparse.Namespace) -> Outcome:
     from d3stream.benchmarks import bench_service
 
     root = _checkpoint(args)
@@ -162,7 +177,7 @@ def _soak(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         f"{soak['growth_since_first_tenth']:+.1%}.")
 
 
-def _soak_images(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def _soak_images(args: argparse.Namespace) -> Outcome:
     from d3stream.benchmarks.bench_memory import image_soak, image_soak_markdown, progress_steps
 
     root = _checkpoint(args)
@@ -175,14 +190,14 @@ def _soak_images(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return report, image_soak_markdown(report)
 
 
-def _evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def _evaluate(args: argparse.Namespace) -> Outcome:
     from d3stream.benchmarks.bench_evaluate import evaluate_bench, evaluate_markdown
 
     report = evaluate_bench(args.count)
     return report, evaluate_markdown(report)
 
 
-def _evaluate_volume(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def _evaluate_volume(args: argparse.Namespace) -> Outcome:
     from d3stream.benchmarks.bench_evaluate import volume_bench, volume_markdown
 
     with _bar(args, 5, "evaluate-volume") as bar:
@@ -191,14 +206,14 @@ def _evaluate_volume(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return report, volume_markdown(report)
 
 
-def _ask(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def _ask(args: argparse.Namespace) -> Outcome:
     from d3stream.benchmarks.bench_ask import ask_latency, ask_markdown
 
     report = ask_latency(_checkpoint(args), args.count, threads=args.threads or 1)
     return report, ask_markdown(report)
 
 
-def _head_of_line(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def _head_of_line(args: argparse.Namespace) -> Outcome:
     from d3stream.benchmarks.bench_ordering import head_of_line, head_of_line_markdown
 
     report = head_of_line(_checkpoint(args), seconds=args.count, threads=args.threads or 1)
@@ -213,7 +228,7 @@ def _stream_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser)
 
 
-def _stream(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def _stream(args: argparse.Namespace) -> Outcome:
     from d3stream.benchmarks.bench_stream import RUNS, stream_bench, stream_markdown
 
     rounds = max(2, args.repeat)
@@ -224,14 +239,15 @@ def _stream(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return report, stream_markdown(report)
 
 
-def _scheduling(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def _scheduling(args: argparse.Namespace) -> Outcome:
     from d3stream.benchmarks import bench_sched
 
     report = bench_sched.scheduling_bench(_checkpoint(args), seconds=args.count, threads=args.threads or 1)
     return report, bench_sched.scheduling_markdown(report).rstrip("\n")
 
 
-def _counted(default: float, what: str, kind: type = int, **common: bool) -> Callable[[argparse.ArgumentParser], None]:
+def _counted(default: float, what: str, kind: type[int] | type[float] = int,
+             **common: bool) -> Callable[[argparse.ArgumentParser], None]:
     def add(parser: argparse.ArgumentParser) -> None:
         _count(parser, default, what, kind)
         _common(parser, **common)

@@ -6,14 +6,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from d3stream.models.checkpoints import ResolvedModel
     from d3stream.settings import Settings
 
 
-def local_checkpoint(spec: str) -> Any:
+def local_checkpoint(spec: str) -> ResolvedModel:
     """A ``--model`` / ``--answer-with`` value as a local directory (``checkpoints.ResolvedModel``); an
     ``s3://`` one is fetched with the object-storage settings of the environment or settings file
     (``D3STREAM_MODEL_ALLOWLIST``, ``D3STREAM_S3_ENDPOINT_URL``, ...). Exits with the reason otherwise."""
@@ -30,7 +31,7 @@ def local_checkpoint(spec: str) -> Any:
         raise SystemExit(f"d3stream: {exc}") from exc
 
 
-def connection(command: str, args: argparse.Namespace) -> Any:
+def connection(command: str, args: argparse.Namespace) -> Settings | None:
     """The Kafka connection settings of a client command (flags, environment, settings file); None after
     printing why they are unusable."""
     from d3stream.kafka.connection import check_connection
@@ -45,7 +46,7 @@ def connection(command: str, args: argparse.Namespace) -> Any:
         return None
 
 
-def run_kafka(command: str, settings: Settings, step: Coroutine[Any, Any, Any]) -> int:
+def run_kafka(command: str, settings: Settings, step: Awaitable[object]) -> int:
     """Run a client command's coroutine; a connection refusal prints the setting to change, exit status 2."""
     from d3stream.kafka.connection import connecting
 

@@ -5,19 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from d3stream.cli.common import local_checkpoint
 from d3stream.cli.shape import Command
 
 
-def _read_request(source: str) -> dict[str, Any]:
+def _read_request(source: str) -> dict[str, object]:
     text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
     request = json.loads(text)
     if not isinstance(request, dict):
         raise SystemExit("the request must be a JSON object with state and questions")
     return request
+
+
+def _listed(request: Mapping[str, object], key: str) -> list[object]:
+    """The request's ``images`` or ``videos`` (absent or null: none); ValueError, in the runtime's words, when
+    it is not a list."""
+    value = request.get(key) or []
+    if not isinstance(value, list):
+        raise ValueError(f"{key} must be a list of {key}")
+    return value
 
 
 def _decide(args: argparse.Namespace) -> int:
@@ -32,12 +41,14 @@ def _decide(args: argparse.Namespace) -> int:
         model_name=resolved.name,
         permutation_average=args.permutation_average or bool(request.get("permutation_average")),
     )
-    images = list(request.get("images") or []) + list(args.image or [])
-    videos = list(request.get("videos") or []) + list(args.video or [])
+    questions = request.get("questions")
     try:
+        images = _listed(request, "images") + list(args.image or [])
+        videos = _listed(request, "videos") + list(args.video or [])
         response = model.system_one(
             state=request.get("state"),
-            questions=request.get("questions") or {},  # none at all: the runtime's "nonempty mapping" error
+            # none at all, or not an object: the runtime's "nonempty mapping" error
+            questions=questions if isinstance(questions, Mapping) else {},
             images=images or None,
             videos=videos or None,
         )

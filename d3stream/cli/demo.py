@@ -6,12 +6,18 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from d3stream.cli.shape import Command
 
+if TYPE_CHECKING:
+    from d3stream.dev.demo import LiveFigures, Reevaluation
 
-def _brief(value: dict) -> str:
+
+def _brief(value: object) -> str:
     """One answer slot as a short text: the choice with its probability, p(true), the score, or the error."""
+    assert isinstance(value, dict)  # the service answers each question with an object
     if "error" in value:
         return value["error"]
     if value.get("type") == "choice":
@@ -21,7 +27,23 @@ def _brief(value: dict) -> str:
     return f"{value.get('score', 0):.2f} of {len(value.get('probabilities') or {}) - 1}"
 
 
-def _print_reevaluation(figures: dict) -> None:
+def _request_id(answer: Mapping[str, object]) -> str:
+    request_id = answer["id"]
+    assert isinstance(request_id, str)  # an answer record names its request
+    return request_id
+
+
+def _answer_line(answer: Mapping[str, object]) -> str:
+    """An answer record in brief: its error's code, or each question's answer."""
+    error, slots = answer.get("error"), answer.get("answers") or {}
+    if error:
+        assert isinstance(error, dict)  # the error object: code and message
+        return str(error["code"])
+    assert isinstance(slots, dict)  # answers by question id
+    return "  ".join(f"{key}: {_brief(value)}" for key, value in slots.items())
+
+
+def _print_reevaluation(figures: Reevaluation) -> None:
     trained, baseline = figures["checkpoints"]
     print(f"\nre-evaluation: the {figures['labelled']} labelled questions replayed through a second checkpoint"
           f" and compared with their labels (as `d3stream compare --labels` does)")
@@ -32,7 +54,7 @@ def _print_reevaluation(figures: dict) -> None:
     print(f"better: {figures['better']} (the two agree on {figures['agreement']:.0%} of the decisions)")
 
 
-def _print_live_evaluation(live: dict, offline: dict, same: bool) -> None:
+def _print_live_evaluation(live: LiveFigures, offline: Reevaluation, same: bool) -> None:
     """The live evaluation (d3stream evaluate) of the served checkpoint beside its offline re-evaluation (the
     two must agree: the same answers and labels)."""
     served = offline["checkpoints"][0]
@@ -61,24 +83,21 @@ def _demo(args: argparse.Namespace) -> int:
     except InfraError as exc:  # a local server that would not start: its log's path and tail say why
         print(f"d3stream demo: {exc}", file=sys.stderr)
         return 1
-    answers = summary.pop("answers")
-    labelled = set(summary.pop("labelled_ids"))
-    if args.json:
-        print(json.dumps(summary))
+    answers = summary["answers"]
+    labelled = set(summary["labelled_ids"])
+    if args.json:  # the summary without the answers and the labelled ids
+        print(json.dumps({key: value for key, value in summary.items() if key not in ("answers", "labelled_ids")}))
     else:
         from d3stream.dev.tasks import showcase
 
         texts = {e.id: e.request["state"]["text"] for e in showcase() if isinstance(e.request["state"], dict)}
-        shown = [a for a in answers if not a["id"].startswith("heldout-")]
-        for answer in sorted(shown, key=lambda a: a["id"]):
-            if answer["id"] in texts:
-                print(f"{answer['id']:<20} \"{texts[answer['id']]}\"")
-            error = answer.get("error")
-            brief = error["code"] if error else "  ".join(
-                f"{key}: {_brief(value)}" for key, value in (answer.get("answers") or {}).items()
-            )
-            print(f"{answer['id']:<20} {brief}")
-        held = len([a for a in answers if a["id"].startswith("heldout-")])
+        shown = [a for a in answers if not _request_id(a).startswith("heldout-")]
+        for answer in sorted(shown, key=_request_id):
+            request_id = _request_id(answer)
+            if request_id in texts:
+                print(f"{request_id:<20} \"{texts[request_id]}\"")
+            print(f"{request_id:<20} {_answer_line(answer)}")
+        held = len([a for a in answers if _request_id(a).startswith("heldout-")])
         print(f"(and {held} requests drawn from the held-out set; {len(labelled)} labelled requests in all)")
         _print_reevaluation(summary["reevaluation"])
         _print_live_evaluation(summary["live_evaluation"], summary["reevaluation"], summary["live_equals_offline"])

@@ -8,13 +8,13 @@ import argparse
 import asyncio
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from d3stream.cli.shape import Command
 
 if TYPE_CHECKING:  # the jobs import the Kafka client and the service: only when the command runs
     from d3stream.core.seams import DecisionModel
-    from d3stream.jobs.replay import ReplayRange
+    from d3stream.jobs.replay import ReplayRange, ReplaySummary
     from d3stream.settings import Settings
 
 
@@ -98,7 +98,7 @@ def _load_checkpoint(checkpoint: str, settings: Settings) -> DecisionModel:
 
 
 def _run_command(args: argparse.Namespace, settings: Settings, model: DecisionModel,
-                 plan: ReplayRange) -> dict[str, Any]:
+                 plan: ReplayRange) -> ReplaySummary:
     """Replay the range into the --to-topic or --out target; the summary, with the drift from recorded
     answers under ``drift`` when --compare-with names them."""
     import sys
@@ -123,7 +123,7 @@ def _run_command(args: argparse.Namespace, settings: Settings, model: DecisionMo
     return summary
 
 
-def _print_summary(summary: dict[str, Any], *, as_json: bool) -> None:
+def _print_summary(summary: ReplaySummary, *, as_json: bool) -> None:
     """One JSON object (--json), or one aligned line per field."""
     if as_json:
         print(json.dumps(summary))

@@ -8,9 +8,10 @@ import argparse
 import asyncio
 import signal
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from d3stream.runtime import D3
     from d3stream.settings import Settings
 
 from d3stream.cli.shape import Command
@@ -76,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _log_kernel_notice(models: list[Any]) -> None:
+def _log_kernel_notice(models: list[D3]) -> None:
     """Say once, at ``info``, when the models run transformers' reference Gated DeltaNet kernels: the logging
     set-up puts transformers' own warnings about it at ``debug`` (ops/logs.py)."""
     import structlog
@@ -89,7 +90,7 @@ def _log_kernel_notice(models: list[Any]) -> None:
             structlog.get_logger("d3stream.serve").info(notice)
 
 
-def _load_models(settings: Settings) -> tuple[list[Any], Any | None]:
+def _load_models(settings: Settings) -> tuple[list[D3], D3 | None]:
     """Every ``--model`` of serve, the first the default, and a ``--shadow NAME=PATH`` checkpoint (None: no
     shadow, or a served model's name): made local (s3:// fetched and verified), their weights checked to fit
     the device together (``model_memory_bytes``) before any is loaded, then loaded (and warmed up with
@@ -120,7 +121,7 @@ def _load_models(settings: Settings) -> tuple[list[Any], Any | None]:
     check_models_fit({name or spec.location: checkpoint_memory_bytes(each.path)
                       for name, spec, each in zip(names, specs, resolved, strict=True)},
                      device, settings.models.model_memory_bytes)
-    models = []
+    models: list[D3] = []
     if settings.models.model_source:
         from d3stream.models.rollout import load_source_models
 

@@ -47,7 +47,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 from d3stream.dev.progress import Progress
 from d3stream.runtime import format as d3_format
@@ -56,7 +56,14 @@ from d3stream.settings import cache_root
 
 if TYPE_CHECKING:
     import tokenizers
-    from transformers import PreTrainedConfig, PreTrainedModel, Qwen3VLProcessor, TokenizersBackend
+    from transformers import (
+        PreTrainedConfig,
+        PreTrainedModel,
+        Qwen3_5Config,
+        Qwen3VLConfig,
+        Qwen3VLProcessor,
+        TokenizersBackend,
+    )
 
 BACKBONES = ("qwen3_5", "qwen3_vl")
 SIZES = ("tiny", "0.8b")
@@ -211,11 +218,89 @@ def load_tokenizer() -> TokenizersBackend:
 VOCAB_SIZE = 248_320  # the Qwen3.5 embedding rows (the 248,077 tokens padded)
 
 
+class Rope(TypedDict):
+    """Rotary position settings (multimodal: ``mrope_section`` splits the rotated half of a head)."""
+
+    rope_type: str
+    rope_theta: float
+    partial_rotary_factor: NotRequired[float]  # qwen3_5 rotates a quarter of each head
+    mrope_section: list[int]
+    mrope_interleaved: bool
+
+
+class TextShape(TypedDict):
+    """The text model of a (backbone, size): ``_TEXT``; the linear-attention (Gated DeltaNet) settings are
+    qwen3_5's."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_conv_kernel_dim: NotRequired[int]
+    linear_key_head_dim: NotRequired[int]
+    linear_value_head_dim: NotRequired[int]
+    linear_num_key_heads: NotRequired[int]
+    linear_num_value_heads: NotRequired[int]
+    layer_types: NotRequired[list[str]]
+    rope_parameters: Rope
+    tie_word_embeddings: bool
+
+
+class CommonText(TypedDict):
+    """The text settings every backbone and size shares (``_common_text``)."""
+
+    vocab_size: int
+    hidden_act: str
+    rms_norm_eps: float
+    max_position_embeddings: int
+    attention_bias: bool
+    eos_token_id: int
+    initializer_range: float
+
+
+class VisionConfig(TypedDict):
+    """A backbone config's ``vision_config`` (``_vision``; qwen3_vl adds its deepstack layers)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    spatial_merge_size: int
+    temporal_patch_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    hidden_act: str
+    initializer_range: float
+    deepstack_visual_indexes: NotRequired[list[int]]
+
+
+class TokenIds(TypedDict):
+    """The ids of the vision special tokens (``_ids``)."""
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+
+class BackboneConfig(TokenIds):
+    """``config_dict``: the keyword arguments of a backbone's transformers config, which takes its sub-configs
+    as plain dicts (a ``CommonText`` and a ``TextShape`` together, a ``VisionConfig``)."""
+
+    text_config: dict[str, object]
+    vision_config: dict[str, object]
+    tie_word_embeddings: bool
+
+
 def _layer_types(layers: int, interval: int = 4) -> list[str]:
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
 
 
-def _vision(depth: int, hidden: int, intermediate: int, heads: int, out_hidden: int) -> dict[str, Any]:
+def _vision(depth: int, hidden: int, intermediate: int, heads: int, out_hidden: int) -> VisionConfig:
     return {
         "depth": depth,
         "hidden_size": hidden,
@@ -232,7 +317,7 @@ def _vision(depth: int, hidden: int, intermediate: int, heads: int, out_hidden: 
     }
 
 
-def _ids(specials: dict[str, int]) -> dict[str, int]:
+def _ids(specials: dict[str, int]) -> TokenIds:
     return {
         "image_token_id": specials["<|image_pad|>"],
         "video_token_id": specials["<|video_pad|>"],
@@ -243,7 +328,7 @@ def _ids(specials: dict[str, int]) -> dict[str, int]:
 
 # The text and vision shapes of each (backbone, size): a table, so a shape reads as data and a new size is
 # one entry. ``config_dict`` copies an entry before transformers sees it (a config may rewrite its dicts).
-_TEXT: dict[tuple[str, str], dict[str, Any]] = {
+_TEXT: dict[tuple[str, str], TextShape] = {
     ("qwen3_5", "tiny"): {
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -323,7 +408,7 @@ _TEXT: dict[tuple[str, str], dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
-_VISION: dict[tuple[str, str], dict[str, Any]] = {
+_VISION: dict[tuple[str, str], VisionConfig] = {
     ("qwen3_5", "tiny"): _vision(1, 32, 64, 2, 64),
     ("qwen3_5", "0.8b"): _vision(12, 768, 3072, 12, 1024),
     ("qwen3_vl", "tiny"): {**_vision(1, 32, 64, 2, 64), "deepstack_visual_indexes": [0]},
@@ -331,7 +416,7 @@ _VISION: dict[tuple[str, str], dict[str, Any]] = {
 }
 
 
-def _common_text(specials: dict[str, int]) -> dict[str, Any]:
+def _common_text(specials: dict[str, int]) -> CommonText:
     """The text settings every backbone and size shares."""
     return {
         "vocab_size": VOCAB_SIZE,
@@ -351,20 +436,20 @@ def _check_shape(backbone: str, size: str) -> None:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
 
 
-def config_dict(backbone: str, size: str) -> dict[str, Any]:
+def config_dict(backbone: str, size: str) -> BackboneConfig:
     """The ``text_config`` / ``vision_config`` / token-id kwargs of a backbone config."""
     _check_shape(backbone, size)
     specials = special_tokens()
     text = copy.deepcopy(_TEXT[backbone, size])
     return {
         "text_config": {**_common_text(specials), **text},
-        "vision_config": copy.deepcopy(_VISION[backbone, size]),
+        "vision_config": dict(copy.deepcopy(_VISION[backbone, size])),
         **_ids(specials),
         "tie_word_embeddings": text["tie_word_embeddings"],
     }
 
 
-def config_class(backbone: str) -> type[PreTrainedConfig]:
+def config_class(backbone: str) -> type[Qwen3_5Config] | type[Qwen3VLConfig]:
     """The transformers config class of a backbone (``Qwen3_5Config`` or ``Qwen3VLConfig``)."""
     if backbone == "qwen3_5":
         from transformers import Qwen3_5Config
@@ -581,9 +666,9 @@ def _check_training(recipe: Recipe, train: str | None, train_steps: int | None) 
         raise ValueError(f"train_steps (--train-steps) must be 0 or more, got {train_steps!r}")
 
 
-def _decision_config(recipe: Recipe, codes: list[str], token_ids: list[int]) -> dict[str, Any]:
+def _decision_config(recipe: Recipe, codes: list[str], token_ids: list[int]) -> dict[str, object]:
     """``decision_config.json``: how the runtime reads this checkpoint (format, prompt, pooling, codes)."""
-    decision: dict[str, Any] = {
+    decision: dict[str, object] = {
         "format_version": FORMAT_VERSION,
         "format_id": d3_format.FORMAT_ID,
         "prompt": "d3",
@@ -644,6 +729,13 @@ def _write_files(staging: Path, recipe: Recipe, name: str, bar: Progress) -> Non
     _advance(bar, "manifest")
 
 
+class TrainOptions(TypedDict, total=False):
+    """Further keyword arguments of ``train.train_demo``: a smaller training set, as the tests use."""
+
+    tickets: int
+    pictures: int | None  # None: the default for the checkpoint (none without a vision tower)
+
+
 def build_checkpoint(
     out: str | os.PathLike,
     *,
@@ -657,7 +749,7 @@ def build_checkpoint(
     progress: bool = False,
     train: str | None = None,
     train_steps: int | None = None,
-    train_options: dict[str, Any] | None = None,
+    train_options: TrainOptions | None = None,
 ) -> Path:
     """Write a complete random-weight D3 checkpoint into ``out`` (absent or empty) and return its path.
 
@@ -684,12 +776,9 @@ def build_checkpoint(
             if train is not None:
                 from d3stream.dev.train import DEFAULT_STEPS, train_demo
 
-                train_demo(
-                    staging,
-                    steps=DEFAULT_STEPS if train_steps is None else train_steps,
-                    seed=seed,
-                    **{"pictures": None if vision else 0, **(train_options or {})},
-                )
+                options: TrainOptions = {"pictures": None if vision else 0}
+                options.update(train_options or {})
+                train_demo(staging, steps=DEFAULT_STEPS if train_steps is None else train_steps, seed=seed, **options)
                 _advance(bar, f"trained on {train}")
         _publishable(staging)
         if out.exists():

@@ -28,15 +28,20 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import numpy as np
 
 from d3stream.dev import tasks
-from d3stream.jobs.evaluate import run_worker
+from d3stream.jobs.evaluate import FiguresJson, run_worker
 from d3stream.settings import Settings, cache_root
+
+if TYPE_CHECKING:
+    from d3stream.dev.infra import KafkaBroker, ObjectStore
+    from d3stream.dev.progress import Progress
+    from d3stream.runtime import D3
 
 DEMO_BUCKET = "d3stream-demo"
 # Held-out tickets and pictures published next to the showcase, for the labelled re-evaluation.
@@ -109,17 +114,17 @@ def labelled_examples() -> list[tasks.Example]:
 
 
 def sample_requests(
-    examples: list[tasks.Example], upload: Any, image_uri: str, video_uri: str
+    examples: list[tasks.Example], upload: Callable[[str, bytes], str], image_uri: str, video_uri: str
 ) -> list[tuple[bytes, bytes]]:
     """(key, value) records: the labelled tickets and pictures (each picture uploaded with ``upload(key,
     png) -> s3 uri``), then a video, mixed media, an invalid question and one malformed record."""
     import base64
 
-    requests: list[dict[str, Any]] = []
+    requests: list[dict[str, object]] = []
     for example in examples:
-        request = dict(example.request)
-        if "images" in request:
-            png = base64.b64decode(request["images"][0].split(",", 1)[1])
+        request: dict[str, object] = dict(example.request)
+        if "images" in example.request:
+            png = base64.b64decode(example.request["images"][0].split(",", 1)[1])
             request["images"] = [upload(f"pictures/{example.id}.png", png)]
         requests.append(request)
     requests += [
@@ -144,18 +149,60 @@ def sample_requests(
             "questions": {"ok": {"type": "noul"}, "bad": {"type": "score", "criteria": ["only one level"]}},
         },
     ]
-    records = [(r["id"].encode(), json.dumps(r).encode()) for r in requests]
+    records = [(str(r["id"]).encode(), json.dumps(r).encode()) for r in requests]
     records.append((b"demo-malformed", b"{this is not json"))
     return records
 
 
+class Reevaluation(TypedDict):
+    """Both checkpoints against the labels (trained first, then the baseline, in each list)."""
+
+    checkpoints: list[str]
+    labelled: int
+    accuracy: list[float | None]
+    brier: list[float | None]
+    ece: list[float | None]
+    log_loss: list[float | None]
+    agreement: float | None
+    better: str
+
+
+class LiveFigures(FiguresJson):
+    """What ``d3stream evaluate`` published, and how many evaluations were read of how many expected."""
+
+    evaluations: int
+    expected: int
+
+
+class Served(TypedDict):
+    """What the demo published, served, replayed and evaluated (``run_demo`` adds ``seconds``)."""
+
+    published: int
+    answered: int
+    errors: int
+    dead_letters: int
+    replayed: int
+    reevaluation: Reevaluation
+    live_evaluation: LiveFigures
+    live_equals_offline: bool
+    answers: list[dict[str, object]]
+    labelled_ids: list[str]
+
+
+class DemoSummary(Served):
+    """``run_demo``'s summary."""
+
+    seconds: float
+
+
 def reevaluation(
-    trained: dict[str, Any], baseline: dict[str, Any], examples: list[tasks.Example], names: tuple[str, str]
-) -> dict[str, Any]:
+    trained: Mapping[str, Mapping[str, object]], baseline: Mapping[str, Mapping[str, object]],
+    examples: list[tasks.Example], names: tuple[str, str]
+) -> Reevaluation:
     """The trained and the baseline answers against the labels: what ``d3stream compare --labels`` reports."""
     from d3stream.jobs import compare
 
-    labels = {(r["id"], r["question"]): r["answer"] for r in tasks.label_records(examples)}
+    labels: compare.Labels = {(r["id"], r["question"]): r["answer"] for r in tasks.label_records(examples)}
     report = compare.compare(trained, baseline, labels)
     figures = report.labels
     assert figures is not None
@@ -177,8 +224,8 @@ async def run_demo(
     timeout_s: float = 300.0,
     trained: Path | None = None,
     baseline: Path | None = None,
-    stack: tuple[Any, Any] | None = None,
-) -> dict[str, Any]:
+    stack: tuple[KafkaBroker, ObjectStore] | None = None,
+) -> DemoSummary:
     """Run the embedded deployment once; returns the summary (and the answers under ``answers``).
 
     ``trained`` and ``baseline`` default to the cached demo checkpoints (built on first use); ``stack``, a
@@ -212,8 +259,9 @@ async def run_demo(
 
 
 async def _serve_and_reevaluate(
-    broker: Any, store: Any, trained: Path, baseline_path: Path, status: Any, progress: bool, timeout_s: float
-) -> dict[str, Any]:
+    broker: KafkaBroker, store: ObjectStore, trained: Path, baseline_path: Path, status: Progress, progress: bool,
+    timeout_s: float
+) -> Served:
     """Publish the sample requests, serve them with ``trained``, replay them with ``baseline_path`` and
     compare both with the labels."""
     from d3stream_client.publisher import produce
@@ -273,18 +321,18 @@ async def _serve_and_reevaluate(
     }
 
 
-FIGURES = ("accuracy", "brier", "ece", "log_loss")
+FIGURES: tuple[Literal["accuracy", "brier", "ece", "log_loss"], ...] = ("accuracy", "brier", "ece", "log_loss")
 
 
-def same_figures(live: dict[str, Any], offline: dict[str, Any]) -> bool:
+def same_figures(live: FiguresJson, offline: Reevaluation) -> bool:
     """Whether the live evaluation of the served checkpoint has exactly the offline re-evaluation's figures."""
     served = offline["checkpoints"][0]
     model = next((m for m in live["models"] if m["model"] == served and m["role"] == "live"), None)
     return model is not None and [model[k] for k in FIGURES] == [offline[k][0] for k in FIGURES]
 
 
-async def _live_figures(settings: Settings, answers: list[dict[str, Any]], labelled: set[str],
-                        timeout_s: float) -> dict[str, Any]:
+async def _live_figures(settings: Settings, answers: list[dict[str, object]], labelled: set[str],
+                        timeout_s: float) -> LiveFigures:
     """What ``d3stream evaluate --report`` prints once every labelled answer is evaluated: the served model's
     figures from the evaluation topic."""
     from d3stream.jobs.compare import TopicRange, read_topic
@@ -301,12 +349,12 @@ async def _live_figures(settings: Settings, answers: list[dict[str, Any]], label
     return {**figures_json(models), "evaluations": len(records), "expected": expected}
 
 
-def _step(status: Any, description: str) -> None:
+def _step(status: Progress, description: str) -> None:
     status.set_description(description)
     status.update()
 
 
-def _sample_records(store: Any, examples: Any) -> list[tuple[bytes, bytes]]:
+def _sample_records(store: ObjectStore, examples: list[tasks.Example]) -> list[tuple[bytes, bytes]]:
     """The demo's requests, their pictures and clip uploaded to the demo bucket of the local store."""
     store.create_bucket(DEMO_BUCKET)
     client = store.client()
@@ -319,7 +367,7 @@ def _sample_records(store: Any, examples: Any) -> list[tuple[bytes, bytes]]:
                            upload("samples/dock.mp4", sample_mp4()))
 
 
-def _demo_settings(broker: Any, store: Any) -> Any:
+def _demo_settings(broker: KafkaBroker, store: ObjectStore) -> Settings:
     """The worker's settings on the local broker and store (the demo's topics, group and bucket)."""
     from d3stream.settings import Settings
 
@@ -343,8 +391,8 @@ def _demo_settings(broker: Any, store: Any) -> Any:
     )
 
 
-async def _serve(settings: Settings, model: Any, broker: Any, expected: int, progress: bool,
-                 timeout_s: float) -> tuple[list[dict[str, Any]], int]:
+async def _serve(settings: Settings, model: D3, broker: KafkaBroker, expected: int, progress: bool,
+                 timeout_s: float) -> tuple[list[dict[str, object]], int]:
     """Serve until every request is answered: the answers read back from the answer topic, and how many
     records were dead-lettered."""
     from d3stream_client.subscriber import consume_answers
@@ -365,7 +413,7 @@ async def _serve(settings: Settings, model: Any, broker: Any, expected: int, pro
     return answers, service.counts["dead_letters"]
 
 
-async def _replayed(settings: Settings, baseline: Any) -> Any:
+async def _replayed(settings: Settings, baseline: D3) -> dict[str, dict[str, object]]:
     """The demo's requests replayed through ``baseline`` into a file: its answers by request id."""
     from d3stream.jobs.compare import read_jsonl, records_to_answers
     from d3stream.jobs.replay import ReplayRange, run_replay

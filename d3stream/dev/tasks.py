@@ -27,22 +27,25 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
+
+if TYPE_CHECKING:
+    from d3stream.runtime import D3
 
 # Seeds of the standard draws: training and the held-out set never share a seed.
 TRAIN_SEED = 0
 HELDOUT_SEED = 1
 
-TEAM = {
+TEAM: dict[str, object] = {
     "type": "choice",
     "instructions": "Which team should handle this ticket?",
     "criteria": {"billing": "payments, charges, invoices", "tech": "bugs, errors, crashes, login", "sales": "plans, pricing, quotes"},
 }
-REFUND = {"type": "noul", "instructions": "Does the customer ask for their money back?"}
-URGENCY = {"type": "score", "instructions": "How urgent is the ticket?", "criteria": ["low", "normal", "urgent"]}
-TICKET_QUESTIONS = {"team": TEAM, "refund": REFUND, "urgency": URGENCY}
-RED_SQUARE = {"type": "noul", "instructions": "Is there a red square in the picture?"}
-PICTURE_QUESTIONS = {"red_square": RED_SQUARE}
+REFUND: dict[str, object] = {"type": "noul", "instructions": "Does the customer ask for their money back?"}
+URGENCY: dict[str, object] = {"type": "score", "instructions": "How urgent is the ticket?", "criteria": ["low", "normal", "urgent"]}
+TICKET_QUESTIONS: dict[str, dict[str, object]] = {"team": TEAM, "refund": REFUND, "urgency": URGENCY}
+RED_SQUARE: dict[str, object] = {"type": "noul", "instructions": "Is there a red square in the picture?"}
+PICTURE_QUESTIONS: dict[str, dict[str, object]] = {"red_square": RED_SQUARE}
 
 _PRODUCTS = ("Pro plan", "Team plan", "mobile app", "desktop app", "starter kit", "annual subscription")
 _AMOUNTS = ("$12", "$49", "$99", "19 EUR", "$240", "$7.50")
@@ -98,13 +101,33 @@ _BACKGROUNDS = ((255, 255, 255), (235, 235, 235), (200, 215, 230), (245, 235, 21
 PICTURE_SIZE = 96
 
 
+class Ticket(TypedDict):
+    """A ticket's state."""
+
+    ticket: int
+    text: str
+
+
+class TaskRequest(TypedDict):
+    """A request of the task: a ticket (its state a ``Ticket``) or a picture (a sentence, and one image)."""
+
+    id: str
+    state: Ticket | str
+    questions: dict[str, dict[str, object]]
+    images: NotRequired[list[str]]  # a data: URL
+
+
+# A label: the choice key (choice), true or false (noul), or the score level index (score).
+Label = str | bool | int
+
+
 @dataclass(frozen=True)
 class Example:
     """One labelled request: the request (``id``, ``state``, ``questions``, maybe ``images``) and its labels
     by question id."""
 
-    request: dict[str, Any]
-    labels: dict[str, Any]
+    request: TaskRequest
+    labels: dict[str, Label]
 
     @property
     def id(self) -> str:
@@ -126,8 +149,8 @@ def ticket(rng: random.Random, number: int, prefix: str) -> Example:
     middle = sentences[1:3]
     rng.shuffle(middle)  # the refund sentence may come first
     text = " ".join(part for part in [sentences[0], *middle, sentences[3]] if part)
-    request = {"id": f"{prefix}-ticket-{number}", "state": {"ticket": 1000 + number, "text": text},
-               "questions": TICKET_QUESTIONS}
+    request: TaskRequest = {"id": f"{prefix}-ticket-{number}", "state": {"ticket": 1000 + number, "text": text},
+                            "questions": TICKET_QUESTIONS}
     return Example(request, {"team": team, "refund": refund, "urgency": urgency})
 
 
@@ -154,8 +177,8 @@ def picture(rng: random.Random, number: int, prefix: str) -> Example:
     """An image request asking whether there is a red square (half of them have one)."""
     red = rng.random() < 0.5
     url = "data:image/png;base64," + base64.b64encode(picture_png(rng, red)).decode()
-    request = {"id": f"{prefix}-picture-{number}", "state": "A picture attached to a support ticket.",
-               "questions": PICTURE_QUESTIONS, "images": [url]}
+    request: TaskRequest = {"id": f"{prefix}-picture-{number}", "state": "A picture attached to a support ticket.",
+                            "questions": PICTURE_QUESTIONS, "images": [url]}
     return Example(request, {"red_square": red})
 
 
@@ -177,7 +200,7 @@ def heldout(tickets: int = 60, pictures: int = 20) -> list[Example]:
 
 def showcase() -> list[Example]:
     """Hand-written tickets and two pictures whose answers a reader can judge at a glance (the demo's)."""
-    texts = [
+    texts: list[tuple[str, dict[str, Label]]] = [
         ("My card was charged twice for the Pro plan. Please give me my money back. This is urgent!",
          {"team": "billing", "refund": True, "urgency": 2}),
         ("The desktop app crashes every time I open it. No rush on this.",
@@ -200,7 +223,15 @@ def showcase() -> list[Example]:
     return examples
 
 
-def label_records(examples: Iterable[Example]) -> list[dict[str, Any]]:
+class LabelRecord(TypedDict):
+    """One question's label, as ``d3stream compare --labels`` reads it."""
+
+    id: str
+    question: str
+    answer: Label
+
+
+def label_records(examples: Iterable[Example]) -> list[LabelRecord]:
     """``{"id", "question", "answer"}`` records for ``d3stream compare --labels``."""
     return [{"id": e.id, "question": key, "answer": value} for e in examples for key, value in e.labels.items()]
 
@@ -215,10 +246,10 @@ def write_task(out: str | Path, examples: list[Example]) -> tuple[Path, Path]:
     return requests, labels
 
 
-def answer_records(model: Any, examples: Iterable[Example]) -> dict[str, dict[str, Any]]:
+def answer_records(model: D3, examples: Iterable[Example]) -> dict[str, dict[str, object]]:
     """Answer records by request id, from a loaded ``D3`` run in process (no Kafka): the input of
     ``d3stream.jobs.compare.compare`` with ``label_records`` as its labels."""
-    answers = {}
+    answers: dict[str, dict[str, object]] = {}
     for example in examples:
         request = example.request
         response = model.system_one(state=request["state"], questions=request["questions"],

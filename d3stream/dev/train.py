@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from d3stream.dev import tasks
 from d3stream.runtime import D3, Row
@@ -206,10 +206,29 @@ def _save_trained(root: Path, trainable: _Trainable, last: int) -> None:
     save_file({"weight": trainable.readout.detach().float().contiguous()}, str(root / "readout.safetensors"))
 
 
-def _reseal(root: Path, report: dict[str, Any], model_name: str | None) -> None:
+class Trained(TypedDict):
+    """What was trained and how: the manifest's ``identity.trained``."""
+
+    task: str
+    steps: int
+    seed: int
+    tickets: int
+    pictures: int
+    rows: int
+    trained: list[str]  # the modules changed
+
+
+class Training(Trained):
+    """``train_demo``'s report: also the last epoch's accuracy (None: no step run) and the time taken."""
+
+    train_accuracy: float | None
+    seconds: float
+
+
+def _reseal(root: Path, report: Trained, model_name: str | None) -> None:
     """Rewrite the manifest over the new weights, its identity saying what was trained and how."""
     manifest = read_manifest(root) or {}
-    identity = {k: v for k, v in (manifest.get("identity") or {}).items() if k != "model_sha256"}
+    identity: dict[str, object] = {k: v for k, v in (manifest.get("identity") or {}).items() if k != "model_sha256"}
     identity["trained"] = report
     write_manifest(root, model_name=model_name or manifest.get("model_name"), repo_id=manifest.get("repo_id"),
                    identity=identity)
@@ -224,7 +243,7 @@ def train_demo(
     pictures: int | None = None,
     model_name: str | None = None,
     on_step: Callable[[int, float], None] | None = None,
-) -> dict[str, Any]:
+) -> Training:
     """Train the checkpoint in ``root`` in place on ``tasks.draw(tasks.TRAIN_SEED, ...)`` and reseal it.
 
     Returns what was done (``steps``, ``rows``, ``train_accuracy`` of the last epoch, ``seconds``);
@@ -255,7 +274,7 @@ def train_demo(
     finally:
         torch.set_num_threads(threads)
 
-    report = {
+    report: Trained = {
         "task": "demo",
         "steps": steps,
         "seed": seed,

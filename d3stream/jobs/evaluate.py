@@ -17,12 +17,14 @@ import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from d3stream.core.agreement import LabelStats, Scored, Tally
 
 if TYPE_CHECKING:
     from d3stream.core.drift import Drift
+    from d3stream.kafka.evaluating import Evaluator
+    from d3stream.ops.quality import QualityMetrics
     from d3stream.settings import Settings
 
 
@@ -60,13 +62,42 @@ def figures(evaluations: Iterable[object]) -> list[ModelFigures]:
                 item[0][0] != "live", item[0][1]))]
 
 
-def _stats_json(stats: LabelStats) -> dict[str, Any]:
+class StatsJson(TypedDict):
+    """Figures over one group of evaluations (``LabelStats``), as ``--report --json`` prints them."""
+
+    n: int
+    accuracy: float | None
+    brier: float | None
+    log_loss: float | None
+    ece: float | None
+    estimated_accuracy: float | None
+    estimated_brier: float | None
+    accuracy_error: float | None
+    brier_error: float | None
+
+
+class ModelJson(StatsJson):
+    """One model's figures: overall, and by question."""
+
+    model: str
+    role: str
+    requests: int
+    questions: dict[str, StatsJson]
+
+
+class FiguresJson(TypedDict):
+    """``d3stream evaluate --report --json``."""
+
+    models: list[ModelJson]
+
+
+def _stats_json(stats: LabelStats) -> StatsJson:
     return {"n": stats.n, "accuracy": stats.accuracy, "brier": stats.brier, "log_loss": stats.log_loss,
             "ece": stats.ece, "estimated_accuracy": stats.estimated_accuracy, "estimated_brier": stats.estimated_brier,
             "accuracy_error": stats.accuracy_error, "brier_error": stats.brier_error}
 
 
-def figures_json(models: list[ModelFigures]) -> dict[str, Any]:
+def figures_json(models: list[ModelFigures]) -> FiguresJson:
     return {"models": [{"model": m.model, "role": m.role, "requests": m.requests, **_stats_json(m.overall),
                         "questions": {q: _stats_json(s) for q, s in m.by_question.items()}} for m in models]}
 
@@ -138,7 +169,7 @@ async def _shadow_topic(settings: Settings) -> str | None:
         await admin.close()
 
 
-async def make_evaluator(settings: Settings, metrics: Any = None) -> Any:
+async def make_evaluator(settings: Settings, metrics: QualityMetrics | None = None) -> Evaluator:
     """An evaluate worker (``kafka/evaluating.Evaluator``) for ``settings``, its readiness on ``metrics``."""
     from d3stream.kafka.evaluating import Evaluator
     from d3stream.ops.quality import QualityMetrics
@@ -150,7 +181,7 @@ async def make_evaluator(settings: Settings, metrics: Any = None) -> Any:
 
 
 async def run_worker(settings: Settings, stopping: asyncio.Event | None = None, *,
-                     metrics: Any = None) -> Any:
+                     metrics: QualityMetrics | None = None) -> Evaluator:
     """Run one evaluate worker until ``stopping`` is set (SIGTERM and SIGINT set it when none is given);
     returns the Evaluator (its counts)."""
     stopping = stopping or _on_signals()

@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import structlog
 from aiokafka import AIOKafkaConsumer
@@ -85,6 +85,21 @@ async def plan_total(settings: Settings, plan: ReplayRange) -> int:
         await consumer.stop()
 
 
+class ReplaySummary(TypedDict):
+    """What one replay worker did (``run_replay``); ``d3stream replay`` adds ``drift`` with --compare-with."""
+
+    replay_id: str
+    topic: str
+    range_records: int
+    replayed: int
+    answered: int
+    errors: int
+    dead_letters: int
+    passes: int
+    seconds: float
+    drift: NotRequired[dict[str, object]]
+
+
 async def run_replay(
     settings: Settings,
     model: DecisionModel,
@@ -95,7 +110,7 @@ async def run_replay(
     deterministic: bool = False,
     rows_per_pass: int = 8,
     progress: bool = False,
-) -> dict[str, Any]:
+) -> ReplaySummary:
     """Run (or resume) one replay worker to the end of its range; returns its summary.
 
     The replay is a ``Service`` with a ``RangeRead`` policy (and ``OrderedPasses`` when deterministic), writing
@@ -170,7 +185,7 @@ def live_topic_refusal(
     )
 
 
-def replay_drift(recorded: str, replayed: str, settings: Settings) -> dict[str, Any]:
+def replay_drift(recorded: str, replayed: str, settings: Settings) -> dict[str, object]:
     """How far the replayed answers are from the recorded ones (joined by request and question id); a
     ``kafka:`` source is read through the same connection settings as the replay."""
     from d3stream.jobs import compare

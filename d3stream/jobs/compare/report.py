@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import NotRequired, TypedDict
 
 from d3stream.core.agreement import (
     GroupStats,
@@ -18,13 +18,8 @@ from d3stream.core.agreement import (
     label_stats,
     parse_slot,
 )
-from d3stream.runtime.kinds import QUESTION_TYPE_NAMES
-
-if TYPE_CHECKING:
-
-    pass
-
 from d3stream.jobs.compare.sources import DEFAULT_TOP, Labels
+from d3stream.runtime.kinds import QUESTION_TYPE_NAMES
 
 # -- one answered question -------------------------------------------------------------------------
 
@@ -68,6 +63,37 @@ class Disagreement:
     questions: tuple[JoinedQuestion, ...]
 
 
+class Headline(TypedDict):
+    """The headline figures (``Report.headline``, compare's ``--json`` object); the label figures with labels."""
+
+    joined: int
+    only_a: int
+    only_b: int
+    agreement: float | None
+    mean_abs_dp: float | None
+    max_abs_dp: float | None
+    score_mae: float | None
+    confidence_shift: float | None
+    only_a_questions: int
+    only_b_questions: int
+    skipped_questions: int
+    duplicates_a: int
+    duplicates_b: int
+    errors_a: int
+    errors_b: int
+    question_errors_a: int
+    question_errors_b: int
+    labelled: NotRequired[int]
+    accuracy_a: NotRequired[float | None]
+    accuracy_b: NotRequired[float | None]
+    brier_a: NotRequired[float | None]
+    brier_b: NotRequired[float | None]
+    ece_a: NotRequired[float | None]
+    ece_b: NotRequired[float | None]
+    log_loss_a: NotRequired[float | None]
+    log_loss_b: NotRequired[float | None]
+
+
 @dataclass(frozen=True)
 class Report:
     """Everything :func:`compare` finds; :meth:`headline` is the ``--json`` object."""
@@ -87,9 +113,9 @@ class Report:
     labels: LabelReport | None
     joined: tuple[JoinedQuestion, ...] = field(default=(), repr=False)
 
-    def headline(self) -> dict[str, Any]:
+    def headline(self) -> Headline:
         """The headline figures as one JSON-ready object."""
-        out: dict[str, Any] = {
+        out: Headline = {
             "joined": self.overall.joined,
             "only_a": len(self.only_a),
             "only_b": len(self.only_b),
@@ -109,17 +135,17 @@ class Report:
             "question_errors_b": self.b.question_errors,
         }
         if self.labels is not None:
-            out.update(
-                labelled=self.labels.n,
-                accuracy_a=self.labels.a.accuracy,
-                accuracy_b=self.labels.b.accuracy,
-                brier_a=self.labels.a.brier,
-                brier_b=self.labels.b.brier,
-                ece_a=self.labels.a.ece,
-                ece_b=self.labels.b.ece,
-                log_loss_a=self.labels.a.log_loss,
-                log_loss_b=self.labels.b.log_loss,
-            )
+            out.update({
+                "labelled": self.labels.n,
+                "accuracy_a": self.labels.a.accuracy,
+                "accuracy_b": self.labels.b.accuracy,
+                "brier_a": self.labels.a.brier,
+                "brier_b": self.labels.b.brier,
+                "ece_a": self.labels.a.ece,
+                "ece_b": self.labels.b.ece,
+                "log_loss_a": self.labels.a.log_loss,
+                "log_loss_b": self.labels.b.log_loss,
+            })
         return out
 
 
@@ -129,7 +155,7 @@ def _error_code(value: object) -> str:
     return value if isinstance(value, str) and value else "unknown"
 
 
-def _answers_of(record: Mapping[str, Any]) -> dict[str, Any] | None:
+def _answers_of(record: Mapping[str, object]) -> dict[str, object] | None:
     """The ``answers`` of a record, or None for a request-level error (or a record without answers)."""
     answers = record.get("answers")
     if record.get("error") is not None or not isinstance(answers, dict):
@@ -137,7 +163,7 @@ def _answers_of(record: Mapping[str, Any]) -> dict[str, Any] | None:
     return answers
 
 
-def summarise(answers: Mapping[str, Mapping[str, Any]], source: str = "") -> SideSummary:
+def summarise(answers: Mapping[str, Mapping[str, object]], source: str = "") -> SideSummary:
     """Request and question counts, and errors by code, of one side."""
     request_codes: Counter[str] = Counter()
     question_codes: Counter[str] = Counter()
@@ -202,7 +228,7 @@ class _Joined:
     skipped: int = 0  # an error on either side
     unreadable: int = 0  # an unknown type, no probabilities, or different types
 
-    def request(self, request_id: str, answers_a: dict[str, Any], answers_b: dict[str, Any]) -> None:
+    def request(self, request_id: str, answers_a: Mapping[str, object], answers_b: Mapping[str, object]) -> None:
         """Join the questions of one request both sides answered."""
         self.only_a += len(answers_a.keys() - answers_b.keys())
         self.only_b += len(answers_b.keys() - answers_a.keys())
@@ -218,7 +244,7 @@ class _Joined:
             self.questions.append(join_slots(request_id, question_id, slot_a, slot_b))
 
 
-def _join(a: Mapping[str, Mapping[str, Any]], b: Mapping[str, Mapping[str, Any]]) -> _Joined:
+def _join(a: Mapping[str, Mapping[str, object]], b: Mapping[str, Mapping[str, object]]) -> _Joined:
     joined = _Joined()
     for request_id in sorted(set(a) & set(b)):
         answers_a, answers_b = _answers_of(a[request_id]), _answers_of(b[request_id])
@@ -245,8 +271,8 @@ def _disagreements(joined: Sequence[JoinedQuestion]) -> list[Disagreement]:
 
 
 def compare(
-    a: Mapping[str, Mapping[str, Any]],
-    b: Mapping[str, Mapping[str, Any]],
+    a: Mapping[str, Mapping[str, object]],
+    b: Mapping[str, Mapping[str, object]],
     labels: Labels | None = None,
     *,
     top: int = DEFAULT_TOP,

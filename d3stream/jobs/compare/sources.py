@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
@@ -43,7 +43,7 @@ class SourceError(Exception):
 # -- loading ---------------------------------------------------------------------------------------
 
 
-class AnswerSet(dict[str, dict[str, Any]]):
+class AnswerSet(dict[str, dict[str, object]]):
     """Answer records by request id (the last record of each id), with what loading saw.
 
     A plain ``dict`` for every purpose, plus ``source`` (where it came from), ``duplicates`` (records
@@ -336,11 +336,11 @@ def load_labels(source: str | Path, *, settings: Settings | None = None, timeout
     return labels_of(read_jsonl(parsed), str(source))
 
 
-def label_events(records: Iterable[object], source: str) -> list[dict[str, Any]]:
+def label_events(records: Iterable[object], source: str) -> list[dict[str, object]]:
     """The records of a label topic that are label events, as the evaluator reads them (the label schema);
     the others (no id, no labels, not JSON) are skipped, and how many is logged: the evaluator dead-letters
     them, and one of them must not stop a comparison."""
-    events: list[dict[str, Any]] = []
+    events: list[dict[str, object]] = []
     skipped: dict[str, int] = {}
     for record in records:
         try:
