@@ -388,10 +388,11 @@ async def _volume(servers: str, broker: KafkaBroker, prefix: str, tmp: Path, wai
         broker.create_topic(topic, VOLUME_PARTITIONS, exist_ok=True)
     port = free_port()
     state_dir = tmp / "state"
+    written = settings.flat()  # by the names an operator writes, as the worker's environment takes them
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "D3STREAM_BOOTSTRAP_SERVERS": servers,
            "D3STREAM_LOG_FORMAT": "json",
            "D3STREAM_METRICS_PORT": str(port), "D3STREAM_EVALUATE_STATE_DIR": str(state_dir),
-           **{f"D3STREAM_{name.upper()}": str(getattr(settings, name)) for name in (
+           **{f"D3STREAM_{name.upper()}": str(written[name]) for name in (
                "answer_topic", "label_topic", "evaluation_topic", "label_dead_letter_topic", "evaluate_state_topic",
                "evaluate_group_id", "client_id", "transactional_id_prefix", "topic_partitions")}}
     worker = _Worker(env, port, tmp / "evaluate.log")
