@@ -32,7 +32,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypedDict
+from typing import TYPE_CHECKING, Literal, NotRequired, TypedDict
 
 import structlog
 
@@ -43,7 +43,7 @@ from d3stream.settings import DeliveryMode, Settings
 
 if TYPE_CHECKING:
     from d3stream.core.seams import DecisionModel
-    from d3stream.dev.infra import KafkaBroker
+    from d3stream.dev.infra import KafkaBroker, SchemaRegistry
     from d3stream.service import Service
 
 log = structlog.get_logger(__name__)
@@ -233,10 +233,13 @@ async def serve_until_answered(settings: Settings, model: DecisionModel, count: 
 
 
 # The four paths of ``d3stream bench kafka``, in the order they take turns.
-KafkaRun = Literal["raw_at_least_once", "d3stream_at_least_once", "raw_transactional", "d3stream_exactly_once"]
+KafkaRun = Literal["raw_at_least_once", "d3stream_at_least_once", "raw_transactional", "d3stream_exactly_once",
+                   "d3stream_exactly_once_avro"]
 KAFKA_RUNS: tuple[KafkaRun, ...] = (
     "raw_at_least_once", "d3stream_at_least_once", "raw_transactional", "d3stream_exactly_once",
 )
+# With a Schema Registry: the same requests framed as Avro, answered as Avro (answer_format avro).
+FRAMED_RUN: KafkaRun = "d3stream_exactly_once_avro"
 
 
 class RunFigures(TypedDict):
@@ -260,29 +263,42 @@ class KafkaReport(TypedDict):
     d3stream_exactly_once: RunFigures
     at_least_once_ratio: float
     exactly_once_ratio: float
+    # With a registry: the framed path, and its rate over the plain JSON exactly_once path's (target >= 0.9:
+    # schema handling costs at most a tenth of the Kafka path).
+    d3stream_exactly_once_avro: NotRequired[RunFigures]
+    registry_ratio: NotRequired[float]
 
 
 def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker | None = None,
-                   prefix: str = "bench", progress: Callable[[str], None] | None = None) -> KafkaReport:
+                   prefix: str = "bench", progress: Callable[[str], None] | None = None,
+                   registry: SchemaRegistry | None = None) -> KafkaReport:
     """The raw-versus-d3stream comparison on ``broker`` (an ``infra.KafkaBroker``; default: a fresh one,
     started and stopped here), on topics named ``<prefix>.*``; figures as one dict.
 
     Two unmeasured raw passes (plain, then transactional) warm the broker first: the first pass of each kind
     on a fresh broker runs at half to two thirds of the later ones, which flattered whichever path came
-    second. Then the four paths run ``rounds`` times in turn, and each path's figure is its best round."""
-    if broker is None:
-        from d3stream.dev.infra import KafkaBroker, ensure_jars
+    second. Then the four paths run ``rounds`` times in turn, and each path's figure is its best round.
 
-        ensure_jars()
-        with KafkaBroker(partitions=4) as broker:
-            return kafka_overhead(count, rounds=rounds, broker=broker, prefix=prefix, progress=progress)
+    With ``registry`` (an ``infra.SchemaRegistry``), a fifth path answers the same requests framed as Avro
+    through it, answering in Avro, beside the plain exactly_once path: ``registry_ratio`` is its rate over
+    theirs."""
+    if broker is None:
+        from d3stream.dev.infra import embedded_stack
+
+        with embedded_stack(partitions=4) as stack:
+            return kafka_overhead(count, rounds=rounds, broker=stack.broker, prefix=prefix, progress=progress,
+                                  registry=stack.registry)
     from d3stream_client.publisher import produce
 
     bootstrap = broker.bootstrap_servers
-    topics = {name: f"{prefix}.{name}" for name in ("requests", "warm-up", "raw-out", "answers", "dlq", "prov")}
+    topics = {name: f"{prefix}.{name}" for name in ("requests", "warm-up", "raw-out", "answers", "dlq", "prov",
+                                                    "requests-avro", "answers-avro")}
     for topic in topics.values():
         broker.create_topic(topic, 4, exist_ok=True)
-    asyncio.run(produce(bootstrap, topics["requests"], small_requests(count)))
+    requests = small_requests(count)
+    asyncio.run(produce(bootstrap, topics["requests"], requests))
+    if registry is not None:
+        asyncio.run(produce(bootstrap, topics["requests-avro"], framed_requests(registry.url, topics, requests)))
     if progress is not None:
         progress("warm-up")
     for transactional in (False, True):  # the broker's code paths of both modes
@@ -293,6 +309,7 @@ def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker 
         ("d3stream_at_least_once", False, "at_least_once"),
         ("raw_transactional", True, "exactly_once"),
         ("d3stream_exactly_once", False, "exactly_once"),
+        *(((FRAMED_RUN, False, "exactly_once"),) if registry is not None else ()),
     )
     by_round: dict[str, list[float]] = {}
     best: dict[KafkaRun, RunFigures] = {}  # each path's best round
@@ -300,12 +317,13 @@ def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker 
         for name, raw, mode in runs:
             if progress is not None:
                 progress(f"{name} ({round_number + 1}/{rounds})")
-            seconds = _one_kafka_run(raw, mode, bootstrap, topics, f"{prefix}-{name}-{round_number}", count)
+            seconds = _one_kafka_run(raw, mode, bootstrap, topics, f"{prefix}-{name}-{round_number}", count,
+                                     registry.url if name == FRAMED_RUN and registry is not None else None)
             figures: RunFigures = {"seconds": round(seconds, 3), "events_per_s": round(count / seconds, 1)}
             by_round.setdefault(name, []).append(figures["events_per_s"])
             if name not in best or figures["events_per_s"] > best[name]["events_per_s"]:
                 best[name] = figures
-    return {
+    report: KafkaReport = {
         "requests": count, "partitions": 4, "rounds": rounds, "topics": topics, "by_round": by_round,
         "raw_at_least_once": best["raw_at_least_once"],
         "d3stream_at_least_once": best["d3stream_at_least_once"],
@@ -316,12 +334,33 @@ def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker 
         "exactly_once_ratio": round(
             best["d3stream_exactly_once"]["events_per_s"] / best["raw_transactional"]["events_per_s"], 3),
     }
+    if FRAMED_RUN in best:
+        report["d3stream_exactly_once_avro"] = best[FRAMED_RUN]
+        report["registry_ratio"] = round(
+            best[FRAMED_RUN]["events_per_s"] / best["d3stream_exactly_once"]["events_per_s"], 3)
+    return report
+
+
+def framed_requests(registry_url: str, topics: Mapping[str, str],
+                    requests: Sequence[tuple[bytes | None, bytes]]) -> list[tuple[bytes | None, bytes]]:
+    """The requests in the registry's wire format as an Avro producer writes them (the contract's Request
+    schema, registered under the framed request topic's subject)."""
+    from d3stream_client.contract import Request
+
+    from d3stream.kafka.registry import Registry
+    from d3stream.settings import RegistrySettings
+
+    registry = Registry(RegistrySettings(schema_registry_url=registry_url, answer_format="avro",
+                                         schema_auto_register=True))
+    framing = asyncio.run(registry.writers_for({topics["requests-avro"]: Request}))
+    return [(key, framing.encode(topics["requests-avro"], value)) for key, value in requests]
 
 
 def _one_kafka_run(raw: bool, mode: DeliveryMode, bootstrap: str, topics: dict[str, str], group: str,
-                   count: int) -> float:
-    """Seconds one path (the raw loop, transactional for ``exactly_once``; or d3stream in ``mode``) takes to
-    answer ``count`` requests from the start, as consumer group ``group``."""
+                   count: int, registry_url: str | None = None) -> float:
+    """Seconds one path (the raw loop, transactional for ``exactly_once``; or d3stream in ``mode``, through the
+    registry at ``registry_url`` when given) takes to answer ``count`` requests from the start, as consumer
+    group ``group``."""
     if raw:
         return asyncio.run(consume_answer_loop(bootstrap, topics["requests"], topics["raw-out"], group, count,
                                                transactional=DELIVERY_MODES[mode].transactional))
@@ -331,6 +370,10 @@ def _one_kafka_run(raw: bool, mode: DeliveryMode, bootstrap: str, topics: dict[s
         delivery=mode, metrics_port=None, create_topics=False, log_level="warning",
         max_inflight_requests=4096, commit_interval_ms=100, linger_ms=2, compression="none",
     )
+    if registry_url is not None:
+        settings = settings.replaced(request_topics=[topics["requests-avro"]], answer_topic=topics["answers-avro"],
+                                     schema_registry_url=registry_url, answer_format="avro",
+                                     schema_auto_register=True)
     seconds, _ = asyncio.run(serve_until_answered(settings, NullModel(), count))
     return seconds
 
@@ -346,11 +389,18 @@ def kafka_markdown(report: KafkaReport) -> str:
     for name in KAFKA_RUNS:
         figures = report[name]
         lines.append(f"| {name.replace('_', ' ')} | {figures['seconds']:.2f} | {figures['events_per_s']:,.0f} |")
+    framed = report.get("d3stream_exactly_once_avro")
+    if framed is not None:
+        lines.append(f"| d3stream exactly once, Avro through the registry | {framed['seconds']:.2f} | "
+                     f"{framed['events_per_s']:,.0f} |")
     lines += [
         "",
         f"d3stream ÷ raw: at_least_once {report['at_least_once_ratio']:.2f}, "
         f"exactly_once ÷ raw transactional {report['exactly_once_ratio']:.2f} (target ≥ 0.5).",
     ]
+    if "registry_ratio" in report:
+        lines.append(f"Avro through the registry ÷ plain JSON, exactly_once: {report['registry_ratio']:.2f} "
+                     "(target ≥ 0.9: schema handling at most a tenth of the Kafka path).")
     return "\n".join(lines)
 
 

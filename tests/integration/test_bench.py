@@ -4,15 +4,16 @@ raw-consumer and service runs side by side and the RSS soak report, their struct
 from __future__ import annotations
 
 
-def test_kafka_overhead_runs_raw_and_service_side_by_side(kafka_broker, unique_name):
-    """Every request answered once by each path (the figures themselves are for the README, not asserted)."""
+def test_kafka_overhead_runs_raw_and_service_side_by_side(kafka_broker, schema_registry, unique_name):
+    """Every request answered once by each path, the Avro one through the registry too (the figures themselves
+    are for the README, not asserted)."""
     import asyncio
 
     from d3stream.benchmarks.bench_service import kafka_markdown, kafka_overhead
     from d3stream.benchmarks.chaos import count_topic
 
     prefix = unique_name("kb")
-    report = kafka_overhead(300, rounds=2, broker=kafka_broker, prefix=prefix)
+    report = kafka_overhead(300, rounds=2, broker=kafka_broker, prefix=prefix, registry=schema_registry)
     for name in ("raw_at_least_once", "d3stream_at_least_once", "raw_transactional", "d3stream_exactly_once"):
         assert report[name]["events_per_s"] > 0, name
     assert report["at_least_once_ratio"] > 0 and report["exactly_once_ratio"] > 0
@@ -24,6 +25,18 @@ def test_kafka_overhead_runs_raw_and_service_side_by_side(kafka_broker, unique_n
     raw = asyncio.run(count_topic(kafka_broker.bootstrap_servers, report["topics"]["raw-out"]))
     assert len(raw) == 1200  # the warm-up pass writes elsewhere
     assert "exactly_once ÷ raw transactional" in kafka_markdown(report)
+    assert report["d3stream_exactly_once_avro"]["events_per_s"] > 0 and report["registry_ratio"] > 0
+    framed = asyncio.run(_values(kafka_broker.bootstrap_servers, report["topics"]["answers-avro"]))
+    assert len(framed) == 600 and all(value[:1] == b"\x00" for value in framed)  # 300 in each round, as Avro
+    assert "Avro through the registry" in kafka_markdown(report)
+
+
+async def _values(bootstrap, topic):
+    from tests.support.stream_helpers import Reader
+
+    async with Reader(bootstrap, topic) as reader:
+        await reader.caught_up()
+        return [record.value for record in reader.records]
 
 
 def test_rss_soak_reports_samples_and_a_verdict(kafka_broker, unique_name, qwen35_text_model):
