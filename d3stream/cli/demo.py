@@ -101,7 +101,8 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"(and {held} requests drawn from the held-out set; {len(labelled)} labelled requests in all)")
         _print_reevaluation(summary["reevaluation"])
         _print_live_evaluation(summary["live_evaluation"], summary["reevaluation"], summary["live_equals_offline"])
-        print(f"\npublished {summary['published']}, answered {summary['answered']}, error answers "
+        print(f"\npublished {summary['published']} ({summary['framed']} framed as Avro through the Schema Registry), "
+              f"answered {summary['answered']}, error answers "
               f"{summary['errors']}, dead letters {summary['dead_letters']}, replayed {summary['replayed']}, "
               f"{summary['seconds']} s")
     every = summary["answered"] == summary["published"] == summary["replayed"]

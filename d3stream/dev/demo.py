@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypedDict
 
+import msgspec
 import numpy as np
 
 from d3stream.dev import tasks
@@ -39,7 +40,7 @@ from d3stream.jobs.evaluate import FiguresJson, run_worker
 from d3stream.settings import Settings, cache_root
 
 if TYPE_CHECKING:
-    from d3stream.dev.infra import KafkaBroker, ObjectStore
+    from d3stream.dev.infra import KafkaBroker, ObjectStore, SchemaRegistry
     from d3stream.dev.progress import Progress
     from d3stream.runtime import D3
 
@@ -178,6 +179,7 @@ class Served(TypedDict):
     """What the demo published, served, replayed and evaluated (``run_demo`` adds ``seconds``)."""
 
     published: int
+    framed: int  # of the published, those framed as Avro through the Schema Registry
     answered: int
     errors: int
     dead_letters: int
@@ -225,18 +227,21 @@ async def run_demo(
     trained: Path | None = None,
     baseline: Path | None = None,
     stack: tuple[KafkaBroker, ObjectStore] | None = None,
+    registry: SchemaRegistry | None = None,
 ) -> DemoSummary:
     """Run the embedded deployment once; returns the summary (and the answers under ``answers``).
 
     ``trained`` and ``baseline`` default to the cached demo checkpoints (built on first use); ``stack``, a
-    running ``(KafkaBroker, ObjectStore)``, to a fresh ``infra.local_stack`` for the run.
+    running ``(KafkaBroker, ObjectStore)``, to a fresh ``infra.embedded_stack`` for the run, with its Schema
+    Registry (``registry`` gives one beside a given ``stack``): every third request is then published framed as
+    Avro through it, as a producer of a Confluent estate would, beside the plain JSON ones.
     """
     from contextlib import ExitStack
 
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from d3stream.dev.infra import local_stack
+    from d3stream.dev.infra import embedded_stack
 
     started = time.perf_counter()
     with ExitStack() as scope:
@@ -245,22 +250,26 @@ async def run_demo(
             # redrawn below them, instead of a line torn in two by the next refresh.
             scope.enter_context(logging_redirect_tqdm())
         status = scope.enter_context(
-            tqdm(total=6, desc="demo: starting Kafka and the S3 store", disable=not progress, file=sys.stderr,
-                 leave=False)
+            tqdm(total=6, desc="demo: starting Kafka, the S3 store and the Schema Registry", disable=not progress,
+                 file=sys.stderr, leave=False)
         )
-        broker, store = stack or scope.enter_context(local_stack(progress=progress))
+        if stack is None:
+            started_stack = scope.enter_context(embedded_stack(progress=progress))
+            stack, registry = (started_stack.broker, started_stack.store), started_stack.registry
+        broker, store = stack
         status.set_description("demo: checkpoints (the first run trains one: about a minute)")
         status.update()
         baseline_path = baseline or demo_checkpoint(progress=False)
         trained_path = trained or trained_checkpoint(progress=False)
-        summary = await _serve_and_reevaluate(broker, store, trained_path, baseline_path, status, progress, timeout_s)
+        summary = await _serve_and_reevaluate(broker, store, registry, trained_path, baseline_path, status, progress,
+                                              timeout_s)
         status.close()  # gone before the servers stop (they take a few seconds), so the answers follow at once
     return {**summary, "seconds": round(time.perf_counter() - started, 2)}
 
 
 async def _serve_and_reevaluate(
-    broker: KafkaBroker, store: ObjectStore, trained: Path, baseline_path: Path, status: Progress, progress: bool,
-    timeout_s: float
+    broker: KafkaBroker, store: ObjectStore, registry: SchemaRegistry | None, trained: Path, baseline_path: Path,
+    status: Progress, progress: bool, timeout_s: float
 ) -> Served:
     """Publish the sample requests, serve them with ``trained``, replay them with ``baseline_path`` and
     compare both with the labels."""
@@ -278,7 +287,8 @@ async def _serve_and_reevaluate(
     _step(status, "demo: media")
     examples = labelled_examples()
     records = _sample_records(store, examples)
-    settings = _demo_settings(broker, store)
+    settings = _demo_settings(broker, store, registry)
+    records, framed = await _framed(records, settings) if registry is not None else (records, 0)
     _step(status, "demo: publishing")
     for topic in ("demo.requests", "demo.answers", "demo.labels"):
         broker.create_topic(topic, settings.delivery.topic_partitions, exist_ok=True)
@@ -309,6 +319,7 @@ async def _serve_and_reevaluate(
     offline = reevaluation(records_to_answers(answers), replayed, examples, (model.model_name, baseline.model_name))
     return {
         "published": len(records),
+        "framed": framed,
         "answered": len(published & {answer["id"] for answer in answers}),
         "errors": sum(1 for answer in answers if answer.get("error")),
         "dead_letters": dead_letters,
@@ -367,11 +378,36 @@ def _sample_records(store: ObjectStore, examples: list[tasks.Example]) -> list[t
                            upload("samples/dock.mp4", sample_mp4()))
 
 
-def _demo_settings(broker: KafkaBroker, store: ObjectStore) -> Settings:
-    """The worker's settings on the local broker and store (the demo's topics, group and bucket)."""
+async def _framed(records: list[tuple[bytes, bytes]], settings: Settings) -> tuple[list[tuple[bytes, bytes]], int]:
+    """The records with every third request framed as Avro through the Schema Registry (its Request schema
+    registered under the request topic's subject, as a producer's serializer does); how many were framed. The
+    malformed record stays as it is: there is no request in it to frame."""
+    from d3stream_client.contract import Request
+
+    from d3stream.kafka.registry import Registry
+
+    registry = Registry(msgspec.structs.replace(settings.registry, answer_format="avro"))
+    topic = settings.delivery.request_topics[0]
+    framing = await registry.writers_for({topic: Request})
+    out, framed = [], 0
+    for index, (key, value) in enumerate(records):
+        if index % 3 == 2 and value.lstrip().startswith(b"{"):
+            try:
+                value, framed = framing.encode(topic, value), framed + 1
+            except (ValueError, TypeError, msgspec.DecodeError):
+                pass  # not a request the schema can carry (it stays JSON, and is refused as JSON)
+        out.append((key, value))
+    return out, framed
+
+
+def _demo_settings(broker: KafkaBroker, store: ObjectStore, registry: SchemaRegistry | None = None) -> Settings:
+    """The worker's settings on the local broker and store (the demo's topics, group and bucket) and, with a
+    Schema Registry, its address (framed requests are read; answers stay JSON, registered at start)."""
     from d3stream.settings import Settings
 
     return Settings.from_flat(
+        schema_registry_url=registry.url if registry is not None else None,
+        schema_auto_register=True,
         bootstrap_servers=broker.bootstrap_servers,
         request_topics=["demo.requests"],
         answer_topic="demo.answers",

@@ -17,14 +17,16 @@ PUBLISHED = len(showcase()) + HELDOUT_TICKETS + HELDOUT_PICTURES + 4
 
 
 def test_demo_answers_every_request_and_the_trained_checkpoint_wins(
-    kafka_broker, object_store, demo_trained_checkpoint, demo_random_checkpoint, monkeypatch
+    kafka_broker, object_store, schema_registry, demo_trained_checkpoint, demo_random_checkpoint, monkeypatch
 ):
     # The demo puts the store's keys into the AWS environment, as a deployment would: undone afterwards.
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", object_store.access_key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", object_store.secret_key)
     summary = asyncio.run(run_demo(progress=False, timeout_s=180, trained=demo_trained_checkpoint,
-                                   baseline=demo_random_checkpoint, stack=(kafka_broker, object_store)))
+                                   baseline=demo_random_checkpoint, stack=(kafka_broker, object_store),
+                                   registry=schema_registry))
     assert summary["published"] == summary["answered"] == summary["replayed"] == PUBLISHED
+    assert summary["framed"] == (PUBLISHED - 1) // 3  # every third request through the registry as Avro
     assert summary["errors"] == 1 and summary["dead_letters"] == 1  # the malformed record
     by_id = {answer["id"]: answer for answer in summary["answers"]}
     assert by_id["demo-bad-question"]["answers"]["bad"]["error"] == "invalid_question"
