@@ -24,7 +24,9 @@ a schema the registry refuses, or one not registered, stops the worker at start 
 failing record by record.
 
 confluent-kafka's ``schema_registry`` module is the registry client (its asyncio one, so lookups never block
-the loop); fastavro is the Avro codec.
+the loop); fastavro is the Avro codec. The framing, the subject names, the registry client's configuration and
+the registered JSON Schema form are the client's (``d3stream_client.registry``, ``d3stream_client.schemas``),
+which writes requests and reads answers the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -42,7 +43,19 @@ import structlog
 from confluent_kafka.schema_registry import AsyncSchemaRegistryClient, Schema, SchemaRegistryError
 from d3stream_client import avro
 from d3stream_client.contract import Answer, DeadLetter, Request
-from d3stream_client.schemas import json_schema
+from d3stream_client.registry import (
+    AVRO,
+    CONTENT_TYPES,
+    FRAME,
+    JSON_SCHEMA,
+    MAGIC,
+    frame,
+    is_framed,
+    record_name,
+    registry_client_config,
+    subject_name,
+)
+from d3stream_client.schemas import registry_json_schema
 from d3stream_client.validation import EventError
 
 from d3stream.core.outgoing import Outgoing
@@ -52,60 +65,23 @@ from d3stream.settings import RegistrySettings
 
 log = structlog.get_logger(__name__)
 
-MAGIC = 0
-FRAME = struct.Struct(">bI")  # the magic byte and the big-endian schema id before every framed payload
-
-# The registry's schemaType names (Avro is the default and may be absent).
-AVRO, JSON_SCHEMA, PROTOBUF = "AVRO", "JSON", "PROTOBUF"
-
 # What each record kind the worker writes is, as an event of the contract.
 _EVENTS: dict[RecordKind, type[msgspec.Struct]] = {"answer": Answer, "shadow": Answer, "dead_letter": DeadLetter}
 
 
-def is_framed(value: bytes | None) -> bool:
-    """Whether a record value is in the registry's wire format (a JSON request starts with ``{`` or space)."""
-    return value is not None and len(value) > FRAME.size and value[0] == MAGIC
-
-
-def frame(schema_id: int, payload: bytes) -> bytes:
-    return FRAME.pack(MAGIC, schema_id) + payload
-
-
 def client_config(settings: RegistrySettings) -> dict[str, object]:
-    """confluent-kafka's registry client configuration from the registry settings."""
+    """confluent-kafka's registry client configuration from the registry settings (the client's own
+    ``registry_client_config``, so a worker and a client configure it alike)."""
     assert settings.schema_registry_url is not None
-    config: dict[str, object] = {
-        "url": settings.schema_registry_url,
-        "timeout": settings.schema_registry_timeout_s,
-        "max.retries": 0,  # this module retries with its own backoff, for as long as the registry is down
-    }
-    if settings.schema_registry_basic_auth is not None:
-        config["basic.auth.user.info"] = settings.schema_registry_basic_auth.reveal()
-    if settings.schema_registry_bearer_token is not None:
-        config["bearer.auth.credentials.source"] = "STATIC_TOKEN"
-        config["bearer.auth.token"] = settings.schema_registry_bearer_token.reveal()
-        config["bearer.auth.logical.cluster"] = ""  # Confluent Cloud's cluster header; other registries ignore it
-    if settings.schema_registry_ssl_cafile:
-        config["ssl.ca.location"] = settings.schema_registry_ssl_cafile
-    if settings.schema_registry_ssl_certfile:
-        config["ssl.certificate.location"] = settings.schema_registry_ssl_certfile
-    if settings.schema_registry_ssl_keyfile:
-        config["ssl.key.location"] = settings.schema_registry_ssl_keyfile
-    return config
-
-
-def subject_name(strategy: str, topic: str, record_name: str) -> str:
-    """The subject a value schema is registered under (Confluent's three strategies)."""
-    if strategy == "record":
-        return record_name
-    if strategy == "topic_record":
-        return f"{topic}-{record_name}"
-    return f"{topic}-value"
-
-
-def record_name(event: type[msgspec.Struct]) -> str:
-    """The full name of an event's Avro record (``d3stream.v2.Answer``), which the record strategies use."""
-    return f"{avro.NAMESPACE}.{event.__name__}"
+    auth, token = settings.schema_registry_basic_auth, settings.schema_registry_bearer_token
+    return registry_client_config(
+        settings.schema_registry_url, timeout_s=settings.schema_registry_timeout_s,
+        basic_auth=auth.reveal() if auth is not None else None,
+        bearer_token=token.reveal() if token is not None else None,
+        ssl_cafile=settings.schema_registry_ssl_cafile, ssl_certfile=settings.schema_registry_ssl_certfile,
+        ssl_keyfile=settings.schema_registry_ssl_keyfile,
+        max_retries=0,  # this module retries with its own backoff, for as long as the registry is down
+    )
 
 
 class SchemaNotFound(Exception):
@@ -283,16 +259,6 @@ def outgoing_schema(event: type[msgspec.Struct], chosen: str) -> Schema:
     return Schema(json.dumps(registry_json_schema(event)), JSON_SCHEMA)
 
 
-def registry_json_schema(event: type[msgspec.Struct]) -> dict[str, object]:
-    """The event's JSON Schema (``schemas/``) with its root definition at the top: registries (Apicurio's
-    among them) want the root to say its ``type`` rather than ``$ref`` it."""
-    schema = json_schema({Request: "request", Answer: "answer", DeadLetter: "dead-letter"}[event])
-    definitions = dict(schema.pop("$defs"))
-    root = definitions.pop(event.__name__)
-    schema.pop("$ref", None)
-    return {**schema, **root, **({"$defs": definitions} if definitions else {})}
-
-
 @dataclass
 class OutgoingFormat:
     """Writes the worker's answers and dead letters in the registry's wire format."""
@@ -316,7 +282,7 @@ class OutgoingFormat:
         replacement = outgoing.replacement
         return Outgoing(
             outgoing.topic, outgoing.key, self.encode(outgoing.kind, schema_id, outgoing.value), kind=outgoing.kind,
-            headers=[(name, _CONTENT_TYPES[self.chosen] if name == "content-type" else value)
+            headers=[(name, CONTENT_TYPES[self.chosen] if name == "content-type" else value)
                      for name, value in outgoing.headers],
             replacement=None if replacement is None else lambda cause: self.apply(replacement(cause)),
         )
@@ -329,9 +295,6 @@ class OutgoingFormat:
         out.write(FRAME.pack(MAGIC, schema_id))
         fastavro.schemaless_writer(out, self._parsed[kind], datum)
         return out.getvalue()
-
-
-_CONTENT_TYPES = {"avro": b"application/vnd.d3stream+avro", "json_schema": b"application/vnd.d3stream+json"}
 
 
 def describe(exc: BaseException) -> str:
