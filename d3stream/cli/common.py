@@ -1,5 +1,5 @@
 """What several commands share: a checkpoint made local from a ``--model`` value, and a Kafka client
-command's connection and run, each failing with the setting to change and exit status 2."""
+command's connection, Schema Registry and run, each failing with the setting to change and exit status 2."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from d3stream_client.registry import RegistryFormat, RequestFormat
+
     from d3stream.models.checkpoints import ResolvedModel
     from d3stream.settings import Settings
+
+# The worker's registry settings a client command has no use for: how it writes answers, how long it waits.
+_WORKER_ONLY_REGISTRY = ("answer_format", "schema_registry_backoff_max_s")
 
 
 def local_checkpoint(spec: str) -> ResolvedModel:
@@ -56,3 +61,46 @@ def run_kafka(command: str, settings: Settings, step: Awaitable[object]) -> int:
         print(f"d3stream {command}: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def registry_fields() -> tuple[str, ...]:
+    """The registry settings a client command takes as flags (where the registry is, how to reach it, which
+    subject): the worker's own, less what only a worker uses."""
+    from d3stream.settings.catalog import SETTINGS
+
+    return tuple(name for name, setting in SETTINGS.items()
+                 if setting.section == "registry" and name not in _WORKER_ONLY_REGISTRY)
+
+
+def registry_format(settings: Settings, request_format: RequestFormat = "avro") -> RegistryFormat | None:
+    """The client's Schema Registry format from the registry settings; None without ``schema_registry_url``."""
+    registry = settings.registry
+    if not registry.schema_registry_url:
+        return None
+    from d3stream_client.registry import RegistryFormat
+
+    auth, token = registry.schema_registry_basic_auth, registry.schema_registry_bearer_token
+    return RegistryFormat(
+        registry.schema_registry_url, request_format=request_format,
+        subject_name_strategy=registry.subject_name_strategy, schema_auto_register=registry.schema_auto_register,
+        schema_registry_basic_auth=auth.reveal() if auth is not None else None,
+        schema_registry_bearer_token=token.reveal() if token is not None else None,
+        schema_registry_ssl_cafile=registry.schema_registry_ssl_cafile,
+        schema_registry_ssl_certfile=registry.schema_registry_ssl_certfile,
+        schema_registry_ssl_keyfile=registry.schema_registry_ssl_keyfile,
+        schema_registry_timeout_s=registry.schema_registry_timeout_s)
+
+
+async def closing(registry: RegistryFormat | None, step: Awaitable[object]) -> object:
+    """Await a client command's step, then close its registry connections; a schema the registry lacks or
+    refuses becomes a ValueError, which ``run_kafka`` prints as the command's refusal."""
+    if registry is None:
+        return await step
+    from d3stream_client.registry import RegistryError
+
+    try:
+        return await step
+    except RegistryError as exc:
+        raise ValueError(str(exc)) from exc
+    finally:
+        await registry.aclose()

@@ -1,11 +1,12 @@
-"""``d3stream consume TOPIC``: print answer events as JSON lines (each request id once)."""
+"""``d3stream consume TOPIC``: print answer events as JSON lines (each request id once); with
+``--schema-registry-url``, records framed by the registry (Avro, JSON Schema) decoded beside plain ones."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from d3stream.cli.common import connection, run_kafka
+from d3stream.cli.common import closing, connection, registry_fields, registry_format, run_kafka
 from d3stream.cli.shape import Command
 
 
@@ -23,9 +24,10 @@ def _consume(args: argparse.Namespace) -> int:
     def show(answer: dict) -> None:
         print(json.dumps(answer, ensure_ascii=False), flush=True)
 
-    return run_kafka("consume", settings, consume_answers(servers, args.topic, expected=args.max,
-                                                           timeout_s=args.timeout, idle_s=args.idle,
-                                                           security=options, on_record=show))
+    registry = registry_format(settings)
+    return run_kafka("consume", settings, closing(registry, consume_answers(
+        servers, args.topic, expected=args.max, timeout_s=args.timeout, idle_s=args.idle, security=options,
+        on_record=show, registry=registry)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max", type=int, default=None, help="stop after this many distinct request ids")
     parser.add_argument("--timeout", type=float, default=3600.0, help="stop after this many seconds")
     parser.add_argument("--idle", type=float, default=None, help="stop after this many seconds without a record")
-    add_settings(parser, only=CONNECTION_FIELDS)
+    add_settings(parser, only=CONNECTION_FIELDS + registry_fields())
 
 
 COMMAND = Command("consume", "print answer events as JSON lines", add_arguments, _consume)

@@ -1,5 +1,6 @@
 """``d3stream produce TOPIC FILE``: publish request events from a JSON-lines file (media files named by
-requests uploaded first with ``--upload-media``)."""
+requests uploaded first with ``--upload-media``), as they stand, or checked and framed for a Schema Registry
+with ``--format avro|json_schema``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from d3stream.cli.common import connection, run_kafka
+from d3stream.cli.common import closing, connection, registry_fields, registry_format, run_kafka
 from d3stream.cli.shape import Command
 
 
@@ -34,6 +35,11 @@ def _produce(args: argparse.Namespace) -> int:
     settings = connection("produce", args)
     if settings is None:
         return 2
+    registry = None if args.format == "json" else registry_format(settings, args.format)
+    if args.format != "json" and registry is None:
+        print(f"d3stream produce: --format {args.format} writes through a Schema Registry: set "
+              "--schema-registry-url", file=sys.stderr)
+        return 2
     source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115
     with source:
         lines = [line for line in (raw.rstrip("\n") for raw in source) if line.strip()]
@@ -54,8 +60,8 @@ def _produce(args: argparse.Namespace) -> int:
                disable=not sys.stderr.isatty())
     options = client_options(settings.connection, "producer", client_id=settings.connection.client_id)
     servers = options.pop("bootstrap_servers")
-    status = run_kafka("produce", settings, produce(servers, args.topic, records, security=options,
-                                                     on_sent=bar.update))
+    status = run_kafka("produce", settings, closing(registry, produce(servers, args.topic, records, security=options,
+                                                                      on_sent=bar.update, registry=registry)))
     bar.close()
     if status == 0:
         print(f"published {len(records)} records to {args.topic}", file=sys.stderr)
@@ -71,7 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upload-media", metavar="BUCKET",
                         help="upload local media files named by requests and rewrite them to s3:// references")
     parser.add_argument("--s3-endpoint-url", default=os.environ.get("D3STREAM_S3_ENDPOINT_URL"))
-    add_settings(parser, only=CONNECTION_FIELDS)
+    parser.add_argument("--format", choices=("json", "avro", "json_schema"), default="json",
+                        help="json: each line as it stands (default); avro or json_schema: each line checked as a "
+                             "request and framed for the Schema Registry (--schema-registry-url)")
+    add_settings(parser, only=CONNECTION_FIELDS + registry_fields())
 
 
 COMMAND = Command("produce", "publish request events from a JSON-lines file", add_arguments, _produce)

@@ -24,7 +24,9 @@ a schema the registry refuses, or one not registered, stops the worker at start 
 failing record by record.
 
 confluent-kafka's ``schema_registry`` module is the registry client (its asyncio one, so lookups never block
-the loop); fastavro is the Avro codec.
+the loop); fastavro is the Avro codec. The framing, the subject names, the registry client's configuration and
+the registered JSON Schema form are the client's (``d3stream_client.registry``, ``d3stream_client.schemas``),
+which writes requests and reads answers the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -41,8 +42,20 @@ import msgspec
 import structlog
 from confluent_kafka.schema_registry import AsyncSchemaRegistryClient, Schema, SchemaRegistryError
 from d3stream_client import avro
-from d3stream_client.contract import Answer, DeadLetter, Evaluation, Label, Request
-from d3stream_client.schemas import json_schema
+from d3stream_client.contract import Request
+from d3stream_client.registry import (
+    AVRO,
+    CONTENT_TYPES,
+    FRAME,
+    JSON_SCHEMA,
+    MAGIC,
+    frame,
+    is_framed,
+    record_name,
+    registry_client_config,
+    subject_name,
+)
+from d3stream_client.schemas import registry_json_schema
 from d3stream_client.validation import EventError
 
 from d3stream.core.outgoing import Outgoing
@@ -52,56 +65,21 @@ from d3stream.settings import RegistrySettings
 
 log = structlog.get_logger(__name__)
 
-MAGIC = 0
-FRAME = struct.Struct(">bI")  # the magic byte and the big-endian schema id before every framed payload
-
-# The registry's schemaType names (Avro is the default and may be absent).
-AVRO, JSON_SCHEMA, PROTOBUF = "AVRO", "JSON", "PROTOBUF"
-
-def is_framed(value: bytes | None) -> bool:
-    """Whether a record value is in the registry's wire format (a JSON request starts with ``{`` or space)."""
-    return value is not None and len(value) > FRAME.size and value[0] == MAGIC
-
-
-def frame(schema_id: int, payload: bytes) -> bytes:
-    return FRAME.pack(MAGIC, schema_id) + payload
 
 
 def client_config(settings: RegistrySettings) -> dict[str, object]:
-    """confluent-kafka's registry client configuration from the registry settings."""
+    """confluent-kafka's registry client configuration from the registry settings (the client's own
+    ``registry_client_config``, so a worker and a client configure it alike)."""
     assert settings.schema_registry_url is not None
-    config: dict[str, object] = {
-        "url": settings.schema_registry_url,
-        "timeout": settings.schema_registry_timeout_s,
-        "max.retries": 0,  # this module retries with its own backoff, for as long as the registry is down
-    }
-    if settings.schema_registry_basic_auth is not None:
-        config["basic.auth.user.info"] = settings.schema_registry_basic_auth.reveal()
-    if settings.schema_registry_bearer_token is not None:
-        config["bearer.auth.credentials.source"] = "STATIC_TOKEN"
-        config["bearer.auth.token"] = settings.schema_registry_bearer_token.reveal()
-        config["bearer.auth.logical.cluster"] = ""  # Confluent Cloud's cluster header; other registries ignore it
-    if settings.schema_registry_ssl_cafile:
-        config["ssl.ca.location"] = settings.schema_registry_ssl_cafile
-    if settings.schema_registry_ssl_certfile:
-        config["ssl.certificate.location"] = settings.schema_registry_ssl_certfile
-    if settings.schema_registry_ssl_keyfile:
-        config["ssl.key.location"] = settings.schema_registry_ssl_keyfile
-    return config
-
-
-def subject_name(strategy: str, topic: str, record_name: str) -> str:
-    """The subject a value schema is registered under (Confluent's three strategies)."""
-    if strategy == "record":
-        return record_name
-    if strategy == "topic_record":
-        return f"{topic}-{record_name}"
-    return f"{topic}-value"
-
-
-def record_name(event: type[msgspec.Struct]) -> str:
-    """The full name of an event's Avro record (``d3stream.v2.Answer``), which the record strategies use."""
-    return f"{avro.NAMESPACE}.{event.__name__}"
+    auth, token = settings.schema_registry_basic_auth, settings.schema_registry_bearer_token
+    return registry_client_config(
+        settings.schema_registry_url, timeout_s=settings.schema_registry_timeout_s,
+        basic_auth=auth.reveal() if auth is not None else None,
+        bearer_token=token.reveal() if token is not None else None,
+        ssl_cafile=settings.schema_registry_ssl_cafile, ssl_certfile=settings.schema_registry_ssl_certfile,
+        ssl_keyfile=settings.schema_registry_ssl_keyfile,
+        max_retries=0,  # this module retries with its own backoff, for as long as the registry is down
+    )
 
 
 class SchemaNotFound(Exception):
@@ -281,17 +259,6 @@ def outgoing_schema(event: type[msgspec.Struct], chosen: str) -> Schema:
     return Schema(json.dumps(registry_json_schema(event)), JSON_SCHEMA)
 
 
-def registry_json_schema(event: type[msgspec.Struct]) -> dict[str, object]:
-    """The event's JSON Schema (``schemas/``) with its root definition at the top: registries (Apicurio's
-    among them) want the root to say its ``type`` rather than ``$ref`` it."""
-    schema = json_schema({Request: "request", Answer: "answer", DeadLetter: "dead-letter",
-                          Evaluation: "evaluation", Label: "label"}[event])
-    definitions = dict(schema.pop("$defs"))
-    root = definitions.pop(event.__name__)
-    schema.pop("$ref", None)
-    return {**schema, **root, **({"$defs": definitions} if definitions else {})}
-
-
 @dataclass
 class OutgoingFormat:
     """Writes records of the chosen topics in the registry's wire format, each with its topic's schema."""
@@ -320,7 +287,7 @@ class OutgoingFormat:
 
     def headers(self, headers: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
         """The record's headers with its content type saying the format."""
-        return [(name, _CONTENT_TYPES[self.chosen] if name == "content-type" else value) for name, value in headers]
+        return [(name, CONTENT_TYPES[self.chosen] if name == "content-type" else value) for name, value in headers]
 
     def encode(self, topic: str, value: bytes) -> bytes:
         """A JSON event value of ``topic`` in the wire format (unchanged for a topic written as JSON)."""
@@ -334,9 +301,6 @@ class OutgoingFormat:
         out.write(FRAME.pack(MAGIC, schema_id))
         fastavro.schemaless_writer(out, self._parsed[event], datum)
         return out.getvalue()
-
-
-_CONTENT_TYPES = {"avro": b"application/vnd.d3stream+avro", "json_schema": b"application/vnd.d3stream+json"}
 
 
 def describe(exc: BaseException) -> str:

@@ -1,7 +1,8 @@
 """The client distribution (clients/python, ``d3stream_client``) in processes of its own.
 
 * It installs alone into a fresh venv, small, and importing all of it loads no model library; beside the
-  worker it loads none either, and the contract alone loads no Kafka client (fresh interpreters).
+  worker it loads none either, nor the ``[registry]`` extra's libraries until a ``RegistryFormat`` is named,
+  and the contract alone loads no Kafka client (fresh interpreters).
 * A subscriber reading across a SIGKILLed ``at_least_once`` worker hands each answer to its loop once,
   and commits only what the loop finished with.
 """
@@ -62,6 +63,23 @@ def test_importing_the_client_beside_the_worker_loads_no_model_library():
     )
     shown = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120)
     assert shown.stdout.strip() == "[]"
+
+
+def test_the_client_loads_nothing_of_the_registry_extra_until_a_registry_is_configured():
+    """confluent-kafka and fastavro are installed here (the worker needs them), yet importing the client, all of
+    it, loads neither; naming ``RegistryFormat`` does."""
+    probe = (
+        "import sys\n"
+        "import d3stream_client\n"
+        "from d3stream_client import *\n"
+        "from d3stream_client import D3Client, Publisher, AnswerSubscription, AnswerWaiter, consume_answers\n"
+        "import d3stream_client.schemas, d3stream_client.avro\n"
+        "print([name for name in ('confluent_kafka', 'fastavro') if name in sys.modules])\n"
+        "from d3stream_client import RegistryFormat\n"
+        "print([name for name in ('confluent_kafka', 'fastavro') if name in sys.modules])\n"
+    )
+    shown = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120)
+    assert shown.stdout.split("\n")[:2] == ["[]", "['confluent_kafka', 'fastavro']"]
 
 
 def test_the_contract_alone_loads_no_kafka_client():

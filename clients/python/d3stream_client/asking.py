@@ -7,6 +7,10 @@ reading its partition (from its end) before the request is published, so its ans
 and matches answers by id and by the request record they name in ``source``, so an answer to an older
 request with the same id never resolves it. An answer repeated by an ``at_least_once`` worker finds the
 ask already resolved and is ignored. Thousands of concurrent asks share the one consumer.
+
+With a ``registry`` (``d3stream_client.registry.RegistryFormat``), answers framed by a Schema Registry are
+read with their writer schemas, plain JSON ones as before; a registry that does not answer is waited out, since
+the answer an ask waits for may be the record at hand.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -26,11 +30,16 @@ from d3stream_client.connection import partition_for, start_client, without
 from d3stream_client.contract import Answer, decode_answer
 from d3stream_client.publisher import Published
 
+if TYPE_CHECKING:  # imported for its type only: the registry code needs the [registry] extra
+    from d3stream_client.registry import RegistryFormat
+
 log = logging.getLogger(__name__)
 
 # How long one read waits for answers before the assignment may change (an ask for a new partition waits
 # at most this long to be let in).
 POLL_MS = 100
+# The longest wait between tries while the Schema Registry does not answer.
+REGISTRY_BACKOFF_MAX_S = 5.0
 
 
 class AskTimeout(TimeoutError):
@@ -72,10 +81,11 @@ class AnswerWaiter:
     """The one consumer of the answer topic that all asks of a process share."""
 
     def __init__(self, bootstrap_servers: str, answer_topic: str, *, partitions: Callable[[str], Awaitable[int]],
-                 worker_group: str = "d3stream", **options: Any) -> None:
+                 worker_group: str = "d3stream", registry: RegistryFormat | None = None, **options: Any) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.answer_topic = answer_topic
         self.worker_group = worker_group
+        self.registry = registry
         self.options = without(options, "group_id", "enable_auto_commit", "isolation_level", "bootstrap_servers")
         self._partitions = partitions  # the answer topic's partition count, from the caller's metadata
         self._answer_partitions: int | None = None
@@ -166,8 +176,33 @@ class AnswerWaiter:
                 continue
             for records in batches.values():
                 for record in records:
-                    self._offer(record.value)
+                    value = record.value
+                    if self.registry is not None and value is not None:
+                        value = await self._unframed(value)
+                        if value is None:  # framed and unreadable: counted already
+                            continue
+                    self._offer(value)
             await asyncio.sleep(0)  # let a waiting change of the assignment take the lock
+
+    async def _unframed(self, value: bytes) -> bytes | None:
+        """An answer record's JSON document through the registry (a plain one as it is); None, counted as
+        undecodable, when it is framed and cannot be read. Retried while the registry does not answer."""
+        from d3stream_client.registry import UnreadableRecord
+
+        assert self.registry is not None
+        delay = POLL_MS / 1000
+        while True:
+            try:
+                return await self.registry.document(value)
+            except UnreadableRecord as exc:
+                log.warning("an answer record cannot be read; skipped: %s", exc)
+                self.undecodable += 1
+                return None
+            except Exception as exc:  # noqa: BLE001 - the registry's fault, not the record's: wait for it
+                log.warning("the Schema Registry did not answer; retrying in %.1f s: %s: %s", delay,
+                            type(exc).__name__, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, REGISTRY_BACKOFF_MAX_S)
 
     def _offer(self, value: bytes | None) -> None:
         try:

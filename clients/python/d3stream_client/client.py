@@ -7,11 +7,14 @@
 process; subscriptions have consumers of their own (they belong to a consumer group). ``connection``
 keyword arguments go to every aiokafka client it makes (security_protocol, ssl_context, sasl_mechanism,
 sasl_plain_username, sasl_plain_password, client_id, ...).
+
+``registry=RegistryFormat(...)`` (``d3stream_client.registry``, the ``[registry]`` extra) publishes requests
+in a Schema Registry's wire format and reads answers framed or plain; the client does not close it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from d3stream_client.asking import AnswerWaiter
 from d3stream_client.contract import Answer, Request
@@ -19,20 +22,26 @@ from d3stream_client.publisher import Published, Publisher
 from d3stream_client.subscriber import DEDUPE_WINDOW, AnswerSubscription
 from d3stream_client.validation import DEFAULT_LIMITS, RequestLimits
 
+if TYPE_CHECKING:  # imported for its type only: the registry code needs the [registry] extra
+    from d3stream_client.registry import RegistryFormat
+
 
 class D3Client:
     """Requests to ``request_topic``, answers from ``answer_topic``; ``worker_group`` is the workers' consumer
-    group (read only to explain a timed-out ask). ``limits`` are the workers' request limits."""
+    group (read only to explain a timed-out ask). ``limits`` are the workers' request limits. ``registry``
+    frames requests for a Schema Registry and reads framed answers (module docstring)."""
 
     def __init__(self, bootstrap_servers: str, *, request_topic: str = "d3.requests",
                  answer_topic: str = "d3.answers", worker_group: str = "d3stream",
-                 limits: RequestLimits = DEFAULT_LIMITS, **connection: Any) -> None:
+                 limits: RequestLimits = DEFAULT_LIMITS, registry: RegistryFormat | None = None,
+                 **connection: Any) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.answer_topic = answer_topic
         self.connection = connection
-        self.publisher = Publisher(bootstrap_servers, request_topic, limits=limits, **connection)
+        self.registry = registry
+        self.publisher = Publisher(bootstrap_servers, request_topic, limits=limits, registry=registry, **connection)
         self.waiter = AnswerWaiter(bootstrap_servers, answer_topic, partitions=self.publisher.partitions,
-                                   worker_group=worker_group, **connection)
+                                   worker_group=worker_group, registry=registry, **connection)
 
     async def __aenter__(self) -> D3Client:
         await self.publisher.start()
@@ -58,7 +67,7 @@ class D3Client:
     async def ask(self, request: Request | dict[str, Any] | bytes, *, timeout: float = 30.0) -> Answer:
         """Publish ``request`` and return its answer; ``AskTimeout`` saying what is known after ``timeout`` s,
         EventError (the worker's own message) when the request would be refused."""
-        key, value = self.publisher.prepared(request)
+        key, value = await self.publisher.record(request)
 
         async def publish() -> Published:
             return await self.publisher.publish_prepared(key, value)
@@ -71,4 +80,4 @@ class D3Client:
         committed when the loop body is done with it (``AnswerSubscription``)."""
         return AnswerSubscription(self.bootstrap_servers, topic or self.answer_topic, group_id,
                                   dedupe_window=dedupe_window, auto_offset_reset=auto_offset_reset,
-                                  **self.connection)
+                                  registry=self.registry, **self.connection)

@@ -6,6 +6,10 @@ request limits, duplicate keys, the number of media references) and raises the w
 with the contract's headers, and the caller's ``traceparent`` when an OpenTelemetry span is active, so
 the worker's spans join the caller's trace. Every ``publish`` returns once the broker has the record
 (``acks=all``, idempotent), with where it landed.
+
+Given a ``registry`` (``d3stream_client.registry.RegistryFormat``, the ``[registry]`` extra), a request that
+passed the same checks is written in the Schema Registry's wire format (Avro or JSON Schema) instead of plain
+JSON. Without one nothing of the registry is imported.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 from aiokafka import AIOKafkaProducer
@@ -21,6 +25,9 @@ from aiokafka import AIOKafkaProducer
 from d3stream_client.connection import start_client, without
 from d3stream_client.contract import HEADERS, Label, Request
 from d3stream_client.validation import DEFAULT_LIMITS, RequestLimits, validate_label, validate_request
+
+if TYPE_CHECKING:  # imported for its type only: the registry code needs the [registry] extra
+    from d3stream_client.registry import RegistryFormat
 
 # Sends in flight before the next is awaited: enough to fill batches, few enough to bound memory.
 PIPELINE_DEPTH = 500
@@ -62,14 +69,19 @@ class Publisher:
     """Publishes requests to one request topic. Use as ``async with Publisher(...) as publisher``.
 
     ``limits`` are the worker's request limits (its ``max_request_*`` and ``max_media_references``
-    settings); the defaults are the worker's defaults. ``options`` go to aiokafka's producer as they are
-    (security_protocol, ssl_context, sasl_*, client_id, ...).
+    settings); the defaults are the worker's defaults. ``registry`` writes requests in a Schema Registry's wire
+    format (module docstring). ``options`` go to aiokafka's producer as they are (security_protocol,
+    ssl_context, sasl_*, client_id, ...).
     """
 
     def __init__(self, bootstrap_servers: str, topic: str = "d3.requests", *, limits: RequestLimits = DEFAULT_LIMITS,
-                 **options: Any) -> None:
+                 registry: RegistryFormat | None = None, **options: Any) -> None:
         self.topic = topic
         self.limits = limits
+        self.registry = registry
+        # A framed request says so in its content type, as the worker's framed answers do.
+        self.headers = HEADERS if registry is None else [
+            (name, registry.content_type if name == "content-type" else value) for name, value in HEADERS]
         self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", enable_idempotence=True,
                                          **without(options, "acks", "enable_idempotence", "bootstrap_servers"))
         self._started = False
@@ -97,25 +109,35 @@ class Publisher:
         return len(await self.producer.partitions_for(topic))
 
     def prepared(self, request: Request | dict[str, Any] | bytes) -> tuple[bytes, bytes]:
-        """(key, value) of a request that passes the worker's checks; EventError with its message otherwise."""
+        """(key, JSON value) of a request that passes the worker's checks; EventError with its message otherwise."""
         value = validate_request(request, self.limits)
         return request_id(request, value).encode(), value
 
+    async def record(self, request: Request | dict[str, Any] | bytes) -> tuple[bytes, bytes]:
+        """(key, value) of the record that carries a request: checked (``prepared``), then framed for the
+        registry when this publisher has one (``RegistryError`` when the registry lacks the schema)."""
+        key, value = self.prepared(request)
+        return key, await self._framed(value)
+
     async def publish(self, request: Request | dict[str, Any] | bytes) -> Published:
         """Check and publish one request; returns once the broker has acknowledged it."""
-        return await self.publish_prepared(*self.prepared(request))
+        return await self.publish_prepared(*await self.record(request))
 
     async def publish_prepared(self, key: bytes, value: bytes) -> Published:
-        """Publish a (key, value) that ``prepared`` returned; returns once the broker has acknowledged it."""
-        return await _landed(key, await self._send(key, value))
+        """Publish a (key, value) that ``record`` returned; returns once the broker has acknowledged it."""
+        return await _landed(key, await self._send(key, value, self.headers))
 
     async def publish_many(self, requests: Iterable[Request | dict[str, Any] | bytes]) -> list[Published]:
-        """Check every request first (nothing is sent when one fails), then publish them all, pipelined."""
+        """Check every request first, then write each in the registry's format when there is one (nothing is
+        sent when one fails either), then publish them all, pipelined."""
         records = [self.prepared(request) for request in requests]
+        if self.registry is not None:
+            records = [(key, await self._framed(value)) for key, value in records]
         published: list[Published] = []
         for start in range(0, len(records), PIPELINE_DEPTH):
             chunk = records[start:start + PIPELINE_DEPTH]
-            published.extend(await asyncio.gather(*[_landed(key, await self._send(key, value)) for key, value in chunk]))
+            published.extend(await asyncio.gather(*[_landed(key, await self._send(key, value, self.headers))
+                                                    for key, value in chunk]))
         return published
 
     async def publish_label(self, label: Label | dict[str, Any] | bytes) -> Published:
@@ -124,7 +146,7 @@ class Publisher:
         it lands on the partition of its answer."""
         value = validate_label(label)
         key = str(msgspec.json.decode(value)["id"]).encode()
-        return await self.publish_prepared(key, value)
+        return await _landed(key, await self._send(key, value, HEADERS))  # labels are JSON, registry or not
 
     async def publish_raw(self, records: Iterable[tuple[bytes | None, bytes]],
                           on_sent: Callable[[], None] | None = None) -> int:
@@ -132,7 +154,7 @@ class Publisher:
         how a worker treats records that are not requests. Returns how many were acknowledged."""
         count, pending = 0, []
         for key, value in records:
-            pending.append(await self._send(key, value))
+            pending.append(await self._send(key, value, HEADERS))
             count += 1
             if len(pending) >= PIPELINE_DEPTH:
                 await asyncio.gather(*pending)
@@ -142,11 +164,15 @@ class Publisher:
         await asyncio.gather(*pending)
         return count
 
-    async def _send(self, key: bytes | None, value: bytes) -> asyncio.Future[Any]:
+    async def _framed(self, value: bytes) -> bytes:
+        """A checked request's JSON value, in the registry's wire format when this publisher has a registry."""
+        return value if self.registry is None else await self.registry.encode_request(value, self.topic)
+
+    async def _send(self, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]]) -> asyncio.Future[Any]:
         """Hand one record to the producer; the future is resolved (with its RecordMetadata) when the broker
         acknowledges it."""
         await self.start()
-        return await self.producer.send(self.topic, value=value, key=key, headers=HEADERS + trace_headers())
+        return await self.producer.send(self.topic, value=value, key=key, headers=headers + trace_headers())
 
 
 async def _landed(key: bytes, acknowledged: asyncio.Future[Any]) -> Published:
@@ -156,8 +182,16 @@ async def _landed(key: bytes, acknowledged: asyncio.Future[Any]) -> Published:
 
 
 async def produce(bootstrap_servers: str, topic: str, records: Iterable[tuple[bytes | None, bytes]], *,
-                  security: dict[str, Any] | None = None, on_sent: Callable[[], None] | None = None) -> int:
+                  security: dict[str, Any] | None = None, on_sent: Callable[[], None] | None = None,
+                  registry: RegistryFormat | None = None) -> int:
     """Publish (key, value) records unchecked and wait until the broker has acknowledged all of them (what
-    ``d3stream produce`` does with a JSON-lines file)."""
-    async with Publisher(bootstrap_servers, topic, **(security or {})) as publisher:
-        return await publisher.publish_raw(records, on_sent=on_sent)
+    ``d3stream produce`` does with a JSON-lines file). With a ``registry`` every value must be a request: all
+    are checked and framed before any is sent (only a request has an Avro form), keyed by their ids."""
+    async with Publisher(bootstrap_servers, topic, registry=registry, **(security or {})) as publisher:
+        if registry is None:
+            return await publisher.publish_raw(records, on_sent=on_sent)
+        published = await publisher.publish_many([value for _, value in records])
+        if on_sent is not None:  # acknowledged all together: the progress moves at the end
+            for _ in published:
+                on_sent()
+        return len(published)

@@ -3,7 +3,8 @@
 ``python -m d3stream_client.schemas FOLDER`` writes ``request``, ``answer``, ``dead-letter``, ``label`` and
 ``evaluation`` ``.schema.json`` files, and an ``.avsc`` file of each (its Avro schema, for a Schema Registry:
 ``d3stream_client.avro``); the repository keeps them in ``schemas/`` for producers in other languages, and a
-test fails when the checked-in files drift from the Structs.
+test fails when the checked-in files drift from the Structs. :func:`registry_json_schema` is the JSON Schema
+in the form a Schema Registry takes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ def json_schema(name: str) -> dict[str, Any]:
     schema["$id"] = f"https://d3stream.invalid/schemas/{name}.schema.json"
     schema["x-d3stream-schema-version"] = SCHEMA_VERSION
     return schema
+
+
+def registry_json_schema(event: type[msgspec.Struct]) -> dict[str, object]:
+    """The event's JSON Schema (as checked in under ``schemas/``) with its root definition at the top, the form
+    registered with a Schema Registry: registries (Apicurio's among them) want the root to say its ``type``
+    rather than ``$ref`` it. The worker registers its answers' and dead letters' schemas in this form, and the
+    client its requests' (``d3stream_client.registry``), so both sides register the same text."""
+    names = {struct: name for name, struct in SCHEMAS.items()}
+    schema = json_schema(names[event])
+    definitions = dict(schema.pop("$defs"))
+    root = definitions.pop(event.__name__)
+    schema.pop("$ref", None)
+    return {**schema, **root, **({"$defs": definitions} if definitions else {})}
 
 
 def event_avro_schema(name: str) -> dict[str, object]:

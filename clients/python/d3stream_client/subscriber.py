@@ -9,6 +9,10 @@ finish (an exception, a crash, a ``break``) is delivered again to the group's ne
 
 :func:`consume_answers` is the reader for people and tests: every committed record of a topic from its
 start, as JSON objects, with no group and no commits (``d3stream consume``).
+
+Both take a ``registry`` (``d3stream_client.registry.RegistryFormat``, the ``[registry]`` extra) to read
+records framed by a Schema Registry (Avro, JSON Schema) beside plain JSON ones, so a topic whose worker
+switched formats reads whole. Without one nothing of the registry is imported.
 """
 
 from __future__ import annotations
@@ -17,13 +21,16 @@ import json
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 
 from d3stream_client.connection import start_client, without
 from d3stream_client.contract import Answer, decode_answer
+
+if TYPE_CHECKING:  # imported for its type only: the registry code needs the [registry] extra
+    from d3stream_client.registry import RegistryFormat
 
 DEDUPE_WINDOW = 100_000  # answer ids remembered; repeats come within seconds of their first, after a worker restart
 
@@ -65,12 +72,16 @@ class AnswerSubscription:
     """``async for answer in subscription``: typed answers of one topic, each once, committed when done.
 
     Use it as ``async with`` (or call ``aclose``) so the consumer leaves its group and the last finished
-    offsets are committed.
+    offsets are committed. With a ``registry``, a framed answer that cannot be read (an unknown schema id) is
+    skipped and counted like any record that is not an answer; when the registry does not answer, the loop
+    gets its error and the record stays first in line, uncommitted, for the next ``__anext__``.
     """
 
     def __init__(self, bootstrap_servers: str, topic: str, group_id: str, *, dedupe_window: int = DEDUPE_WINDOW,
-                 commit_interval_s: float = 1.0, auto_offset_reset: str = "earliest", **options: Any) -> None:
+                 commit_interval_s: float = 1.0, auto_offset_reset: str = "earliest",
+                 registry: RegistryFormat | None = None, **options: Any) -> None:
         self.topic = topic
+        self.registry = registry
         self.recent = RecentIds(dedupe_window)
         self.commit_interval_s = commit_interval_s
         self.consumer = AIOKafkaConsumer(
@@ -123,7 +134,11 @@ class AnswerSubscription:
                 await self._fill()
                 continue
             partition, offset, value = self._buffer.popleft()
-            answer = self._answer(value)
+            try:
+                answer = await self._answer(value)
+            except BaseException:  # the registry did not answer (or the loop was cancelled): read it again next
+                self._buffer.appendleft((partition, offset, value))
+                raise
             repeat = answer is not None and not self.recent.first_time(answer.answer_id or answer.id)
             if answer is None or repeat:
                 self.repeats += repeat
@@ -150,7 +165,15 @@ class AnswerSubscription:
         for partition, records in batches.items():
             self._buffer.extend((partition, record.offset, record.value) for record in records)
 
-    def _answer(self, value: bytes | None) -> Answer | None:
+    async def _answer(self, value: bytes | None) -> Answer | None:
+        if self.registry is not None and value is not None:
+            from d3stream_client.registry import UnreadableRecord
+
+            try:
+                value = await self.registry.document(value)
+            except UnreadableRecord:
+                self.undecodable += 1
+                return None
         try:
             return decode_answer(value or b"")
         except (msgspec.ValidationError, msgspec.DecodeError):
@@ -168,9 +191,12 @@ async def consume_answers(
     security: dict[str, Any] | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
     stop: Callable[[], bool] | None = None,
+    registry: RegistryFormat | None = None,
 ) -> list[dict[str, Any]]:
     """Committed records of ``topic`` from the beginning as JSON objects, until ``expected`` distinct ids are
-    seen, ``stop()`` says so, ``idle_s`` passes without a new record, or ``timeout_s`` passes."""
+    seen, ``stop()`` says so, ``idle_s`` passes without a new record, or ``timeout_s`` passes. With a
+    ``registry``, framed records are decoded with their writer schemas (``UnreadableRecord`` for one that
+    cannot be, as a record that is not JSON raises too)."""
     consumer = AIOKafkaConsumer(topic, **{
         "bootstrap_servers": bootstrap_servers,
         "group_id": None,
@@ -195,7 +221,8 @@ async def consume_answers(
             batches = await consumer.getmany(timeout_ms=200)
             for records in batches.values():
                 for record in records:
-                    answer = json.loads(record.value or b"null")
+                    value = record.value or b"null"
+                    answer = json.loads(value if registry is None else await registry.document(value))
                     answers.append(answer)
                     seen.add(answer.get("id") if isinstance(answer, dict) else None)
                     last = time.monotonic()
