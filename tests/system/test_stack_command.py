@@ -39,12 +39,12 @@ REQUESTS = REPO / "examples" / "requests.jsonl"
 COMMAND_TIMEOUT_S = 420
 
 
-def readme_commands() -> list[tuple[list[str], bool]]:
-    """The commands of the bash block of README.md's "Your own stream", as (words, run in the background)."""
+def readme_commands(title: str = "Your own stream") -> list[tuple[list[str], bool]]:
+    """The commands of the bash block of README.md's section ``title``, as (words, run in the background)."""
     text = README.read_text(encoding="utf-8")
-    section = text.split("\n## Your own stream\n", 1)[1].split("\n## ", 1)[0]
+    section = text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
     found = re.search(r"```bash\n(.*?)```", section, re.DOTALL)
-    assert found, "README.md's 'Your own stream' has no bash block"
+    assert found, f"README.md's '{title}' has no bash block"
     commands = []
     for line in found.group(1).replace("\\\n", " ").splitlines():
         words = shlex.split(line, comments=True)
@@ -108,17 +108,19 @@ def _stop(process: subprocess.Popen, signum: int) -> int:
         return process.wait()
 
 
-def _run_readme(tmp_path: Path, env: dict[str, str], checkpoint: Path) -> list[dict]:
-    """Run the README's block in ``tmp_path`` as a terminal would; the answers its ``consume`` printed."""
+def _run_readme(tmp_path: Path, env: dict[str, str], checkpoint: Path, title: str = "Your own stream") -> list[dict]:
+    """Run the README's block of section ``title`` in ``tmp_path`` as a terminal would; the answers its
+    ``consume`` printed."""
     answers = None
     background: list[subprocess.Popen] = []
     try:
-        for words, in_background in readme_commands():
+        for words, in_background in readme_commands(title):
             if words[1] == "make-checkpoint":
                 copy_checkpoint(checkpoint, tmp_path / words[2])
                 continue
             if in_background:
-                with open(tmp_path / f"{words[1]}.log", "w") as log:
+                # A log per command and block: the second block's serve does not overwrite the first's.
+                with open(tmp_path / f"{words[1]}-{title.split()[0].lower()}.log", "w") as log:
                     background.append(subprocess.Popen(_d3stream(words), cwd=tmp_path, env=env, stdout=log,
                                                        stderr=subprocess.STDOUT))
                 continue
@@ -160,11 +162,17 @@ def test_the_readme_stream_runs_against_d3stream_stack(tmp_path, qwen35_checkpoi
             time.sleep(0.2)
         exported = read_env_file(env_file)
         answers = _run_readme(tmp_path, {**base, **exported}, qwen35_checkpoint)
+        through_registry = _run_readme(tmp_path, {**base, **exported}, qwen35_checkpoint, "Schema Registry")
+        framed = asyncio.run(_values(exported["D3STREAM_BOOTSTRAP_SERVERS"], "d3.avro-answers"))
     finally:
         status = _stop(stack, signal.SIGINT)
 
     wanted = {json.loads(line)["id"] for line in REQUESTS.read_text(encoding="utf-8").splitlines() if line.strip()}
     assert {answer["id"] for answer in answers} == wanted
+    # The same requests as Avro through the registry: answered alike, in Avro on the topic, read back as JSON.
+    assert {answer["id"] for answer in through_registry} == wanted
+    assert all("error" not in answer for answer in through_registry), through_registry
+    assert len(framed) >= len(wanted) and all(value[:1] == b"\x00" for value in framed)
     for answer in answers:
         assert "error" not in answer, answer
         assert all("error" not in slot for slot in answer["answers"].values()), answer["id"]
@@ -180,6 +188,15 @@ def test_the_readme_stream_runs_against_d3stream_stack(tmp_path, qwen35_checkpoi
     from_env = load_settings({}, environ={name: value for name, value in exported.items()
                                           if name.startswith("D3STREAM_")})
     assert from_file == from_env, "the printed settings file says what the export lines say"
+
+
+async def _values(bootstrap_servers: str, topic: str) -> list[bytes]:
+    """Every value on ``topic`` as it was written (committed records only)."""
+    from tests.support.stream_helpers import Reader
+
+    async with Reader(bootstrap_servers, topic) as reader:
+        await reader.caught_up()
+        return [record.value for record in reader.records]
 
 
 def _start(folder: Path, env_file: Path, *options: str) -> subprocess.Popen:
