@@ -287,3 +287,49 @@ def _framed_answers(stack: Stack, service: Service, records: list[tuple[bytes, b
             return [each.value for each in reader.records]
 
     return run(main())
+
+
+def test_the_evaluator_joins_framed_answers_and_labels_and_writes_avro(kafka_broker: Any, topic_names: Any,
+                                                                       schema_registry: SchemaRegistry) -> None:
+    """d3stream evaluate beside Avro answers: answers and labels framed as Avro are joined, and the
+    evaluations are written in Avro, which confluent-kafka's AvroDeserializer reads."""
+    import random
+
+    from d3stream_client.contract import Evaluation, Label
+
+    from d3stream.jobs.evaluate import run_worker
+    from d3stream.kafka.registry import Registry
+    from tests.support.evaluate_events import answer_event, evaluate_settings, keyed, label_event
+
+    settings = evaluate_settings(kafka_broker, topic_names).replaced(
+        schema_registry_url=schema_registry.url, answer_format="avro", schema_auto_register=True)
+    servers = settings.connection.bootstrap_servers
+    answers_topic, labels_topic = settings.delivery.answer_topic, settings.evaluation.label_topic
+    rng = random.Random(3)
+    ids = [f"framed-{n}" for n in range(12)]
+    answers = keyed([answer_event(each, rng) for each in ids])
+    labels = keyed([label_event(each, rng) for each in ids[:8]])
+
+    async def scenario() -> None:
+        framing = await Registry(settings.registry).writers_for({answers_topic: Answer, labels_topic: Label})
+        await produce(servers, answers_topic, [(key, framing.encode(answers_topic, value)) for key, value in answers])
+        await produce(servers, labels_topic, [(key, framing.encode(labels_topic, value)) for key, value in labels])
+        stopping = asyncio.Event()
+        worker = asyncio.ensure_future(run_worker(settings, stopping))
+        try:
+            await asyncio.to_thread(_wait_for_evaluations, 8)
+        finally:
+            stopping.set()
+            await worker
+
+    found: list[dict[str, Any]] = []
+
+    def _wait_for_evaluations(count: int) -> None:
+        read = AvroDeserializer(SchemaRegistryClient({"url": schema_registry.url}))
+        topic = settings.evaluation.evaluation_topic
+        found.extend(_consume(servers, topic, count, lambda value: avro.from_avro(read(value, _context(topic)),
+                                                                                  Evaluation)))
+
+    run(scenario())
+    assert sorted(each["id"] for each in found) == sorted(ids[:8])
+    assert all(set(each["questions"]) == {"team", "refund", "urgency"} for each in found)
