@@ -261,6 +261,8 @@ class Service:
     def stop(self) -> None:
         """Ask the worker to shut down cleanly (safe to call from a signal handler)."""
         self._stop_asked = True
+        if self.registry is not None:
+            self.registry.close()  # a fetch waiting out a registry outage is given up: its offsets stay uncommitted
         if self.loop is not None:
             self.loop.stop()
 

@@ -37,6 +37,7 @@ import shlex
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -1066,6 +1067,9 @@ class SchemaRegistry(_LocalServer):
     Its schemas live in an H2 database file in the work folder, so :meth:`stop`/:meth:`start` (a registry
     outage) brings back the same schema ids. Auth is off. Both of its ports (the API and Quarkus's
     management port, which would otherwise open 9000 on every interface) are bound to loopback.
+
+    With ``tls`` (the server's certificate and key files, PEM, and the CA file that signs them) the API is
+    served over HTTPS only, at an ``https://`` :attr:`url`, as a production registry behind TLS is.
     """
 
     event, label = "registry", "Schema Registry (Apicurio)"
@@ -1078,12 +1082,14 @@ class SchemaRegistry(_LocalServer):
         heap: str = "384m",
         startup_timeout: float = 180.0,
         stop_grace: float = 15.0,
+        tls: tuple[Path, Path, Path] | None = None,
     ) -> None:
         self.workdir, self._owns_workdir = _workdir(workdir, "d3stream-registry-")
         self._ports_picked = port is None
-        picked = free_ports(2)
+        picked = free_ports(3)
         self.port = port or picked[0]
-        self.management_port = picked[1]
+        self.management_port, self._plain_port = picked[1], picked[2]
+        self.tls = tls
         self.heap = heap
         self.startup_timeout = startup_timeout
         self.stop_grace = stop_grace
@@ -1095,10 +1101,10 @@ class SchemaRegistry(_LocalServer):
     @property
     def url(self) -> str:
         """The Confluent-compatible API: what ``schema_registry_url`` and confluent-kafka's clients take."""
-        return f"http://127.0.0.1:{self.port}/apis/ccompat/v7"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}/apis/ccompat/v7"
 
     def _pick_ports(self) -> None:
-        self.port, self.management_port = free_ports(2)
+        self.port, self.management_port, self._plain_port = free_ports(3)
 
     def launch(self) -> Self:
         """Start the JVM without waiting for it (Quarkus takes seconds): start the other servers meanwhile, then
@@ -1114,7 +1120,7 @@ class SchemaRegistry(_LocalServer):
             *_jvm_options(),
             "-Djava.awt.headless=true",
             "-Dquarkus.http.host=127.0.0.1",
-            f"-Dquarkus.http.port={self.port}",
+            *self._listener_options(),
             "-Dquarkus.management.host=127.0.0.1",
             f"-Dquarkus.management.port={self.management_port}",
             # A file database, so a restart keeps the ids (3.x and 2.6 name the setting differently).
@@ -1127,13 +1133,24 @@ class SchemaRegistry(_LocalServer):
         self._launch(cmd, time.monotonic(), wait=False, url=self.url, version=self.version)
         return self
 
+    def _listener_options(self) -> list[str]:
+        """Plain HTTP on :attr:`port`; with ``tls``, HTTPS there and plain HTTP refused (on a port of its own)."""
+        if self.tls is None:
+            return [f"-Dquarkus.http.port={self.port}"]
+        certificate, key, _ = self.tls
+        return [f"-Dquarkus.http.port={self._plain_port}", f"-Dquarkus.http.ssl-port={self.port}",
+                "-Dquarkus.http.insecure-requests=disabled",
+                f"-Dquarkus.tls.key-store.pem.0.cert={certificate}", f"-Dquarkus.tls.key-store.pem.0.key={key}"]
+
     def _start(self) -> Self:
         if not self.running:
             self.launch()
         return self.wait_ready(url=self.url)
 
     def _ready(self) -> bool:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+        conn = (http.client.HTTPSConnection("127.0.0.1", self.port, timeout=2,
+                                            context=ssl.create_default_context(cafile=str(self.tls[2])))
+                if self.tls else http.client.HTTPConnection("127.0.0.1", self.port, timeout=2))
         try:
             conn.request("GET", "/apis/ccompat/v7/subjects")
             return conn.getresponse().status == 200

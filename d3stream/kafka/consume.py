@@ -316,9 +316,11 @@ class ConsumeLoop:
             await asyncio.wait(tasks)
 
     async def drain(self, timeout: float, partitions: Sequence[TopicPartition] | None = None) -> None:
-        """Wait until the in-flight work (of ``partitions``, or all) is answered, or ``timeout`` passes."""
+        """Wait until the in-flight work (of ``partitions``, or all) is answered, or ``timeout`` passes, or no
+        fetch is being worked on any more (one given up, as a registry lookup at shutdown, leaves its records in
+        flight for the partition's next owner: nothing here would answer them)."""
         deadline = time.monotonic() + timeout
-        while self.tracker.in_flight(partitions) and time.monotonic() < deadline:
+        while self.tracker.in_flight(partitions) and self.tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         if partitions is None and self.tasks:
             await asyncio.wait(list(self.tasks), timeout=max(0.0, deadline - time.monotonic()))

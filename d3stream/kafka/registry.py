@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -129,6 +130,12 @@ class Registry:
         self.health = RegistryHealth()
         self._writers: dict[int, WriterSchema | SchemaNotFound] = {}
         self._lock = asyncio.Lock()
+        self._closing = False
+
+    def close(self) -> None:
+        """Stop waiting for the registry: a lookup still retrying is given up (the worker is shutting down, and
+        the records waiting on it stay uncommitted for the partition's next owner)."""
+        self._closing = True
 
     # ------------------------------------------------------------------------------ in: requests
 
@@ -159,6 +166,8 @@ class Registry:
                 except (SchemaNotFound, ValueError) as exc:  # an answer, not a fault: kept like a schema
                     self._writers[schema_id] = exc if isinstance(exc, SchemaNotFound) else SchemaNotFound(str(exc))
                 except Exception as exc:  # noqa: BLE001 - any other failure is the registry's, and is waited out
+                    if self._closing:
+                        raise asyncio.CancelledError(f"shutting down while the registry is down: {exc}") from exc
                     self.health.faults += 1
                     if self.metrics is not None:
                         self.metrics.registry_faults.inc()
@@ -166,9 +175,18 @@ class Registry:
                     if self.health.outage is None:
                         log.warning("registry.unavailable", reason=reason, retry_s=delay)
                     self.health.outage = reason
-                    await asyncio.sleep(delay)
+                    await self._wait_out(delay)
                     delay = min(delay * 2, self.settings.schema_registry_backoff_max_s)
             return self._writers[schema_id]
+
+    async def _wait_out(self, delay: float) -> None:
+        """Sleep ``delay`` seconds before the next try, cut short when the worker shuts down (in slices, since
+        :meth:`close` may be called from a signal handler, outside the event loop)."""
+        deadline = time.monotonic() + delay
+        while not self._closing and (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.1))
+        if self._closing:
+            raise asyncio.CancelledError("shutting down while the Schema Registry is down")
 
     async def _fetch(self, schema_id: int) -> WriterSchema:
         try:

@@ -333,3 +333,46 @@ def test_the_evaluator_joins_framed_answers_and_labels_and_writes_avro(kafka_bro
     run(scenario())
     assert sorted(each["id"] for each in found) == sorted(ids[:8])
     assert all(set(each["questions"]) == {"team", "refund", "urgency"} for each in found)
+
+
+def test_a_registry_behind_tls_is_reached_through_its_ca(stack: Stack, qwen35_model: Any, tmp_path: Any) -> None:
+    """schema_registry_ssl_cafile: with the CA that signs the registry's certificate the framed request is
+    answered; without it the registry is unreachable for the worker, which waits and says why."""
+    import trustme
+
+    authority = trustme.CA()
+    server = authority.issue_cert("127.0.0.1")
+    client = authority.issue_cert("d3stream-worker")
+    paths = {name: tmp_path / f"{name}.pem" for name in ("ca", "server", "server-key", "client", "client-key")}
+    authority.cert_pem.write_to_path(paths["ca"])
+    server.cert_chain_pems[0].write_to_path(paths["server"])
+    server.private_key_pem.write_to_path(paths["server-key"])
+    client.cert_chain_pems[0].write_to_path(paths["client"])
+    client.private_key_pem.write_to_path(paths["client-key"])
+    with SchemaRegistry(tls=(paths["server"], paths["server-key"], paths["ca"])) as registry:
+        assert registry.url.startswith("https://")
+        serializer = AvroSerializer(SchemaRegistryClient({"url": registry.url, "ssl.ca.location": str(paths["ca"])}),
+                                    json.dumps(avro.avro_schema(Request)),
+                                    lambda document, _: avro.to_avro(document, Request))
+        value = serializer(_request("over-tls"), _context(stack.requests))
+        trusted = stack.settings(schema_registry_url=registry.url, schema_registry_ssl_cafile=str(paths["ca"]),
+                                 schema_registry_ssl_certfile=str(paths["client"]),
+                                 schema_registry_ssl_keyfile=str(paths["client-key"]))
+        _, reader = run(serve(stack, trusted, qwen35_model, [(b"over-tls", value)], ["over-tls"]))
+        assert "error" not in reader.by_id()["over-tls"]
+
+        untrusting = Service(stack.settings(schema_registry_url=registry.url, group_id=stack.unique("untrusting")),
+                             qwen35_model)
+
+        async def refused() -> str | None:
+            task = asyncio.create_task(untrusting.run())
+            try:
+                while untrusting.registry is None or untrusting.registry.health.faults == 0:
+                    assert not task.done(), "the worker stopped instead of waiting for the registry"
+                    await asyncio.sleep(0.1)
+                return untrusting.registry_outage
+            finally:
+                await stop(untrusting, task)
+
+        reason = run(refused())
+        assert reason is not None and "CERTIFICATE_VERIFY_FAILED" in reason.upper().replace(" ", "_")
