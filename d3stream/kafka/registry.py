@@ -314,7 +314,7 @@ class OutgoingFormat:
         schema_id, event = self.schemas[topic]
         if self.chosen != "avro":
             return frame(schema_id, value)
-        datum = avro.to_avro(msgspec.json.decode(value), event)
+        datum = avro.to_avro(msgspec.json.decode(value), event, fastavro_unions=True)
         out = io.BytesIO()
         out.write(FRAME.pack(MAGIC, schema_id))
         fastavro.schemaless_writer(out, self._parsed[event], datum)

@@ -40,8 +40,9 @@ Generating a schema needs msgspec only. Writing Avro binary or the Confluent fra
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 import msgspec.inspect as mi
@@ -66,23 +67,34 @@ def avro_schema(event: type[msgspec.Struct]) -> dict[str, object]:
     return schema
 
 
-def to_avro(document: Mapping[str, object], event: type[msgspec.Struct]) -> dict[str, object]:
+def to_avro(document: Mapping[str, object], event: type[msgspec.Struct], *,
+            fastavro_unions: bool = False) -> dict[str, object]:
     """The Avro datum of an event's JSON document (its ``msgspec.to_builtins`` form, or the parsed JSON of a
     record): free-form values as JSON text, absent fields at their defaults. ValueError naming the field
     when a required field is absent or a record, array or map is not an object or array; a scalar of the
-    wrong type is left for the Avro writer to refuse."""
-    return _record_to_avro(document, _struct_info(event), "$")
+    wrong type is left for the Avro writer to refuse.
+
+    With ``fastavro_unions`` a record or map in a union is given as fastavro's ``(branch name, value)``
+    tuple: fastavro's writer then skips validating the value against each branch to find its own, a third
+    of its time for an answer. Only fastavro's writer (confluent-kafka's ``AvroSerializer`` uses it) reads
+    that form."""
+    datum = _record_converter(event, _TO_FASTAVRO if fastavro_unions else _TO)(document, "$")
+    assert isinstance(datum, dict)  # a record's conversion makes a dict
+    return datum
 
 
 def from_avro(datum: Mapping[str, object], event: type[msgspec.Struct]) -> dict[str, object]:
     """The JSON document of an event's Avro datum, as the contract's encoder writes it (module docstring).
     ValueError naming the field when a JSON-text field does not parse."""
-    return _record_from_avro(datum, _struct_info(event), "$")
+    document = _record_converter(event, _FROM)(datum, "$")
+    assert isinstance(document, dict)  # as above
+    return document
 
 
 # ------------------------------------------------------------------------------------------ types
 
 
+@functools.cache  # an event's type information is fixed, and building it costs more than converting a datum
 def _struct_info(event: type[msgspec.Struct]) -> mi.StructType:
     info = mi.type_info(event)
     if not isinstance(info, mi.StructType):
@@ -182,7 +194,7 @@ class _Generator:
         if not field.required:
             # A Struct-valued default (Provenance.batch, Answer.provenance) is the default Struct's record:
             # Avro allows a record default, and the field stays what it is in JSON, never null.
-            default = _to_avro(_json_default(field), _field_type(field), path)
+            default = _compile(_field_type(field), _TO, path)(_json_default(field), path)
             if isinstance(avro_type, list):  # a union's default must be of its first branch
                 kind = _avro_kind(default)
                 first = next((b for b in avro_type if _branch_kind(b) == kind or (kind == "long" and b == "double")),
@@ -237,109 +249,159 @@ def _inner(where: str, part: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ documents
+#
+# A conversion walks the event's type information once, into nested functions (a Convert per field), and
+# is kept per event: walking msgspec's type information for every datum cost ten times the Avro codec.
+
+Convert = Callable[[object, str], object]  # (value, its path for an error message) -> the converted value
+_ENCODE_JSON = msgspec.json.Encoder()
+# The directions of a conversion: to an Avro datum (plain, or with fastavro's union tuples), or from one.
+_TO, _TO_FASTAVRO, _FROM = "to", "to fastavro", "from"
 
 
-def _record_to_avro(document: object, info: mi.StructType, path: str) -> dict[str, object]:
-    if not isinstance(document, Mapping):
-        raise ValueError(f"`{path}` should be an object, not {type(document).__name__}")
-    datum: dict[str, object] = {}
-    for field in info.fields:
-        field_path = f"{path}.{field.encode_name}"
-        if field.encode_name in document:
-            datum[field.encode_name] = _to_avro(document[field.encode_name], _field_type(field), field_path)
-        elif field.required:
-            raise ValueError(f"`{field_path}` is required")
-        else:
-            datum[field.encode_name] = _to_avro(_json_default(field), _field_type(field), field_path)
-    return datum
+@functools.cache
+def _record_converter(event: type[msgspec.Struct], direction: str) -> Convert:
+    return _compile(_struct_info(event), direction, "$")
 
 
-def _to_avro(value: object, kind: mi.Type, path: str) -> object:
+def _compile(kind: mi.Type, direction: str, path: str) -> Convert:
+    """The conversion of a value of ``kind`` in ``direction``: to its Avro datum, or back to its document."""
+    to = direction != _FROM
     kind = _bare(kind)
     if isinstance(kind, mi.UnionType):
-        nullable, others = _members(kind, path)
-        if value is None and nullable:
-            return None
-        if len(others) > 1:  # scalars only (_members): the Avro writer picks the branch
-            return value
-        kind = _bare(others[0])
+        return _compile_union(kind, direction, path)
     if isinstance(kind, mi.AnyType):
-        return msgspec.json.encode(value).decode()
+        return _json_text if to else _parsed_json_text
     if isinstance(kind, mi.StructType):
-        return _record_to_avro(value, kind, path)
+        return _compile_record(kind, direction, path)
     if isinstance(kind, mi.ListType):
-        items = _sequence(value, path)
-        return [_to_avro(item, kind.item_type, f"{path}[{index}]") for index, item in enumerate(items)]
+        item = _compile(kind.item_type, direction, f"{path}[]")
+
+        def array(value: object, where: str) -> object:
+            return [item(each, f"{where}[{index}]") for index, each in enumerate(_sequence(value, where))]
+        return array
     if isinstance(kind, mi.DictType):
-        entries = _mapping(value, path)
-        return {key: _to_avro(item, kind.value_type, f"{path}[{key!r}]") for key, item in entries.items()}
-    return value  # a scalar: Avro's writer checks it against the schema
+        entry = _compile(kind.value_type, direction, f"{path}[]")
+
+        def map_(value: object, where: str) -> object:
+            return {key: entry(each, f"{where}[{key!r}]") for key, each in _mapping(value, where).items()}
+        return map_
+    return _as_is  # a scalar: Avro's writer checks it against the schema
+
+
+def _compile_union(kind: mi.UnionType, direction: str, path: str) -> Convert:
+    nullable, others = _members(kind, path)
+    if len(others) > 1:  # scalars only (_members): the Avro writer picks the branch
+        return _as_is
+    inner = _compile(others[0], direction, path)
+    branch = _branch_name(others[0]) if direction == _TO_FASTAVRO else None
+    if branch is not None:
+        named = inner
+
+        def inner(value: object, where: str) -> object:
+            return (branch, named(value, where))
+    if not nullable:
+        return inner
+
+    def optional(value: object, where: str) -> object:
+        return None if value is None else inner(value, where)
+    return optional
+
+
+def _branch_name(kind: mi.Type) -> str | None:
+    """The name fastavro knows a union's record or map branch by (None for a scalar or free-form JSON, which
+    its writer tells apart cheaply). Every record is in the one namespace (:func:`avro_schema`)."""
+    kind = _bare(kind)
+    if isinstance(kind, mi.StructType):
+        return f"{NAMESPACE}.{kind.cls.__name__}"
+    return "map" if isinstance(kind, mi.DictType) else "array" if isinstance(kind, mi.ListType) else None
+
+
+def _compile_record(info: mi.StructType, direction: str, path: str) -> Convert:
+    to = direction != _FROM
+    fields = [_FieldPlan(field, _compile(_field_type(field), direction, f"{path}.{field.encode_name}"))
+              for field in info.fields]
+    omit_defaults = bool(info.cls.__struct_config__.omit_defaults) and not to
+
+    def record(value: object, where: str) -> object:
+        entries = _mapping(value, where)
+        out: dict[str, object] = {}
+        for plan in fields:
+            name = plan.name
+            if name in entries:
+                value = entries[name]
+                converted = value if plan.as_is else plan.convert(value, f"{where}.{name}")
+            elif plan.required:
+                raise ValueError(f"`{where}.{name}` is required")
+            elif to:
+                converted = plan.convert(plan.default(), f"{where}.{name}")
+            else:  # a datum of an earlier schema, read without resolution
+                converted = plan.default()
+            if not (omit_defaults and plan.at_default(converted)):
+                out[name] = converted
+        return out
+    return record
+
+
+class _FieldPlan:
+    """One field of a record conversion: its name, its conversion, and its default as a document has it."""
+
+    __slots__ = ("name", "required", "convert", "as_is", "_field", "_default", "_fresh")
+
+    def __init__(self, field: mi.Field, convert: Convert) -> None:
+        self.name = field.encode_name
+        self.required = field.required
+        self.convert = convert
+        self.as_is = convert is _as_is  # a scalar, taken without a call
+        self._field = field
+        self._default = None if field.required else _json_default(field)
+        # A default that is a container is made anew each time: a document must not share it.
+        self._fresh = isinstance(self._default, list | dict)
+
+    def default(self) -> object:
+        return _json_default(self._field) if self._fresh else self._default
+
+    def at_default(self, value: object) -> bool:
+        """Whether the encoder of a Struct that omits defaults leaves this value of the field out: equal to a
+        plain default (and of its type: 0 is not False), or an empty list or dict of a list or dict factory.
+        A default made by another factory (a Struct) msgspec always writes."""
+        field = self._field
+        if field.required:
+            return False
+        if field.default is msgspec.NODEFAULT:
+            factory = field.default_factory
+            return factory in (list, dict) and isinstance(value, factory) and not value
+        return type(value) is type(self._default) and value == self._default
+
+
+def _as_is(value: object, where: str) -> object:
+    return value
+
+
+def _json_text(value: object, where: str) -> object:
+    return _ENCODE_JSON.encode(value).decode()
+
+
+def _parsed_json_text(value: object, where: str) -> object:
+    if not isinstance(value, str):
+        raise ValueError(f"`{where}` should be JSON text, not {type(value).__name__}")
+    try:
+        return msgspec.json.decode(value)
+    except msgspec.DecodeError as error:
+        raise ValueError(f"`{where}` is not JSON text: {error}") from error
 
 
 def _sequence(value: object, path: str) -> Sequence[object]:
+    if type(value) is list:  # the common case, without isinstance's subclass walk
+        return value
     if not isinstance(value, list | tuple):
         raise ValueError(f"`{path}` should be an array, not {type(value).__name__}")
     return value
 
 
 def _mapping(value: object, path: str) -> Mapping[str, object]:
+    if type(value) is dict:  # the common case, without the abstract class's isinstance check
+        return value
     if not isinstance(value, Mapping):
         raise ValueError(f"`{path}` should be an object, not {type(value).__name__}")
-    return value
-
-
-def _record_from_avro(datum: object, info: mi.StructType, path: str) -> dict[str, object]:
-    entries = _mapping(datum, path)
-    omit_defaults = info.cls.__struct_config__.omit_defaults
-    document: dict[str, object] = {}
-    for field in info.fields:
-        field_path = f"{path}.{field.encode_name}"
-        if field.encode_name in entries:
-            value = _from_avro(entries[field.encode_name], _field_type(field), field_path)
-        elif field.required:
-            raise ValueError(f"`{field_path}` is required")
-        else:  # a datum of an earlier schema, read without resolution
-            value = _json_default(field)
-        if not (omit_defaults and _at_default(value, field)):
-            document[field.encode_name] = value
-    return document
-
-
-def _at_default(value: object, field: mi.Field) -> bool:
-    """Whether the encoder of a Struct that omits defaults leaves this value of the field out: equal to a
-    plain default (and of its type: 0 is not False), or an empty list or dict of a list or dict factory.
-    A default made by another factory (a Struct) msgspec always writes."""
-    if field.required:
-        return False
-    if field.default is msgspec.NODEFAULT:
-        factory = field.default_factory
-        return factory in (list, dict) and isinstance(value, factory) and not value
-    default = msgspec.to_builtins(field.default)
-    return type(value) is type(default) and value == default
-
-
-def _from_avro(value: object, kind: mi.Type, path: str) -> object:
-    kind = _bare(kind)
-    if isinstance(kind, mi.UnionType):
-        nullable, others = _members(kind, path)
-        if value is None and nullable:
-            return None
-        if len(others) > 1:  # scalars only (_members): the Avro writer picks the branch
-            return value
-        kind = _bare(others[0])
-    if isinstance(kind, mi.AnyType):
-        if not isinstance(value, str):
-            raise ValueError(f"`{path}` should be JSON text, not {type(value).__name__}")
-        try:
-            return msgspec.json.decode(value)
-        except msgspec.DecodeError as error:
-            raise ValueError(f"`{path}` is not JSON text: {error}") from error
-    if isinstance(kind, mi.StructType):
-        return _record_from_avro(value, kind, path)
-    if isinstance(kind, mi.ListType):
-        items = _sequence(value, path)
-        return [_from_avro(item, kind.item_type, f"{path}[{index}]") for index, item in enumerate(items)]
-    if isinstance(kind, mi.DictType):
-        entries = _mapping(value, path)
-        return {key: _from_avro(item, kind.value_type, f"{path}[{key!r}]") for key, item in entries.items()}
     return value

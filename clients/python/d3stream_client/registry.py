@@ -253,7 +253,7 @@ class RegistryFormat:
         schema_id = await self.request_schema_id(topic)
         if self._request_parsed is None:  # JSON Schema: the payload is the checked JSON itself
             return frame(schema_id, value)
-        datum = avro.to_avro(msgspec.json.decode(value), Request)
+        datum = avro.to_avro(msgspec.json.decode(value), Request, fastavro_unions=True)
         out = io.BytesIO()
         out.write(FRAME.pack(MAGIC, schema_id))
         fastavro.schemaless_writer(out, self._request_parsed, datum)
