@@ -155,34 +155,47 @@ def ensure_jars(progress: bool = False) -> Path:
     Maven's output is (a first run waits on the network here, and should know why).
     """
     cache = _cache_dir()
-    lib = cache / "lib"
-    marker = cache / ".resolved"
-    if marker.is_file():
-        return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.is_file():
-            return lib
-        mvn = shutil.which("mvn")
-        if not mvn:
-            raise InfraError("mvn is not on PATH; it is needed once to fetch the Kafka/S3Proxy jars")
+
+    def resolve(mvn: str, staging: Path) -> str:
         shutil.copyfile(POM_PATH, cache / "pom.xml")
-        staging = cache / "lib.partial"
-        shutil.rmtree(staging, ignore_errors=True)
         if progress:
             _notice(f"fetching the Kafka and S3Proxy jars with Maven (once; its output goes to {cache / 'maven.log'})")
         log.info("jars.resolving", cache=str(cache))
         started = time.monotonic()
         _maven(mvn, cache, ["-f", str(cache / "pom.xml"),
                             f"{_DEPENDENCY_PLUGIN}:copy-dependencies", f"-DoutputDirectory={staging}"], str(POM_PATH))
-        shutil.rmtree(lib, ignore_errors=True)
-        staging.rename(lib)
-        _kafka_classpath(lib)  # fail now, not at first start, if the pom lost a jar
-        _s3proxy_jar(lib)
-        marker.write_text("\n".join(sorted(p.name for p in lib.glob("*.jar"))) + "\n")
+        _kafka_classpath(staging)  # fail now, not at first start, if the pom lost a jar
+        _s3proxy_jar(staging)
         log.info("jars.resolved", cache=str(cache), seconds=round(time.monotonic() - started, 1))
-    return lib
+        return "\n".join(sorted(p.name for p in staging.glob("*.jar"))) + "\n"
+
+    return _fetched_once(cache, "lib", "the Kafka/S3Proxy jars", resolve)
+
+
+def _fetched_once(root: Path, name: str, what: str, fetch: Callable[[str, Path], str]) -> Path:
+    """``root/name``, made once by ``fetch(mvn, staging folder)`` (which returns the marker's text) and kept.
+
+    A marker file records success, so later calls cost one ``stat``; a file lock keeps parallel test processes
+    from fetching into the same folder at once; the result is made in a staging folder and renamed into place,
+    so an interrupted fetch leaves nothing that looks finished."""
+    result, marker = root / name, root / ".resolved"
+    if marker.is_file():
+        return result
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file():
+            return result
+        mvn = shutil.which("mvn")
+        if not mvn:
+            raise InfraError(f"mvn is not on PATH; it is needed once to fetch {what}")
+        staging = root / f"{name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        marked = fetch(mvn, staging)
+        shutil.rmtree(result, ignore_errors=True)
+        staging.rename(result)
+        marker.write_text(marked)
+    return result
 
 
 _DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1"
@@ -1027,30 +1040,18 @@ def registry_java() -> tuple[Path, str]:
 def ensure_registry(version: str, progress: bool = False) -> Path:
     """Fetch and unpack Apicurio Registry ``version`` from Maven Central once; the application's folder."""
     root = Path(os.environ.get("D3STREAM_CACHE") or Path.home() / ".cache" / "d3stream") / "apicurio" / version
-    app, marker = root / "app", root / ".resolved"
-    if marker.is_file():
-        return app
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.is_file():
-            return app
-        mvn = shutil.which("mvn")
-        if not mvn:
-            raise InfraError("mvn is not on PATH; it is needed once to fetch the Apicurio Schema Registry")
-        artifact = f"io.apicurio:apicurio-registry-app:{version}:tar.gz:all"
+    artifact = f"io.apicurio:apicurio-registry-app:{version}:tar.gz:all"
+
+    def unpack(mvn: str, staging: Path) -> str:
         if progress:
             _notice(f"fetching the Schema Registry (Apicurio {version}) with Maven (once; its output goes to "
                     f"{root / 'maven.log'})")
-        staging = root / "app.partial"
-        shutil.rmtree(staging, ignore_errors=True)
         _maven(mvn, root, [f"{_DEPENDENCY_PLUGIN}:unpack", f"-Dartifact={artifact}",
                            f"-DoutputDirectory={staging}"], artifact)
         _runner_jar(staging)  # fail now if the tarball has no application in it
-        shutil.rmtree(app, ignore_errors=True)
-        staging.rename(app)
-        marker.write_text(artifact + "\n")
-    return app
+        return artifact + "\n"
+
+    return _fetched_once(root, "app", "the Apicurio Schema Registry", unpack)
 
 
 def _runner_jar(app: Path) -> Path:
