@@ -22,9 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka.schema_registry import SchemaRegistryClient
-from confluent_kafka.schema_registry.avro import AvroDeserializer
-from confluent_kafka.schema_registry.json_schema import JSONDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from d3stream_client import Answer, D3Client, EventError, Publisher, avro
 from d3stream_client.contract import Request
@@ -34,6 +31,7 @@ from d3stream_client.subscriber import consume_answers
 from d3stream.cli import main
 from d3stream.dev.infra import SchemaRegistry
 from d3stream.service import Service
+from tests.support.foreign_serdes import avro_deserializer, json_deserializer, registry_client
 from tests.support.stream_helpers import (
     Q_CHOICE,
     Q_NOUL,
@@ -88,12 +86,12 @@ def test_requests_published_in_avro_and_json_schema_are_answered_like_plain_ones
 
     # What is on the request topic is the registry's wire format, as any registry-aware consumer reads it.
     records = {record.key.decode(): record for record in run(read_all(bootstrap, stack.requests, partitions=4))}
-    client = SchemaRegistryClient({"url": schema_registry.url})
+    client = registry_client(schema_registry.url)
     for key in ("avro-1", "avro-2", "avro-3", "cli-avro-1"):
         assert dict(records[key].headers)["content-type"] == b"application/vnd.d3stream+avro"
-        document = avro.from_avro(AvroDeserializer(client)(records[key].value, _context(stack.requests)), Request)
+        document = avro.from_avro(avro_deserializer(client)(records[key].value, _context(stack.requests)), Request)
         assert {name: document[name] for name in ("id", "state", "questions", "metadata")} == _request(key)
-    read_json = JSONDeserializer(None, schema_registry_client=client)
+    read_json = json_deserializer(client)
     assert read_json(records["json-schema-1"].value, _context(stack.requests)) == _request("json-schema-1")
     assert records["plain-1"].value[:1] == b"{"
 

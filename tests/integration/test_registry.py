@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, Producer
-from confluent_kafka.schema_registry import Schema, SchemaRegistryClient, topic_record_subject_name_strategy
-from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
-from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSerializer
+from confluent_kafka.schema_registry import Schema, topic_record_subject_name_strategy
+from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.schema_registry.json_schema import JSONSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from d3stream_client import avro
 from d3stream_client.contract import Answer, DeadLetter, Request
@@ -31,6 +31,13 @@ from d3stream.dev.infra import SchemaRegistry
 from d3stream.kafka.registry import registry_json_schema
 from d3stream.ops.metrics import MetricsServer
 from d3stream.service import Service
+from tests.support.foreign_serdes import (
+    avro_deserializer,
+    avro_serializer,
+    json_deserializer,
+    json_serializer,
+    registry_client,
+)
 from tests.support.stream_helpers import (
     Q_CHOICE,
     Q_NOUL,
@@ -60,14 +67,14 @@ def _context(topic: str) -> SerializationContext:
 
 
 def _avro_serializer(registry: SchemaRegistry, schema: Mapping[str, object] | None = None) -> AvroSerializer:
-    return AvroSerializer(SchemaRegistryClient({"url": registry.url}), json.dumps(schema or avro.avro_schema(Request)),
-                          lambda document, _: avro.to_avro(document, Request))
+    return avro_serializer(registry_client(registry.url), json.dumps(schema or avro.avro_schema(Request)),
+                           lambda document, _: avro.to_avro(document, Request))
 
 
 def _json_serializer(registry: SchemaRegistry) -> JSONSerializer:
     # Under a subject of its own (topic and record name): the topic's own subject holds the Avro versions.
-    return JSONSerializer(json.dumps(registry_json_schema(Request)), SchemaRegistryClient({"url": registry.url}),
-                          conf={"subject.name.strategy": topic_record_subject_name_strategy})
+    return json_serializer(registry_client(registry.url), json.dumps(registry_json_schema(Request)),
+                           conf={"subject.name.strategy": topic_record_subject_name_strategy})
 
 
 def _publish(bootstrap: str, topic: str, values: list[tuple[str, bytes]]) -> None:
@@ -90,8 +97,8 @@ def test_framed_requests_are_answered_like_json_ones(stack: Stack, schema_regist
     as_avro = _avro_serializer(schema_registry)
     v2 = avro.avro_schema(Request)
     v2 = {**v2, "fields": [*v2["fields"], {"name": "channel", "type": ["null", "string"], "default": None}]}  # type: ignore[misc]
-    as_avro_v2 = AvroSerializer(SchemaRegistryClient({"url": schema_registry.url}), json.dumps(v2),
-                                lambda document, _: {**avro.to_avro(document, Request), "channel": "web"})
+    as_avro_v2 = avro_serializer(registry_client(schema_registry.url), json.dumps(v2),
+                                 lambda document, _: {**avro.to_avro(document, Request), "channel": "web"})
     values = [
         ("avro-1", as_avro(_request("avro-1"), _context(topic))),
         ("json-schema-1", _json_serializer(schema_registry)(_request("json-schema-1"), _context(topic))),
@@ -164,16 +171,16 @@ def test_answers_and_dead_letters_read_by_foreign_deserializers(stack: Stack, sc
     settings = _settings(stack, schema_registry, answer_format=answer_format, schema_auto_register=True)
     records = [record(_request("a-1")), record(_request("a-2")), (b"junk", b"not json at all")]
     _framed_answers(stack, Service(settings, qwen35_model), records, 3)
-    client = SchemaRegistryClient({"url": schema_registry.url})
+    client = registry_client(schema_registry.url)
     if answer_format == "avro":
-        read_answer = AvroDeserializer(client)
+        read_answer = avro_deserializer(client)
         answers = _consume(stack.broker.bootstrap_servers, stack.answers, 3,
                            lambda value: avro.from_avro(read_answer(value, _context(stack.answers)), Answer))
-        read_letter = AvroDeserializer(client)
+        read_letter = avro_deserializer(client)
         letters = _consume(stack.broker.bootstrap_servers, stack.dead_letters, 1,
                            lambda value: avro.from_avro(read_letter(value, _context(stack.dead_letters)), DeadLetter))
     else:
-        read = JSONDeserializer(None, schema_registry_client=client)
+        read = json_deserializer(client)
         answers = _consume(stack.broker.bootstrap_servers, stack.answers, 3,
                            lambda value: read(value, _context(stack.answers)))
         letters = _consume(stack.broker.bootstrap_servers, stack.dead_letters, 1,
@@ -238,7 +245,7 @@ def test_a_registry_outage_makes_the_stream_wait(stack: Stack, schema_registry: 
 def test_a_schema_change_the_registry_refuses_stops_the_worker_at_start(stack: Stack,
                                                                         schema_registry: SchemaRegistry,
                                                                         qwen35_model: Any) -> None:
-    client = SchemaRegistryClient({"url": schema_registry.url})
+    client = registry_client(schema_registry.url)
     subject = f"{stack.answers}-value"
     # What an older d3stream registered: an Answer whose id is a number. The new one cannot read it back.
     older = {"type": "record", "name": "Answer", "namespace": avro.NAMESPACE,
@@ -325,7 +332,7 @@ def test_the_evaluator_joins_framed_answers_and_labels_and_writes_avro(kafka_bro
     found: list[dict[str, Any]] = []
 
     def _wait_for_evaluations(count: int) -> None:
-        read = AvroDeserializer(SchemaRegistryClient({"url": schema_registry.url}))
+        read = avro_deserializer(registry_client(schema_registry.url))
         topic = settings.evaluation.evaluation_topic
         found.extend(_consume(servers, topic, count, lambda value: avro.from_avro(read(value, _context(topic)),
                                                                                   Evaluation)))
@@ -351,9 +358,9 @@ def test_a_registry_behind_tls_is_reached_through_its_ca(stack: Stack, qwen35_mo
     client.private_key_pem.write_to_path(paths["client-key"])
     with SchemaRegistry(tls=(paths["server"], paths["server-key"], paths["ca"])) as registry:
         assert registry.url.startswith("https://")
-        serializer = AvroSerializer(SchemaRegistryClient({"url": registry.url, "ssl.ca.location": str(paths["ca"])}),
-                                    json.dumps(avro.avro_schema(Request)),
-                                    lambda document, _: avro.to_avro(document, Request))
+        serializer = avro_serializer(registry_client(registry.url, **{"ssl.ca.location": str(paths["ca"])}),
+                                     json.dumps(avro.avro_schema(Request)),
+                                     lambda document, _: avro.to_avro(document, Request))
         value = serializer(_request("over-tls"), _context(stack.requests))
         trusted = stack.settings(schema_registry_url=registry.url, schema_registry_ssl_cafile=str(paths["ca"]),
                                  schema_registry_ssl_certfile=str(paths["client"]),
