@@ -292,7 +292,12 @@ class Service:
         await self._connecting(self.sink.start())
         await self.delivery.start()
         if self.registry is not None and settings.registry.answer_format != "json":
-            self.outgoing_format = await self.registry.writers_for(self._framed_topics())
+            try:
+                self.outgoing_format = await self.registry.writers_for(self._framed_topics())
+            except asyncio.CancelledError:
+                if not self._stop_asked:
+                    raise
+                return  # asked to stop while waiting for a registry that does not answer: nothing was read
         self.limits.topics = await self._connecting(self.sink.read_limits())
         log.info("topic limits", max_message_bytes=self.limits.topics, compression=self.limits.compression,
                  max_request_size=self.limits.max_request_size)

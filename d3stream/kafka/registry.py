@@ -21,7 +21,8 @@ attempts, and no request is dead-lettered for it.
 format under the subject the naming strategy gives, with the schema generated from the contract. At start
 the schema is registered (``schema_auto_register``, the demo) or must already be registered (production):
 a schema the registry refuses, or one not registered, stops the worker at start with the reason, instead of
-failing record by record.
+failing record by record. A registry that does not answer at start is waited for as in an outage (the worker
+is not ready meanwhile, and ``/readyz`` says why): a worker may start before its registry does.
 
 confluent-kafka's ``schema_registry`` module is the registry client (its asyncio one, so lookups never block
 the loop); fastavro is the Avro codec. The framing, the subject names, the registry client's configuration and
@@ -32,11 +33,13 @@ which writes requests and reads answers the same way.
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import fastavro
 import msgspec
@@ -65,6 +68,7 @@ from d3stream.ops.metrics import Metrics
 from d3stream.settings import RegistrySettings
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
 
@@ -156,28 +160,44 @@ class Registry:
         if known is not None:
             return known
         async with self._lock:
-            delay = 0.2
-            while schema_id not in self._writers:
+            if schema_id not in self._writers:
                 try:
-                    self._writers[schema_id] = await self._fetch(schema_id)
-                    if self.health.outage is not None:
-                        log.info("registry.back", schema_id=schema_id)
-                    self.health.outage = None
+                    self._writers[schema_id] = await self._until_answered(
+                        f"schema id {schema_id}", lambda: self._fetch(schema_id),
+                        answer=lambda exc: isinstance(exc, SchemaNotFound | ValueError))
                 except (SchemaNotFound, ValueError) as exc:  # an answer, not a fault: kept like a schema
                     self._writers[schema_id] = exc if isinstance(exc, SchemaNotFound) else SchemaNotFound(str(exc))
-                except Exception as exc:  # noqa: BLE001 - any other failure is the registry's, and is waited out
-                    if self._closing:
-                        raise asyncio.CancelledError(f"shutting down while the registry is down: {exc}") from exc
-                    self.health.faults += 1
-                    if self.metrics is not None:
-                        self.metrics.registry_faults.inc()
-                    reason = f"the Schema Registry did not answer for schema id {schema_id}: {describe(exc)}"
-                    if self.health.outage is None:
-                        log.warning("registry.unavailable", reason=reason, retry_s=delay)
-                    self.health.outage = reason
-                    await self._wait_out(delay)
-                    delay = min(delay * 2, self.settings.schema_registry_backoff_max_s)
             return self._writers[schema_id]
+
+    async def _until_answered(self, what: str, call: Callable[[], Awaitable[T]],
+                              answer: Callable[[Exception], bool]) -> T:
+        """``call()`` until the registry answers. A failure that ``answer`` accepts is the registry's answer and
+        is raised; any other (unreachable, timed out, a server error) is an outage: counted, said by
+        ``/readyz``, retried with backoff up to ``schema_registry_backoff_max_s``, given up at shutdown."""
+        delay = 0.2
+        while True:
+            try:
+                result = await call()
+            except Exception as exc:  # noqa: BLE001 - sorted below: the registry's answer, or its fault
+                if answer(exc):
+                    raise
+                if self._closing:
+                    raise asyncio.CancelledError(f"shutting down while the registry is down: {exc}") from exc
+                self.health.faults += 1
+                if self.metrics is not None:
+                    self.metrics.registry_faults.inc()
+                reason = f"the Schema Registry did not answer for {what}: {describe(exc)}"
+                if self.health.outage is None:
+                    log.warning("registry.unavailable", reason=reason, retry_s=delay,
+                                setting="schema_registry_url" if self.health.faults == 1 else None)
+                self.health.outage = reason
+                await self._wait_out(delay)
+                delay = min(delay * 2, self.settings.schema_registry_backoff_max_s)
+                continue
+            if self.health.outage is not None:
+                log.info("registry.back", what=what)
+            self.health.outage = None
+            return result
 
     async def _wait_out(self, delay: float) -> None:
         """Sleep ``delay`` seconds before the next try, cut short when the worker shuts down (in slices, since
@@ -252,10 +272,9 @@ class Registry:
             subject = subject_name(self.settings.subject_name_strategy, topic, record_name(event))
             schema = outgoing_schema(event, chosen)
             try:
-                if self.settings.schema_auto_register:
-                    schema_id = await self.client.register_schema(subject, schema)
-                else:
-                    schema_id = (await self.client.lookup_schema(subject, schema)).schema_id or 0
+                schema_id = await self._until_answered(f"the {event.__name__} schema under subject {subject!r}",
+                                                       functools.partial(self._writer_id, subject, schema),
+                                                       answer=_refusal)
             except SchemaRegistryError as exc:
                 action = "refused to register" if self.settings.schema_auto_register else "does not have"
                 hint = ("register it first (d3stream schemas register), or set schema_auto_register"
@@ -268,6 +287,16 @@ class Registry:
             ids[topic] = (schema_id, event)
             log.info("registry.writer", topic=topic, subject=subject, schema_id=schema_id, format=chosen)
         return OutgoingFormat(chosen, ids)
+
+    async def _writer_id(self, subject: str, schema: Schema) -> int:
+        if self.settings.schema_auto_register:
+            return await self.client.register_schema(subject, schema)
+        return (await self.client.lookup_schema(subject, schema)).schema_id or 0
+
+
+def _refusal(exc: Exception) -> bool:
+    """Whether the registry refused a request (a 4xx answer) rather than failing to answer it."""
+    return isinstance(exc, SchemaRegistryError) and 400 <= exc.http_status_code < 500
 
 
 def outgoing_schema(event: type[msgspec.Struct], chosen: str) -> Schema:

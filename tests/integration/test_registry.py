@@ -383,3 +383,51 @@ def test_a_registry_behind_tls_is_reached_through_its_ca(stack: Stack, qwen35_mo
 
         reason = run(refused())
         assert reason is not None and "CERTIFICATE_VERIFY_FAILED" in reason.upper().replace(" ", "_")
+
+
+def test_a_worker_started_while_its_registry_hangs_waits_for_it(stack: Stack, schema_registry: SchemaRegistry,
+                                                                qwen35_model: Any) -> None:
+    """The registry answers nothing as a worker writing Avro answers starts: the worker waits to register its
+    schemas (not ready, saying why) instead of failing, stops cleanly if asked meanwhile, and serves once the
+    registry answers."""
+
+    def worker(name: str) -> Service:
+        return Service(stack.settings(schema_registry_url=schema_registry.url, answer_format="avro",
+                                      schema_auto_register=True, schema_registry_timeout_s=1,
+                                      group_id=stack.unique(name)), qwen35_model)
+
+    async def waiting(service: Service, task: asyncio.Task[None]) -> None:
+        assert service.registry is not None
+        while service.registry.health.faults == 0:
+            assert not task.done(), "the worker stopped instead of waiting for the registry"
+            await asyncio.sleep(0.1)
+        assert not service.ready and "did not answer" in (service.registry_outage or "")
+
+    async def stopped_while_waiting() -> None:
+        service = worker("stopped")
+        task = asyncio.create_task(service.run())
+        try:
+            await waiting(service, task)
+        finally:
+            await stop(service, task)  # raises if the worker ended in an error
+
+    async def served_once_back(service: Service) -> list[bytes]:
+        async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
+            task = asyncio.create_task(service.run())
+            try:
+                await waiting(service, task)
+                schema_registry.resume()
+                await reader.wait(lambda: assigned_and_ready(service), 60, task, what="the assignment")
+                await produce(stack.broker.bootstrap_servers, stack.requests, [record(_request("late-registry"))])
+                await reader.wait(lambda: len(reader.records) >= 1, 90, task, what="the answer")
+            finally:
+                await stop(service, task)
+            return [each.value for each in reader.records]
+
+    schema_registry.pause()
+    try:
+        run(stopped_while_waiting())
+        values = run(served_once_back(worker("served")))
+    finally:
+        schema_registry.resume()
+    assert [value[:1] for value in values] == [b"\x00"]  # the registry's wire format

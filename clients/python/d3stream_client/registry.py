@@ -214,6 +214,13 @@ class RegistryFormat:
             self._loop = loop
         return self._client
 
+    def _unanswered(self, exc: Exception) -> RegistryError:
+        """A registry that could not be reached, or did not answer in time, as the error that says where to look."""
+        cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return RegistryError(f"the Schema Registry at {self.url} did not answer ({cause}): check "
+                             "schema_registry_url (--schema-registry-url), that the registry runs, and its TLS "
+                             "settings (schema_registry_ssl_cafile)")
+
     # ------------------------------------------------------------------------------ out: requests
 
     def subject(self, topic: str) -> str:
@@ -244,6 +251,8 @@ class RegistryFormat:
             raise RegistryError(f"the Schema Registry at {self.url} could not {action} the request schema "
                                 f"({self.request_format}) under subject {subject!r}: {exc.error_message} "
                                 f"(HTTP {exc.http_status_code}){hint}") from exc
+        except Exception as exc:  # noqa: BLE001 - a transport failure: nothing answered
+            raise self._unanswered(exc) from exc
         self._request_ids[topic] = schema_id
         return schema_id
 
@@ -302,6 +311,8 @@ class RegistryFormat:
                 raise UnreadableRecord(f"the Schema Registry has no schema with id {schema_id}; the record is "
                                        f"framed for it (magic byte 0, schema id {schema_id})") from exc
             raise
+        except Exception as exc:  # noqa: BLE001 - a transport failure: nothing answered
+            raise self._unanswered(exc) from exc
         kind = schema.schema_type or AVRO
         if kind == JSON_SCHEMA:
             return _Writer(kind)

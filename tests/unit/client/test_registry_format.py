@@ -15,6 +15,7 @@ import sys
 import pytest
 from d3stream_client.contract import Answer, DeadLetter, Request
 from d3stream_client.registry import (
+    RegistryError,
     RegistryFormat,
     frame,
     is_framed,
@@ -61,6 +62,24 @@ def test_plain_json_passes_untouched_without_asking_the_registry() -> None:
     assert asyncio.run(registry.document(plain)) == plain
     assert asyncio.run(registry.document(b"not json at all")) == b"not json at all"  # left to the JSON decoder
     assert is_framed(frame(7, b"{}")) and not is_framed(plain) and not is_framed(b"\x00\x00")
+
+
+def test_a_registry_that_does_not_answer_is_an_error_naming_its_address_and_the_setting() -> None:
+    """Nothing listens at NOBODY: framing a request and reading a framed answer both fail with a RegistryError
+    that says where it looked and which setting to check (the command line prints it, not a traceback)."""
+    registry = RegistryFormat(NOBODY, schema_registry_timeout_s=2)
+
+    async def framing() -> bytes:
+        async with registry:
+            return await registry.encode_request(b'{"id": "r", "questions": {}}', "d3.requests")
+
+    async def reading() -> bytes:
+        async with registry:
+            return await registry.document(frame(7, b"{}"))
+
+    for attempt in (framing, reading):
+        with pytest.raises(RegistryError, match=r"at http://127\.0\.0\.1:9 did not answer .*schema_registry_url"):
+            asyncio.run(attempt())
 
 
 def test_subjects_follow_confluents_three_strategies() -> None:
