@@ -44,16 +44,23 @@ def _produce(args: argparse.Namespace) -> int:
     with source:
         lines = [line for line in (raw.rstrip("\n") for raw in source) if line.strip()]
     client = None
+    endpoint = args.s3_endpoint_url or settings.storage.s3_endpoint_url
     if args.upload_media:
         import boto3
 
-        client = boto3.client("s3", endpoint_url=args.s3_endpoint_url)
+        client = boto3.client("s3", endpoint_url=endpoint, region_name=settings.storage.s3_region)
     base = Path(args.file).parent if args.file != "-" else Path.cwd()
     records = []
     for line in lines:
         key, value = _record(line)
         if client is not None and key is not None:
-            request = rewrite_media(json.loads(value), client, args.upload_media, base)
+            try:
+                request = rewrite_media(json.loads(value), client, args.upload_media, base)
+            except Exception as exc:  # noqa: BLE001 - botocore's errors are many; each is the store's answer
+                print(f"d3stream produce: could not upload the media of {key.decode(errors='replace')} to bucket "
+                      f"{args.upload_media!r} at {endpoint or 'AWS'}: {exc}; check --upload-media, "
+                      "--s3-endpoint-url (s3_endpoint_url) and the store's credentials", file=sys.stderr)
+                return 2
             value = json.dumps(request, ensure_ascii=False).encode()
         records.append((key, value))
     bar = tqdm(total=len(records), desc=f"produce {args.topic}", unit="req", file=sys.stderr,
@@ -76,7 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="JSON lines, one request per line (- for stdin)")
     parser.add_argument("--upload-media", metavar="BUCKET",
                         help="upload local media files named by requests and rewrite them to s3:// references")
-    parser.add_argument("--s3-endpoint-url", default=os.environ.get("D3STREAM_S3_ENDPOINT_URL"))
+    parser.add_argument("--s3-endpoint-url", default=os.environ.get("D3STREAM_S3_ENDPOINT_URL"),
+                        help="the object store --upload-media writes to (default: s3_endpoint_url of the settings "
+                             "file, else AWS)")
     parser.add_argument("--format", choices=("json", "avro", "json_schema"), default="json",
                         help="json: each line as it stands (default); avro or json_schema: each line checked as a "
                              "request and framed for the Schema Registry (--schema-registry-url)")

@@ -51,3 +51,19 @@ def test_the_example_stream_is_published_with_produce_and_answered(stack, qwen35
     (media,) = picture["provenance"]["media"]
     assert media["uri"].startswith(f"s3://{stack.bucket}/"), "the local picture was uploaded and referenced"
     assert media["sha256"]
+
+
+def test_produce_uploads_through_the_settings_files_store_and_names_a_missing_bucket(stack, tmp_path, capsys):
+    """--upload-media reaches the object store that the settings file names (no --s3-endpoint-url); a bucket
+    that is not there ends the command with exit status 2 and a line naming it, before anything is published."""
+    settings_file = tmp_path / "d3stream.toml"
+    settings_file.write_text(f's3_endpoint_url = "{stack.store.endpoint_url}"\n', encoding="utf-8")
+    common = ["--config", str(settings_file), "--bootstrap-servers", stack.broker.bootstrap_servers]
+
+    missing = main(["produce", stack.requests, str(REQUESTS), *common, "--upload-media", "no-such-bucket"])
+    refusal = capsys.readouterr().err
+    assert missing == 2
+    assert "bucket 'no-such-bucket'" in refusal and stack.store.endpoint_url in refusal and "Traceback" not in refusal
+
+    assert main(["produce", stack.requests, str(REQUESTS), *common, "--upload-media", stack.bucket]) == 0
+    assert f"published {len(_lines())} records" in capsys.readouterr().err
