@@ -18,10 +18,11 @@ partition's offsets stay uncommitted, ``/readyz`` says why, ``d3stream_registry_
 attempts, and no request is dead-lettered for it.
 
 **Out.** With ``answer_format`` avro or json_schema, answers and dead letters are written in the wire
-format under the subject the naming strategy gives, with the schema generated from the contract. At start
-the schema is registered (``schema_auto_register``, the demo) or must already be registered (production):
-a schema the registry refuses, or one not registered, stops the worker at start with the reason, instead of
-failing record by record. A registry that does not answer at start is waited for as in an outage (the worker
+format under the subject the naming strategy gives. At start the contract's schema is registered
+(``schema_auto_register``, the demo), or else the subject's latest registered version is written with
+(production, as Confluent's ``use.latest.version``; a version that adds a field with a default is used as it
+is): a schema the registry refuses, a subject with none, or a latest version that requires a field the event
+does not carry stops the worker at start with the reason, instead of failing record by record. A registry that does not answer at start is waited for as in an outage (the worker
 is not ready meanwhile, and ``/readyz`` says why): a worker may start before its registry does.
 
 confluent-kafka's ``schema_registry`` module is the registry client (its asyncio one, so lookups never block
@@ -263,18 +264,22 @@ class Registry:
     # ------------------------------------------------------------------------------ out: answers
 
     async def writers_for(self, topics: Mapping[str, type[msgspec.Struct]]) -> OutgoingFormat:
-        """The schema id each topic's records are written with (``topics``: topic -> the event it carries),
-        registered (``schema_auto_register``) or looked up now. RuntimeError naming the subject and the
-        registry's reason when the registry refuses the schema or does not have it: the worker stops at start."""
+        """The schema each topic's records are written with (``topics``: topic -> the event it carries): the
+        contract's, registered now (``schema_auto_register``), or else the latest version registered under the
+        subject (Confluent's ``use.latest.version``: production registers ahead, and a compatible later version,
+        such as one with a field added with a default, is written as it is). RuntimeError naming the subject
+        and the reason when the registry refuses the schema or has none, or when its latest version cannot
+        carry the event: the worker stops at start."""
         chosen = self.settings.answer_format
         ids: dict[str, tuple[int, type[msgspec.Struct]]] = {}
+        writers: dict[str, dict[str, object]] = {}
         for topic, event in topics.items():
             subject = subject_name(self.settings.subject_name_strategy, topic, record_name(event))
             schema = outgoing_schema(event, chosen)
             try:
-                schema_id = await self._until_answered(f"the {event.__name__} schema under subject {subject!r}",
-                                                       functools.partial(self._writer_id, subject, schema),
-                                                       answer=_refusal)
+                schema_id, written = await self._until_answered(
+                    f"the {event.__name__} schema under subject {subject!r}",
+                    functools.partial(self._writer_schema, subject, schema), answer=_refusal)
             except SchemaRegistryError as exc:
                 action = "refused to register" if self.settings.schema_auto_register else "does not have"
                 hint = ("register it first (d3stream schemas register), or set schema_auto_register"
@@ -284,14 +289,48 @@ class Registry:
                 raise RuntimeError(f"the Schema Registry {action} the {event.__name__} schema ({chosen}) under "
                                    f"subject {subject!r}: {exc.error_message} (HTTP {exc.http_status_code}); "
                                    f"{hint}") from exc
+            if chosen == "avro":
+                writers[topic] = _writable(written, event, subject)
+            elif written.schema_type != JSON_SCHEMA:
+                raise RuntimeError(f"the latest schema under subject {subject!r} is {written.schema_type}, not "
+                                   f"the JSON Schema answer_format json_schema writes: register it (d3stream schemas "
+                                   "register), or choose answer_format avro")
             ids[topic] = (schema_id, event)
             log.info("registry.writer", topic=topic, subject=subject, schema_id=schema_id, format=chosen)
-        return OutgoingFormat(chosen, ids)
+        return OutgoingFormat(chosen, ids, writers)
 
-    async def _writer_id(self, subject: str, schema: Schema) -> int:
+    async def _writer_schema(self, subject: str, schema: Schema) -> tuple[int, Schema]:
+        """The id and schema a subject's records are written with: the contract's, registered now, or the
+        latest version under the subject."""
         if self.settings.schema_auto_register:
-            return await self.client.register_schema(subject, schema)
-        return (await self.client.lookup_schema(subject, schema)).schema_id or 0
+            return await self.client.register_schema(subject, schema), schema
+        latest = await self.client.get_latest_version(subject)
+        return latest.schema_id or 0, latest.schema or schema
+
+
+def _writable(schema: Schema, event: type[msgspec.Struct], subject: str) -> dict[str, object]:
+    """fastavro's parsed form of a registered Avro schema that the event's records can be written with: each of
+    its fields is one the contract fills, or has a default. RuntimeError naming the fields otherwise."""
+    if (schema.schema_type or AVRO) != AVRO:
+        raise RuntimeError(f"the latest schema under subject {subject!r} is {schema.schema_type}, not the Avro "
+                           "answer_format avro writes: register it (d3stream schemas register), or choose "
+                           "answer_format json_schema")
+    try:
+        parsed = fastavro.parse_schema(json.loads(schema.schema_str or ""))
+    except (ValueError, fastavro.schema.SchemaParseException) as exc:
+        raise RuntimeError(f"the latest schema under subject {subject!r} is not a valid Avro schema: {exc}") from exc
+    contract_fields = avro.avro_schema(event)["fields"]
+    assert isinstance(contract_fields, list)  # an event's schema is a record
+    ours = {field["name"] for field in contract_fields}
+    fields = parsed.get("fields") if isinstance(parsed, dict) else None
+    if not isinstance(parsed, dict) or not isinstance(fields, list):
+        raise RuntimeError(f"the latest schema under subject {subject!r} is not an Avro record")
+    missing = [field["name"] for field in fields if field["name"] not in ours and "default" not in field]
+    if missing:
+        raise RuntimeError(f"the latest schema under subject {subject!r} requires {', '.join(missing)}, which a "
+                           f"{event.__name__} does not carry: give them defaults, or register the contract's schema "
+                           "(d3stream schemas register)")
+    return parsed
 
 
 def _refusal(exc: Exception) -> bool:
@@ -312,14 +351,16 @@ class OutgoingFormat:
 
     chosen: str
     schemas: dict[str, tuple[int, type[msgspec.Struct]]]  # topic -> its schema id and event
-    _parsed: dict[type[msgspec.Struct], dict[str, object]] = field(default_factory=dict)
+    # topic -> fastavro's parsed form of the Avro schema it is written with (default: the contract's)
+    writers: dict[str, dict[str, object]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.chosen == "avro":
-            for _, event in self.schemas.values():
-                parsed = fastavro.parse_schema(avro.avro_schema(event))
-                assert isinstance(parsed, dict)  # every event is a record
-                self._parsed[event] = parsed
+            for topic, (_, event) in self.schemas.items():
+                if topic not in self.writers:
+                    parsed = fastavro.parse_schema(avro.avro_schema(event))
+                    assert isinstance(parsed, dict)  # every event is a record
+                    self.writers[topic] = parsed
 
     def apply(self, outgoing: Outgoing) -> Outgoing:
         """The record in the wire format (its replacement too); other topics' records stay as they are."""
@@ -346,7 +387,7 @@ class OutgoingFormat:
         datum = avro.to_avro(msgspec.json.decode(value), event, fastavro_unions=True)
         out = io.BytesIO()
         out.write(FRAME.pack(MAGIC, schema_id))
-        fastavro.schemaless_writer(out, self._parsed[event], datum)
+        fastavro.schemaless_writer(out, self.writers[topic], datum)
         return out.getvalue()
 
 

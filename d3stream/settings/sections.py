@@ -126,8 +126,9 @@ class RegistrySettings(_Section, frozen=True, kw_only=True):
         "topic_record (<topic>-d3stream.Answer)"
     )] = "topic"
     schema_auto_register: Annotated[bool, doc(
-        "register the answer schemas at start (the demo does); off in production: they must be registered "
-        "already (d3stream schemas register), and the worker stops at start when they are not"
+        "register the answer schemas at start (the demo does); off in production: each subject's latest "
+        "registered version is written with (d3stream schemas register), and the worker stops at start when "
+        "there is none or it cannot carry the event"
     )] = False
     schema_registry_timeout_s: Annotated[float, doc(
         "how long one registry request may take before it counts as a fault (then retried with backoff)"

@@ -279,6 +279,31 @@ def test_schemas_registered_ahead_let_a_production_worker_start(stack: Stack, sc
     assert answers[0][:1] == b"\x00"
 
 
+def test_a_production_worker_writes_with_the_latest_registered_version(stack: Stack, schema_registry: SchemaRegistry,
+                                                                       qwen35_model: Any) -> None:
+    """Without auto-registration the worker writes with the subject's latest version (use.latest.version): a
+    later answer schema with a field added with a default is used as it is, and a foreign deserializer reads
+    the default; a latest version that requires a field an answer does not carry stops the worker at start,
+    naming the field."""
+    client = registry_client(schema_registry.url)
+    contract = avro.avro_schema(Answer)
+    later = {**contract, "fields": [*contract["fields"], {"name": "region", "type": "string", "default": "eu"}]}  # type: ignore[misc]
+    later_id = client.register_schema(f"{stack.answers}-value", Schema(json.dumps(later), "AVRO"))
+    client.register_schema(f"{stack.dead_letters}-value", Schema(json.dumps(avro.avro_schema(DeadLetter)), "AVRO"))
+    settings = _settings(stack, schema_registry, answer_format="avro")
+    (value,) = _framed_answers(stack, Service(settings, qwen35_model), [record(_request("latest-1"))], 1)
+    assert value[:1] == b"\x00" and int.from_bytes(value[1:5], "big") == later_id
+    read = avro_deserializer(client)(value, _context(stack.answers))
+    assert read["id"] == "latest-1" and read["region"] == "eu"
+
+    answers = stack.unique("strict-answers")
+    strict = {**contract, "fields": [*contract["fields"], {"name": "tenant_id", "type": "string"}]}  # type: ignore[misc]
+    client.register_schema(f"{answers}-value", Schema(json.dumps(strict), "AVRO"))
+    with pytest.raises(RuntimeError, match="requires tenant_id"):
+        run(Service(stack.settings(schema_registry_url=schema_registry.url, answer_format="avro",
+                                   answer_topic=answers), qwen35_model).run())
+
+
 def _framed_answers(stack: Stack, service: Service, records: list[tuple[bytes, bytes]], count: int) -> list[bytes]:
     """Run ``service`` until ``count`` answer records are on the answer topic; their values, as written."""
 
