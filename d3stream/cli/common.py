@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 # The worker's registry settings a client command has no use for: how it writes answers, how long it waits.
 _WORKER_ONLY_REGISTRY = ("answer_format", "schema_registry_backoff_max_s")
+_WRITER_ONLY_REGISTRY = ("subject_name_strategy", "schema_auto_register")
 
 
 def local_checkpoint(spec: str) -> ResolvedModel:
@@ -63,13 +64,26 @@ def run_kafka(command: str, settings: Settings, step: Awaitable[object]) -> int:
     return 0
 
 
-def registry_fields() -> tuple[str, ...]:
-    """The registry settings a client command takes as flags (where the registry is, how to reach it, which
-    subject): the worker's own, less what only a worker uses."""
+def registry_fields(*, writing: bool) -> tuple[str, ...]:
+    """The registry settings a client command takes as flags: where the registry is and how to reach it, and,
+    for a command that writes (``writing``), which subject and whether to register. The worker's own, less
+    what only a worker uses; a reader decodes by the schema id in each record and names no subject."""
     from d3stream.settings.catalog import SETTINGS
 
-    return tuple(name for name, setting in SETTINGS.items()
-                 if setting.section == "registry" and name not in _WORKER_ONLY_REGISTRY)
+    left_out = _WORKER_ONLY_REGISTRY + (() if writing else _WRITER_ONLY_REGISTRY)
+    return tuple(name for name, setting in SETTINGS.items() if setting.section == "registry" and name not in left_out)
+
+
+# What the registry settings mean to a client command, where the worker's description (of answers it writes)
+# would mislead.
+CLIENT_REGISTRY_HELP = {
+    "schema_registry_url": "Schema Registry URL (Confluent's API, e.g. http://registry:8081 or Apicurio's "
+                           ".../apis/ccompat/v7): requests are framed for it, framed answers decoded through it",
+    "subject_name_strategy": "the subject the request schema is under: topic (<topic>-value), record "
+                             "(d3stream.v2.Request) or topic_record (<topic>-d3stream.v2.Request)",
+    "schema_auto_register": "register the request schema under its subject on first use; off: it must be "
+                            "registered already (d3stream schemas register)",
+}
 
 
 def registry_format(settings: Settings, request_format: RequestFormat = "avro") -> RegistryFormat | None:

@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from d3stream.cli.common import closing, connection, registry_fields, registry_format, run_kafka
+from d3stream.cli.common import (
+    CLIENT_REGISTRY_HELP,
+    closing,
+    connection,
+    registry_fields,
+    registry_format,
+    run_kafka,
+)
 from d3stream.cli.shape import Command
 
 
@@ -38,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max", type=int, default=None, help="stop after this many distinct request ids")
     parser.add_argument("--timeout", type=float, default=3600.0, help="stop after this many seconds")
     parser.add_argument("--idle", type=float, default=None, help="stop after this many seconds without a record")
-    add_settings(parser, only=CONNECTION_FIELDS + registry_fields())
+    add_settings(parser, only=CONNECTION_FIELDS + registry_fields(writing=False), described=CLIENT_REGISTRY_HELP)
 
 
 COMMAND = Command("consume", "print answer events as JSON lines", add_arguments, _consume)

@@ -10,7 +10,14 @@ import os
 import sys
 from pathlib import Path
 
-from d3stream.cli.common import closing, connection, registry_fields, registry_format, run_kafka
+from d3stream.cli.common import (
+    CLIENT_REGISTRY_HELP,
+    closing,
+    connection,
+    registry_fields,
+    registry_format,
+    run_kafka,
+)
 from d3stream.cli.shape import Command
 
 
@@ -89,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("json", "avro", "json_schema"), default="json",
                         help="json: each line as it stands (default); avro or json_schema: each line checked as a "
                              "request and framed for the Schema Registry (--schema-registry-url)")
-    add_settings(parser, only=CONNECTION_FIELDS + registry_fields())
+    add_settings(parser, only=CONNECTION_FIELDS + registry_fields(writing=True), described=CLIENT_REGISTRY_HELP)
 
 
 COMMAND = Command("produce", "publish request events from a JSON-lines file", add_arguments, _produce)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 
 from d3stream.settings.catalog import SECTIONS, SETTINGS, Setting, Settings, settings_from_text
@@ -47,15 +48,17 @@ def default_text(default: object) -> str:
     return f"; default: {default}"
 
 
-def help_text(setting: Setting) -> str:
-    """The help a flag shows: the field's description, its variable and its default."""
-    return f"{setting.help} (env {env_name(setting.name)}{default_text(setting.default)})"
+def help_text(setting: Setting, description: str | None = None) -> str:
+    """The help a flag shows: the field's description (or a command's own), its variable and its default."""
+    return f"{description or setting.help} (env {env_name(setting.name)}{default_text(setting.default)})"
 
 
-def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None,
+                  described: Mapping[str, str] | None = None) -> None:
     """One flag per setting (or per setting in ``only``), grouped by section; unset flags stay None so the
     environment and file can fill them. A list setting's flag may be repeated, each value comma-separated
-    or not."""
+    or not. ``described`` gives a command's own description of a setting where the worker's would mislead
+    (a client's ``schema_auto_register`` registers the request schema, not the answers')."""
     parser.add_argument("--config", default=None, help=f"TOML settings file (or ${CONFIG_ENV})")
     for section, struct in SECTIONS.items():
         names = [name for name, s in SETTINGS.items() if s.section == section and (only is None or name in only)]
@@ -64,11 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None 
         title = f"{section} settings (flag > environment > TOML file > default)"
         group = parser.add_argument_group(title, (struct.__doc__ or "").strip())
         for name in names:
-            _add_flag(group, SETTINGS[name])
+            _add_flag(group, SETTINGS[name], (described or {}).get(name))
 
 
-def _add_flag(group: argparse._ArgumentGroup, setting: Setting) -> None:
-    text = help_text(setting).replace("%", "%%")
+def _add_flag(group: argparse._ArgumentGroup, setting: Setting, description: str | None = None) -> None:
+    text = help_text(setting, description).replace("%", "%%")
     if setting.is_bool:
         group.add_argument(flag_name(setting.name), dest=setting.name, default=None,
                            action=argparse.BooleanOptionalAction, help=text)

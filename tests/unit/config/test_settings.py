@@ -232,6 +232,16 @@ def _helps(monkeypatch) -> dict[str, tuple[argparse.ArgumentParser, str]]:
     return helps
 
 
+def test_client_commands_describe_the_registry_settings_as_they_use_them(monkeypatch):
+    """produce registers the request schema (not answers); consume decodes by schema id and takes no subject."""
+    helps = _helps(monkeypatch)
+    produce, consume = helps["produce"][1], helps["consume"][1]
+    assert "register the request schema under its subject" in produce
+    assert "register the answer schemas" not in produce
+    assert "--schema-registry-url" in consume
+    assert "--schema-auto-register" not in consume and "--subject-name-strategy" not in consume
+
+
 def test_every_command_help_shows_its_defaults_and_no_none(monkeypatch):
     helps = _helps(monkeypatch)
     assert {"serve", "produce", "consume", "replay", "compare", "chaos", "bench", "demo"} <= set(helps)
