@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import io
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -53,12 +52,14 @@ from d3stream_client.registry import (
     CONTENT_TYPES,
     FRAME,
     JSON_SCHEMA,
-    MAGIC,
     frame,
     is_framed,
+    parse_avro_schema,
+    read_avro,
     record_name,
     registry_client_config,
     subject_name,
+    write_avro,
 )
 from d3stream_client.schemas import registry_json_schema
 from d3stream_client.validation import EventError
@@ -219,10 +220,10 @@ class Registry:
         kind = schema.schema_type or AVRO
         if kind == AVRO:
             try:
-                parsed = fastavro.parse_schema(json.loads(schema.schema_str or ""))
+                parsed = parse_avro_schema(schema.schema_str or "")
                 if not isinstance(parsed, dict):
                     raise ValueError("a request's schema is an Avro record")
-            except (ValueError, fastavro.schema.SchemaParseException) as exc:
+            except ValueError as exc:
                 raise ValueError(f"schema id {schema_id} is not a valid Avro schema: {exc}") from exc
             return WriterSchema(schema_id, kind, parsed)
         return WriterSchema(schema_id, kind)
@@ -252,14 +253,10 @@ class Registry:
             raise EventError("invalid_request", f"the record is framed with a {writer.kind} schema (id "
                              f"{writer.schema_id}); records are read as JSON, Avro or JSON Schema", fallback_id)
         try:
-            datum = fastavro.schemaless_reader(io.BytesIO(payload), writer.parsed, None)
-            if not isinstance(datum, Mapping):
-                raise ValueError(f"an event is an Avro record, got {type(datum).__name__}")
-            document = avro.from_avro(datum, event)
-        except (ValueError, EOFError, TypeError, IndexError, KeyError) as exc:
+            return read_avro(payload, writer.parsed, event)
+        except ValueError as exc:
             raise EventError("invalid_request", f"the payload does not match its Avro schema (id "
                              f"{writer.schema_id}): {exc}", fallback_id) from exc
-        return msgspec.json.encode(document)
 
     # ------------------------------------------------------------------------------ out: answers
 
@@ -316,8 +313,8 @@ def _writable(schema: Schema, event: type[msgspec.Struct], subject: str) -> dict
                            "answer_format avro writes: register it (d3stream schemas register), or choose "
                            "answer_format json_schema")
     try:
-        parsed = fastavro.parse_schema(json.loads(schema.schema_str or ""))
-    except (ValueError, fastavro.schema.SchemaParseException) as exc:
+        parsed = parse_avro_schema(schema.schema_str or "")
+    except ValueError as exc:
         raise RuntimeError(f"the latest schema under subject {subject!r} is not a valid Avro schema: {exc}") from exc
     contract_fields = avro.avro_schema(event)["fields"]
     assert isinstance(contract_fields, list)  # an event's schema is a record
@@ -384,11 +381,7 @@ class OutgoingFormat:
         schema_id, event = self.schemas[topic]
         if self.chosen != "avro":
             return frame(schema_id, value)
-        datum = avro.to_avro(msgspec.json.decode(value), event, fastavro_unions=True)
-        out = io.BytesIO()
-        out.write(FRAME.pack(MAGIC, schema_id))
-        fastavro.schemaless_writer(out, self.writers[topic], datum)
-        return out.getvalue()
+        return write_avro(schema_id, self.writers[topic], msgspec.json.decode(value), event)
 
 
 def describe(exc: BaseException) -> str:

@@ -82,6 +82,38 @@ def frame(schema_id: int, payload: bytes) -> bytes:
     return FRAME.pack(MAGIC, schema_id) + payload
 
 
+def parse_avro_schema(text: str) -> object:
+    """fastavro's parsed form of an Avro schema's JSON text; ValueError saying why it is not valid."""
+    try:
+        return fastavro.parse_schema(json.loads(text))
+    except (ValueError, fastavro.schema.SchemaParseException) as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def write_avro(schema_id: int, parsed: dict[str, object], document: Mapping[str, object],
+               event: type[msgspec.Struct]) -> bytes:
+    """An event's JSON document (parsed) in the wire format, written with the parsed Avro schema of
+    ``schema_id``: the magic byte, the id, the Avro binary."""
+    datum = avro.to_avro(document, event, fastavro_unions=True)
+    out = io.BytesIO()
+    out.write(FRAME.pack(MAGIC, schema_id))
+    fastavro.schemaless_writer(out, parsed, datum)
+    return out.getvalue()
+
+
+def read_avro(payload: bytes, parsed: dict[str, object], event: type[msgspec.Struct]) -> bytes:
+    """The event's JSON document from an Avro payload (a framed value past its frame) written with the parsed
+    schema; ValueError saying why the payload does not match it."""
+    try:
+        datum = fastavro.schemaless_reader(io.BytesIO(payload), parsed, None)
+        if not isinstance(datum, Mapping):
+            raise ValueError(f"an event is an Avro record, got {type(datum).__name__}")
+        document = avro.from_avro(datum, event)
+    except (ValueError, EOFError, TypeError, IndexError, KeyError) as exc:
+        raise ValueError(str(exc)) from exc
+    return msgspec.json.encode(document)
+
+
 def subject_name(strategy: str, topic: str, record_name: str) -> str:
     """The subject a value schema is registered under (Confluent's three strategies)."""
     if strategy == "record":
@@ -262,11 +294,7 @@ class RegistryFormat:
         schema_id = await self.request_schema_id(topic)
         if self._request_parsed is None:  # JSON Schema: the payload is the checked JSON itself
             return frame(schema_id, value)
-        datum = avro.to_avro(msgspec.json.decode(value), Request, fastavro_unions=True)
-        out = io.BytesIO()
-        out.write(FRAME.pack(MAGIC, schema_id))
-        fastavro.schemaless_writer(out, self._request_parsed, datum)
-        return out.getvalue()
+        return write_avro(schema_id, self._request_parsed, msgspec.json.decode(value), Request)
 
     # ------------------------------------------------------------------------------ in: answers, dead letters
 
@@ -285,13 +313,9 @@ class RegistryFormat:
             return payload
         assert writer.parsed is not None and writer.event is not None  # an Avro writer (_fetch)
         try:
-            datum = fastavro.schemaless_reader(io.BytesIO(payload), writer.parsed, None)
-            if not isinstance(datum, Mapping):
-                raise ValueError(f"an event is an Avro record, got {type(datum).__name__}")
-            document = avro.from_avro(datum, writer.event)
-        except (ValueError, EOFError, TypeError, IndexError, KeyError) as exc:
+            return read_avro(payload, writer.parsed, writer.event)
+        except ValueError as exc:
             raise UnreadableRecord(f"the payload does not match its Avro schema (id {schema_id}): {exc}") from exc
-        return msgspec.json.encode(document)
 
     async def _writer(self, schema_id: int) -> _Writer | UnreadableRecord:
         known = self._writers.get(schema_id)
@@ -320,8 +344,8 @@ class RegistryFormat:
             raise UnreadableRecord(f"the record is framed with a {kind} schema (id {schema_id}); this client "
                                    "reads JSON, Avro and JSON Schema")
         try:
-            parsed = fastavro.parse_schema(json.loads(schema.schema_str or ""))
-        except (ValueError, fastavro.schema.SchemaParseException) as exc:
+            parsed = parse_avro_schema(schema.schema_str or "")
+        except ValueError as exc:
             raise UnreadableRecord(f"schema id {schema_id} is not a valid Avro schema: {exc}") from exc
         name = str(parsed.get("name", "")) if isinstance(parsed, dict) else ""
         event = _EVENTS_BY_NAME.get(name.rsplit(".", 1)[-1])
