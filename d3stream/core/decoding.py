@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -192,8 +193,17 @@ class ProcessDecoder:
         self._slots = max(1, processes)
         self._waiters = ThreadPoolExecutor(max_workers=self._slots, thread_name_prefix="d3stream-decode-wait")
         self._closed = threading.Event()
-        self.busy = 0  # jobs running now (read by tests and metrics)
+        # Jobs running now by their function's name: a video's header probe and its decode are two jobs, and
+        # only the second is the long one (read by tests and metrics).
+        self.running: Counter[str] = Counter()
+        self._counting = threading.Lock()  # the waiters' threads count side by side
         self.abandoned = 0  # jobs killed at their deadline
+
+    @property
+    def busy(self) -> int:
+        """Jobs running now, of any kind."""
+        with self._counting:
+            return sum(self.running.values())
 
     # Untyped for now: as ``Callable[[*Ts], T]`` with ``*args: *Ts`` (returning T), ``decode`` must first stop
     # reusing one local for the videos' results and the images'.
@@ -204,7 +214,9 @@ class ProcessDecoder:
 
     def _call(self, function: Callable[..., Any], args: tuple) -> Any:
         slot = self._idle.get()
-        self.busy += 1
+        job = getattr(function, "__name__", "job")
+        with self._counting:
+            self.running[job] += 1
         try:
             if self._closed.is_set():
                 raise DecodeCrashed("the worker is shutting down")
@@ -225,7 +237,8 @@ class ProcessDecoder:
                     f"decoding took longer than {self.timeout_s:g} s and was abandoned (setting: {self.setting})"
                 )
         finally:
-            self.busy -= 1
+            with self._counting:
+                self.running[job] -= 1
             self._idle.put(slot)
         if kind == "ok":
             return value
