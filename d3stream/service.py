@@ -37,7 +37,7 @@ from d3stream import __version__
 from d3stream.core.answers import AnswerBuilder, answer_identity, provenance_digest
 from d3stream.core.decoding import ByteBudget, MediaDecoder
 from d3stream.core.inflight import InFlightLedger
-from d3stream.core.outgoing import Outgoing
+from d3stream.core.outgoing import Outgoing, RecordWriter
 from d3stream.core.passes import Passes, RowScheduler, default_token_budget, model_thread
 from d3stream.core.pipeline import RequestPipeline
 from d3stream.core.record import RequestRecord, Stage
@@ -120,6 +120,8 @@ class Service:
         # One device, one model thread: every model's passes take turns on it, never side by side.
         self.model_thread = model_thread(settings.models.torch_threads)
         self.worker = Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__)
+        # How answers and dead letters become records: JSON, or the registry's format once chosen at start.
+        self.record_writer = RecordWriter()
         self.hosted, self.shadow = self._host_served(scheduler, replay_id)
         default = self.hosted[0]
         self.passes, self.answers = default.passes, default.answers
@@ -167,6 +169,7 @@ class Service:
             model_record=ModelRecord(name=model.model_name, runtime=str(provenance.get("runtime", "")),
                                      provenance_sha256=digest),
             worker=self.worker, fit=self.limits.fit, metrics=self.metrics, replay_id=replay_id,
+            write=self.record_writer,
         )
         return Hosted(model, passes, answers, provenance, digest)
 
@@ -294,6 +297,7 @@ class Service:
         if self.registry is not None and settings.registry.answer_format != "json":
             try:
                 self.outgoing_format = await self.registry.writers_for(self._framed_topics())
+                self.record_writer.framing = self.outgoing_format
             except asyncio.CancelledError:
                 if not self._stop_asked:
                     raise
@@ -380,11 +384,8 @@ class Service:
         assert self.delivery is not None and self.loop is not None
         started = time.perf_counter()
         answered = []
-        framing = self.outgoing_format
         for record in records:
             record.publish_at = started
-            if framing is not None:
-                record.records = [framing.apply(each) for each in record.records]
             partition, epoch = fetched.origin(record.input)
             answered.append(Answered(partition, record.source.offset, record.records, epoch))
         try:

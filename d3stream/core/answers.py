@@ -30,10 +30,9 @@ from d3stream_client.contract import (
     Request,
     Source,
     Worker,
-    encode,
 )
 
-from d3stream.core.outgoing import Outgoing, RecordFit
+from d3stream.core.outgoing import Outgoing, RecordFit, RecordWriter
 from d3stream.core.record import Refusal, RequestRecord
 from d3stream.core.storage import FetchedMedia
 from d3stream.ops.metrics import Metrics
@@ -69,11 +68,12 @@ class AnswerBuilder:
     """Builds a worker's answer events and dead letters, sized to fit their topics."""
 
     def __init__(self, delivery: DeliverySettings, *, model_record: ModelRecord, worker: Worker, fit: RecordFit,
-                 metrics: Metrics, replay_id: str | None = None):
+                 metrics: Metrics, replay_id: str | None = None, write: RecordWriter | None = None):
         self.delivery = delivery
         self.model_record = model_record
         self.worker = worker
         self.fit = fit  # whether a record fits its topic (the sink's limits)
+        self.write = write or RecordWriter()  # an event's value and headers (JSON, or the registry's format)
         self.metrics = metrics
         self.replay_id = replay_id
         self.dead_letters = 0
@@ -145,20 +145,23 @@ class AnswerBuilder:
         self.metrics.count_dead_letter()
         topic = self.delivery.dead_letter_topic
         bare = msgspec.structs.replace(letter, value="", value_truncated=bool(raw))
-        value = encode(letter)
-        headers = record.headers
+        request_headers = record.headers  # not the record: an outgoing record must not keep its request alive
+        value, headers = self.write(topic, letter, request_headers)
         if not self.fit(topic, key, value, headers).fits:
-            value = encode(bare)
+            value, headers = self.write(topic, bare, request_headers)
         return Outgoing(topic, key, value, kind="dead_letter", headers=headers,
-                        replacement=lambda cause: Outgoing(topic, key, encode(bare), kind="dead_letter",
-                                                           headers=headers))
+                        replacement=lambda cause: self._dead_letter_record(topic, key, bare, request_headers))
+
+    def _dead_letter_record(self, topic: str, key: bytes | None, letter: DeadLetter,
+                            headers: list[tuple[str, bytes]]) -> Outgoing:
+        value, written_headers = self.write(topic, letter, headers)
+        return Outgoing(topic, key, value, kind="dead_letter", headers=written_headers)
 
     def fitted(self, record: RequestRecord, answer: Answer) -> tuple[Answer, Outgoing]:
         """The answer and its record if it fits the answer topic; else an ``answer_too_large`` error answer
         under the same id (a refusal by the broker later on replaces it the same way)."""
         topic = self.delivery.answer_topic
-        headers = record.headers
-        value = encode(answer)
+        value, headers = self.write(topic, answer, record.headers)
         key = answer.id.encode()
         fit = self.fit(topic, key, value, headers)
         if fit.fits:
@@ -166,16 +169,22 @@ class AnswerBuilder:
             # record would be a reference cycle, freed only when the cyclic collector happens to run, and with
             # it the request's decoded media and prepared inputs (issue 36).
             return answer, Outgoing(topic, key, value, headers=headers,
-                                    replacement=partial(self._refused, answer, headers))
-        smaller = self._too_large(answer, headers, fit.reason)
-        return smaller, Outgoing(topic, smaller.id.encode(), encode(smaller), headers=headers)
+                                    replacement=partial(self._refused, answer, record.headers))
+        smaller = self._too_large(answer, record.headers, fit.reason)
+        return smaller, self._record(smaller, record.headers)
 
     def _refused(self, answer: Answer, headers: list[tuple[str, bytes]], cause: str) -> Outgoing:
         """What replaces an answer the broker refused as too large (``Outgoing.replacement``)."""
         topic = self.delivery.answer_topic
         self.metrics.count_answer("answer_too_large")
         smaller = self._too_large(answer, headers, f"the broker refused it for topic {topic!r}: {cause}")
-        return Outgoing(topic, smaller.id.encode(), encode(smaller), headers=headers)
+        return self._record(smaller, headers)
+
+    def _record(self, answer: Answer, headers: list[tuple[str, bytes]]) -> Outgoing:
+        """The record of an answer on the answer topic, with nothing smaller to replace it."""
+        topic = self.delivery.answer_topic
+        value, written_headers = self.write(topic, answer, headers)
+        return Outgoing(topic, answer.id.encode(), value, headers=written_headers)
 
     def _too_large(self, answer: Answer, headers: list[tuple[str, bytes]], reason: str) -> Answer:
         """An ``answer_too_large`` error answer for ``answer``, under its id and with its provenance: no answers
@@ -191,7 +200,8 @@ class AnswerBuilder:
                          error=ErrorInfo(code="answer_too_large", message=message), provenance=answer.provenance,
                          answer_id=answer.answer_id)
         for shrink in (_without_media, _without_id):
-            if self.fit(self.delivery.answer_topic, smaller.id.encode(), encode(smaller), headers).fits:
+            topic = self.delivery.answer_topic
+            if self.fit(topic, smaller.id.encode(), *self.write(topic, smaller, headers)).fits:
                 break
             smaller = shrink(smaller, answer.source)
         return smaller

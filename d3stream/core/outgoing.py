@@ -1,4 +1,4 @@
-"""What the core hands to a sink: records to publish, and whether a record fits the topic it goes to.
+"""What the core hands to a sink: records to publish, how an event becomes one, and whether it fits its topic.
 
 The core builds every record a request ends in (its answer, a dead letter, a shadow answer) and sizes it
 before anything is sent, so that a record too large for its topic is replaced by a smaller one instead
@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from d3stream_client.contract import HEADERS
+import msgspec
+from d3stream_client.contract import HEADERS, encode
 
 from d3stream.core.seams import RecordKind
 
@@ -48,3 +49,31 @@ class RecordFit(Protocol):
     def __call__(self, topic: str, key: bytes | None, value: bytes,
                  headers: Sequence[tuple[str, bytes]] = HEADERS) -> Fit: ...
 
+
+
+Headers = list[tuple[str, bytes]]
+
+
+class Framing(Protocol):
+    """A sink's own format for the records of some topics (``kafka/registry.py``: a Schema Registry's wire
+    format): an event's value and headers, or None for a topic it leaves to JSON."""
+
+    def write(self, topic: str, event: msgspec.Struct, headers: Headers) -> tuple[bytes, Headers] | None: ...
+
+
+class RecordWriter:
+    """How an event becomes a record's value and headers: the contract's JSON, unless the framing chosen at
+    start (``answer_format``) writes the topic's records its own way. Built before the sink starts and shared by
+    a worker's answer builders, which size what it writes: the bytes checked against a topic's limit are the
+    bytes sent."""
+
+    def __init__(self) -> None:
+        self.framing: Framing | None = None
+
+    def __call__(self, topic: str, event: msgspec.Struct, headers: Headers) -> tuple[bytes, Headers]:
+        framing = self.framing
+        if framing is not None:
+            written = framing.write(topic, event, headers)
+            if written is not None:
+                return written
+        return encode(event), headers

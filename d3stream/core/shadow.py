@@ -92,7 +92,7 @@ class Shadow:
         # Its answers are fitted to the shadow topic's message limit, and name the shadow model.
         self.answers = AnswerBuilder(msgspec.structs.replace(settings.delivery, answer_topic=self.topic),
                                      model_record=live.model_record, worker=live.worker, fit=live.fit,
-                                     metrics=metrics, replay_id=live.replay_id)
+                                     metrics=metrics, replay_id=live.replay_id, write=live.write)
 
     def follows(self, live: str, record: RequestRecord) -> bool:
         """Whether the shadow will also answer this request of the ``live`` model, should that answer it

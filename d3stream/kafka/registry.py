@@ -46,25 +46,23 @@ import msgspec
 import structlog
 from confluent_kafka.schema_registry import AsyncSchemaRegistryClient, Schema, SchemaRegistryError
 from d3stream_client import avro
-from d3stream_client.contract import Request
+from d3stream_client.contract import HEADERS, Request, encode
 from d3stream_client.registry import (
     AVRO,
     CONTENT_TYPES,
     FRAME,
     JSON_SCHEMA,
+    AvroCodec,
     frame,
     is_framed,
     parse_avro_schema,
-    read_avro,
     record_name,
     registry_client_config,
     subject_name,
-    write_avro,
 )
 from d3stream_client.schemas import registry_json_schema
 from d3stream_client.validation import EventError
 
-from d3stream.core.outgoing import Outgoing
 from d3stream.core.seams import InputRecord
 from d3stream.ops.metrics import Metrics
 from d3stream.settings import RegistrySettings
@@ -93,6 +91,21 @@ class SchemaNotFound(Exception):
     """The registry answered that it has no schema of this id."""
 
 
+class _Refused(Exception):
+    """Why a framed record cannot be read: its refusal's code and reason (the request id is its reader's)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _refuse(code: str, message: str) -> Callable[[bytes], bytes]:
+    def refuse(value: bytes) -> bytes:
+        raise _Refused(code, message)
+    return refuse
+
+
 @dataclass(frozen=True)
 class WriterSchema:
     """A writer schema as the registry gave it: its type and, for Avro, the parsed schema."""
@@ -100,6 +113,15 @@ class WriterSchema:
     schema_id: int
     kind: str
     parsed: dict[str, object] | None = None  # fastavro's parsed form of an Avro schema
+    # event -> the codec reading it with this schema (a worker reads requests, an evaluator answers)
+    codecs: dict[type[msgspec.Struct], AvroCodec] = field(default_factory=dict, compare=False, repr=False)
+
+    def codec(self, event: type[msgspec.Struct]) -> AvroCodec:
+        assert self.parsed is not None  # an Avro schema's
+        known = self.codecs.get(event)
+        if known is None:
+            known = self.codecs[event] = AvroCodec(self.parsed, event)
+        return known
 
 
 @dataclass
@@ -110,7 +132,7 @@ class RegistryHealth:
     faults: int = 0  # lookups that failed for the registry's sake (not a request's)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per framed record read: not frozen, whose __init__ costs three times as much
 class UnframedRecord:
     """A framed request record as the pipeline reads it: its JSON document (``value``), or the refusal that
     ends it (``unreadable``, with ``value`` the record's own bytes, which a dead letter keeps)."""
@@ -149,12 +171,28 @@ class Registry:
         """The records as a JSON reader reads them: framed ones decoded into their ``event`` documents (a request,
         or an answer for the evaluator), the rest as they are. Waits while the registry is down (never refuses
         a record for it)."""
-        ids = {FRAME.unpack_from(r.value)[1] for r in records if r.value is not None and is_framed(r.value)}
-        if not ids:
-            return list(records)
-        for schema_id in sorted(ids):
-            await self._writer(schema_id)
-        return [self._unframed(record, event) if is_framed(record.value) else record for record in records]
+        readers: dict[int, Callable[[bytes], bytes]] = {}
+        unframed: list[InputRecord] = []
+        for record in records:
+            value = record.value
+            if value is None or not is_framed(value):
+                unframed.append(record)
+                continue
+            schema_id = FRAME.unpack_from(value)[1]
+            read = readers.get(schema_id)
+            if read is None:
+                read = readers[schema_id] = self._reader(await self._writer(schema_id), schema_id, event)
+            try:
+                document = read(value)
+            except _Refused as refused:
+                request_id = record.key.decode("utf-8", "replace") if record.key else None
+                unframed.append(UnframedRecord(record.topic, record.partition, record.offset, record.timestamp,
+                                               record.key, value, record.headers,
+                                               unreadable=EventError(refused.code, refused.message, request_id)))
+                continue
+            unframed.append(UnframedRecord(record.topic, record.partition, record.offset, record.timestamp,
+                                           record.key, document, record.headers))
+        return unframed
 
     async def _writer(self, schema_id: int) -> WriterSchema | SchemaNotFound:
         """The writer schema of ``schema_id``, fetched once; retried with backoff while the registry fails."""
@@ -228,35 +266,28 @@ class Registry:
             return WriterSchema(schema_id, kind, parsed)
         return WriterSchema(schema_id, kind)
 
-    def _unframed(self, record: InputRecord, event: type[msgspec.Struct]) -> UnframedRecord:
-        value = record.value or b""
-        schema_id = FRAME.unpack_from(value)[1]
-        writer = self._writers[schema_id]
-        fallback_id = record.key.decode("utf-8", "replace") if record.key else None
-        try:
-            if isinstance(writer, SchemaNotFound):
-                raise EventError("schema_not_found", f"{writer}; the record is framed for the Schema Registry "
-                                 f"(magic byte 0, schema id {schema_id})", fallback_id)
-            document = self._document(writer, value[FRAME.size:], event, fallback_id)
-        except EventError as refusal:
-            return UnframedRecord(record.topic, record.partition, record.offset, record.timestamp, record.key,
-                                  value, record.headers, unreadable=refusal)
-        return UnframedRecord(record.topic, record.partition, record.offset, record.timestamp, record.key,
-                              document, record.headers)
-
-    def _document(self, writer: WriterSchema, payload: bytes, event: type[msgspec.Struct],
-                  fallback_id: str | None) -> bytes:
-        """The event's JSON document from a framed payload (EventError when its schema cannot read it)."""
+    @staticmethod
+    def _reader(writer: WriterSchema | SchemaNotFound, schema_id: int,
+                event: type[msgspec.Struct]) -> Callable[[bytes], bytes]:
+        """The event's JSON document from a framed record value, read with its writer schema; _Refused (the code
+        and reason of the refusal) when it cannot be."""
+        if isinstance(writer, SchemaNotFound):
+            return _refuse("schema_not_found", f"{writer}; the record is framed for the Schema Registry (magic "
+                           f"byte 0, schema id {schema_id})")
         if writer.kind == JSON_SCHEMA:
-            return payload
+            return lambda value: value[FRAME.size:]
         if writer.kind != AVRO or writer.parsed is None:
-            raise EventError("invalid_request", f"the record is framed with a {writer.kind} schema (id "
-                             f"{writer.schema_id}); records are read as JSON, Avro or JSON Schema", fallback_id)
-        try:
-            return read_avro(payload, writer.parsed, event)
-        except ValueError as exc:
-            raise EventError("invalid_request", f"the payload does not match its Avro schema (id "
-                             f"{writer.schema_id}): {exc}", fallback_id) from exc
+            return _refuse("invalid_request", f"the record is framed with a {writer.kind} schema (id {schema_id}); "
+                           "records are read as JSON, Avro or JSON Schema")
+        codec = writer.codec(event)
+
+        def read(value: bytes) -> bytes:
+            try:
+                return codec.read(value, FRAME.size, lean=True)  # decoded next: defaults need not travel
+            except ValueError as exc:
+                raise _Refused("invalid_request", f"the payload does not match its Avro schema (id {schema_id}): "
+                               f"{exc}") from exc
+        return read
 
     # ------------------------------------------------------------------------------ out: answers
 
@@ -344,7 +375,9 @@ def outgoing_schema(event: type[msgspec.Struct], chosen: str) -> Schema:
 
 @dataclass
 class OutgoingFormat:
-    """Writes records of the chosen topics in the registry's wire format, each with its topic's schema."""
+    """Writes records of the chosen topics in the registry's wire format, each with its topic's schema: a
+    worker's answers and dead letters (``write``, its ``core.outgoing.Framing``), an evaluator's records
+    (``encode``)."""
 
     chosen: str
     schemas: dict[str, tuple[int, type[msgspec.Struct]]]  # topic -> its schema id and event
@@ -352,36 +385,53 @@ class OutgoingFormat:
     writers: dict[str, dict[str, object]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.chosen == "avro":
-            for topic, (_, event) in self.schemas.items():
+        # topic -> its frame (the magic byte and schema id) and, for Avro, the codec of its event and schema
+        self._codecs: dict[str, tuple[bytes, AvroCodec | None]] = {}
+        for topic, (schema_id, event) in self.schemas.items():
+            codec = None
+            if self.chosen == "avro":
                 if topic not in self.writers:
                     parsed = fastavro.parse_schema(avro.avro_schema(event))
                     assert isinstance(parsed, dict)  # every event is a record
                     self.writers[topic] = parsed
+                codec = AvroCodec(self.writers[topic], event)
+            self._codecs[topic] = (frame(schema_id, b""), codec)
+        content_type = CONTENT_TYPES[self.chosen]
+        self._headers = {id(HEADERS): self._framed_headers(HEADERS, content_type)}
+        self._content_type = content_type
 
-    def apply(self, outgoing: Outgoing) -> Outgoing:
-        """The record in the wire format (its replacement too); other topics' records stay as they are."""
-        if outgoing.topic not in self.schemas:
-            return outgoing
-        replacement = outgoing.replacement
-        return Outgoing(
-            outgoing.topic, outgoing.key, self.encode(outgoing.topic, outgoing.value), kind=outgoing.kind,
-            headers=self.headers(outgoing.headers),
-            replacement=None if replacement is None else lambda cause: self.apply(replacement(cause)),
-        )
+    def write(self, topic: str, event: msgspec.Struct,
+              headers: list[tuple[str, bytes]]) -> tuple[bytes, list[tuple[str, bytes]]] | None:
+        """An event's record value and headers in the wire format (``core.outgoing.Framing``), written from the
+        event itself; None for a topic not written through the registry."""
+        known = self._codecs.get(topic)
+        if known is None:
+            return None
+        framing, codec = known
+        value = framing + (codec.write(event) if codec is not None else encode(event))
+        return value, self.headers(headers)
 
     def headers(self, headers: Sequence[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
         """The record's headers with its content type saying the format."""
-        return [(name, CONTENT_TYPES[self.chosen] if name == "content-type" else value) for name, value in headers]
+        known = self._headers.get(id(headers))
+        if known is not None:
+            return known
+        return self._framed_headers(headers, self._content_type)
 
-    def encode(self, topic: str, value: bytes) -> bytes:
-        """A JSON event value of ``topic`` in the wire format (unchanged for a topic written as JSON)."""
-        if topic not in self.schemas:
+    @staticmethod
+    def _framed_headers(headers: Sequence[tuple[str, bytes]], content_type: bytes) -> list[tuple[str, bytes]]:
+        return [(name, content_type if name == "content-type" else value) for name, value in headers]
+
+    def encode(self, topic: str, value: bytes, event: msgspec.Struct | None = None) -> bytes:
+        """A JSON event value of ``topic`` (or the event it encodes) in the wire format (unchanged for a topic
+        written as JSON)."""
+        known = self._codecs.get(topic)
+        if known is None:
             return value
-        schema_id, event = self.schemas[topic]
-        if self.chosen != "avro":
-            return frame(schema_id, value)
-        return write_avro(schema_id, self.writers[topic], msgspec.json.decode(value), event)
+        framing, codec = known
+        if codec is None:
+            return framing + value
+        return framing + codec.write(event if event is not None else msgspec.json.decode(value))
 
 
 def describe(exc: BaseException) -> str:

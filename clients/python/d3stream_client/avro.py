@@ -62,7 +62,7 @@ def avro_schema(event: type[msgspec.Struct]) -> dict[str, object]:
 
     TypeError when the Struct has a field Avro cannot carry as this module maps types (bytes, tuples, a
     union of two records, two Structs of one name)."""
-    schema = _Generator().record(_struct_info(event), "$", NAMESPACE)
+    schema = _Generator().record(struct_info(event), "$", NAMESPACE)
     assert isinstance(schema, dict)  # the first record of a schema is always a definition
     return schema
 
@@ -83,10 +83,12 @@ def to_avro(document: Mapping[str, object], event: type[msgspec.Struct], *,
     return datum
 
 
-def from_avro(datum: Mapping[str, object], event: type[msgspec.Struct]) -> dict[str, object]:
-    """The JSON document of an event's Avro datum, as the contract's encoder writes it (module docstring).
-    ValueError naming the field when a JSON-text field does not parse."""
-    document = _record_converter(event, _FROM)(datum, "$")
+def from_avro(datum: Mapping[str, object], event: type[msgspec.Struct], *, lean: bool = False) -> dict[str, object]:
+    """The JSON document of an event's Avro datum, as the contract's encoder writes it (module docstring); with
+    ``lean``, every field at its default is left out, as a Struct that omits defaults does (a smaller document
+    that decodes to the same event: what a reader that decodes it next wants). ValueError naming the field when
+    a JSON-text field does not parse."""
+    document = _record_converter(event, _FROM_LEAN if lean else _FROM)(datum, "$")
     assert isinstance(document, dict)  # as above
     return document
 
@@ -95,23 +97,23 @@ def from_avro(datum: Mapping[str, object], event: type[msgspec.Struct]) -> dict[
 
 
 @functools.cache  # an event's type information is fixed, and building it costs more than converting a datum
-def _struct_info(event: type[msgspec.Struct]) -> mi.StructType:
+def struct_info(event: type[msgspec.Struct]) -> mi.StructType:
     info = mi.type_info(event)
     if not isinstance(info, mi.StructType):
         raise TypeError(f"{event!r} is not a msgspec Struct")
     return info
 
 
-def _bare(kind: mi.Type) -> mi.Type:
+def bare_type(kind: mi.Type) -> mi.Type:
     while isinstance(kind, mi.Metadata):
         kind = kind.type
     return kind
 
 
-def _field_type(field: mi.Field) -> mi.Type:
+def field_type(field: mi.Field) -> mi.Type:
     """A field's type, where an ``Any`` field whose default is None counts as ``Any | None``: its null
     travels as an Avro null (not as the JSON text ``null``), as for any other optional field."""
-    if isinstance(_bare(field.type), mi.AnyType) and field.default is None:
+    if isinstance(bare_type(field.type), mi.AnyType) and field.default is None:
         return mi.UnionType((field.type, mi.NoneType()))
     return field.type
 
@@ -119,8 +121,8 @@ def _field_type(field: mi.Field) -> mi.Type:
 def _members(union: mi.UnionType, path: str) -> tuple[bool, list[mi.Type]]:
     """Whether the union admits None, and its other members; TypeError for a union an Avro datum could not
     tell apart by the JSON value alone (two records, two containers, free-form JSON beside a scalar)."""
-    others = [member for member in union.types if not isinstance(_bare(member), mi.NoneType)]
-    structured = [m for m in others if not isinstance(_bare(m), (*_SCALARS, mi.LiteralType))]
+    others = [member for member in union.types if not isinstance(bare_type(member), mi.NoneType)]
+    structured = [m for m in others if not isinstance(bare_type(m), (*_SCALARS, mi.LiteralType))]
     if len(structured) > 1 or (structured and len(others) > 1):
         raise TypeError(f"{path}: the union {union} has no Avro mapping here (one record, container or "
                         "free-form value, or scalars only)")
@@ -187,14 +189,14 @@ class _Generator:
         if not _NAME.fullmatch(field.encode_name):
             raise TypeError(f"{path}: {field.encode_name!r} is not an Avro field name")
         docs: list[str] = []
-        avro_type = self.type(_field_type(field), path, docs, "")
+        avro_type = self.type(field_type(field), path, docs, "")
         entry: dict[str, object] = {"name": field.encode_name, "type": avro_type}
         if docs:
             entry["doc"] = "; ".join(docs)
         if not field.required:
             # A Struct-valued default (Provenance.batch, Answer.provenance) is the default Struct's record:
             # Avro allows a record default, and the field stays what it is in JSON, never null.
-            default = _compile(_field_type(field), _TO, path)(_json_default(field), path)
+            default = _compile(field_type(field), _TO, path)(_json_default(field), path)
             if isinstance(avro_type, list):  # a union's default must be of its first branch
                 kind = _avro_kind(default)
                 first = next((b for b in avro_type if _branch_kind(b) == kind or (kind == "long" and b == "double")),
@@ -230,7 +232,7 @@ class _Generator:
         if isinstance(kind, mi.ListType):
             return {"type": "array", "items": self.type(kind.item_type, f"{path}[]", docs, _inner(where, "each item"))}
         if isinstance(kind, mi.DictType):
-            if not isinstance(_bare(kind.key_type), mi.StrType):
+            if not isinstance(bare_type(kind.key_type), mi.StrType):
                 raise TypeError(f"{path}: an Avro map's keys are strings, not {kind.key_type}")
             return {"type": "map", "values": self.type(kind.value_type, f"{path}{{}}", docs, _inner(where, "each value"))}
         if isinstance(kind, mi.StructType):
@@ -255,19 +257,21 @@ def _inner(where: str, part: str) -> str:
 
 Convert = Callable[[object, str], object]  # (value, its path for an error message) -> the converted value
 _ENCODE_JSON = msgspec.json.Encoder()
-# The directions of a conversion: to an Avro datum (plain, or with fastavro's union tuples), or from one.
-_TO, _TO_FASTAVRO, _FROM = "to", "to fastavro", "from"
+# The directions of a conversion: to an Avro datum (plain, or with fastavro's union tuples), or from one (every
+# field, or those not at their default).
+_TO, _TO_FASTAVRO, _FROM, _FROM_LEAN = "to", "to fastavro", "from", "from, lean"
+_FROMS = (_FROM, _FROM_LEAN)
 
 
 @functools.cache
 def _record_converter(event: type[msgspec.Struct], direction: str) -> Convert:
-    return _compile(_struct_info(event), direction, "$")
+    return _compile(struct_info(event), direction, "$")
 
 
 def _compile(kind: mi.Type, direction: str, path: str) -> Convert:
     """The conversion of a value of ``kind`` in ``direction``: to its Avro datum, or back to its document."""
-    to = direction != _FROM
-    kind = _bare(kind)
+    to = direction not in _FROMS
+    kind = bare_type(kind)
     if isinstance(kind, mi.UnionType):
         return _compile_union(kind, direction, path)
     if isinstance(kind, mi.AnyType):
@@ -311,17 +315,17 @@ def _compile_union(kind: mi.UnionType, direction: str, path: str) -> Convert:
 def _branch_name(kind: mi.Type) -> str | None:
     """The name fastavro knows a union's record or map branch by (None for a scalar or free-form JSON, which
     its writer tells apart cheaply). Every record is in the one namespace (:func:`avro_schema`)."""
-    kind = _bare(kind)
+    kind = bare_type(kind)
     if isinstance(kind, mi.StructType):
         return f"{NAMESPACE}.{kind.cls.__name__}"
     return "map" if isinstance(kind, mi.DictType) else "array" if isinstance(kind, mi.ListType) else None
 
 
 def _compile_record(info: mi.StructType, direction: str, path: str) -> Convert:
-    to = direction != _FROM
-    fields = [_FieldPlan(field, _compile(_field_type(field), direction, f"{path}.{field.encode_name}"))
+    to = direction not in _FROMS
+    fields = [FieldPlan(field, _compile(field_type(field), direction, f"{path}.{field.encode_name}"))
               for field in info.fields]
-    omit_defaults = bool(info.cls.__struct_config__.omit_defaults) and not to
+    omit_defaults = (bool(info.cls.__struct_config__.omit_defaults) or direction == _FROM_LEAN) and not to
 
     def record(value: object, where: str) -> object:
         entries = _mapping(value, where)
@@ -343,16 +347,16 @@ def _compile_record(info: mi.StructType, direction: str, path: str) -> Convert:
     return record
 
 
-class _FieldPlan:
+class FieldPlan:
     """One field of a record conversion: its name, its conversion, and its default as a document has it."""
 
     __slots__ = ("name", "required", "convert", "as_is", "_field", "_default", "_fresh")
 
-    def __init__(self, field: mi.Field, convert: Convert) -> None:
+    def __init__(self, field: mi.Field, convert: Convert | None = None) -> None:
         self.name = field.encode_name
         self.required = field.required
-        self.convert = convert
-        self.as_is = convert is _as_is  # a scalar, taken without a call
+        self.convert = convert or _as_is
+        self.as_is = self.convert is _as_is  # a scalar, taken without a call
         self._field = field
         self._default = None if field.required else _json_default(field)
         # A default that is a container is made anew each time: a document must not share it.

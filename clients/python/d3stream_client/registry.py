@@ -35,12 +35,13 @@ registry unless given a ``RegistryFormat``, so a client without the extra stays 
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, TypeVar, get_args
 
 import msgspec
 
@@ -52,10 +53,11 @@ except ImportError as missing:  # the clear reason, not a bare "No module named 
     raise ImportError(f"the Schema Registry format needs confluent-kafka and fastavro ({missing}): "
                       "pip install 'd3stream-client[registry]'", name=missing.name) from missing
 
-from d3stream_client import avro
+from d3stream_client import avro, avro_binary
 from d3stream_client.contract import Request, spoken_list
 from d3stream_client.schemas import SCHEMAS, registry_json_schema
 
+T = TypeVar("T")
 MAGIC = 0
 FRAME = struct.Struct(">bI")  # the magic byte and the big-endian schema id before every framed payload
 
@@ -90,28 +92,86 @@ def parse_avro_schema(text: str) -> object:
         raise ValueError(str(exc)) from exc
 
 
-def write_avro(schema_id: int, parsed: dict[str, object], document: Mapping[str, object],
-               event: type[msgspec.Struct]) -> bytes:
-    """An event's JSON document (parsed) in the wire format, written with the parsed Avro schema of
-    ``schema_id``: the magic byte, the id, the Avro binary."""
-    datum = avro.to_avro(document, event, fastavro_unions=True)
-    out = io.BytesIO()
-    out.write(FRAME.pack(MAGIC, schema_id))
-    fastavro.schemaless_writer(out, parsed, datum)
-    return out.getvalue()
+class AvroCodec:
+    """One event's Avro binary with one parsed writer schema. Code compiled for the pair writes and reads it
+    (``avro_binary``: a third of the cost); what that code does not take, ``avro.to_avro`` / ``from_avro`` and
+    fastavro write, read or refuse, so the bytes, documents and messages are fastavro's either way."""
+
+    def __init__(self, parsed: dict[str, object], event: type[msgspec.Struct]) -> None:
+        self.parsed = parsed
+        self.event = event
+
+    @functools.cached_property
+    def _document_writer(self) -> avro_binary.Writer | None:
+        return _compiled(avro_binary.compile_writer, self.parsed, self.event)
+
+    @functools.cached_property
+    def _struct_writer(self) -> avro_binary.Writer | None:
+        return _compiled(functools.partial(avro_binary.compile_writer, from_struct=True), self.parsed, self.event)
+
+    @functools.cached_property
+    def _reader(self) -> avro_binary.Reader | None:
+        return _compiled(avro_binary.compile_reader, self.parsed, self.event)
+
+    @functools.cached_property
+    def _lean_reader(self) -> avro_binary.Reader | None:
+        return _compiled(functools.partial(avro_binary.compile_reader, lean=True), self.parsed, self.event)
+
+    def write(self, document: Mapping[str, object] | msgspec.Struct) -> bytes:
+        """The Avro binary of an event: its JSON document (parsed), or its Struct."""
+        if isinstance(document, msgspec.Struct):
+            writer = self._struct_writer
+            if writer is not None:
+                try:
+                    return writer(document)
+                except Exception:  # noqa: BLE001, S110 - written as a document below, or refused there
+                    pass
+            document = msgspec.to_builtins(document)
+            assert isinstance(document, dict)  # an event's Struct is an object
+        writer = self._document_writer
+        if writer is not None:
+            try:
+                return writer(document)
+            except Exception:  # noqa: BLE001, S110 - the general path below writes it or says why it cannot
+                pass
+        datum = avro.to_avro(document, self.event, fastavro_unions=True)
+        out = io.BytesIO()
+        fastavro.schemaless_writer(out, self.parsed, datum)
+        return out.getvalue()
+
+    def read(self, value: bytes, start: int = 0, *, lean: bool = False) -> bytes:
+        """The event's JSON document from the Avro payload in ``value`` from ``start`` (past a frame); with
+        ``lean``, its fields at their default left out (``avro.from_avro``). ValueError saying why the payload
+        does not match the schema."""
+        reader = self._lean_reader if lean else self._reader
+        if reader is not None:
+            try:
+                return msgspec.json.encode(reader(value, start))
+            except Exception:  # noqa: BLE001, S110 - as in write
+                pass
+        try:
+            datum = fastavro.schemaless_reader(io.BytesIO(memoryview(value)[start:]), self.parsed, None)
+            if not isinstance(datum, Mapping):
+                raise ValueError(f"an event is an Avro record, got {type(datum).__name__}")
+            document = avro.from_avro(datum, self.event, lean=lean)
+        except (ValueError, EOFError, TypeError, IndexError, KeyError) as exc:
+            raise ValueError(str(exc)) from exc
+        return msgspec.json.encode(document)
 
 
-def read_avro(payload: bytes, parsed: dict[str, object], event: type[msgspec.Struct]) -> bytes:
-    """The event's JSON document from an Avro payload (a framed value past its frame) written with the parsed
-    schema; ValueError saying why the payload does not match it."""
+def _compiled(compile_: Callable[[dict[str, object], type[msgspec.Struct]], T], parsed: dict[str, object],
+              event: type[msgspec.Struct]) -> T | None:
+    """The compiled code, or None for a schema it does not cover (the general path serves that one)."""
     try:
-        datum = fastavro.schemaless_reader(io.BytesIO(payload), parsed, None)
-        if not isinstance(datum, Mapping):
-            raise ValueError(f"an event is an Avro record, got {type(datum).__name__}")
-        document = avro.from_avro(datum, event)
-    except (ValueError, EOFError, TypeError, IndexError, KeyError) as exc:
-        raise ValueError(str(exc)) from exc
-    return msgspec.json.encode(document)
+        return compile_(parsed, event)
+    except avro_binary.NotCompilable:
+        return None
+
+
+def write_avro(schema_id: int, codec: AvroCodec, document: Mapping[str, object] | msgspec.Struct) -> bytes:
+    """An event (its JSON document, parsed, or its Struct) in the wire format, written by the codec of the
+    schema of ``schema_id``: the magic byte, the id, the Avro binary."""
+    return FRAME.pack(MAGIC, schema_id) + codec.write(document)
 
 
 def subject_name(strategy: str, topic: str, record_name: str) -> str:
@@ -163,11 +223,10 @@ class UnreadableRecord(ValueError):
 
 @dataclass(frozen=True)
 class _Writer:
-    """A writer schema as the registry gave it: its type and, for Avro, the parsed schema and its event."""
+    """A writer schema as the registry gave it: its type and, for Avro, the codec of its event."""
 
     kind: str
-    parsed: dict[str, object] | None = None
-    event: type[msgspec.Struct] | None = None
+    codec: AvroCodec | None = None
 
 
 class RegistryFormat:
@@ -210,10 +269,10 @@ class RegistryFormat:
             self.request_schema = Schema(json.dumps(avro.avro_schema(Request)), AVRO)
             parsed = fastavro.parse_schema(avro.avro_schema(Request))
             assert isinstance(parsed, dict)  # a request is a record
-            self._request_parsed: dict[str, object] | None = parsed
+            self._request_codec: AvroCodec | None = AvroCodec(parsed, Request)
         else:
             self.request_schema = Schema(json.dumps(registry_json_schema(Request)), JSON_SCHEMA)
-            self._request_parsed = None
+            self._request_codec = None
         self._request_ids: dict[str, int] = {}  # topic -> the request schema's id under its subject
         self._writers: dict[int, _Writer | UnreadableRecord] = {}  # what the registry said of each id
         self._client: AsyncSchemaRegistryClient | None = None
@@ -292,9 +351,9 @@ class RegistryFormat:
         """The record value of a request for ``topic`` in the wire format; ``value`` is the JSON document that
         passed ``validate_request``."""
         schema_id = await self.request_schema_id(topic)
-        if self._request_parsed is None:  # JSON Schema: the payload is the checked JSON itself
+        if self._request_codec is None:  # JSON Schema: the payload is the checked JSON itself
             return frame(schema_id, value)
-        return write_avro(schema_id, self._request_parsed, msgspec.json.decode(value), Request)
+        return write_avro(schema_id, self._request_codec, msgspec.json.decode(value))
 
     # ------------------------------------------------------------------------------ in: answers, dead letters
 
@@ -311,9 +370,9 @@ class RegistryFormat:
         payload = value[FRAME.size:]
         if writer.kind == JSON_SCHEMA:
             return payload
-        assert writer.parsed is not None and writer.event is not None  # an Avro writer (_fetch)
+        assert writer.codec is not None  # an Avro writer (_fetch)
         try:
-            return read_avro(payload, writer.parsed, writer.event)
+            return writer.codec.read(value, FRAME.size)
         except ValueError as exc:
             raise UnreadableRecord(f"the payload does not match its Avro schema (id {schema_id}): {exc}") from exc
 
@@ -352,4 +411,4 @@ class RegistryFormat:
         if event is None or not isinstance(parsed, dict):
             raise UnreadableRecord(f"schema id {schema_id} is not an event of the d3stream contract (an Avro record "
                                    f"named {spoken_list(sorted(_EVENTS_BY_NAME))}): {name or 'not a record'}")
-        return _Writer(kind, parsed, event)
+        return _Writer(kind, AvroCodec(parsed, event))
