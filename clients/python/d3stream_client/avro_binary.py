@@ -99,6 +99,7 @@ class _Source:
         self.constants: dict[str, object] = {
             "_VARLONGS": _VARLONGS, "_varlong": _varlong, "_read_long": _read_long, "_Mismatch": _Mismatch,
             "_MISSING": _MISSING, "_json": msgspec.json.Encoder().encode, "_parse": msgspec.json.decode,
+            "_raw": msgspec.json.Decoder(msgspec.Raw).decode,
             "_DOUBLE": struct.Struct("<d").pack, "_FLOAT": struct.Struct("<f").pack,
             "_UNDOUBLE": struct.Struct("<d").unpack_from, "_UNFLOAT": struct.Struct("<f").unpack_from,
         }
@@ -342,7 +343,9 @@ class _ReaderCompiler:
     def __init__(self, named: Mapping[str, object], lean: bool) -> None:
         self.source = _Source()
         self.named = named
-        self.lean = lean  # every field at its default left out (avro.from_avro's lean)
+        # For a reader that decodes the document next: every field at its default left out (avro.from_avro's
+        # lean), and JSON text checked but not parsed (a msgspec.Raw, written back as it came).
+        self.lean = lean
         self.open: set[str] = set()
 
     def value(self, schema: object, kind: mi.Type | None, target: str, depth: int) -> None:
@@ -358,7 +361,9 @@ class _ReaderCompiler:
             size = self.source.name("n")
             self.long(size, depth)
             emit(depth, f"if {size} < 0 or p + {size} > len(data): raise _Mismatch")
-            if _is_text(kind):
+            if _is_text(kind) and self.lean:  # checked as JSON, kept as its text: its reader parses it once
+                emit(depth, f"{target} = _raw(data[p:p + {size}])")
+            elif _is_text(kind):
                 emit(depth, f"{target} = _parse(data[p:p + {size}])")
             else:
                 emit(depth, f"{target} = data[p:p + {size}].decode()")
@@ -506,8 +511,9 @@ def compile_writer(parsed: Mapping[str, object], event: type[msgspec.Struct], *,
 
 def compile_reader(parsed: Mapping[str, object], event: type[msgspec.Struct], *, lean: bool = False) -> Reader:
     """A function reading Avro binary written with ``parsed`` (in ``data`` from ``p``) into an event's JSON
-    document (``avro.from_avro``'s, ``lean`` as there); it raises for a payload it does not take. NotCompilable
-    for a schema the compiled code does not cover."""
+    document (``avro.from_avro``'s; ``lean`` as there, its JSON text as ``msgspec.Raw``: the document is for
+    encoding); it raises for a payload it does not take. NotCompilable for a schema the compiled code does not
+    cover."""
     compiler = _ReaderCompiler(_named(parsed), lean)
     compiler.record(dict(parsed), avro.struct_info(event), "document", 1)
     compiler.source.emit(1, "return document")
