@@ -20,11 +20,12 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
 
 from d3stream_client.connection import partition_for, start_client, without
 from d3stream_client.contract import Answer, decode_answer
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # imported for its type only: the registry code needs the [re
     from d3stream_client.registry import RegistryFormat
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How long one read waits for answers before the assignment may change (an ask for a new partition waits
 # at most this long to be let in).
@@ -230,7 +232,8 @@ class AnswerWaiter:
         try:
             async with asyncio.timeout(5):
                 await admin.start()
-                offsets = await admin.list_consumer_group_offsets(self.worker_group, partitions=[requests])
+                offsets = await _retrying(lambda: admin.list_consumer_group_offsets(self.worker_group,
+                                                                                    partitions=[requests]))
         except Exception as exc:  # noqa: BLE001 - the explanation must not hide the timeout itself
             return f"the worker group {self.worker_group!r}'s progress could not be read ({type(exc).__name__}: {exc})"
         finally:
@@ -246,3 +249,15 @@ class AnswerWaiter:
                     "are not answered yet (a lag, or a stopped worker)")
         return (f"the worker group {self.worker_group!r} has committed past it (offset {committed.offset}), so "
                 f"its answer is on {self.answer_topic!r}: is answer_topic the worker's?")
+
+
+async def _retrying(call: Callable[[], Awaitable[T]]) -> T:
+    """``call()`` again while the broker answers with a retriable error (its group coordinator not available yet,
+    as on a broker just started): the caller's timeout bounds it."""
+    while True:
+        try:
+            return await call()
+        except KafkaError as exc:
+            if not exc.retriable:
+                raise
+            await asyncio.sleep(0.2)

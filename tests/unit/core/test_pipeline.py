@@ -163,6 +163,42 @@ def test_an_answer_too_large_for_its_topic_is_replaced_under_the_same_id(pipelin
     assert small.error is None and small.answers["q"]["type"] == "noul"
 
 
+def test_an_answer_is_sized_in_the_format_it_is_written_in(pipeline_service):
+    """With answers written in Avro through a registry, the answer topic's limit is checked against the Avro
+    record: an answer whose JSON would not fit, but whose Avro does, is published, in Avro."""
+    from d3stream_client.contract import Answer
+    from d3stream_client.registry import FRAME, AvroCodec
+
+    from d3stream.kafka.registry import OutgoingFormat
+
+    options = {f"option {n}": f"the option numbered {n}, described at some length" for n in range(60)}
+    big = request("big", questions={"q": {"type": "choice", "criteria": options}})
+
+    def published(limit: int | None, avro: bool) -> tuple[bytes, list[tuple[str, bytes]], int]:
+        """The answer's record value and headers, and its size as the broker counts it."""
+        service = pipeline_service(compression="none")
+        if limit is not None:
+            service.limits.topics = {"answers": limit}
+        if avro:
+            service.record_writer.framing = OutgoingFormat("avro", {"answers": (42, Answer)})
+        [[served]] = serve(service, records(big)).calls
+        outgoing = served.records[-1]
+        return outgoing.value, outgoing.headers, service.limits.fit(
+            "answers", outgoing.key, outgoing.value, outgoing.headers).on_wire
+
+    as_json, _, json_size = published(None, avro=False)
+    as_avro, headers, avro_size = published(None, avro=True)
+    assert as_avro[0] == 0 and FRAME.unpack_from(as_avro)[1] == 42 and avro_size < json_size - 300
+    between = (avro_size + json_size) // 2
+    refused, _, _ = published(between, avro=False)
+    assert decode_answer(refused).error.code == "answer_too_large"
+    fitted, headers, _ = published(between, avro=True)
+    answer = decode_answer(AvroCodec(OutgoingFormat("avro", {"t": (1, Answer)}).writers["t"], Answer).read(
+        fitted, FRAME.size))
+    assert answer.error is None and answer.answers["q"]["type"] == "choice"
+    assert dict(headers)["content-type"] == b"application/vnd.d3stream+avro"
+
+
 def test_a_fault_of_one_request_is_its_own_error_not_its_neighbours(pipeline_service, qwen35_model):
     """A model whose prepare raises (not a ValueError: a fault, not bad input) for one request only."""
     service = pipeline_service()
