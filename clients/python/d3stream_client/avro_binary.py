@@ -174,14 +174,30 @@ def _default_bytes(field_type: object, default: object, named: Mapping[str, obje
     return out.getvalue()
 
 
-class _WriterCompiler:
+class _Compiler:
+    """What writing and reading compile alike: one function's source, the schema's named types, and the records
+    being compiled (a reference back to one of them is recursion, which the compiled code does not cover)."""
+
+    def __init__(self, named: Mapping[str, object]) -> None:
+        self.source = _Source()
+        self.named = named
+        self.open: set[str] = set()
+
+    def enter(self, schema: dict[str, object]) -> str:
+        """The record's name, now being compiled."""
+        name = str(schema.get("name"))
+        if name in self.open:
+            raise NotCompilable(f"the record {name} refers to itself")
+        self.open.add(name)
+        return name
+
+
+class _WriterCompiler(_Compiler):
     """Source for writing one event's document with one writer schema."""
 
     def __init__(self, named: Mapping[str, object], from_struct: bool) -> None:
-        self.source = _Source()
-        self.named = named
+        super().__init__(named)
         self.from_struct = from_struct  # records are the contract's Structs (else: a JSON document's dicts)
-        self.open: set[str] = set()  # records being compiled: a reference back to one is recursion
 
     def value(self, schema: object, kind: mi.Type | None, value: str, depth: int) -> None:
         """Lines writing ``value`` (a local's name) of ``schema``; ``kind``: the contract's type there."""
@@ -298,10 +314,7 @@ class _WriterCompiler:
 
     def record(self, schema: dict[str, object], kind: mi.Type | None, value: str, depth: int) -> None:
         emit = self.source.emit
-        name = str(schema.get("name"))
-        if name in self.open:
-            raise NotCompilable(f"the record {name} refers to itself")
-        self.open.add(name)
+        name = self.enter(schema)
         ours = _contract_fields(kind)
         get = self.source.name("get")
         kind = _kind(kind)
@@ -337,16 +350,14 @@ class _WriterCompiler:
         self.open.discard(name)
 
 
-class _ReaderCompiler:
+class _ReaderCompiler(_Compiler):
     """Source for reading one writer schema's binary into one event's JSON document."""
 
     def __init__(self, named: Mapping[str, object], lean: bool) -> None:
-        self.source = _Source()
-        self.named = named
+        super().__init__(named)
         # For a reader that decodes the document next: every field at its default left out (avro.from_avro's
         # lean), and JSON text checked but not parsed (a msgspec.Raw, written back as it came).
         self.lean = lean
-        self.open: set[str] = set()
 
     def value(self, schema: object, kind: mi.Type | None, target: str, depth: int) -> None:
         """Lines reading a value of ``schema`` at ``p`` in ``data`` into the local ``target`` (``kind``: the
@@ -439,10 +450,7 @@ class _ReaderCompiler:
 
     def record(self, schema: dict[str, object], kind: mi.Type | None, target: str, depth: int) -> None:
         emit = self.source.emit
-        name = str(schema.get("name"))
-        if name in self.open:
-            raise NotCompilable(f"the record {name} refers to itself")
-        self.open.add(name)
+        name = self.enter(schema)
         kind = _kind(kind)
         info = kind if isinstance(kind, mi.StructType) else None
         ours = _contract_fields(info)
