@@ -341,6 +341,8 @@ class Service:
         self.pipeline.close()
         self.decoder.close()
         self.fetcher.close()
+        if self.registry is not None:
+            await self.registry.aclose()
         if self.tracing is not None and self._owns_tracing:
             self.tracing.shutdown()  # exports what is left
         elif self.tracing is not None:

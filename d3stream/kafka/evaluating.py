@@ -256,14 +256,30 @@ class Evaluator:
         for consumer in (self._consumer, self._restorer):
             if consumer is not None:
                 await consumer.stop()
+        if self.registry is not None:
+            await self.registry.aclose()
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """Read, join and commit until ``stopping`` is set; the batch in hand is finished first."""
+        """Read, join and commit until ``stopping`` is set; the batch in hand is finished first, unless it waits
+        for a Schema Registry that does not answer: that wait is given up, and the batch's offsets stay
+        uncommitted (its partitions' next owner reads it again)."""
         assert self._consumer is not None
-        while not stopping.is_set():
-            fetched = await self._consumer.getmany(timeout_ms=200, max_records=MAX_BATCH_RECORDS)
-            if fetched:
-                await self.take(fetched)
+        giving_up = asyncio.ensure_future(self._give_up_registry_waits(stopping))
+        try:
+            while not stopping.is_set():
+                fetched = await self._consumer.getmany(timeout_ms=200, max_records=MAX_BATCH_RECORDS)
+                if fetched:
+                    await self.take(fetched)
+        except asyncio.CancelledError:
+            if self.registry is None or not self.registry.closing:
+                raise  # cancelled from outside, not a registry wait given up at stop
+        finally:
+            giving_up.cancel()
+
+    async def _give_up_registry_waits(self, stopping: asyncio.Event) -> None:
+        await stopping.wait()
+        if self.registry is not None:
+            self.registry.close()
 
     # -------------------------------------------------------------------------------- one batch
 

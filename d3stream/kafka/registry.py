@@ -39,6 +39,7 @@ configuration and the registered JSON Schema form are the client's (``d3stream_c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import time
@@ -169,6 +170,17 @@ class Registry:
         """Stop waiting for the registry: a lookup still retrying is given up (the worker is shutting down, and
         the records waiting on it stay uncommitted for the partition's next owner)."""
         self._closing = True
+
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`close` was called: a CancelledError out of a lookup then means a wait given up."""
+        return self._closing
+
+    async def aclose(self) -> None:
+        """Give up any wait and close the registry client's HTTP connections (the worker has stopped)."""
+        self.close()
+        with contextlib.suppress(Exception):  # closing what may never have connected
+            await self.client.aclose()
 
     # ------------------------------------------------------------------------------ in: requests
 

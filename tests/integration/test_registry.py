@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
 import pytest
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.schema_registry import Schema, topic_record_subject_name_strategy
@@ -365,6 +366,62 @@ def test_the_evaluator_joins_framed_answers_and_labels_and_writes_avro(kafka_bro
     run(scenario())
     assert sorted(each["id"] for each in found) == sorted(ids[:8])
     assert all(set(each["questions"]) == {"team", "refund", "urgency"} for each in found)
+
+
+def test_the_evaluator_stops_promptly_while_it_waits_for_a_hung_registry(kafka_broker: Any, topic_names: Any,
+                                                                         schema_registry: SchemaRegistry) -> None:
+    """Framed answers arrive while the registry answers nothing: the evaluator waits for their schema (counting
+    the faults) and, asked to stop meanwhile, gives the wait up and stops within seconds, committing nothing."""
+    import random
+
+    from d3stream.jobs.evaluate import make_evaluator
+    from d3stream.kafka.registry import Registry
+    from tests.support.evaluate_events import answer_event, evaluate_settings, keyed
+
+    settings = evaluate_settings(kafka_broker, topic_names).replaced(
+        schema_registry_url=schema_registry.url, schema_auto_register=True, schema_registry_timeout_s=1)
+    servers = settings.connection.bootstrap_servers
+    answers_topic = settings.delivery.answer_topic
+    answers = keyed([answer_event(f"hung-{n}", random.Random(n)) for n in range(3)])
+
+    async def scenario() -> tuple[float, int]:
+        framing = await Registry(msgspec.structs.replace(settings.registry, answer_format="avro")).writers_for(
+            {answers_topic: Answer})
+        await produce(servers, answers_topic, [(key, framing.encode(answers_topic, value)) for key, value in answers])
+        schema_registry.pause()
+        evaluator = await make_evaluator(settings, None)
+        await evaluator.start()
+        stopping = asyncio.Event()
+        task = asyncio.ensure_future(evaluator.run(stopping))
+        try:
+            assert evaluator.registry is not None
+            deadline = time.monotonic() + 60
+            while evaluator.registry.health.faults == 0:
+                assert not task.done() and time.monotonic() < deadline, "the evaluator never asked the registry"
+                await asyncio.sleep(0.1)
+            stopping.set()
+            asked = time.monotonic()
+            await asyncio.wait_for(task, 30)  # before: it waited for the registry for ever
+            return time.monotonic() - asked, await committed_offsets(servers, settings.evaluation.evaluate_group_id)
+        finally:
+            schema_registry.resume()
+            await evaluator.stop()
+
+    stopped_after, committed = run(scenario())
+    assert stopped_after < 10 and not committed
+
+
+async def committed_offsets(servers: str, group: str) -> dict[Any, Any]:
+    """The group's committed offsets (none: nothing was committed)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=servers)
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    return {tp: each.offset for tp, each in offsets.items() if each.offset >= 0}
 
 
 def test_a_registry_behind_tls_is_reached_through_its_ca(stack: Stack, qwen35_model: Any, tmp_path: Any) -> None:
