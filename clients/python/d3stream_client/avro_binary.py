@@ -9,13 +9,15 @@ encoded straight to its bytes, a field the document leaves out written as its de
 fastavro), small lengths and counts looked up rather than computed. Reading is compiled the same way, from the
 writer schema to the event's JSON document (``avro.from_avro``'s document).
 
-**fastavro stays the reference.** The compiled code takes only what it is sure of: exact Python types (an
-``int`` for a long, a ``str`` for a string, ``True``/``False`` for a boolean), well-formed binary, the Avro types
-the contract's schemas use (records, arrays, maps, unions of null and one other type or of scalars, and the
-primitive types but bytes). Anything else (a value of another type, a truncated payload, a schema with an enum,
-a fixed, a logical type or a recursive record) makes :func:`write` and :func:`read` take the general path,
-``to_avro`` and fastavro, so what they accept, write and refuse, and the messages they refuse with, are
-fastavro's. A test writes and reads generated events both ways and compares the bytes and documents.
+**fastavro stays the reference.** The compiled code takes only what it is sure of: the values a JSON document
+or the contract's Structs hold, written as fastavro writes them (a value Python's own operations refuse, such
+as a float where a long goes or a number where a string goes, raises; a union's branch, a boolean and an array
+are checked by type), well-formed binary, and the Avro types the contract's schemas use (records, arrays, maps,
+unions of null and one other type or of scalars, and the primitive types but bytes). Anything else (a value of
+another type, a truncated payload, a schema with an enum, a fixed, a logical type or a recursive record) goes
+to the general path, ``to_avro`` or ``from_avro`` and fastavro (``registry.AvroCodec`` does this), so what is
+accepted, written and refused, and the messages of a refusal, are fastavro's. A test writes and reads generated
+events both ways and compares the bytes and documents.
 """
 
 from __future__ import annotations
