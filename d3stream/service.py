@@ -49,7 +49,7 @@ from d3stream.kafka.connection import check_connection, connecting
 from d3stream.kafka.consume import ConsumeLoop, Fetch, LiveRead, ReadPolicy, group_consumer
 from d3stream.kafka.limits import Limits, WorkerFatal, producer_compression
 from d3stream.kafka.offsets import OffsetTracker
-from d3stream.kafka.registry import OutgoingFormat, Registry
+from d3stream.kafka.registry import Registry
 from d3stream.kafka.sinks import KafkaTopics, Sink, ensure_topics
 from d3stream.models.rollout import rollout_for
 from d3stream.models.shadow import shadow_hosted
@@ -149,7 +149,6 @@ class Service:
         self.loop: ConsumeLoop | None = None
         # Requests framed by a Schema Registry, and answers written through it (kafka/registry.py).
         self.registry = Registry(settings.registry, metrics=self.metrics) if settings.registry.schema_registry_url else None
-        self.outgoing_format: OutgoingFormat | None = None
         self.ready = False
         self._stop_asked = False
         self._answered = 0
@@ -296,8 +295,7 @@ class Service:
         await self.delivery.start()
         if self.registry is not None and settings.registry.answer_format != "json":
             try:
-                self.outgoing_format = await self.registry.writers_for(self._framed_topics())
-                self.record_writer.framing = self.outgoing_format
+                self.record_writer.framing = await self.registry.writers_for(self._framed_topics())
             except asyncio.CancelledError:
                 if not self._stop_asked:
                     raise

@@ -34,6 +34,7 @@ from d3stream_client.contract import (
 
 from d3stream.core.outgoing import Outgoing, RecordFit, RecordWriter
 from d3stream.core.record import Refusal, RequestRecord
+from d3stream.core.seams import RecordKind
 from d3stream.core.storage import FetchedMedia
 from d3stream.ops.metrics import Metrics
 from d3stream.settings import DeliverySettings
@@ -150,12 +151,13 @@ class AnswerBuilder:
         if not self.fit(topic, key, value, headers).fits:
             value, headers = self.write(topic, bare, request_headers)
         return Outgoing(topic, key, value, kind="dead_letter", headers=headers,
-                        replacement=lambda cause: self._dead_letter_record(topic, key, bare, request_headers))
+                        replacement=lambda cause: self._written(topic, key, bare, request_headers, "dead_letter"))
 
-    def _dead_letter_record(self, topic: str, key: bytes | None, letter: DeadLetter,
-                            headers: list[tuple[str, bytes]]) -> Outgoing:
-        value, written_headers = self.write(topic, letter, headers)
-        return Outgoing(topic, key, value, kind="dead_letter", headers=written_headers)
+    def _written(self, topic: str, key: bytes | None, event: Answer | DeadLetter, headers: list[tuple[str, bytes]],
+                 kind: RecordKind = "answer") -> Outgoing:
+        """The record of an event, written as its topic's records are, with nothing smaller to replace it."""
+        value, written_headers = self.write(topic, event, headers)
+        return Outgoing(topic, key, value, kind=kind, headers=written_headers)
 
     def fitted(self, record: RequestRecord, answer: Answer) -> tuple[Answer, Outgoing]:
         """The answer and its record if it fits the answer topic; else an ``answer_too_large`` error answer
@@ -171,20 +173,14 @@ class AnswerBuilder:
             return answer, Outgoing(topic, key, value, headers=headers,
                                     replacement=partial(self._refused, answer, record.headers))
         smaller = self._too_large(answer, record.headers, fit.reason)
-        return smaller, self._record(smaller, record.headers)
+        return smaller, self._written(topic, smaller.id.encode(), smaller, record.headers)
 
     def _refused(self, answer: Answer, headers: list[tuple[str, bytes]], cause: str) -> Outgoing:
         """What replaces an answer the broker refused as too large (``Outgoing.replacement``)."""
         topic = self.delivery.answer_topic
         self.metrics.count_answer("answer_too_large")
         smaller = self._too_large(answer, headers, f"the broker refused it for topic {topic!r}: {cause}")
-        return self._record(smaller, headers)
-
-    def _record(self, answer: Answer, headers: list[tuple[str, bytes]]) -> Outgoing:
-        """The record of an answer on the answer topic, with nothing smaller to replace it."""
-        topic = self.delivery.answer_topic
-        value, written_headers = self.write(topic, answer, headers)
-        return Outgoing(topic, answer.id.encode(), value, headers=written_headers)
+        return self._written(topic, smaller.id.encode(), smaller, headers)
 
     def _too_large(self, answer: Answer, headers: list[tuple[str, bytes]], reason: str) -> Answer:
         """An ``answer_too_large`` error answer for ``answer``, under its id and with its provenance: no answers
@@ -199,8 +195,8 @@ class AnswerBuilder:
         smaller = Answer(id=answer.id, source=answer.source, model=self.model_record.name,
                          error=ErrorInfo(code="answer_too_large", message=message), provenance=answer.provenance,
                          answer_id=answer.answer_id)
+        topic = self.delivery.answer_topic
         for shrink in (_without_media, _without_id):
-            topic = self.delivery.answer_topic
             if self.fit(topic, smaller.id.encode(), *self.write(topic, smaller, headers)).fits:
                 break
             smaller = shrink(smaller, answer.source)

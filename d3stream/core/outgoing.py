@@ -50,7 +50,6 @@ class RecordFit(Protocol):
                  headers: Sequence[tuple[str, bytes]] = HEADERS) -> Fit: ...
 
 
-
 Headers = list[tuple[str, bytes]]
 
 
