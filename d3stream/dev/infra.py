@@ -809,9 +809,9 @@ class KafkaBroker(_LocalServer):
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, **self.client_options)
         await admin.start()
         try:
-            response = await admin.create_topics(
+            response = await _once_a_controller_is_known(lambda: admin.create_topics(
                 [NewTopic(name, count, 1, topic_configs=dict(config or {}))], timeout_ms=30000
-            )
+            ))
             for entry in response.topic_errors:
                 topic, code = entry[0], entry[1]
                 if code == 0 or (exist_ok and code == 36):  # 36: TOPIC_ALREADY_EXISTS
@@ -835,6 +835,19 @@ class KafkaBroker(_LocalServer):
                 await asyncio.sleep(0.1)
         finally:
             await admin.close()
+
+
+async def _once_a_controller_is_known(call: Callable[[], Awaitable[_T]]) -> _T:
+    """``call()``, tried again for up to 15 s while the metadata names no controller: aiokafka's admin then fails
+    with an AttributeError in its send to the controller (seen once in a CI run, the broker under load)."""
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            return await call()
+        except AttributeError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -643,11 +643,22 @@ async def prepare_topics(settings: Settings, topics: EvaluateTopics) -> int:
                         await admin.create_topics([NewTopic(name, count, 1, topic_configs=config)])
                     except TopicAlreadyExistsError:
                         pass
-            counts = await _partition_counts(admin, [*topics.inputs, topics.state])
+            counts = await _created(admin, [*topics.inputs, topics.state])
         _check_counts(counts, topics)
         return counts[topics.answers]
     finally:
         await admin.close()
+
+
+async def _created(admin: AIOKafkaAdminClient, names: list[str], within_s: float = 10.0) -> dict[str, int]:
+    """The partition counts of topics just created, once the metadata shows them all (or as it stands after
+    ``within_s``): described at once, a topic created a moment ago may not be there yet."""
+    deadline = time.monotonic() + within_s
+    while True:
+        counts = await _partition_counts(admin, names)
+        if all(name in counts for name in names) or time.monotonic() > deadline:
+            return counts
+        await asyncio.sleep(0.2)
 
 
 async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:

@@ -388,10 +388,10 @@ def test_the_evaluator_stops_promptly_while_it_waits_for_a_hung_registry(kafka_b
         framing = await Registry(msgspec.structs.replace(settings.registry, answer_format="avro")).writers_for(
             {answers_topic: Answer})
         await produce(servers, answers_topic, [(key, framing.encode(answers_topic, value)) for key, value in answers])
-        schema_registry.pause()
         evaluator = await make_evaluator(settings, None)
         await evaluator.start()
         stopping = asyncio.Event()
+        schema_registry.pause()  # the registry is shared: resumed below whatever happens
         task = asyncio.ensure_future(evaluator.run(stopping))
         try:
             assert evaluator.registry is not None
