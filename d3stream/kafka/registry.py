@@ -43,6 +43,7 @@ import contextlib
 import functools
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -51,7 +52,8 @@ import fastavro
 import msgspec
 import structlog
 from confluent_kafka.schema_registry import AsyncSchemaRegistryClient, Schema, SchemaRegistryError
-from d3stream_client import avro
+from d3stream_client import avro, writer_schemas
+from d3stream_client.avro_binary import PayloadError
 from d3stream_client.contract import HEADERS, Request, encode
 from d3stream_client.registry import (
     AVRO,
@@ -67,7 +69,8 @@ from d3stream_client.registry import (
     subject_name,
 )
 from d3stream_client.schemas import registry_json_schema
-from d3stream_client.validation import EventError
+from d3stream_client.validation import TOO_DEEP, EventError
+from d3stream_client.writer_schemas import SchemaRefused, admit
 
 from d3stream.core.seams import InputRecord
 from d3stream.ops.metrics import Metrics
@@ -106,28 +109,86 @@ class _Refused(Exception):
         self.message = message
 
 
-def _refuse(code: str, message: str) -> Callable[[bytes], bytes]:
+Read = Callable[[bytes], bytes]  # a framed record value -> its JSON document; _Refused when it cannot be read
+
+
+def _refuse(code: str, message: str) -> Read:
     def refuse(value: bytes) -> bytes:
         raise _Refused(code, message)
     return refuse
 
 
-@dataclass(frozen=True)
+# How many writer schemas (admitted or refused) a worker keeps by id, how many ids the registry did not know it
+# remembers (each for schema_registry_unknown_id_ttl_s), and how many lookups run at once. Beyond these a
+# schema is fetched again: a flood of distinct ids costs lookups, not memory.
+KNOWN_SCHEMAS = 1_024
+UNKNOWN_IDS = 4_096
+LOOKUPS_AT_ONCE = 16
+
+
+@dataclass
 class WriterSchema:
-    """A writer schema as the registry gave it: its type and, for Avro, the parsed schema."""
+    """A writer schema as the registry gave it, and what was decided of it: a reader for each event read with
+    it (once admitted, ``writer_schemas.admit``) or the refusal, and whether it is registered under a subject of
+    each topic it frames records of."""
 
     schema_id: int
     kind: str
-    parsed: dict[str, object] | None = None  # fastavro's parsed form of an Avro schema
-    # event -> the codec reading it with this schema (a worker reads requests, an evaluator answers)
-    codecs: dict[type[msgspec.Struct], AvroCodec] = field(default_factory=dict, compare=False, repr=False)
+    text: str
+    refusal: Read | None = None  # the registry refused to give it: every record framed with it is refused
+    readers: dict[type[msgspec.Struct], Read] = field(default_factory=dict, repr=False)
+    # (topic, event) -> None when registered under a subject of the topic, or why not
+    places: dict[tuple[str, type[msgspec.Struct]], str | None] = field(default_factory=dict, repr=False)
 
-    def codec(self, event: type[msgspec.Struct]) -> AvroCodec:
-        assert self.parsed is not None  # an Avro schema's
-        known = self.codecs.get(event)
+    def reader(self, event: type[msgspec.Struct]) -> Read:
+        """How records of ``event`` framed with this schema are read: decided once per event."""
+        if self.refusal is not None:
+            return self.refusal
+        known = self.readers.get(event)
         if known is None:
-            known = self.codecs[event] = AvroCodec(self.parsed, event)
+            known = self.readers[event] = self._decide(event)
         return known
+
+    def _decide(self, event: type[msgspec.Struct]) -> Read:
+        schema_id = self.schema_id
+        if self.kind == JSON_SCHEMA:
+            return functools.partial(_read_json_schema, schema_id=schema_id)
+        if self.kind != AVRO:
+            return _refuse("invalid_request", f"the record is framed with a {self.kind} schema (id {schema_id}); "
+                           "records are read as JSON, Avro or JSON Schema")
+        try:
+            parsed = admit(self.text, event)
+        except SchemaRefused as exc:
+            return _refuse("invalid_request", f"the writer schema of id {schema_id} is not admitted for "
+                           f"{event.__name__} records: {exc} (docs/REGISTRY.md says what a writer schema must be)")
+        return functools.partial(_read_avro, codec=AvroCodec(parsed, event), schema_id=schema_id)
+
+
+def _read_avro(value: bytes, *, codec: AvroCodec, schema_id: int) -> bytes:
+    try:
+        return codec.read(value, FRAME.size, lean=True)  # decoded next: defaults need not travel
+    except PayloadError as exc:
+        if exc.too_deep:  # refused as the same nesting is in a plain JSON request
+            raise _Refused("invalid_request", TOO_DEEP) from exc
+        raise _Refused("invalid_request", f"the payload does not match its Avro schema (id {schema_id}): "
+                       f"{exc}") from exc
+
+
+def _read_json_schema(value: bytes, *, schema_id: int) -> bytes:
+    """A JSON Schema frame's payload, which must be JSON: the request's checks read it next, as a plain one's."""
+    payload = value[FRAME.size:]
+    try:
+        _RAW_JSON(payload)
+    except RecursionError:
+        pass  # too deep to check here: the request's checks refuse it with the nesting limit's message
+    except msgspec.DecodeError as exc:
+        what = "empty" if not payload else f"not JSON ({exc})"
+        raise _Refused("invalid_request", f"the payload of a record framed with the JSON Schema of id {schema_id} "
+                       f"is {what}") from exc
+    return payload
+
+
+_RAW_JSON = msgspec.json.Decoder(msgspec.Raw).decode
 
 
 @dataclass
@@ -154,7 +215,8 @@ class UnframedRecord:
 
 
 class Registry:
-    """The worker's registry connection: writer schemas by id (kept once fetched), and the schemas it writes."""
+    """The worker's registry connection: writer schemas by id (a bounded number kept once fetched and decided),
+    and the schemas it writes."""
 
     def __init__(self, settings: RegistrySettings, *, metrics: Metrics | None = None,
                  client: AsyncSchemaRegistryClient | None = None) -> None:
@@ -162,8 +224,11 @@ class Registry:
         self.metrics = metrics
         self.client = client or AsyncSchemaRegistryClient(client_config(settings))
         self.health = RegistryHealth()
-        self._writers: dict[int, WriterSchema | SchemaNotFound] = {}
-        self._lock = asyncio.Lock()
+        self._known: OrderedDict[int, WriterSchema] = OrderedDict()
+        self._unknown: OrderedDict[int, float] = OrderedDict()  # id -> when the registry is asked again
+        self._pending: dict[tuple[object, ...], asyncio.Future[object]] = {}
+        self._lookups = asyncio.Semaphore(LOOKUPS_AT_ONCE)
+        self._fetched = 0  # schemas fetched since the client's own cache (unbounded) was last emptied
         self._closing = False
 
     def close(self) -> None:
@@ -186,19 +251,31 @@ class Registry:
 
     async def unframe(self, records: Sequence[InputRecord], event: type[msgspec.Struct] = Request) -> list[InputRecord]:
         """The records as a JSON reader reads them: framed ones decoded into their ``event`` documents (a request,
-        or an answer for the evaluator), the rest as they are. Waits while the registry is down (never refuses
-        a record for it)."""
-        readers: dict[int, Callable[[bytes], bytes]] = {}
+        or an answer for the evaluator), the rest as they are. The schemas the fetch needs are looked up at
+        once, each distinct id concurrently. Waits while the registry is down (never refuses a record for it)."""
+        readers: dict[tuple[str, int], Read] = {}
+        missing: set[tuple[str, int]] = set()
+        for record in records:
+            value = record.value
+            if value is not None and is_framed(value):
+                wanted = (record.topic, FRAME.unpack_from(value)[1])
+                if wanted not in readers and wanted not in missing:
+                    known = self._known_reader(*wanted, event)
+                    if known is None:
+                        missing.add(wanted)
+                    else:
+                        readers[wanted] = known
+        if missing:
+            ordered = sorted(missing)
+            found = await asyncio.gather(*(self._reader(topic, schema_id, event) for topic, schema_id in ordered))
+            readers.update(zip(ordered, found, strict=True))
         unframed: list[InputRecord] = []
         for record in records:
             value = record.value
             if value is None or not is_framed(value):
                 unframed.append(record)
                 continue
-            schema_id = FRAME.unpack_from(value)[1]
-            read = readers.get(schema_id)
-            if read is None:
-                read = readers[schema_id] = self._reader(await self._writer(schema_id), schema_id, event)
+            read = readers[(record.topic, FRAME.unpack_from(value)[1])]
             try:
                 document = read(value)
             except _Refused as refused:
@@ -211,20 +288,114 @@ class Registry:
                                            record.key, document, record.headers))
         return unframed
 
-    async def _writer(self, schema_id: int) -> WriterSchema | SchemaNotFound:
-        """The writer schema of ``schema_id``, fetched once; retried with backoff while the registry fails."""
-        known = self._writers.get(schema_id)
+    def _subjects(self, topic: str, event: type[msgspec.Struct], writer: WriterSchema) -> list[str]:
+        """The subjects that speak for ``topic``: the worker's own strategy's, and the two that name the topic
+        (``<topic>-value``, ``<topic>-<record>``), so a producer using either topic strategy is read. The record
+        is the event's, or the name the writer schema gives itself (a JSON Schema's title)."""
+        subjects = [subject_name(self.settings.subject_name_strategy, topic, record_name(event)),
+                    subject_name("topic", topic, "")]
+        for name in (record_name(event), writer_schemas.schema_name(writer.text)):
+            if name:
+                subjects.append(subject_name("topic_record", topic, name))
+        return list(dict.fromkeys(subjects))
+
+    def _known_reader(self, topic: str, schema_id: int, event: type[msgspec.Struct]) -> Read | None:
+        """The reader of ``schema_id`` for ``topic`` when everything about it is known already; else None."""
+        writer = self._known.get(schema_id)
+        if writer is None:
+            until = self._unknown.get(schema_id)
+            return _not_found(schema_id) if until is not None and until > time.monotonic() else None
+        self._known.move_to_end(schema_id)
+        if self._needs_subject(writer) and (topic, event) not in writer.places:
+            return None
+        return self._placed(writer, topic, event)
+
+    async def _reader(self, topic: str, schema_id: int, event: type[msgspec.Struct]) -> Read:
+        writer = await self._writer(schema_id)
+        if not isinstance(writer, WriterSchema):
+            return writer
+        if self._needs_subject(writer) and (topic, event) not in writer.places:
+            await self._once(("subject", schema_id, topic, event), lambda: self._check_place(writer, topic, event))
+        return self._placed(writer, topic, event)
+
+    def _needs_subject(self, writer: WriterSchema) -> bool:
+        return self.settings.schema_registry_require_subject and writer.refusal is None
+
+    def _placed(self, writer: WriterSchema, topic: str, event: type[msgspec.Struct]) -> Read:
+        """The writer schema's reader, or the refusal of a schema not registered under a subject of the topic."""
+        reason = writer.places.get((topic, event)) if self._needs_subject(writer) else None
+        if reason is not None:
+            return _refuse("invalid_request", f"the writer schema of id {writer.schema_id} is not registered under "
+                           f"a subject of topic {topic!r} ({reason}): register it there, or set "
+                           "schema_registry_require_subject false to read any id the registry knows")
+        return writer.reader(event)
+
+    async def _once(self, key: tuple[object, ...], make: Callable[[], Awaitable[T]]) -> T:
+        """``make()`` run once for all who ask for ``key`` at the same time (two fetches needing one new id make
+        one lookup); a waiter given up does not cancel it for the others."""
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = asyncio.ensure_future(make())
+            pending.add_done_callback(functools.partial(_settled, self._pending, key))
+        return await asyncio.shield(pending)  # type: ignore[arg-type]
+
+    async def _writer(self, schema_id: int) -> WriterSchema | Read:
+        """The writer schema of ``schema_id`` (fetched once, and kept while it is among the last KNOWN_SCHEMAS
+        used), or the reader refusing what is framed with it: an id the registry does not know (asked again
+        after schema_registry_unknown_id_ttl_s). Retried with backoff while the registry fails."""
+        known = self._known.get(schema_id)
         if known is not None:
             return known
-        async with self._lock:
-            if schema_id not in self._writers:
+        until = self._unknown.get(schema_id)
+        if until is not None and until > time.monotonic():
+            return _not_found(schema_id)
+        return await self._once(("schema", schema_id), lambda: self._look_up(schema_id))
+
+    async def _look_up(self, schema_id: int) -> WriterSchema | Read:
+        async with self._lookups:
+            try:
+                schema = await self._until_answered(f"schema id {schema_id}", lambda: self._fetch(schema_id),
+                                                    answer=_answered)
+            except SchemaNotFound:
+                self._unknown[schema_id] = time.monotonic() + self.settings.schema_registry_unknown_id_ttl_s
+                self._unknown.move_to_end(schema_id)
+                while len(self._unknown) > UNKNOWN_IDS:
+                    self._unknown.popitem(last=False)
+                return _not_found(schema_id)
+            except SchemaRegistryError as exc:  # another refusal of the registry's: remembered like a schema
+                message = (f"the Schema Registry refused to give schema id {schema_id}: {exc.error_message} "
+                           f"(HTTP {exc.http_status_code})")
+                writer = WriterSchema(schema_id, "refused", "", refusal=_refuse("invalid_request", message))
+                self._keep(writer)
+                return writer
+        self._unknown.pop(schema_id, None)
+        self._keep(schema)
+        return schema
+
+    def _keep(self, writer: WriterSchema) -> None:
+        self._known[writer.schema_id] = writer
+        while len(self._known) > KNOWN_SCHEMAS:
+            self._known.popitem(last=False)
+
+    async def _check_place(self, writer: WriterSchema, topic: str, event: type[msgspec.Struct]) -> None:
+        """Whether ``writer`` is registered under a subject of ``topic``: a lookup of its text under each (the
+        registry's own answer, normalised as it normalises), until one holds it; remembered on the writer."""
+        reasons = []
+        for subject in self._subjects(topic, event, writer):
+            async with self._lookups:
                 try:
-                    self._writers[schema_id] = await self._until_answered(
-                        f"schema id {schema_id}", lambda: self._fetch(schema_id),
-                        answer=lambda exc: isinstance(exc, SchemaNotFound | ValueError))
-                except (SchemaNotFound, ValueError) as exc:  # an answer, not a fault: kept like a schema
-                    self._writers[schema_id] = exc if isinstance(exc, SchemaNotFound) else SchemaNotFound(str(exc))
-            return self._writers[schema_id]
+                    found = await self._until_answered(
+                        f"schema id {writer.schema_id} under subject {subject!r}",
+                        functools.partial(self.client.lookup_schema, subject, Schema(writer.text, writer.kind)),
+                        answer=_refusal)
+                except SchemaRegistryError as exc:
+                    reasons.append(f"{subject}: {exc.error_message} (HTTP {exc.http_status_code})")
+                    continue
+            if found.schema_id == writer.schema_id:
+                writer.places[(topic, event)] = None
+                return
+            reasons.append(f"{subject}: holds it as schema id {found.schema_id}")
+        writer.places[(topic, event)] = "; ".join(reasons)
 
     async def _until_answered(self, what: str, call: Callable[[], Awaitable[T]],
                               answer: Callable[[Exception], bool]) -> T:
@@ -266,45 +437,19 @@ class Registry:
             raise asyncio.CancelledError("shutting down while the Schema Registry is down")
 
     async def _fetch(self, schema_id: int) -> WriterSchema:
+        """The registry's schema of ``schema_id``: its text and type, nothing parsed yet (admission decides)."""
         try:
             schema = await self.client.get_schema(schema_id)
         except SchemaRegistryError as exc:
             if exc.http_status_code == 404:
                 raise SchemaNotFound(f"the Schema Registry has no schema with id {schema_id}") from exc
             raise
-        kind = schema.schema_type or AVRO
-        if kind == AVRO:
-            try:
-                parsed = parse_avro_schema(schema.schema_str or "")
-                if not isinstance(parsed, dict):
-                    raise ValueError("a request's schema is an Avro record")
-            except ValueError as exc:
-                raise ValueError(f"schema id {schema_id} is not a valid Avro schema: {exc}") from exc
-            return WriterSchema(schema_id, kind, parsed)
-        return WriterSchema(schema_id, kind)
-
-    @staticmethod
-    def _reader(writer: WriterSchema | SchemaNotFound, schema_id: int,
-                event: type[msgspec.Struct]) -> Callable[[bytes], bytes]:
-        """The event's JSON document from a framed record value, read with its writer schema; _Refused (the code
-        and reason of the refusal) when it cannot be."""
-        if isinstance(writer, SchemaNotFound):
-            return _refuse("schema_not_found", f"{writer}; the record is framed for the Schema Registry (magic "
-                           f"byte 0, schema id {schema_id})")
-        if writer.kind == JSON_SCHEMA:
-            return lambda value: value[FRAME.size:]
-        if writer.kind != AVRO or writer.parsed is None:
-            return _refuse("invalid_request", f"the record is framed with a {writer.kind} schema (id {schema_id}); "
-                           "records are read as JSON, Avro or JSON Schema")
-        codec = writer.codec(event)
-
-        def read(value: bytes) -> bytes:
-            try:
-                return codec.read(value, FRAME.size, lean=True)  # decoded next: defaults need not travel
-            except ValueError as exc:
-                raise _Refused("invalid_request", f"the payload does not match its Avro schema (id {schema_id}): "
-                               f"{exc}") from exc
-        return read
+        self._fetched += 1
+        if self._fetched >= KNOWN_SCHEMAS:  # the client keeps every schema it fetched; ours are bounded
+            self._fetched = 0
+            with contextlib.suppress(AttributeError):  # a private cache, cleared when this client version has it
+                self.client._cache.clear()  # noqa: SLF001
+        return WriterSchema(schema_id, schema.schema_type or AVRO, schema.schema_str or "")
 
     # ------------------------------------------------------------------------------ out: answers
 
@@ -453,3 +598,23 @@ class OutgoingFormat:
 
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _not_found(schema_id: int) -> Read:
+    return _refuse("schema_not_found", f"the Schema Registry has no schema with id {schema_id}; the record is "
+                   f"framed for it (magic byte 0, schema id {schema_id})")
+
+
+def _answered(exc: Exception) -> bool:
+    """Whether a failed schema lookup is the registry's answer (it has no such id, or refused the request with
+    another 4xx) rather than its fault (unreachable, timed out, a 5xx): only a fault is an outage."""
+    return isinstance(exc, SchemaNotFound) or _refusal(exc)
+
+
+def _settled(pending: dict[tuple[object, ...], asyncio.Future[object]], key: tuple[object, ...],
+             done: asyncio.Future[object]) -> None:
+    """A lookup ended: it is no longer pending, and its exception (a shutdown's) counts as retrieved, since
+    every waiter may have been given up before it ended."""
+    pending.pop(key, None)
+    if not done.cancelled():
+        done.exception()

@@ -137,6 +137,14 @@ class RegistrySettings(_Section, frozen=True, kw_only=True):
         "the longest wait between retries while the registry is down (the partition waits; nothing is "
         "dead-lettered for it)"
     )] = 30.0
+    schema_registry_require_subject: Annotated[bool, doc(
+        "read a framed record only if its writer schema is registered under the subject of its topic (per "
+        "subject_name_strategy); off, any schema id the registry knows is read, whoever registered it and where"
+    )] = True
+    schema_registry_unknown_id_ttl_s: Annotated[float, doc(
+        "how long a schema id the registry said it does not know is answered schema_not_found without asking "
+        "again (a later registration of that id is read after it)"
+    )] = 30.0
 
     def check(self) -> None:
         if self.answer_format != "json" and not self.schema_registry_url:
@@ -148,6 +156,7 @@ class RegistrySettings(_Section, frozen=True, kw_only=True):
             raise ValueError("schema_registry_ssl_keyfile needs schema_registry_ssl_certfile (the certificate it signs)")
         _at_least("schema_registry_timeout_s", self.schema_registry_timeout_s, 0.1, "a tenth of a second")
         _at_least("schema_registry_backoff_max_s", self.schema_registry_backoff_max_s, 0.1, "a tenth of a second")
+        _at_least("schema_registry_unknown_id_ttl_s", self.schema_registry_unknown_id_ttl_s, 0.0, "zero")
 
 
 class DeliverySettings(_Section, frozen=True, kw_only=True):

@@ -122,7 +122,12 @@ class _Source:
     def function(self, name: str, argument: str) -> Callable[..., Any]:
         text = f"def {name}({argument}):\n" + "\n".join(self.lines) + "\n"
         namespace = dict(self.constants)
-        exec(compile(text, f"<avro {name}>", "exec"), namespace)  # noqa: S102 - our own generated text
+        try:
+            code = compile(text, f"<avro {name}>", "exec")
+        except (SyntaxError, RecursionError, MemoryError, ValueError) as exc:  # Python's own limits: "too many
+            # statically nested blocks" past about 20 containers and unions, one inside the other
+            raise NotCompilable(f"the schema nests too deep for its code ({type(exc).__name__}: {exc})") from exc
+        exec(code, namespace)  # noqa: S102 - our own generated text
         function = namespace[name]
         assert callable(function)
         return function
@@ -141,6 +146,18 @@ def _resolve(schema: object, named: Mapping[str, object]) -> object:
     if isinstance(schema, dict) and set(schema) <= {"type", "doc"} and schema.get("type") in _PRIMITIVES:
         return schema["type"]
     return schema
+
+
+def _read_type(schema: object, named: Mapping[str, object]) -> object:
+    """A schema as a reader reads it: a named reference replaced by its definition, and a primitive written with
+    a logical type (a timestamp's long, a uuid's string, a decimal's bytes) read as that primitive."""
+    if isinstance(schema, str) and schema == "bytes":
+        return schema
+    if isinstance(schema, dict) and schema.get("type") == "bytes" and "name" not in schema:
+        return "bytes"
+    if isinstance(schema, dict) and schema.get("type") in _PRIMITIVES and "name" not in schema:
+        return schema["type"]
+    return _resolve(schema, named)
 
 
 def _kind(kind: mi.Type | None) -> mi.Type | None:
@@ -363,23 +380,26 @@ class _ReaderCompiler(_Compiler):
 
     def value(self, schema: object, kind: mi.Type | None, target: str, depth: int) -> None:
         """Lines reading a value of ``schema`` at ``p`` in ``data`` into the local ``target`` (``kind``: the
-        contract's type there; None where the event does not carry it, read to be skipped)."""
+        contract's type there; None where the event does not carry it, read to be skipped). Every length and
+        count is checked against the bytes left before it is believed."""
         emit = self.source.emit
-        schema = _resolve(schema, self.named)
+        schema = _read_type(schema, self.named)
         if isinstance(schema, list):
             self.union(schema, kind, target, depth)
         elif schema in ("long", "int"):
             self.long(target, depth)
-        elif schema == "string":
+        elif schema in ("string", "bytes"):
             size = self.source.name("n")
             self.long(size, depth)
-            emit(depth, f"if {size} < 0 or p + {size} > len(data): raise _Mismatch")
+            emit(depth, f"if {size} < 0 or {size} > len(data) - p: raise _Mismatch")
             if _is_text(kind) and self.lean:  # checked as JSON, kept as its text: its reader parses it once
                 emit(depth, f"{target} = _raw(data[p:p + {size}])")
             elif _is_text(kind):
                 emit(depth, f"{target} = _parse(data[p:p + {size}])")
+            elif schema == "string" or isinstance(_kind(_nullable_inner(kind)), mi.StrType):
+                emit(depth, f"{target} = data[p:p + {size}].decode()")  # bytes promoted to a string
             else:
-                emit(depth, f"{target} = data[p:p + {size}].decode()")
+                emit(depth, f"{target} = data[p:p + {size}]")  # bytes the event does not carry: skipped
             emit(depth, f"p += {size}")
         elif schema == "boolean":
             emit(depth, "b = data[p]")
@@ -398,6 +418,23 @@ class _ReaderCompiler(_Compiler):
             self.container(schema, kind, target, depth)
         elif isinstance(schema, dict) and schema.get("type") == "record":
             self.record(schema, kind, target, depth)
+        elif isinstance(schema, dict) and schema.get("type") == "enum":
+            symbols = schema.get("symbols")
+            if not isinstance(symbols, list) or not symbols:
+                raise NotCompilable(f"the enum {schema.get('name')} has no symbols")
+            names = self.source.constant(tuple(str(symbol) for symbol in symbols), "_symbols")
+            index = self.source.name("i")
+            self.long(index, depth)
+            emit(depth, f"if not 0 <= {index} < {len(symbols)}: raise _Mismatch")
+            emit(depth, f"{target} = {names}[{index}]")
+        elif isinstance(schema, dict) and schema.get("type") == "fixed":
+            fixed_size = schema.get("size")
+            if not isinstance(fixed_size, int) or fixed_size < 0:
+                raise NotCompilable(f"the fixed {schema.get('name')} has no size")
+            size = str(fixed_size)
+            emit(depth, f"if p + {size} > len(data): raise _Mismatch")
+            emit(depth, f"{target} = data[p:p + {size}]")
+            emit(depth, f"p += {size}")
         else:
             raise NotCompilable(f"the Avro type {schema!r}")
 
@@ -423,7 +460,7 @@ class _ReaderCompiler(_Compiler):
         for number, branch in enumerate(branches):
             emit(depth, f"{first} {index} == {number}:")
             first = "elif"
-            self.value(branch, inner if _resolve(branch, self.named) != "null" else None, target, depth + 1)
+            self.value(branch, inner if _read_type(branch, self.named) != "null" else None, target, depth + 1)
         emit(depth, "else: raise _Mismatch")
 
     def container(self, schema: dict[str, object], kind: mi.Type | None, target: str, depth: int) -> None:
@@ -441,6 +478,9 @@ class _ReaderCompiler(_Compiler):
         emit(depth + 1, f"if {count} < 0:")
         emit(depth + 2, f"{count} = -{count}")
         self.long("_", depth + 2)
+        # Each item takes a byte at least (a writer schema whose items take none is not admitted): a count
+        # beyond the bytes left is a lie, refused before any loop runs.
+        emit(depth + 1, f"if {count} > len(data) - p: raise _Mismatch")
         emit(depth + 1, f"for _ in range({count}):")
         if is_map:
             self.value("string", None, key, depth + 2)
@@ -525,6 +565,192 @@ def compile_reader(parsed: Mapping[str, object], event: type[msgspec.Struct], *,
     encoding); it raises for a payload it does not take. NotCompilable for a schema the compiled code does not
     cover."""
     compiler = _ReaderCompiler(_named(parsed), lean)
-    compiler.record(dict(parsed), avro.struct_info(event), "document", 1)
+    try:
+        compiler.record(dict(parsed), avro.struct_info(event), "document", 1)
+    except RecursionError as exc:
+        raise NotCompilable("the schema nests too deep to compile") from exc
     compiler.source.emit(1, "return document")
     return compiler.source.function("read_avro_compiled", "data, p=0")
+
+
+# --------------------------------------------------------------------------------------------- explaining
+
+
+class _Stop(Exception):
+    """Where and why a payload cannot be read (the message of its refusal)."""
+
+
+class _TooDeep(Exception):
+    """JSON text inside the payload nests deeper than a JSON reader goes."""
+
+
+class PayloadError(ValueError):
+    """A payload its writer schema cannot read, with the reason (``too_deep``: JSON text in it nests deeper than
+    any JSON reader goes, which a request's reader refuses as it refuses such a JSON request)."""
+
+    def __init__(self, message: str, *, too_deep: bool = False) -> None:
+        super().__init__(message)
+        self.too_deep = too_deep
+
+
+def explain(parsed: Mapping[str, object], event: type[msgspec.Struct], data: bytes, start: int = 0) -> PayloadError:
+    """Why the payload in ``data`` from ``start`` cannot be read with ``parsed``, for a producer to act on: the
+    field, what was expected there and at which byte of the payload. The compiled reader is fast and says
+    nothing; this walk reads the same way, slowly, when it has failed. Bounded like it: no count or length is
+    believed beyond the bytes left, and the schema (admitted first) is not recursive."""
+    walk = _Walk(_named(parsed), data, start)
+    try:
+        walk.value(dict(parsed), avro.struct_info(event), "$")
+    except _Stop as stop:
+        return PayloadError(str(stop))
+    except _TooDeep as deep:
+        return PayloadError(str(deep), too_deep=True)
+    return PayloadError("the payload could not be read, though every field of its schema was found in it")
+
+
+class _Walk:
+    """Reads a payload field by field, stopping at the first thing that is not as its schema says."""
+
+    def __init__(self, named: Mapping[str, object], data: bytes, start: int) -> None:
+        self.named = named
+        self.data = data
+        self.start = start
+        self.p = start
+
+    def at(self) -> int:
+        """The position in the payload (after the frame), as a producer counts its bytes."""
+        return self.p - self.start
+
+    def left(self) -> int:
+        return len(self.data) - self.p
+
+    def need(self, count: int, what: str, path: str) -> None:
+        if count > self.left():
+            ends = "the payload is empty" if len(self.data) == self.start else \
+                f"the payload ends at byte {len(self.data) - self.start}"
+            raise _Stop(f"{path}: {ends} where {what} was expected (at byte {self.at()}, "
+                        f"{count - self.left()} byte(s) short)")
+
+    def long(self, what: str, path: str) -> int:
+        folded, shift, begun = 0, 0, self.at()
+        while True:
+            self.need(1, what, path)
+            byte = self.data[self.p]
+            self.p += 1
+            folded |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return (folded >> 1) ^ -(folded & 1)
+            shift += 7
+            if shift > 63:
+                raise _Stop(f"{path}: {what} at byte {begun} is a varint longer than a long (10 bytes)")
+
+    def length(self, what: str, path: str) -> int:
+        begun = self.at()
+        size = self.long(f"{what}'s length", path)
+        if size < 0:
+            raise _Stop(f"{path}: {what} at byte {begun} has a negative length ({size})")
+        self.need(size, f"{what} of {size:,} bytes", path)
+        return size
+
+    def value(self, schema: object, kind: mi.Type | None, path: str) -> object:
+        schema = _read_type(schema, self.named)
+        data = self.data
+        if isinstance(schema, list):
+            begun = self.at()
+            index = self.long("a union's branch index", path)
+            if not 0 <= index < len(schema):
+                raise _Stop(f"{path}: the union's branch index at byte {begun} is {index}; its schema has "
+                            f"{len(schema)} branches")
+            branch = schema[index]
+            return self.value(branch, _nullable_inner(kind) if _read_type(branch, self.named) != "null" else None,
+                              path)
+        if schema in ("long", "int"):
+            return self.long(f"an {schema}", path)
+        if schema in ("string", "bytes"):
+            what = "a string" if schema == "string" else "bytes"
+            size = self.length(what, path)
+            text = data[self.p:self.p + size]
+            self.p += size
+            if _is_text(kind):
+                try:
+                    return msgspec.json.decode(text)
+                except RecursionError as exc:
+                    raise _TooDeep(f"{path} is JSON text nested deeper than a JSON reader goes") from exc
+                except msgspec.DecodeError as exc:
+                    raise _Stop(f"{path} is not JSON text: {exc}") from exc
+            if schema == "string" or isinstance(_kind(_nullable_inner(kind)), mi.StrType):
+                try:
+                    return text.decode()
+                except UnicodeDecodeError as exc:
+                    raise _Stop(f"{path}: the string at byte {self.at() - size} is not UTF-8 ({exc.reason} at its "
+                                f"byte {exc.start})") from exc
+            return text
+        if schema == "boolean":
+            self.need(1, "a boolean", path)
+            byte = data[self.p]
+            if byte > 1:
+                raise _Stop(f"{path}: the boolean at byte {self.at()} is {byte}, not 0 or 1")
+            self.p += 1
+            return byte == 1
+        if schema in ("double", "float"):
+            size = 8 if schema == "double" else 4
+            self.need(size, f"a {schema} ({size} bytes)", path)
+            self.p += size
+            return 0.0
+        if schema == "null":
+            return None
+        if isinstance(schema, dict) and schema.get("type") in ("array", "map"):
+            self.container(schema, kind, path)
+            return None
+        if isinstance(schema, dict) and schema.get("type") == "record":
+            fields = schema.get("fields")
+            assert isinstance(fields, list)
+            ours = _contract_fields(kind)
+            for field in fields:
+                contract = ours.get(field["name"])
+                self.value(field["type"], avro.field_type(contract) if contract is not None else None,
+                           f"{path}.{field['name']}")
+            return None
+        if isinstance(schema, dict) and schema.get("type") == "enum":
+            begun = self.at()
+            index = self.long("an enum's symbol index", path)
+            symbols = schema.get("symbols")
+            assert isinstance(symbols, list)
+            if not 0 <= index < len(symbols):
+                raise _Stop(f"{path}: the enum's symbol index at byte {begun} is {index}; it has {len(symbols)}")
+            return symbols[index]
+        if isinstance(schema, dict) and schema.get("type") == "fixed":
+            fixed_size = schema.get("size")
+            assert isinstance(fixed_size, int)
+            self.need(fixed_size, f"a fixed of {fixed_size} bytes", path)
+            self.p += fixed_size
+            return None
+        raise _Stop(f"{path}: the Avro type {schema!r} is not read")
+
+    def container(self, schema: dict[str, object], kind: mi.Type | None, path: str) -> None:
+        is_map = schema["type"] == "map"
+        kind = _kind(kind)
+        inner = (kind.value_type if isinstance(kind, mi.DictType) else None) if is_map else \
+            (kind.item_type if isinstance(kind, mi.ListType) else None)
+        what = "a map's entry count" if is_map else "an array's item count"
+        number = 0
+        while True:
+            begun = self.at()
+            count = self.long(what, path)
+            if count == 0:
+                return
+            if count < 0:
+                count = -count
+                self.long("a block's byte size", path)
+            if count > self.left():
+                items = "entries" if is_map else "items"
+                raise _Stop(f"{path}: {count:,} {items} claimed at byte {begun} with {self.left():,} byte(s) left "
+                            "(each takes one at least)")
+            for _ in range(count):
+                if is_map:
+                    key = self.value("string", None, f"{path}[{number}]'s key")
+                    self.value(schema["values"], inner, f"{path}.{key}")
+                else:
+                    self.value(schema["items"], inner, f"{path}[{number}]")
+                number += 1
+

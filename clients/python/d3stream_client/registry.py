@@ -53,7 +53,7 @@ except ImportError as missing:  # the clear reason, not a bare "No module named 
     raise ImportError(f"the Schema Registry format needs confluent-kafka and fastavro ({missing}): "
                       "pip install 'd3stream-client[registry]'", name=missing.name) from missing
 
-from d3stream_client import avro, avro_binary
+from d3stream_client import avro, avro_binary, writer_schemas
 from d3stream_client.contract import Request, spoken_list
 from d3stream_client.schemas import SCHEMAS, registry_json_schema
 
@@ -76,8 +76,9 @@ _EVENTS_BY_NAME: dict[str, type[msgspec.Struct]] = {event.__name__: event for ev
 
 
 def is_framed(value: bytes | None) -> bool:
-    """Whether a record value is in the registry's wire format (a JSON document starts with ``{`` or space)."""
-    return value is not None and len(value) > FRAME.size and value[0] == MAGIC
+    """Whether a record value is in the registry's wire format (a JSON document starts with ``{`` or space): the
+    magic byte and a schema id, then a payload that may be empty (then its schema's reader refuses it)."""
+    return value is not None and len(value) >= FRAME.size and value[0] == MAGIC
 
 
 def frame(schema_id: int, payload: bytes) -> bytes:
@@ -88,8 +89,8 @@ def parse_avro_schema(text: str) -> object:
     """fastavro's parsed form of an Avro schema's JSON text; ValueError saying why it is not valid."""
     try:
         return fastavro.parse_schema(json.loads(text))
-    except (ValueError, fastavro.schema.SchemaParseException) as exc:
-        raise ValueError(str(exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - fastavro raises KeyError and others for schemas it cannot parse
+        raise ValueError(f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)) from exc
 
 
 class AvroCodec:
@@ -141,22 +142,23 @@ class AvroCodec:
 
     def read(self, value: bytes, start: int = 0, *, lean: bool = False) -> bytes:
         """The event's JSON document from the Avro payload in ``value`` from ``start`` (past a frame); with
-        ``lean``, its fields at their default left out (``avro.from_avro``). ValueError saying why the payload
-        does not match the schema."""
+        ``lean``, its fields at their default left out (``avro.from_avro``). ``avro_binary.PayloadError`` (a
+        ValueError) saying what was expected at which byte when the payload does not match the schema.
+
+        Only the compiled code reads: it believes no length or count beyond the bytes left, and it is what an
+        admitted writer schema (``writer_schemas.admit``) is compiled into. fastavro's reader is not a fallback
+        here: on a recursive schema and a payload nested thousands deep it crashes the interpreter."""
         reader = self._lean_reader if lean else self._reader
-        if reader is not None:
+        if reader is None:
             try:
-                return msgspec.json.encode(reader(value, start))
-            except Exception:  # noqa: BLE001, S110 - as in write
-                pass
+                avro_binary.compile_reader(self.parsed, self.event, lean=lean)
+            except avro_binary.NotCompilable as exc:
+                raise avro_binary.PayloadError(f"its writer schema cannot be read: {exc}") from exc
+        assert reader is not None
         try:
-            datum = fastavro.schemaless_reader(io.BytesIO(memoryview(value)[start:]), self.parsed, None)
-            if not isinstance(datum, Mapping):
-                raise ValueError(f"an event is an Avro record, got {type(datum).__name__}")
-            document = avro.from_avro(datum, self.event, lean=lean)
-        except (ValueError, EOFError, TypeError, IndexError, KeyError) as exc:
-            raise ValueError(str(exc)) from exc
-        return msgspec.json.encode(document)
+            return msgspec.json.encode(reader(value, start))
+        except Exception as exc:  # noqa: BLE001 - the slow walk below says where and why
+            raise avro_binary.explain(self.parsed, self.event, value, start) from exc
 
 
 def _compiled(compile_: Callable[[dict[str, object], type[msgspec.Struct]], T], parsed: dict[str, object],
@@ -396,13 +398,14 @@ class RegistryFormat:
         if kind != AVRO:
             raise UnreadableRecord(f"the record is framed with a {kind} schema (id {schema_id}); this client "
                                    "reads JSON, Avro and JSON Schema")
-        try:
-            parsed = parse_avro_schema(schema.schema_str or "")
-        except ValueError as exc:
-            raise UnreadableRecord(f"schema id {schema_id} is not a valid Avro schema: {exc}") from exc
-        name = str(parsed.get("name", "")) if isinstance(parsed, dict) else ""
-        event = _EVENTS_BY_NAME.get(name.rsplit(".", 1)[-1])
-        if event is None or not isinstance(parsed, dict):
+        text = schema.schema_str or ""
+        name = writer_schemas.record_name(text)
+        event = _EVENTS_BY_NAME.get((name or "").rsplit(".", 1)[-1])
+        if event is None:
             raise UnreadableRecord(f"schema id {schema_id} is not an event of the d3stream contract (an Avro record "
                                    f"named {spoken_list(sorted(_EVENTS_BY_NAME))}): {name or 'not a record'}")
+        try:
+            parsed = writer_schemas.admit(text, event)
+        except writer_schemas.SchemaRefused as exc:
+            raise UnreadableRecord(f"schema id {schema_id} is not admitted for {event.__name__} records: {exc}") from exc
         return _Writer(kind, AvroCodec(parsed, event))

@@ -192,7 +192,7 @@ def _check_document(document: dict[str, Any], request_id: str | None) -> None:
     """The checks that read a whole decoded document, in the order every framing answers them: nesting, then
     finite numbers."""
     if not _depth_ok(document):
-        raise EventError("invalid_request", _TOO_DEEP, request_id)
+        raise EventError("invalid_request", TOO_DEEP, request_id)
     _refuse_non_finite(document, request_id)
 
 
@@ -239,7 +239,7 @@ def decode_request(value: bytes | None, key: bytes | None = None, limits: Reques
     # Too few brackets to nest too deep: the walk over the document is only needed past the limit. Its numbers need
     # no walk: msgspec reads no NaN, Infinity or 1e400 from JSON text, and _parse refused those naming where.
     if value.count(b"[") + value.count(b"{") > MAX_NESTING and not _depth_ok(document):
-        raise EventError("invalid_request", _TOO_DEEP, request_id)
+        raise EventError("invalid_request", TOO_DEEP, request_id)
     return _request(document, request_id, limits, value)
 
 
@@ -323,7 +323,7 @@ def _unreadable(value: bytes, fallback_id: str | None, exc: msgspec.DecodeError)
     return EventError("undecodable_event", f"the record is not UTF-8 JSON: {exc}", fallback_id)
 
 
-_TOO_DEEP = f"the request is nested deeper than {MAX_NESTING} levels of JSON arrays and objects"
+TOO_DEEP = f"the request is nested deeper than {MAX_NESTING} levels of JSON arrays and objects"
 # The id, when it is the first member of the request object (as producers usually write it): the one part
 # of a document too deep to parse that can still be read, so its error answer carries the request's id.
 _LEADING_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){1,512}")')
@@ -354,7 +354,7 @@ def _too_deep(value: bytes, fallback_id: str | None) -> EventError:
             leading = None
         if isinstance(leading, str) and leading:
             request_id = leading
-    return EventError("invalid_request", _TOO_DEEP, request_id)
+    return EventError("invalid_request", TOO_DEEP, request_id)
 
 
 def check_media_references(request: Request, limit: int) -> None:
