@@ -101,21 +101,34 @@ class SchemaNotFound(Exception):
 
 
 class _Refused(Exception):
-    """Why a framed record cannot be read: its refusal's code and reason (the request id is its reader's)."""
+    """Why a framed record cannot be read: its refusal's code and reason (the request id is its reader's), and
+    whether the record also goes to the dead-letter topic (its schema was refused: whoever writes with it must
+    see it there, not only the requester)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, dead_letter: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.dead_letter = dead_letter
 
 
 Read = Callable[[bytes], bytes]  # a framed record value -> its JSON document; _Refused when it cannot be read
 
 
-def _refuse(code: str, message: str) -> Read:
-    def refuse(value: bytes) -> bytes:
-        raise _Refused(code, message)
-    return refuse
+@dataclass(frozen=True)
+class _Refusal:
+    """The reader of records that are refused whatever their payload."""
+
+    code: str
+    message: str
+    dead_letter: bool = False
+
+    def __call__(self, value: bytes) -> bytes:
+        raise _Refused(self.code, self.message, dead_letter=self.dead_letter)
+
+
+def _refuse(code: str, message: str, *, dead_letter: bool = False) -> Read:
+    return _Refusal(code, message, dead_letter)
 
 
 # How many writer schemas (admitted or refused) a worker keeps by id, how many ids the registry did not know it
@@ -149,18 +162,23 @@ class WriterSchema:
             known = self.readers[event] = self._decide(event)
         return known
 
+    def admitted(self, event: type[msgspec.Struct]) -> bool:
+        """Whether records of ``event`` are read with this schema (not refused whatever subject holds it)."""
+        return not isinstance(self.reader(event), _Refusal)
+
     def _decide(self, event: type[msgspec.Struct]) -> Read:
         schema_id = self.schema_id
         if self.kind == JSON_SCHEMA:
             return functools.partial(_read_json_schema, schema_id=schema_id)
         if self.kind != AVRO:
             return _refuse("invalid_request", f"the record is framed with a {self.kind} schema (id {schema_id}); "
-                           "records are read as JSON, Avro or JSON Schema")
+                           "records are read as JSON, Avro or JSON Schema", dead_letter=True)
         try:
             parsed = admit(self.text, event)
         except SchemaRefused as exc:
             return _refuse("invalid_request", f"the writer schema of id {schema_id} is not admitted for "
-                           f"{event.__name__} records: {exc} (docs/REGISTRY.md says what a writer schema must be)")
+                           f"{event.__name__} records: {exc} (docs/REGISTRY.md says what a writer schema must be)",
+                           dead_letter=True)
         return functools.partial(_read_avro, codec=AvroCodec(parsed, event), schema_id=schema_id)
 
 
@@ -212,6 +230,7 @@ class UnframedRecord:
     value: bytes | None
     headers: Sequence[tuple[str, bytes]] | None
     unreadable: EventError | None = None
+    dead_letter: bool = False  # the refusal is dead-lettered too (a refused writer schema), whatever its code
 
 
 class Registry:
@@ -282,7 +301,8 @@ class Registry:
                 request_id = record.key.decode("utf-8", "replace") if record.key else None
                 unframed.append(UnframedRecord(record.topic, record.partition, record.offset, record.timestamp,
                                                record.key, value, record.headers,
-                                               unreadable=EventError(refused.code, refused.message, request_id)))
+                                               unreadable=EventError(refused.code, refused.message, request_id),
+                                               dead_letter=refused.dead_letter))
                 continue
             unframed.append(UnframedRecord(record.topic, record.partition, record.offset, record.timestamp,
                                            record.key, document, record.headers))
@@ -306,7 +326,7 @@ class Registry:
             until = self._unknown.get(schema_id)
             return _not_found(schema_id) if until is not None and until > time.monotonic() else None
         self._known.move_to_end(schema_id)
-        if self._needs_subject(writer) and (topic, event) not in writer.places:
+        if self._needs_subject(writer, event) and (topic, event) not in writer.places:
             return None
         return self._placed(writer, topic, event)
 
@@ -314,20 +334,22 @@ class Registry:
         writer = await self._writer(schema_id)
         if not isinstance(writer, WriterSchema):
             return writer
-        if self._needs_subject(writer) and (topic, event) not in writer.places:
+        if self._needs_subject(writer, event) and (topic, event) not in writer.places:
             await self._once(("subject", schema_id, topic, event), lambda: self._check_place(writer, topic, event))
         return self._placed(writer, topic, event)
 
-    def _needs_subject(self, writer: WriterSchema) -> bool:
-        return self.settings.schema_registry_require_subject and writer.refusal is None
+    def _needs_subject(self, writer: WriterSchema, event: type[msgspec.Struct]) -> bool:
+        """Whether the subjects holding ``writer`` decide: a schema refused for what it is (checked first, here,
+        with no request to the registry) is refused wherever it is registered."""
+        return self.settings.schema_registry_require_subject and writer.admitted(event)
 
     def _placed(self, writer: WriterSchema, topic: str, event: type[msgspec.Struct]) -> Read:
         """The writer schema's reader, or the refusal of a schema not registered under a subject of the topic."""
-        reason = writer.places.get((topic, event)) if self._needs_subject(writer) else None
+        reason = writer.places.get((topic, event)) if self._needs_subject(writer, event) else None
         if reason is not None:
             return _refuse("invalid_request", f"the writer schema of id {writer.schema_id} is not registered under "
                            f"a subject of topic {topic!r} ({reason}): register it there, or set "
-                           "schema_registry_require_subject false to read any id the registry knows")
+                           "schema_registry_require_subject false to read any id the registry knows", dead_letter=True)
         return writer.reader(event)
 
     async def _once(self, key: tuple[object, ...], make: Callable[[], Awaitable[T]]) -> T:
@@ -365,7 +387,8 @@ class Registry:
             except SchemaRegistryError as exc:  # another refusal of the registry's: remembered like a schema
                 message = (f"the Schema Registry refused to give schema id {schema_id}: {exc.error_message} "
                            f"(HTTP {exc.http_status_code})")
-                writer = WriterSchema(schema_id, "refused", "", refusal=_refuse("invalid_request", message))
+                writer = WriterSchema(schema_id, "refused", "",
+                                      refusal=_refuse("invalid_request", message, dead_letter=True))
                 self._keep(writer)
                 return writer
         self._unknown.pop(schema_id, None)
