@@ -221,7 +221,7 @@ def test_an_earlier_writer_schema_without_a_field_reads_it_as_its_default():
     assert exact(read) == exact(fastavro_document(value, Request, earlier))
 
 
-def test_a_schema_the_compiled_code_does_not_cover_is_served_by_fastavro():
+def test_a_schema_the_compiled_writer_does_not_cover_is_written_by_fastavro_and_read_compiled():
     schema = avro_schema(Request)
     fields = schema["fields"]
     assert isinstance(fields, list)
@@ -281,3 +281,57 @@ def test_json_text_that_does_not_parse_is_refused_naming_the_field(lean):
     fastavro.schemaless_writer(out, REQUEST_SCHEMA, datum)
     with pytest.raises(ValueError, match=r"\$\.state.* not JSON text"):
         codec.read(out.getvalue(), lean=lean)
+
+
+# ------------------------------------------------------------------------------------ bounded by the bytes given
+
+
+def test_a_count_beyond_the_bytes_left_is_refused_before_any_item_is_read():
+    """An array that claims 2^31 items in a handful of bytes: refused at once, naming the field and the claim."""
+    codec = AvroCodec(REQUEST_SCHEMA, Request)
+    value = codec.write({"id": "r", "questions": {"q": QUESTIONS["refund"]}})
+    # The questions map's count is the byte after the id ("r") and the state's null branch.
+    claim = bytes([0x80, 0x80, 0x80, 0x80, 0x10])  # zigzag 2^31
+    forged = value[:3] + claim + value[4:]
+    with pytest.raises(avro_binary.PayloadError, match=r"\$\.questions: 2,147,483,648 entries claimed at byte 3"):
+        codec.read(forged)
+
+
+@pytest.mark.parametrize(("cut", "where"), [(0, r"\$\.id: the payload is empty where a string's length was expected"),
+                                            (2, r"\$\.id: the payload ends at byte 2 where a string of \d+ bytes was expected \(at byte 1")])
+def test_a_truncated_payload_says_what_was_expected_and_at_which_byte(cut, where):
+    codec = AvroCodec(REQUEST_SCHEMA, Request)
+    value = codec.write(dict(REQUEST))
+    with pytest.raises(avro_binary.PayloadError, match=where):
+        codec.read(value[:cut])
+
+
+def test_json_text_nested_past_any_reader_is_too_deep_not_a_crash():
+    codec = AvroCodec(REQUEST_SCHEMA, Request)
+    marker = b'{"m":1}'
+    value = codec.write({**REQUEST, "state": {"m": 1}})
+    deep = b"[" * 20_000 + b"]" * 20_000
+    size = avro_binary._varlong(len(deep))  # noqa: SLF001 - the length prefix of the forged text
+    forged = value.replace(avro_binary._varlong(len(marker)) + marker, size + deep)  # noqa: SLF001
+    with pytest.raises(avro_binary.PayloadError) as refused:
+        codec.read(forged, lean=True)
+    assert refused.value.too_deep and "$.state" in str(refused.value)
+
+
+def test_enum_fixed_and_bytes_in_a_later_writer_schema_are_read_by_the_compiled_reader():
+    schema = avro_schema(Request)
+    fields = schema["fields"]
+    assert isinstance(fields, list)
+    schema["fields"] = [*fields,
+                        {"name": "tier", "type": {"type": "enum", "name": "Tier", "symbols": ["a", "b"]}, "default": "a"},
+                        {"name": "digest", "type": {"type": "fixed", "name": "Digest", "size": 4}, "default": "abcd"},
+                        {"name": "blob", "type": "bytes", "default": ""},
+                        {"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}, "default": 0}]
+    later = parsed(schema)
+    datum = {**to_avro(dict(REQUEST), Request), "tier": "b", "digest": b"wxyz", "blob": b"\x00\x01", "at": 5}
+    out = io.BytesIO()
+    fastavro.schemaless_writer(out, later, datum)
+    read = avro_binary.compile_reader(later, Request)(out.getvalue())
+    assert msgspec.convert(read, Request) == msgspec.convert(dict(REQUEST), Request)
+    with pytest.raises(avro_binary.PayloadError, match="symbol index"):  # an enum index past its symbols
+        AvroCodec(later, Request).read(out.getvalue().replace(b"\x02wxyz", b"\x08wxyz"))
