@@ -14,6 +14,11 @@ This module wires them and owns what spans them: the start-up order (topics, lim
 model, consumer), the one model thread every model's passes share (one device: passes never run side by side), the handler that delivers each fetch's answers and counts them, and the clean-up. An error that no
 retry can cure (``WorkerFatal``: no permission, a missing topic) stops the worker without committing past the
 record; ``run`` raises it and ``d3stream serve`` exits with status 3.
+
+The handler is also the guard for what escapes the pipeline anyway (``_answer_guarded``): a fetch whose
+answering raises is answered again a record at a time, and a record whose own handling still raises is skipped
+(answered ``internal_error`` naming the exception, dead-lettered, counted in ``d3stream_records_failed_total``),
+so its partition goes on; a handler that dies even so is logged and makes the worker not ready (``Metrics.watch``).
 """
 
 from __future__ import annotations
@@ -39,10 +44,10 @@ from d3stream.core.decoding import ByteBudget, MediaDecoder
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.outgoing import Outgoing, RecordWriter
 from d3stream.core.passes import Passes, RowScheduler, default_token_budget, model_thread
-from d3stream.core.pipeline import RequestPipeline
+from d3stream.core.pipeline import RequestPipeline, skipped
 from d3stream.core.record import RequestRecord, Stage
 from d3stream.core.routing import Hosted
-from d3stream.core.seams import DecisionModel
+from d3stream.core.seams import DecisionModel, InputRecord, Position, position_of
 from d3stream.core.storage import MediaFetcher
 from d3stream.kafka.commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
 from d3stream.kafka.connection import check_connection, connecting
@@ -58,6 +63,7 @@ from d3stream.ops.metrics import Metrics
 from d3stream.ops.tracing import Tracing
 from d3stream.runtime.cache import lent_media_caches
 from d3stream.runtime.cpu_threads import release_idle_teams
+from d3stream.runtime.media import reason
 from d3stream.settings import Settings
 
 __all__ = ["OffsetTracker", "Service", "answer_identity", "default_token_budget"]
@@ -366,17 +372,84 @@ class Service:
 
     async def _serve_fetch(self, fetched: Fetch) -> None:
         """The consume loop's handler: the pipeline answers the fetch, and each group of answers is delivered
-        as it is ready (beside the pipeline's further work, not after it)."""
+        as it is ready (beside the pipeline's further work, not after it). Should answering raise anyway, the
+        guard (``_answer_guarded``) answers each record not handed on yet by itself: a record at fault costs
+        itself, never its neighbours, its partition or the worker. What escapes even that ends the task, which
+        the consume loop watches (``Metrics.watch``: logged, and the worker is not ready)."""
         deliveries: list[asyncio.Future[None]] = []
         try:
-            records = fetched.records if self.registry is None else await self.registry.unframe(fetched.records)
-            async for answered in self.pipeline.answer(records):
-                deliveries.append(asyncio.ensure_future(self._deliver(fetched, answered)))
+            failed = await self._answer_guarded(fetched, deliveries)
             await asyncio.gather(*deliveries)
         except asyncio.CancelledError:  # the loop gave up on this fetch: nothing of it is handed on any more
             for delivery in deliveries:
                 delivery.cancel()
             raise
+        if failed is not None:
+            raise failed
+
+    async def _answer_guarded(self, fetched: Fetch, deliveries: list[asyncio.Future[None]]) -> Exception | None:
+        """Answer the fetch, its records handed to delivery as they are answered (``deliveries``). If that
+        raises (an unframing that recurses too deep, a stage's bug), the records not handed on yet are answered
+        again each by itself, side by side, so that the one at fault is found and the others are answered as
+        usual; one that still raises is skipped (``_answer_alone``). A worker-fatal error stops the worker as
+        delivery's do; a cancellation goes through. Returns what even a skipped record's answer raised."""
+        handed: set[Position] = set()
+        try:
+            await self._answer(fetched, await self._unframed(fetched.records), deliveries, handed)
+            return None
+        except WorkerFatal as exc:
+            self._stop_for(exc, fetched.records)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the guard: a fault of the worker costs the record at fault only
+            left = [record for record in fetched.records if position_of(record) not in handed]
+            log.error("a fetch could not be answered: its records are answered one by one", records=len(left),
+                      error=reason(exc), exc_info=exc)
+        outcomes = await asyncio.gather(*(self._answer_alone(fetched, record, deliveries, handed) for record in left),
+                                        return_exceptions=True)
+        return next((outcome for outcome in outcomes if isinstance(outcome, Exception)), None)
+
+    async def _answer_alone(self, fetched: Fetch, record: InputRecord, deliveries: list[asyncio.Future[None]],
+                            handed: set[Position]) -> None:
+        """One record of a fetch whose answering failed, answered by itself; should that raise too, the record is
+        skipped: answered ``internal_error`` naming the exception and dead-lettered (``pipeline.skipped``),
+        counted in ``d3stream_records_failed_total``, and its offset commits as an answered record's does, so
+        its partition goes on. Raises what answering the skipped record raised (nothing is left to try)."""
+        try:
+            await self._answer(fetched, await self._unframed([record]), deliveries, handed)
+            return
+        except WorkerFatal as exc:
+            self._stop_for(exc, [record])
+            return
+        except Exception as exc:  # noqa: BLE001 - this record is the one at fault: skipped below
+            fault = exc
+        if position_of(record) in handed:  # it was answered before its handling failed: that answer stands
+            log.error("a record's handling failed after it was answered", topic=record.topic,
+                      partition=record.partition, offset=record.offset, error=reason(fault), exc_info=fault)
+            return
+        log.error("record skipped: the worker failed on it", topic=record.topic, partition=record.partition,
+                  offset=record.offset, error=reason(fault), exc_info=fault,
+                  then="answered internal_error and dead-lettered; its partition goes on")
+        self.metrics.count_record_failed(type(fault).__name__)
+        await self._answer(fetched, [skipped(record, fault)], deliveries, handed)
+
+    async def _unframed(self, records: Sequence[InputRecord]) -> Sequence[InputRecord]:
+        """The records as the pipeline reads them: through the Schema Registry when one is set (registry.py)."""
+        return records if self.registry is None else await self.registry.unframe(records)
+
+    async def _answer(self, fetched: Fetch, records: Sequence[InputRecord], deliveries: list[asyncio.Future[None]],
+                      handed: set[Position]) -> None:
+        """The pipeline answers ``records``; each group of answers is handed to delivery as it is ready, and
+        ``handed`` keeps where each of its records was read."""
+        async for answered in self.pipeline.answer(records):
+            handed.update(record.position for record in answered)
+            deliveries.append(asyncio.ensure_future(self._deliver(fetched, answered)))
+
+    def _stop_for(self, exc: WorkerFatal, records: Sequence[InputRecord]) -> None:
+        """A worker-fatal error while answering: the worker stops, these records' offsets stay uncommitted."""
+        assert self.loop is not None
+        log.error("records could not be answered; their offsets stay uncommitted",
+                  offsets=[record.offset for record in records][:20], error=str(exc))
+        self.loop.fail(exc)
 
     async def _deliver(self, fetched: Fetch, records: list[RequestRecord]) -> None:
         """Hand answers to the commit policy; count and trace them. Never raises: a worker-fatal error stops

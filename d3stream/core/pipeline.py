@@ -41,6 +41,10 @@ as that record's error answer, never as its neighbours'. A stage that ends a req
 delivered) is moved by the stage that did the work, and a step out of order raises. The answered requests
 are yielded as they are ready (all text-only answers of a pass together, a media request's on its own):
 each step is an async generator, and ``streams.Streams`` reads the steps of a fetch side by side.
+
+Whatever raises out of ``answer`` anyway is its caller's to answer (service.py's guard answers the records
+not handed on again one at a time, and one that still fails as a ``SkippedRecord``: ``internal_error``,
+dead-lettered); what the records of the failed call held in flight goes back first.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import structlog
@@ -112,8 +117,33 @@ class RequestPipeline:
         self.prepare_thread.shutdown()
 
     async def answer(self, inputs: Sequence[InputRecord]) -> Answered:
-        """Answer every record: yields lists of answered requests as they are ready, each request once."""
+        """Answer every record: yields lists of answered requests as they are ready, each request once. Should
+        anything raise out of it anyway, what its records not handed on yet hold goes back before it raises
+        (``_given_up``): its caller answers them again (service.py)."""
         records = [self._begin(each) for each in inputs]
+        handed: set[int] = set()  # id() of the records yielded
+        try:
+            async for answered in self._answer_begun(records):
+                handed.update(map(id, answered))
+                yield answered
+        except Exception:
+            self._given_up([record for record in records if id(record) not in handed])
+            raise
+
+    def _given_up(self, records: list[RequestRecord]) -> None:
+        """What the records of a failed ``answer`` call that were not handed on hold goes back, since its caller
+        answers them again as new records (service.py's guard): an unfinished one's tokens, quota, media and
+        model count, and everyone's questions; their places among the requests read stay taken, for the records
+        that answer them. Leaked, they would hold backpressure (or a retired model) for the worker's lifetime."""
+        for record in records:
+            if not record.stage.finished:  # a finished one gave back what its answer frees when it was built
+                self.ledger.answered(record)
+                for each in self.router.hosted.values():
+                    each.passes.rows.finished(record.position)
+        self.ledger.delivered(records)
+        self.ledger.read(len(records))
+
+    async def _answer_begun(self, records: list[RequestRecord]) -> Answered:
         positions = [record.position for record in records]
         for each in self.router.hosted.values():
             each.passes.rows.expect(positions)
@@ -176,7 +206,8 @@ class RequestPipeline:
                 raise unreadable
             request = decode_request(read.value, read.key, self.request_limits)
         except EventError as exc:
-            if exc.code in DEAD_LETTERED:
+            # A record the worker skipped, or one framed with a refused schema, is dead-lettered whatever its code.
+            if exc.code in DEAD_LETTERED or getattr(read, "dead_letter", False):
                 record.records.append(self.router.default.answers.dead_letter(record, str(exc)))
             return Refusal(exc.code, str(exc), request_id=exc.request_id)
         record.request = request
@@ -380,8 +411,41 @@ def _expired(late: DeadlineExceeded, when: str) -> Refusal:
 
 
 # Refusals whose record also goes to the dead-letter topic: what is certainly not a request a producer meant
-# (bytes that are not a JSON object, a registry framing whose schema is unknown) is kept there with the reason.
+# (bytes that are not a JSON object, a registry framing whose schema is unknown) is kept there with the reason;
+# so is a record the worker failed on (``SkippedRecord``), to be looked at again once the fault is known.
 DEAD_LETTERED = frozenset({"undecodable_event", "schema_not_found"})
+
+
+@dataclass(frozen=True)
+class SkippedRecord:
+    """A record whose handling raised what no stage expected (service.py's guard), read as the ``internal_error``
+    refusal ``unreadable`` names and dead-lettered with its own bytes: it is answered, and its partition goes on
+    past it. Only where it was read, its key and its bytes are kept: anything else of it (its headers, what a
+    registry made of it) may be what failed."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int
+    key: bytes | None
+    value: bytes | None
+    unreadable: EventError
+    headers: Sequence[tuple[str, bytes]] | None = None
+    dead_letter: bool = True
+
+
+def skipped(read: InputRecord, exc: BaseException) -> SkippedRecord:
+    """``read`` as a record the worker failed on with ``exc``: its answer names the exception and says why the
+    stream went on (under the key's id, as a record a registry could not read is answered)."""
+    request_id = read.key.decode("utf-8", "replace") if read.key else None
+    message = (f"the worker failed on this record ({reason(exc)[:MAX_FAULT_CHARS]}); it was skipped, answered "
+               "with this error and dead-lettered, so that its partition goes on")
+    return SkippedRecord(read.topic, read.partition, read.offset, read.timestamp, read.key, read.value,
+                         EventError("internal_error", message, request_id))
+
+
+# Of an exception's message, what a skipped record's answer repeats (its traceback is in the worker's log).
+MAX_FAULT_CHARS = 500
 
 
 def request_tenant(settings: Settings, record: InputRecord, request: Request) -> str:

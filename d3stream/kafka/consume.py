@@ -18,6 +18,10 @@ policy says the work is finished:
 * on **shutdown** (``stop()``: SIGTERM/SIGINT) stops fetching, finishes what is in flight for up to
   ``shutdown_timeout_s``, commits and returns; after a worker-fatal error it commits nothing more.
 
+Every task it starts (a fetch's handler, the periodic commit, a partition's settling) is watched
+(``Metrics.watch``): one that dies of an exception is logged with its traceback and makes the worker not ready,
+``/readyz`` naming it, instead of leaving its partitions standing still behind a worker that says it is fine.
+
 Each assigned partition's pauses are held in an ``Assignment`` (assignment.py) that the rebalance listener
 (``_Rebalance``) makes when partitions are assigned and ends when they are revoked: backpressure, a tenant's
 quota, the read window and settling are reasons in the partition's state, and the partition is read again only
@@ -65,6 +69,9 @@ RESUME_AT = 0.8
 # Under backpressure, partitions below their share keep being read until the work passes the limits by this much.
 RESERVE = 0.125
 
+# The partitions a fetch's description names (``Fetch.describe``); the rest are counted.
+DESCRIBED_PARTITIONS = 4
+
 K = TypeVar("K")
 
 
@@ -108,6 +115,18 @@ class Fetch:
     def origin(self, record: InputRecord) -> tuple[TopicPartition, int]:
         """The partition and assignment epoch ``record`` was read in."""
         return self.partitions[(record.topic, record.partition)]
+
+    def describe(self) -> str:
+        """Where its records were read, for a log line or ``/readyz``: ``topic-partition@first..last`` each."""
+        spans: dict[tuple[str, int], tuple[int, int]] = {}
+        for record in self.records:
+            place = (record.topic, record.partition)
+            first, last = spans.get(place, (record.offset, record.offset))
+            spans[place] = (min(first, record.offset), max(last, record.offset))
+        named = [f"{topic}-{partition}@{first}" + (f"..{last}" if last > first else "")
+                 for (topic, partition), (first, last) in sorted(spans.items())]
+        more = len(named) - DESCRIBED_PARTITIONS  # a probe's answer stays a line however wide the fetch
+        return ", ".join(named[:DESCRIBED_PARTITIONS]) + (f" and {more} more partitions" if more > 0 else "")
 
 
 Handler = Callable[[Fetch], Coroutine[Any, Any, None]]
@@ -260,6 +279,9 @@ class ConsumeLoop:
                 task = asyncio.create_task(self.handler(fetched))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
+                # The handler answers every record, even one it fails on; should it die anyway, its records stay
+                # unanswered and their partitions stand still: logged, and the worker is not ready.
+                self.metrics.watch(task, f"answering the records of {fetched.describe()}")
             self._apply_backpressure()
             self._apply_quotas()
             self._apply_window()
@@ -267,6 +289,7 @@ class ConsumeLoop:
             self.metrics.set_paused(self.paused)
             if time.monotonic() >= next_commit and (flushing is None or flushing.done()):
                 flushing = asyncio.create_task(self._flush_and_report())
+                self.metrics.watch(flushing, "the periodic commit")
                 next_commit = time.monotonic() + settings.delivery.commit_interval_ms / 1000
             if await self.read.finished(self.consumer, self.tracker.in_flight()):
                 break
@@ -426,6 +449,10 @@ class ConsumeLoop:
         from their stable committed offset (runs outside the rebalance callback, which must not block)."""
         assignment = self.assignment
         assignment.begin_settling(partitions, lambda settling: self._settle(assignment, settling))
+        settling = assignment.settling()
+        for task in {settling[partition] for partition in partitions if partition in settling}:
+            # Its partitions are resumed however it ends, but without their producer or committed offset.
+            self.metrics.watch(task, f"settling {', '.join(f'{p.topic}-{p.partition}' for p in partitions)}")
 
     async def _settle(self, assignment: Assignment, partitions: list[TopicPartition]) -> None:
         try:

@@ -280,6 +280,7 @@ class Rollout:
     def start(self) -> None:
         if self.source and self._task is None:
             self._task = asyncio.create_task(self._watch(), name="d3stream-rollout")
+            self.metrics.watch(self._task, "the model source watch")  # dead, it would swap nothing ever again
 
     async def stop(self) -> None:
         tasks = [task for task in (self._task, *self._drains) if task is not None]
@@ -383,6 +384,7 @@ class Rollout:
             task = asyncio.create_task(self._drop_when_drained(name))
             self._drains.add(task)
             task.add_done_callback(self._drains.discard)
+            self.metrics.watch(task, f"dropping the retired model {name}")
         default = self.router.default
         if default is not previous:
             self.metrics.count_model_swap("swapped")

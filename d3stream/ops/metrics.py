@@ -8,8 +8,9 @@ workers can hold several) and offers one small typed method per thing the servic
     GET /healthz   200 while the process is alive and its HTTP thread answers (liveness)
     GET /readyz    200 when the readiness check returns True, else 503 (readiness)
 
-Ready means: the model is loaded (and warmed up, when asked), the consumer has joined its group, and no
-partition's committed offset has stood still with work waiting for ``stall_unready_s``.
+Ready means: the model is loaded (and warmed up, when asked), the consumer has joined its group, no
+partition's committed offset has stood still with work waiting for ``stall_unready_s``, and no background task
+of the worker has died (``Metrics.watch``: such a task is logged with its traceback and named by ``/readyz``).
 A worker that is loading, warming up, rebalancing out or shutting down answers 503 on ``/readyz`` but
 200 on ``/healthz``, so Kubernetes waits for it instead of restarting it.
 
@@ -29,11 +30,13 @@ fed on the event loop thread.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from collections.abc import Callable
+from functools import partial
 from socketserver import ThreadingMixIn
-from typing import Protocol
+from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from wsgiref.types import StartResponse, WSGIEnvironment
 
@@ -72,13 +75,17 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
+# Dead background tasks /readyz names (the first ones); past these it counts the rest.
+NAMED_DEAD_TASKS = 3
+
 
 class Metrics(PartitionSeries, GroupSeries, FlowSeries, PassSeries, RequestSeries, DeliverySeries, InputSeries,
               ShadowSeries, ModelSeries):
     """The worker's metrics on a private registry, with one method per measurement the service makes.
 
     The families and their methods are declared by group in ``series`` (one base class each); this class puts
-    them on one registry and adds readiness (``d3stream_ready`` and what ``/readyz`` answers)."""
+    them on one registry and adds readiness (``d3stream_ready`` and what ``/readyz`` answers), which a dead
+    background task (``watch``) takes away."""
 
     def __init__(
         self, *, registry: CollectorRegistry | None = None, ready: Callable[[], bool] | None = None
@@ -86,6 +93,9 @@ class Metrics(PartitionSeries, GroupSeries, FlowSeries, PassSeries, RequestSerie
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._ready_check: Callable[[], bool] = ready or (lambda: False)
         self._why_not: Callable[[], str | None] | None = None
+        # Background tasks that died of an exception (``watch``): how many, and the first few ("name (Type: message)").
+        self.tasks_died = 0
+        self.dead_tasks: list[str] = []
         # Each group registers its families; the order of these calls is the order of the exposition.
         PartitionSeries.__init__(self, self.registry)
         GroupSeries.__init__(self, self.registry)
@@ -98,8 +108,8 @@ class Metrics(PartitionSeries, GroupSeries, FlowSeries, PassSeries, RequestSerie
         ModelSeries.__init__(self, self.registry)
         self.ready_gauge = Gauge(
             f"{PREFIX}_ready",
-            "1 when the worker is ready (model loaded and warmed up, consumer joined), else 0; what "
-            "/readyz answers.",
+            "1 when the worker is ready (model loaded and warmed up, consumer joined, no partition stalled, no "
+            "background task dead), else 0; what /readyz answers.",
             registry=self.registry,
         )
         self.ready_gauge.set_function(lambda: 1.0 if self.is_ready() else 0.0)
@@ -113,19 +123,49 @@ class Metrics(PartitionSeries, GroupSeries, FlowSeries, PassSeries, RequestSerie
         self._why_not = why_not
 
     def why_not_ready(self) -> str | None:
-        """What keeps the worker from being ready, when something more can be said than "not ready"."""
+        """What keeps the worker from being ready, when something more can be said than "not ready": the
+        background tasks that died first (they never come back), then what the readiness check says."""
+        died, named = self.tasks_died, "; ".join(self.dead_tasks)  # written on the event loop thread
+        if died:
+            more = died - len(self.dead_tasks)
+            return f"background task died: {named}" + (f" (and {more} more)" if more > 0 else "")
         try:
             return self._why_not() if self._why_not is not None else None
         except Exception:  # noqa: BLE001 - a broken explanation must not break the probe thread
             return None
 
     def is_ready(self) -> bool:
-        """What ``/readyz`` answers; a check that raises counts as not ready."""
+        """What ``/readyz`` answers; a check that raises counts as not ready, and so does a dead background task."""
+        if self.tasks_died:
+            return False
         try:
             return bool(self._ready_check())
         except Exception:  # noqa: BLE001 - a broken check must not break the probe thread
             log.warning("readiness check failed", exc_info=True)
             return False
+
+    # -------------------------------------------------------------------------- background tasks
+
+    def watch(self, task: asyncio.Future[Any], name: str) -> None:
+        """Look after a background task of the worker (a fetch being answered, the periodic commit, a partition
+        settling, the model source watch): should it die of an exception, the exception is logged with its
+        traceback, and the worker is not ready from then on, ``/readyz`` naming the task (``name``: what it was
+        doing). Left alone, asyncio would at most say "Task exception was never retrieved", whenever the task
+        happened to be collected, and readiness would go on saying 200 over work that nobody does any more. A
+        cancelled task did not die: cancelling is how the worker stops its tasks."""
+        task.add_done_callback(partial(self._task_ended, name))
+
+    def _task_ended(self, name: str, task: asyncio.Future[Any]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()  # retrieved here: asyncio has nothing more to say about it
+        if exc is None:
+            return
+        cause = f"{type(exc).__name__}: {exc}"[:300]
+        log.error("background task died; the worker is not ready", task=name, error=cause, exc_info=exc)
+        if len(self.dead_tasks) < NAMED_DEAD_TASKS:
+            self.dead_tasks.append(f"{name} ({cause})")
+        self.tasks_died += 1
 
 
 # ------------------------------------------------------------------------------------ HTTP server

@@ -10,7 +10,7 @@ change to one shows the other; ``Metrics`` is the groups on one registry, plus r
     FlowSeries        in-flight work, backpressure and tenant quotas
     PassSeries        forward passes: rows, tokens, device time
     RequestSeries     per request, fed on the event loop without locks: stage latencies, answers, cost
-    DeliverySeries    Kafka delivery: dead letters, publish retries, offset commits, transactions
+    DeliverySeries    Kafka delivery: dead letters, records failed, publish retries, offset commits, transactions
     InputSeries       media fetched and cached, shared-prefix reuse
     ShadowSeries      shadow evaluation: live against shadow answers
     ModelSeries       what the worker serves: model, model swaps (rollout), kernels, version
@@ -383,14 +383,23 @@ class RequestSeries:
 
 
 class DeliverySeries:
-    """Kafka delivery: records that could only be dead-lettered, sends retried, offsets committed or not,
-    transactions aborted."""
+    """Kafka delivery: records that could only be dead-lettered (and those the worker failed on), sends retried,
+    offsets committed or not, transactions aborted."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.dead_letters = Counter(
             f"{PREFIX}_dead_letters",
-            "Records that were not even a JSON object, copied to the dead-letter topic. Any rate here "
-            "means a producer is publishing garbage.",
+            "Records copied to the dead-letter topic: not even a JSON object (any rate here means a producer is "
+            "publishing garbage), framed for a schema the registry does not know, or skipped because the worker "
+            "failed on them (d3stream_records_failed_total).",
+            registry=registry,
+        )
+        self.records_failed = Counter(
+            f"{PREFIX}_records_failed",
+            "Records whose handling raised what the worker did not expect, by the exception's type: each was "
+            "answered internal_error naming the exception and dead-lettered, and its partition went on past it. "
+            "Any rate here is a fault of the worker: its log has the traceback.",
+            ["exception"],
             registry=registry,
         )
         self.publish_retries = Counter(
@@ -420,6 +429,10 @@ class DeliverySeries:
 
     def count_dead_letter(self) -> None:
         self.dead_letters.inc()
+
+    def count_record_failed(self, exception: str) -> None:
+        """A record the worker failed on (the type name of what its handling raised) was skipped."""
+        self.records_failed.labels(exception=exception).inc()
 
     def count_publish_retry(self, topic: str) -> None:
         self.publish_retries.labels(topic=topic).inc()

@@ -9,6 +9,7 @@ others) run the same codes through the real broker and object store.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ import pytest
 from d3stream_client.contract import ERROR_CODES, decode_answer
 from d3stream_client.validation import EventError, validate_request
 
+from d3stream.core import pipeline
 from d3stream.core.record import RequestRecord
 from d3stream.service import Service
 from d3stream.settings import Settings
@@ -240,6 +242,42 @@ def test_an_answer_that_cannot_be_encoded_is_answered_with_its_error_not_dropped
     assert "simulated fault in the encoder" in answers["faulty"].error.message
     assert answers["before"].error is None and answers["after"].error is None
     assert len([s for call in recorder.calls for s in call]) == 3  # each request delivered once
+
+
+def test_what_raises_out_of_answer_anyway_leaves_nothing_held_in_flight(pipeline_service, monkeypatch):
+    """A stage's bug met by one request escapes ``answer`` (the service's guard answers the records again, as new
+    ones): the records it did not hand on hold no questions, tokens or model counts any more, which would
+    otherwise hold backpressure (or a retired model) for the worker's lifetime."""
+    service = pipeline_service()
+    real = pipeline.request_scheduling
+
+    def scheduling(settings: Any, read: Any, request: Any) -> Any:
+        if request.id == "faulty":
+            raise RecursionError("simulated")
+        return real(settings, read, request)
+
+    monkeypatch.setattr(pipeline, "request_scheduling", scheduling)
+    with pytest.raises(RecursionError):
+        serve(service, records(request("before"), request("faulty"), request("after")))
+    counts = service.ledger.counts
+    assert (counts.requests, counts.questions, counts.tokens) == (0, 0, 0)  # "before" was routed: nothing left
+    assert sum(service.ledger.routed.values()) == 0
+
+
+def test_a_skipped_record_is_answered_internal_error_naming_the_fault_and_dead_lettered(pipeline_service):
+    """The guard's last word on a record the worker failed on: its error answer, under its key's id, names the
+    exception; its own bytes go to the dead-letter topic with the same reason."""
+    service = pipeline_service()
+    (read,) = records(request("skipped-one"))
+    recorder = serve(service, [pipeline.skipped(read, RecursionError("maximum recursion depth exceeded"))])
+    (served,) = [each for call in recorder.calls for each in call]
+    assert served.answer is not None and served.answer.error is not None
+    assert served.answer.id == "skipped-one" and served.answer.error.code == "internal_error"
+    message = served.answer.error.message
+    assert "RecursionError: maximum recursion depth exceeded" in message and "skipped" in message
+    assert [each.kind for each in served.records] == ["dead_letter", "answer"]
+    letter = json.loads(served.records[0].value)
+    assert letter["reason"] == message and base64.b64decode(letter["value_base64"]) == read.value
 
 
 def test_a_fetch_is_prepared_in_one_trip_and_its_questions_share_passes(pipeline_service, qwen35_model):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import urllib.error
@@ -10,6 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 import d3stream
 from d3stream.core.batching import PassRecord
@@ -69,6 +71,49 @@ def test_a_failing_readiness_check_is_not_ready() -> None:
     metrics.set_ready_check(lambda: True)
     assert metrics.is_ready() is True
     assert Metrics().is_ready() is False  # no check: not ready
+
+
+def test_a_watched_task_that_dies_makes_the_worker_not_ready_naming_it(served, state) -> None:
+    """A background task that dies of an exception: logged with its traceback, 503 on /readyz naming it, for
+    good; one that ends, or is cancelled (how the worker stops its tasks), changes nothing."""
+    metrics, server = served
+    state["ready"] = True
+
+    async def fine() -> None:
+        return None
+
+    async def forever() -> None:
+        await asyncio.sleep(3600)
+
+    async def dies(n: int) -> None:
+        raise RuntimeError(f"simulated fault {n}")
+
+    async def go() -> None:
+        ended, cancelled = asyncio.ensure_future(fine()), asyncio.ensure_future(forever())
+        metrics.watch(ended, "a task that ends")
+        metrics.watch(cancelled, "a task that is cancelled")
+        await ended
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert metrics.is_ready() and metrics.why_not_ready() is None
+        for n in range(5):
+            task = asyncio.ensure_future(dies(n))
+            metrics.watch(task, f"task {n}")
+            await asyncio.gather(task, return_exceptions=True)
+
+    with capture_logs() as logs:
+        asyncio.run(go())
+    assert metrics.is_ready() is False and metrics.tasks_died == 5
+    assert _status(server.url + "/readyz") == 503
+    with urllib.request.urlopen(server.url + "/healthz", timeout=5) as response:
+        assert response.status == 200  # alive: a restart is the operator's call, the log says why
+    why = metrics.why_not_ready()
+    assert why == ("background task died: task 0 (RuntimeError: simulated fault 0); task 1 (RuntimeError: "
+                   "simulated fault 1); task 2 (RuntimeError: simulated fault 2) (and 2 more)")
+    died = [entry for entry in logs if entry["event"] == "background task died; the worker is not ready"]
+    assert [entry["task"] for entry in died] == [f"task {n}" for n in range(5)]
+    assert all(isinstance(entry["exc_info"], RuntimeError) for entry in died)  # rendered as its traceback
+    assert _value(scrape(server.url), "d3stream_ready") == 0
 
 
 def test_counters_move(served) -> None:
