@@ -395,7 +395,7 @@ class Service:
         delivery's do; a cancellation goes through. Returns what even a skipped record's answer raised."""
         handed: set[Position] = set()
         try:
-            await self._answer(fetched, await self._unframed(fetched.records), deliveries, handed)
+            await self._answer_unframing(fetched, fetched.records, deliveries, handed)
             return None
         except WorkerFatal as exc:
             self._stop_for(exc, fetched.records)
@@ -415,7 +415,7 @@ class Service:
         counted in ``d3stream_records_failed_total``, and its offset commits as an answered record's does, so
         its partition goes on. Raises what answering the skipped record raised (nothing is left to try)."""
         try:
-            await self._answer(fetched, await self._unframed([record]), deliveries, handed)
+            await self._answer_unframing(fetched, [record], deliveries, handed)
             return
         except WorkerFatal as exc:
             self._stop_for(exc, [record])
@@ -432,9 +432,26 @@ class Service:
         self.metrics.count_record_failed(type(fault).__name__)
         await self._answer(fetched, [skipped(record, fault)], deliveries, handed)
 
-    async def _unframed(self, records: Sequence[InputRecord]) -> Sequence[InputRecord]:
-        """The records as the pipeline reads them: through the Schema Registry when one is set (registry.py)."""
-        return records if self.registry is None else await self.registry.unframe(records)
+    async def _answer_unframing(self, fetched: Fetch, records: Sequence[InputRecord],
+                                deliveries: list[asyncio.Future[None]], handed: set[Position]) -> None:
+        """``_answer`` for records as they came: through the Schema Registry when one is set (registry.py). The
+        records it can read now are answered while the schema ids of the others are looked up, so a flood of
+        new ids delays no request whose id is known."""
+        if self.registry is None:
+            await self._answer(fetched, records, deliveries, handed)
+            return
+        ready, waiting = self.registry.unframe_known(records)
+        looking = asyncio.ensure_future(self.registry.unframe_looked_up(waiting)) if waiting else None
+        try:
+            if ready:
+                await self._answer(fetched, ready, deliveries, handed)
+            if looking is not None:
+                await self._answer(fetched, await looking, deliveries, handed)
+        finally:
+            if looking is not None and not looking.done():
+                looking.cancel()  # the ready records failed: the guard answers them all again, one at a time
+            elif looking is not None and not looking.cancelled():
+                looking.exception()  # retrieved: it was awaited above, or given up with what failed before it
 
     async def _answer(self, fetched: Fetch, records: Sequence[InputRecord], deliveries: list[asyncio.Future[None]],
                       handed: set[Position]) -> None:

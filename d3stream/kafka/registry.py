@@ -272,40 +272,47 @@ class Registry:
         """The records as a JSON reader reads them: framed ones decoded into their ``event`` documents (a request,
         or an answer for the evaluator), the rest as they are. The schemas the fetch needs are looked up at
         once, each distinct id concurrently. Waits while the registry is down (never refuses a record for it)."""
-        readers: dict[tuple[str, int], Read] = {}
-        missing: set[tuple[str, int]] = set()
-        for record in records:
-            value = record.value
-            if value is not None and is_framed(value):
-                wanted = (record.topic, FRAME.unpack_from(value)[1])
-                if wanted not in readers and wanted not in missing:
-                    known = self._known_reader(*wanted, event)
-                    if known is None:
-                        missing.add(wanted)
-                    else:
-                        readers[wanted] = known
-        if missing:
-            ordered = sorted(missing)
-            found = await asyncio.gather(*(self._reader(topic, schema_id, event) for topic, schema_id in ordered))
-            readers.update(zip(ordered, found, strict=True))
-        unframed: list[InputRecord] = []
+        ready, waiting = self.unframe_known(records, event)
+        if not waiting:
+            return ready
+        read = {(each.topic, each.partition, each.offset): each
+                for each in (*ready, *await self.unframe_looked_up(waiting, event))}
+        return [read[(record.topic, record.partition, record.offset)] for record in records]
+
+    def unframe_known(self, records: Sequence[InputRecord],
+                      event: type[msgspec.Struct] = Request) -> tuple[list[InputRecord], list[InputRecord]]:
+        """The records that can be read now (plain ones, and framed ones whose schema ids are known), read; and
+        those whose ids must be looked up first, as they came. A worker answers the first while the second's
+        lookups run, so that a flood of new ids delays no record whose id is known."""
+        readers: dict[tuple[str, int], Read | None] = {}
+        ready: list[InputRecord] = []
+        waiting: list[InputRecord] = []
         for record in records:
             value = record.value
             if value is None or not is_framed(value):
-                unframed.append(record)
+                ready.append(record)
                 continue
-            read = readers[(record.topic, FRAME.unpack_from(value)[1])]
-            try:
-                document = read(value)
-            except _Refused as refused:
-                request_id = record.key.decode("utf-8", "replace") if record.key else None
-                unframed.append(UnframedRecord(record.topic, record.partition, record.offset, record.timestamp,
-                                               record.key, value, record.headers,
-                                               unreadable=EventError(refused.code, refused.message, request_id),
-                                               dead_letter=refused.dead_letter))
-                continue
-            unframed.append(UnframedRecord(record.topic, record.partition, record.offset, record.timestamp,
-                                           record.key, document, record.headers))
+            wanted = (record.topic, FRAME.unpack_from(value)[1])
+            if wanted not in readers:
+                readers[wanted] = self._known_reader(*wanted, event)
+            read = readers[wanted]
+            if read is None:
+                waiting.append(record)
+            else:
+                ready.append(_unframed(record, value, read))
+        return ready, waiting
+
+    async def unframe_looked_up(self, records: Sequence[InputRecord],
+                                event: type[msgspec.Struct] = Request) -> list[InputRecord]:
+        """Framed records read once their schema ids are looked up: each distinct id once, concurrently."""
+        wanted = sorted({(record.topic, FRAME.unpack_from(record.value)[1]) for record in records
+                         if record.value is not None})
+        found = await asyncio.gather(*(self._reader(topic, schema_id, event) for topic, schema_id in wanted))
+        readers = dict(zip(wanted, found, strict=True))
+        unframed: list[InputRecord] = []
+        for record in records:
+            assert record.value is not None  # framed (unframe_known)
+            unframed.append(_unframed(record, record.value, readers[(record.topic, FRAME.unpack_from(record.value)[1])]))
         return unframed
 
     def _subjects(self, topic: str, event: type[msgspec.Struct], writer: WriterSchema) -> list[str]:
@@ -621,6 +628,19 @@ class OutgoingFormat:
 
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _unframed(record: InputRecord, value: bytes, read: Read) -> UnframedRecord:
+    """A framed record read with ``read``: its document, or the refusal that ends it."""
+    try:
+        document = read(value)
+    except _Refused as refused:
+        request_id = record.key.decode("utf-8", "replace") if record.key else None
+        return UnframedRecord(record.topic, record.partition, record.offset, record.timestamp, record.key, value,
+                              record.headers, unreadable=EventError(refused.code, refused.message, request_id),
+                              dead_letter=refused.dead_letter)
+    return UnframedRecord(record.topic, record.partition, record.offset, record.timestamp, record.key, document,
+                          record.headers)
 
 
 def _not_found(schema_id: int) -> Read:

@@ -70,14 +70,14 @@ def _poison_admission(monkeypatch: pytest.MonkeyPatch) -> None:
 def _poison_unframe(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading the poisoned record through the Schema Registry raises, as a record nested too deep for the
     decoder did (the whole fetch was lost with it, and its partition stood still)."""
-    real = Registry.unframe
+    real = Registry.unframe_known
 
-    async def unframe(self: Registry, records: Any, event: Any = Request) -> Any:
+    def unframe_known(self: Registry, records: Any, event: Any = Request) -> Any:
         if any(each.key == POISON.encode() for each in records):
             raise RecursionError("maximum recursion depth exceeded while decoding (simulated)")
-        return await real(self, records, event)
+        return real(self, records, event)
 
-    monkeypatch.setattr(Registry, "unframe", unframe)
+    monkeypatch.setattr(Registry, "unframe_known", unframe_known)
 
 
 @pytest.mark.parametrize("where", ["admission", "unframe"])
