@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from confluent_kafka.schema_registry import Schema
 from d3stream_client import avro
+from d3stream_client.avro_binary import _varlong  # a long as Avro writes it, for forging payloads
 from d3stream_client.contract import Request
 from d3stream_client.registry import AvroCodec, frame
 from d3stream_client.validation import TOO_DEEP
@@ -32,16 +33,6 @@ from tests.support.stream_helpers import Q_NOUL, Reader, Stack, run, serve
 pytestmark = pytest.mark.timeout(300)
 
 REQUEST_SCHEMA = avro.avro_schema(Request)
-
-
-def _varlong(value: int) -> bytes:
-    folded = (value << 1) ^ (value >> 63)
-    out = bytearray()
-    while folded > 0x7F:
-        out.append((folded & 0x7F) | 0x80)
-        folded >>= 7
-    out.append(folded)
-    return bytes(out)
 
 
 def _request(request_id: str, **extra: object) -> dict[str, object]:
