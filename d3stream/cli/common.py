@@ -19,6 +19,7 @@ import os
 import sys
 import traceback
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -93,6 +94,18 @@ def local_checkpoint(spec: str) -> ResolvedModel:
         return resolve_model(spec, settings.storage if settings is not None else None)
     except (CheckpointError, ValueError) as exc:
         raise Refused(str(exc)) from exc
+
+
+def checkpoint_folder(path: Path, given: str, flag: str = "--model") -> None:
+    """Refused when ``path`` (what ``flag`` gave as ``given``, made local) is no checkpoint's folder: said before
+    a command asks Kafka, since a typo in a path needs no broker to be seen."""
+    from d3stream.runtime.loading import CONFIG_FILE
+
+    build = "build one with `d3stream make-checkpoint`"
+    if not path.is_dir():
+        raise Refused(f"{flag} {given}: no checkpoint directory at {path} ({build})")
+    if not (path / CONFIG_FILE).is_file():
+        raise Refused(f"{flag} {given}: not a d3stream checkpoint ({CONFIG_FILE} is missing): {build}")
 
 
 def load_checkpoint(path: object, *, flag: str = "--model", **options: object) -> D3:

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from d3stream.cli.common import Refused, load_checkpoint, reach_kafka
+from d3stream.cli.common import Refused, checkpoint_folder, load_checkpoint, reach_kafka
 from d3stream.cli.shape import Command
 
 if TYPE_CHECKING:  # the jobs import the Kafka client and the service: only when the command runs
@@ -83,6 +83,7 @@ def _load_checkpoint(checkpoint: str, settings: Settings) -> DecisionModel:
         model_name = model_name_for(resolved, settings.models.model_name)
     except CheckpointError as exc:
         raise Refused(str(exc)) from exc
+    checkpoint_folder(resolved.path, checkpoint)
     reach_kafka(settings)
     return load_checkpoint(resolved.path, device=settings.models.device, verify=settings.models.verify,
                            model_name=model_name, permutation_average=settings.models.permutation_average)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from d3stream.runtime import D3
     from d3stream.settings import Settings
 
-from d3stream.cli.common import Refused, load_checkpoint, reach_kafka
+from d3stream.cli.common import Refused, checkpoint_folder, load_checkpoint, reach_kafka
 from d3stream.cli.shape import Command
 
 # The exit status of `d3stream serve` after a worker-fatal error (2 is a configuration error).
@@ -124,6 +124,8 @@ def _load_models(settings: Settings, ready_to_load: Callable[[], object] = lambd
         specs.append(parse_model_specs([shadow_text])[0])
         texts.append(shadow_text)
     resolved = [resolve_model(text, settings.storage) for text in texts]
+    for index, (text, each) in enumerate(zip(texts, resolved, strict=True)):  # a typo is said before Kafka is asked
+        checkpoint_folder(each.path, text, "--model" if index < len(settings.models.checkpoints) else "--shadow")
     names: list[str | None] = [each.name for each in resolved]
     if settings.models.checkpoints and not settings.models.model_source:  # model_name names the default; a source's names itself
         names[0] = model_name_for(resolved[0], settings.models.model_name)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.model_fixtures import copy_checkpoint
 from tests.support.stream_helpers import free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -123,6 +124,26 @@ def test_decide_names_the_folder_that_is_not_a_checkpoint(not_a_checkpoint, tmp_
     one_line(result, "decide", f"--model {not_a_checkpoint}", "not a d3stream checkpoint", "make-checkpoint")
 
 
+def test_serve_and_replay_name_a_checkpoint_that_is_missing_or_is_not_one_before_they_ask_kafka(
+        not_a_checkpoint, nowhere, tmp_path):
+    """A typo in a path needs no broker to be seen (none answers here)."""
+    replay = ["--from-topic", "d3.requests", "--replay-id", "r1", "--out", str(tmp_path / "replayed.jsonl")]
+    for command, options in (("serve", ["--metrics-port", ""]), ("replay", replay)):
+        missing = d3stream(command, "--model", "/no/such/checkpoint", "--bootstrap-servers", nowhere, *options)
+        one_line(missing, command, "--model /no/such/checkpoint: no checkpoint directory", "make-checkpoint")
+        wrong = d3stream(command, "--model", str(not_a_checkpoint), "--bootstrap-servers", nowhere, *options)
+        one_line(wrong, command, f"--model {not_a_checkpoint}: not a d3stream checkpoint", "decision_config.json")
+
+
+def test_serve_names_a_checkpoint_whose_files_do_not_load(kafka_broker, qwen35_text_checkpoint, tmp_path):
+    broken = copy_checkpoint(qwen35_text_checkpoint, tmp_path / "broken")
+    (broken / "config.json").write_text("{", encoding="utf-8")
+    (broken / "MODEL_MANIFEST.json").unlink()  # unverified: the load itself meets the broken file
+    result = d3stream("serve", "--model", str(broken), "--bootstrap-servers", kafka_broker.bootstrap_servers,
+                      "--metrics-port", "")
+    one_line(result, "serve", f"--model {broken}: cannot load the checkpoint", "make-checkpoint")
+
+
 def test_produce_sends_nothing_of_a_file_with_a_line_that_is_not_a_request(tmp_path, nowhere):
     """Checked before Kafka is even asked: each bad line with its number and the worker's reason, then one line
     saying nothing was sent (the address here answers nothing: no record could have gone anywhere)."""
@@ -151,14 +172,6 @@ def test_produce_tells_labels_published_as_requests_to_pass_labels(tmp_path, now
 
 
 # ------------------------------------------------------------------------------------------ with the broker
-
-
-def test_serve_names_a_checkpoint_that_is_missing_or_is_not_one(kafka_broker, not_a_checkpoint):
-    servers = kafka_broker.bootstrap_servers
-    missing = d3stream("serve", "--model", "/no/such/checkpoint", "--bootstrap-servers", servers, "--metrics-port", "")
-    one_line(missing, "serve", "--model /no/such/checkpoint", "make-checkpoint")
-    wrong = d3stream("serve", "--model", str(not_a_checkpoint), "--bootstrap-servers", servers, "--metrics-port", "")
-    one_line(wrong, "serve", f"--model {not_a_checkpoint}", "not a d3stream checkpoint")
 
 
 def test_serve_names_the_object_store_that_does_not_answer(kafka_broker):
