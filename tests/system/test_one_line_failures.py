@@ -42,9 +42,9 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def d3stream(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "d3stream", *args], capture_output=True, text=True, cwd=cwd or REPO,
-                          env=_environment(), timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
+def d3stream(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "d3stream", *args], capture_output=True, text=True, cwd=REPO,
+                          env={**_environment(), **(env or {})}, timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
 
 
 def one_line(result: subprocess.CompletedProcess[str], command: str, *named: str) -> str:
@@ -93,6 +93,13 @@ def test_serve_says_in_one_line_that_kafka_does_not_answer_before_it_loads_the_m
     result = d3stream("serve", "--model", str(qwen35_text_checkpoint), "--bootstrap-servers", nowhere,
                       "--metrics-port", "")
     one_line(result, "serve", f"cannot connect to Kafka at {nowhere}", "bootstrap_servers")
+
+
+def test_debug_logging_adds_the_traceback_to_the_one_line(nowhere):
+    result = d3stream("consume", "d3.answers", "--bootstrap-servers", nowhere, env={"D3STREAM_LOG_LEVEL": "debug"})
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" in result.stderr and "KafkaConnectionError" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith(f"d3stream consume: cannot connect to Kafka at {nowhere}")
 
 
 @pytest.mark.parametrize("command", ["evaluate", "evaluate --report", "consume d3.answers", "produce d3.requests",
