@@ -191,13 +191,14 @@ async def reach_registry(registry: RegistryFormat) -> None:
 
 def missing_topic(topic: str, topics: Iterable[str], servers: str, wait_flag: str) -> str:
     """The refusal of a topic the cluster does not have: where it was looked for, the names closest to it, and
-    the flag that waits for it instead."""
+    the flag that waits for it instead. (A topic the credentials may not describe is left out of the metadata
+    as well: the line says so.)"""
     import difflib
 
     close = difflib.get_close_matches(topic, sorted(name for name in topics if not name.startswith("__")), n=3)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    return (f"topic {topic} does not exist at {servers}{hint}: check the name, or pass {wait_flag} to wait "
-            "until it is created")
+    return (f"topic {topic} does not exist at {servers}{hint}: check the name (and that these credentials may "
+            f"describe it), or pass {wait_flag} to wait until it is created")
 
 
 # The worker's registry settings a client command has no use for: how it writes answers, how long it waits.
