@@ -27,6 +27,7 @@ from d3stream.cli import (
     serve,
     stack,
 )
+from d3stream.cli.common import run_command
 from d3stream.cli.shape import Command, HelpFormatter, register
 
 COMMANDS: tuple[Command, ...] = (
@@ -50,5 +51,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.run(args) or 0)
+    """Run one command; an expected failure ends it with one line and exit status 2 (``common.run_command``)."""
+    return run_command(build_parser().parse_args(argv))

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from d3stream.cli.common import reach_kafka
 from d3stream.cli.shape import Command
 
 # The defaults shown by --help (the sources themselves, with msgspec and the Kafka reader, load when it runs).
@@ -28,6 +29,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args)
         check_connection(settings.connection)
+        if any(source.startswith("kafka:") for source in (args.a, args.b, args.labels or "")):
+            reach_kafka(settings)  # one line naming the setting, before aiokafka's own about the refusal
         side_a = load_answers(args.a, settings=settings, timeout_s=args.timeout)
         side_b = load_answers(args.b, settings=settings, timeout_s=args.timeout)
         labels = load_labels(args.labels, settings=settings, timeout_s=args.timeout) if args.labels else None

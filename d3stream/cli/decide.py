@@ -8,15 +8,21 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from d3stream.cli.common import local_checkpoint
+from d3stream.cli.common import Refused, load_checkpoint, local_checkpoint
 from d3stream.cli.shape import Command
 
 
 def _read_request(source: str) -> dict[str, object]:
-    text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
-    request = json.loads(text)
+    """The request of ``--request``: a JSON object; Refused naming the file otherwise."""
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+        request = json.loads(text)
+    except OSError as exc:
+        raise Refused(f"--request {source}: cannot be read: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise Refused(f"--request {source}: not JSON: {exc}") from exc
     if not isinstance(request, dict):
-        raise SystemExit("the request must be a JSON object with state and questions")
+        raise Refused(f"--request {source}: the request must be a JSON object with state and questions")
     return request
 
 
@@ -30,11 +36,9 @@ def _listed(request: Mapping[str, object], key: str) -> list[object]:
 
 
 def _decide(args: argparse.Namespace) -> int:
-    from d3stream.runtime import D3
-
     request = _read_request(args.request)
     resolved = local_checkpoint(args.model)
-    model = D3.from_pretrained(
+    model = load_checkpoint(
         resolved.path,
         device=args.device,
         verify=args.verify,

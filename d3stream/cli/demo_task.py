@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from d3stream.cli.common import local_checkpoint
+from d3stream.cli.common import load_checkpoint, local_checkpoint
 from d3stream.cli.shape import Command
 
 
@@ -19,11 +19,9 @@ def _demo_task(args: argparse.Namespace) -> int:
     print(requests)
     print(labels)
     if args.answer_with:
-        from d3stream.runtime import D3
-
         for spec in args.answer_with:
             resolved = local_checkpoint(spec)
-            model = D3.from_pretrained(resolved.path, device=args.device, model_name=resolved.name)
+            model = load_checkpoint(resolved.path, flag="--answer-with", device=args.device, model_name=resolved.name)
             out = Path(args.out) / f"answers-{model.model_name}.jsonl"
             records = tasks.answer_records(model, examples).values()
             out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")

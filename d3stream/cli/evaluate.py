@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 
+from d3stream.cli.common import Refused, reach_kafka
 from d3stream.cli.shape import Command
 
 # The settings ``d3stream evaluate`` reads (the connection's, its topics', its own and the endpoint's).
@@ -18,6 +18,11 @@ EVALUATE_FIELDS = (
 )
 
 
+# Its own defaults: the metrics endpoint one port above a worker's (9464), so the two run side by side on one
+# machine as docs/EVALUATION.md runs them (a deployment sets D3STREAM_METRICS_PORT for each pod anyway).
+EVALUATE_DEFAULTS: dict[str, object] = {"metrics_port": 9465}
+
+
 def _run(args: argparse.Namespace) -> int:
     from d3stream.jobs.compare import SourceError
     from d3stream.jobs.evaluate import figures_json, read_figures, render, run_worker
@@ -27,26 +32,26 @@ def _run(args: argparse.Namespace) -> int:
     from d3stream.settings import load_settings
 
     try:
-        settings = load_settings(args)
+        settings = load_settings(args, defaults=EVALUATE_DEFAULTS)
         check_connection(settings.connection)
         if args.report:
+            reach_kafka(settings)
             models = read_figures(settings, args.timeout)
             print(json.dumps(figures_json(models)) if args.json else render(models))
             return 0
-    except (ValueError, OSError, SourceError) as exc:
-        print(f"d3stream evaluate: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, SourceError) as exc:  # OSError: a file setting that cannot be read
+        raise Refused(str(exc)) from exc
     configure_logging(settings.observability.log_format, settings.observability.log_level)
     from d3stream.ops.metrics import serve_metrics
     from d3stream.ops.quality import QualityMetrics
 
+    reach_kafka(settings)  # before the endpoint: a worker that cannot start should not look alive meanwhile
     metrics = QualityMetrics()
     server = serve_metrics(metrics, settings.observability)
     try:
         asyncio.run(connecting(settings.connection, run_worker(settings, metrics=metrics)))
-    except (EvaluateSetupError, ConnectionError, ValueError, OSError) as exc:
-        print(f"d3stream evaluate: {exc}", file=sys.stderr)
-        return 2
+    except (EvaluateSetupError, ValueError, OSError) as exc:  # OSError: evaluate_state_dir, the drift reference
+        raise Refused(str(exc)) from exc
     finally:
         if server is not None:
             server.stop()
@@ -62,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "topic (the figures d3stream compare --labels computes offline), then exit")
     parser.add_argument("--json", action="store_true", help="with --report: one JSON object")
     parser.add_argument("--timeout", type=float, default=120.0, help="with --report: seconds to read the topic")
-    add_settings(parser, only=CONNECTION_FIELDS + EVALUATE_FIELDS)
+    add_settings(parser, only=CONNECTION_FIELDS + EVALUATE_FIELDS, defaults=EVALUATE_DEFAULTS)
 
 
 COMMAND = Command("evaluate", "live evaluation: join labels with answers (and shadow answers) per model, exactly "

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from d3stream.cli.common import Refused, checkpoint_folder, load_checkpoint, reach_kafka
 from d3stream.cli.shape import Command
 
 if TYPE_CHECKING:  # the jobs import the Kafka client and the service: only when the command runs
@@ -18,22 +19,11 @@ if TYPE_CHECKING:  # the jobs import the Kafka client and the service: only when
     from d3stream.settings import Settings
 
 
-class _Refused(Exception):
-    """A replay that cannot start or finish as asked; the message (naming what to change) is printed after
-    ``d3stream replay:`` and the command exits with status 2."""
-
-
 def _replay_command(args: argparse.Namespace) -> int:
-    import sys
-
-    try:
-        settings, checkpoint = _command_settings(args)
-        plan = _command_range(args)
-        model = _load_checkpoint(checkpoint, settings)
-        summary = _run_command(args, settings, model, plan)
-    except _Refused as exc:
-        print(f"d3stream replay: {exc}", file=sys.stderr)
-        return 2
+    settings, checkpoint = _command_settings(args)
+    plan = _command_range(args)
+    model = _load_checkpoint(checkpoint, settings)
+    summary = _run_command(args, settings, model, plan)
     _print_summary(summary, as_json=args.json)
     return 0
 
@@ -49,18 +39,18 @@ def _command_settings(args: argparse.Namespace) -> tuple[Settings, str]:
         settings = load_settings(args)
         check_connection(settings.connection)
     except ValueError as exc:
-        raise _Refused(str(exc)) from exc
+        raise Refused(str(exc)) from exc
     configure_logging(settings.observability.log_format, "warning" if settings.observability.log_level == "info" else settings.observability.log_level)
     from d3stream.jobs.replay import live_topic_refusal
 
     refusal = live_topic_refusal(args.to_topic, settings.delivery.answer_topic, allowed=args.allow_live_answer_topic,
                                  request_topics=[args.from_topic, *settings.delivery.request_topics])
     if refusal:
-        raise _Refused(refusal)
+        raise Refused(refusal)
     if not settings.models.checkpoints:
-        raise _Refused("no checkpoint: set --model or D3STREAM_MODEL")
+        raise Refused("no checkpoint: set --model or D3STREAM_MODEL")
     if len(settings.models.checkpoints) > 1:  # a replay answers a range with one model; compare two replays to compare models
-        raise _Refused(f"--model names {len(settings.models.checkpoints)} checkpoints; a replay runs one (replay once per "
+        raise Refused(f"--model names {len(settings.models.checkpoints)} checkpoints; a replay runs one (replay once per "
                        "model and compare the answer sets)")
     [checkpoint] = settings.models.checkpoints
     if args.to_topic:
@@ -84,17 +74,19 @@ def _command_range(args: argparse.Namespace) -> ReplayRange:
 
 
 def _load_checkpoint(checkpoint: str, settings: Settings) -> DecisionModel:
-    """The checkpoint the replay runs, resolved (a path, or a name in a model source) and loaded."""
+    """The checkpoint the replay runs, resolved (a path, or a name in a model source) and, once Kafka has
+    answered (a wrong address or password is said before the seconds of the load), loaded."""
     from d3stream.models.checkpoints import CheckpointError, model_name_for, resolve_model
-    from d3stream.runtime import D3
 
     try:
         resolved = resolve_model(checkpoint, settings.storage)
         model_name = model_name_for(resolved, settings.models.model_name)
     except CheckpointError as exc:
-        raise _Refused(str(exc)) from exc
-    return D3.from_pretrained(resolved.path, device=settings.models.device, verify=settings.models.verify,
-                              model_name=model_name, permutation_average=settings.models.permutation_average)
+        raise Refused(str(exc)) from exc
+    checkpoint_folder(resolved.path, checkpoint)
+    reach_kafka(settings)
+    return load_checkpoint(resolved.path, device=settings.models.device, verify=settings.models.verify,
+                           model_name=model_name, permutation_average=settings.models.permutation_average)
 
 
 def _run_command(args: argparse.Namespace, settings: Settings, model: DecisionModel,
@@ -111,7 +103,7 @@ def _run_command(args: argparse.Namespace, settings: Settings, model: DecisionMo
                                          deterministic=args.deterministic, rows_per_pass=args.rows_per_pass,
                                          progress=not args.json and sys.stderr.isatty()))
     except (ValueError, ConnectionError) as exc:
-        raise _Refused(str(exc)) from exc
+        raise Refused(str(exc)) from exc
     if args.compare_with:
         from d3stream.jobs.compare import SourceError
 
@@ -119,7 +111,7 @@ def _run_command(args: argparse.Namespace, settings: Settings, model: DecisionMo
             summary["drift"] = replay_drift(args.compare_with,
                                             str(out) if out else f"kafka:{settings.delivery.answer_topic}", settings)
         except (OSError, ValueError, SourceError) as exc:
-            raise _Refused(f"--compare-with: {exc}") from exc
+            raise Refused(f"--compare-with: {exc}") from exc
     return summary
 
 

@@ -13,6 +13,7 @@ import asyncio
 import json
 import sys
 
+from d3stream.cli.common import Refused, reach_registry, registry_format
 from d3stream.cli.shape import Command
 
 # The topics whose records a deployment writes or reads through the registry, by the event each carries.
@@ -42,13 +43,14 @@ def _register(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args)
     except ValueError as exc:
-        print(f"d3stream schemas register: {exc}", file=sys.stderr)
-        return 2
+        raise Refused(str(exc)) from exc
     chosen = settings.registry
-    if not chosen.schema_registry_url or chosen.answer_format == "json":
-        print("d3stream schemas register: set schema_registry_url and answer_format (avro or json_schema): "
-              "the format the schemas are registered in", file=sys.stderr)
-        return 2
+    client_format = registry_format(settings)
+    if client_format is None or chosen.answer_format == "json":
+        raise Refused("set schema_registry_url and answer_format (avro or json_schema): the format the schemas are "
+                      "registered in")
+    # One request first: the worker's registry client waits out an outage, which here would be a hang.
+    asyncio.run(reach_registry(client_format))
     delivery, evaluation = settings.delivery, settings.evaluation
     topics: dict[str, type[msgspec.Struct]] = {topic: Request for topic in delivery.request_topics}
     topics.update({delivery.answer_topic: Answer, delivery.dead_letter_topic: DeadLetter})

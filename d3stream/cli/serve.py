@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from d3stream.runtime import D3
     from d3stream.settings import Settings
 
+from d3stream.cli.common import Refused, checkpoint_folder, load_checkpoint, reach_kafka
 from d3stream.cli.shape import Command
 
 # The exit status of `d3stream serve` after a worker-fatal error (2 is a configuration error).
@@ -29,13 +30,11 @@ def _serve(args: argparse.Namespace) -> int:
         settings = load_settings(args)
         check_connection(settings.connection)
     except ValueError as exc:
-        print(f"d3stream serve: {exc}", file=sys.stderr)
-        return 2
+        raise Refused(str(exc)) from exc
     configure_logging(settings.observability.log_format, settings.observability.log_level)
     if not settings.models.checkpoints and not settings.models.model_source:
-        print("d3stream serve: no checkpoint: set --model (or --model-source), D3STREAM_MODEL or model = ... in the "
-              "settings file", file=sys.stderr)
-        return 2
+        raise Refused("no checkpoint: set --model (or --model-source), D3STREAM_MODEL or model = ... in the "
+                      "settings file")
     from d3stream.models.checkpoints import CheckpointError
     from d3stream.ops.metrics import Metrics, serve_metrics
     from d3stream.service import Service
@@ -45,20 +44,31 @@ def _serve(args: argparse.Namespace) -> int:
     metrics = Metrics()
     server = serve_metrics(metrics, settings.observability)
     try:
-        models, shadow = _load_models(settings)
+        # Kafka is asked once the checkpoints are found and checked, before the seconds their loading takes: a
+        # wrong address or password should not wait for it, a wrong checkpoint is said whether Kafka answers or not.
+        models, shadow = _load_models(settings, ready_to_load=lambda: reach_kafka(settings))
         service = Service(settings, models, metrics=metrics, shadow=shadow)
     except (CheckpointError, ValueError) as exc:  # also: two models of one name, prefix_reuse=on on a non-causal one
-        print(f"d3stream serve: {exc}", file=sys.stderr)
         if server is not None:
             server.stop()
-        return 2
+        raise Refused(str(exc)) from exc
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
     _log_kernel_notice([*models, *([shadow] if shadow is not None else [])])
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, service.stop)
-        await service.run()
+        try:
+            await service.run()
+        finally:
+            # A start-up step that failed (Kafka gone since reach_kafka) leaves the consumer made but never
+            # started: closed here, so no "Unclosed AIOKafkaConsumer" follows the error's one line.
+            if service.consumer is not None:
+                await service.consumer.stop()
 
     from d3stream.kafka.limits import WorkerFatal
 
@@ -90,12 +100,13 @@ def _log_kernel_notice(models: list[D3]) -> None:
             structlog.get_logger("d3stream.serve").info(notice)
 
 
-def _load_models(settings: Settings) -> tuple[list[D3], D3 | None]:
+def _load_models(settings: Settings, ready_to_load: Callable[[], object] = lambda: None) -> tuple[list[D3], D3 | None]:
     """Every ``--model`` of serve, the first the default, and a ``--shadow NAME=PATH`` checkpoint (None: no
     shadow, or a served model's name): made local (s3:// fetched and verified), their weights checked to fit
     the device together (``model_memory_bytes``) before any is loaded, then loaded (and warmed up with
     ``warmup``). With ``model_source`` its pointer's current checkpoint (and canary) come first, the default
-    (rollout.py). CheckpointError / ValueError name what is wrong."""
+    (rollout.py), loaded and verified as one step. ``ready_to_load`` runs just before the ``--model``
+    checkpoints load (the seconds of a start). CheckpointError / ValueError / Refused name what is wrong."""
     from d3stream.models.checkpoints import (
         check_models_fit,
         checkpoint_memory_bytes,
@@ -104,7 +115,6 @@ def _load_models(settings: Settings) -> tuple[list[D3], D3 | None]:
         resolve_model,
     )
     from d3stream.models.shadow import parse_shadow
-    from d3stream.runtime import D3
 
     specs = parse_model_specs(settings.models.checkpoints)  # a name given twice is refused before any download
     shadow_text = settings.models.shadow
@@ -114,6 +124,8 @@ def _load_models(settings: Settings) -> tuple[list[D3], D3 | None]:
         specs.append(parse_model_specs([shadow_text])[0])
         texts.append(shadow_text)
     resolved = [resolve_model(text, settings.storage) for text in texts]
+    for index, (text, each) in enumerate(zip(texts, resolved, strict=True)):  # a typo is said before Kafka is asked
+        checkpoint_folder(each.path, text, "--model" if index < len(settings.models.checkpoints) else "--shadow")
     names: list[str | None] = [each.name for each in resolved]
     if settings.models.checkpoints and not settings.models.model_source:  # model_name names the default; a source's names itself
         names[0] = model_name_for(resolved[0], settings.models.model_name)
@@ -126,9 +138,10 @@ def _load_models(settings: Settings) -> tuple[list[D3], D3 | None]:
         from d3stream.models.rollout import load_source_models
 
         models.extend(load_source_models(settings, beside=[each.path for each in resolved]))
+    ready_to_load()
     for name, each in zip(names, resolved, strict=True):
-        models.append(D3.from_pretrained(each.path, device=settings.models.device, verify=settings.models.verify,
-                                         model_name=name, permutation_average=settings.models.permutation_average))
+        models.append(load_checkpoint(each.path, device=settings.models.device, verify=settings.models.verify,
+                                      model_name=name, permutation_average=settings.models.permutation_average))
     if settings.models.warmup:
         for model in models:
             model.warmup()

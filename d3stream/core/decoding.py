@@ -141,9 +141,14 @@ def _serve_jobs(connection: Connection) -> None:
 class _Slot:
     """One decoding process and the parent's end of its socket; started on first use, replaced when killed.
 
-    A plain ``python -m d3stream.core.decoding <fd>`` child, not a ``multiprocessing`` one: spawn and
+    A plain ``python -P -m d3stream.core.decoding <fd>`` child, not a ``multiprocessing`` one: spawn and
     forkserver re-import the parent's main module (a script, a test runner), fork would copy torch's
-    and asyncio's threads mid-state."""
+    and asyncio's threads mid-state. ``-P`` keeps the current folder off its ``sys.path`` (``-m`` would put
+    it first): started in a folder that holds another ``d3stream/`` (a checkout, a copy), it still imports
+    the code its parent runs, from ``_PACKAGE_ROOT``. It runs in a process group of its own: Ctrl-C reaches
+    every process of the terminal's foreground group, and this one's end is its parent's to decide (the parent
+    closes the connection, or kills it; a parent gone closes it too), not a KeyboardInterrupt's traceback beside
+    the worker's clean stop."""
 
     def __init__(self, name: str):
         self.name = name
@@ -158,9 +163,10 @@ class _Slot:
         parent, child = socket.socketpair()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "d3stream.core.decoding", str(child.fileno())],
+                [sys.executable, "-P", "-m", "d3stream.core.decoding", str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
+                process_group=0,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))},
             )
         finally:
@@ -423,5 +429,5 @@ def _decode_images(datas: list[bytes], numbers: list[int], began: Callable[[], o
                        [f"images[{number}]" for number in numbers])
 
 
-if __name__ == "__main__":  # the decoding process: python -m d3stream.core.decoding <socket fd>
+if __name__ == "__main__":  # the decoding process: python -P -m d3stream.core.decoding <socket fd>
     _serve_jobs(Connection(int(sys.argv[1])))

@@ -110,11 +110,16 @@ def render(models: list[ModelFigures]) -> str:
     """The figures as a table: one row per model, then one per model and question."""
     if not models:
         return "no evaluations yet: are labels arriving on the label topic, and is d3stream evaluate running?"
-    lines = [f"{'role':<8}{'model':<24}{'question':<16}{'n':>8}{'accuracy':>10}{'Brier':>9}{'log loss':>10}"
-             f"{'ECE':>9}{'est. acc.':>11}{'est. Brier':>11}{'acc. err.':>11}{'Brier err.':>11}"]
+    # The text columns as wide as their longest entry, and a space more: a long model name (a checkpoint's
+    # digest, a path) or question id must not run into the next column.
+    role = max([8, *(len(m.role) + 2 for m in models)])
+    model = max([24, *(len(m.model) + 2 for m in models)])
+    asked = max([16, *(len(question) + 2 for m in models for question in m.by_question)])
+    lines = [f"{'role':<{role}}{'model':<{model}}{'question':<{asked}}{'n':>8}{'accuracy':>10}{'Brier':>9}"
+             f"{'log loss':>10}{'ECE':>9}{'est. acc.':>11}{'est. Brier':>11}{'acc. err.':>11}{'Brier err.':>11}"]
     for m in models:
         for question, stats in [("(all)", m.overall), *m.by_question.items()]:
-            lines.append(f"{m.role:<8}{m.model:<24}{question:<16}{stats.n:>8}{_fmt(stats.accuracy):>10}"
+            lines.append(f"{m.role:<{role}}{m.model:<{model}}{question:<{asked}}{stats.n:>8}{_fmt(stats.accuracy):>10}"
                          f"{_fmt(stats.brier):>9}{_fmt(stats.log_loss):>10}{_fmt(stats.ece):>9}"
                          f"{_fmt(stats.estimated_accuracy):>11}{_fmt(stats.estimated_brier):>11}"
                          f"{_fmt(stats.accuracy_error):>11}{_fmt(stats.brier_error):>11}")

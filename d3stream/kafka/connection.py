@@ -11,20 +11,24 @@ parameters aiokafka's constructors take.
 A connection that fails is diagnosed once more by :func:`explain_failure`: aiokafka reports only "Unable
 to bootstrap" when every broker refused, so one direct connection to the first bootstrap server finds the
 real cause (an untrusted broker certificate, a client certificate the broker refused, a SASL password)
-and the message names the setting to change.
+and the message names the setting to change. :func:`reach` is the cheap check a command makes first (one
+metadata request), so a wrong address or password is said before a model loads for seconds, and the
+topics it lists let a command say that a topic it reads does not exist.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import functools
 import importlib
 import inspect
 import json
+import logging
 import os
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 if TYPE_CHECKING:
@@ -380,3 +384,48 @@ async def connecting(connection: ConnectionSettings, step: Awaitable[T]) -> T:
     except KafkaError as exc:
         hint = await explain_failure(connection, exc)
         raise connection_error(connection, exc, hint) from exc
+
+
+# How long ``reach`` waits for the cluster's metadata: a refused connection fails at once, an address that
+# drops packets would otherwise hold a command for aiokafka's 40 s request timeout.
+REACH_TIMEOUT_S = 15.0
+
+
+async def reach(connection: ConnectionSettings, timeout_s: float = REACH_TIMEOUT_S) -> set[str]:
+    """The names of the cluster's topics, from one short-lived admin client: proof that Kafka answers at
+    ``bootstrap_servers`` with these security settings, made before a command spends time on anything else.
+    A refusal is a ConnectionError naming the setting to change (as :func:`connecting` makes it); aiokafka's
+    own log lines about the refusal are held back (the error says more), unless logging is at ``debug``."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.errors import KafkaError
+
+    admin = AIOKafkaAdminClient(**client_options(connection, "admin", request_timeout_ms=int(timeout_s * 1000)))
+    with _quiet_aiokafka():
+        try:
+            try:
+                await asyncio.wait_for(admin.start(), timeout_s)
+                return set(await asyncio.wait_for(admin.list_topics(), timeout_s))
+            finally:
+                await admin.close()
+        except TimeoutError as exc:
+            raise connection_error(connection, exc, f"nothing answered within {timeout_s:g} s: check "
+                                   "bootstrap_servers (and that no firewall drops the packets)") from exc
+        except KafkaError as exc:
+            hint = await explain_failure(connection, exc)
+            raise connection_error(connection, exc, hint) from exc
+
+
+@contextlib.contextmanager
+def _quiet_aiokafka() -> Iterator[None]:
+    """aiokafka's logger at CRITICAL for a while, unless debug records are wanted: its "Unable connect to ..."
+    error would come before the one line that says what to change."""
+    logger = logging.getLogger("aiokafka")
+    if logger.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    previous = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)

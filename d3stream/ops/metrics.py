@@ -31,6 +31,7 @@ fed on the event loop thread.
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import threading
 from collections.abc import Callable
@@ -196,6 +197,21 @@ def _plain(start_response: StartResponse, status: str, body: str) -> list[bytes]
     return [data]
 
 
+class MetricsPortTaken(OSError):
+    """The metrics endpoint's port is taken, most often by another worker on this machine: the message names
+    the setting that moves it (``d3stream serve`` defaults to 9464, ``d3stream evaluate`` to 9465)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(errno.EADDRINUSE, f"port {port} on {host} is taken (by another d3stream serve or evaluate "
+                         "on this machine?), so the metrics endpoint cannot listen there: choose a free one with "
+                         "--metrics-port (setting metrics_port, D3STREAM_METRICS_PORT), or --metrics-port '' "
+                         "for none")
+        self.port = port
+
+    def __str__(self) -> str:  # the sentence alone, without OSError's "[Errno 98]"
+        return str(self.strerror)
+
+
 class MetricsServer:
     """``/metrics``, ``/healthz`` and ``/readyz`` on ``host:port``, served from a daemon thread."""
 
@@ -248,6 +264,8 @@ class MetricsServer:
         try:
             self._httpd = make_server(self.host, self.requested_port, self.app, Server, handler_class=_QuietHandler)
         except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise MetricsPortTaken(self.host, self.requested_port) from exc
             raise OSError(exc.errno, f"cannot serve metrics on {self.host}:{self.requested_port}: {exc.strerror}") \
                 from exc
         self._thread = threading.Thread(

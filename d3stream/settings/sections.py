@@ -122,8 +122,8 @@ class RegistrySettings(_Section, frozen=True, kw_only=True):
         "registry's wire format; need schema_registry_url)"
     )] = "json"
     subject_name_strategy: Annotated[SubjectNameStrategy, doc(
-        "the subject a schema is registered under: topic (<topic>-value), record (d3stream.Answer) or "
-        "topic_record (<topic>-d3stream.Answer)"
+        "the subject a schema is registered under: topic (<topic>-value), record (d3stream.v2.Answer) or "
+        "topic_record (<topic>-d3stream.v2.Answer)"
     )] = "topic"
     schema_auto_register: Annotated[bool, doc(
         "register the answer schemas at start (the demo does); off in production: each subject's latest "

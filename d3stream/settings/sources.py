@@ -48,17 +48,20 @@ def default_text(default: object) -> str:
     return f"; default: {default}"
 
 
-def help_text(setting: Setting, description: str | None = None) -> str:
-    """The help a flag shows: the field's description (or a command's own), its variable and its default."""
-    return f"{description or setting.help} (env {env_name(setting.name)}{default_text(setting.default)})"
+def help_text(setting: Setting, description: str | None = None, default: object = ...) -> str:
+    """The help a flag shows: the field's description (or a command's own), its variable and its default (the
+    setting's, or ``default``: a command's own)."""
+    shown = setting.default if default is ... else default
+    return f"{description or setting.help} (env {env_name(setting.name)}{default_text(shown)})"
 
 
 def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None,
-                  described: Mapping[str, str] | None = None) -> None:
+                  described: Mapping[str, str] | None = None, defaults: Mapping[str, object] | None = None) -> None:
     """One flag per setting (or per setting in ``only``), grouped by section; unset flags stay None so the
     environment and file can fill them. A list setting's flag may be repeated, each value comma-separated
     or not. ``described`` gives a command's own description of a setting where the worker's would mislead
-    (a client's ``schema_auto_register`` registers the request schema, not the answers')."""
+    (a client's ``schema_auto_register`` registers the request schema, not the answers'); ``defaults`` the
+    command's own defaults (shown in the help; ``load_settings`` takes the same mapping)."""
     parser.add_argument("--config", default=None, help=f"TOML settings file (or ${CONFIG_ENV})")
     for section, struct in SECTIONS.items():
         names = [name for name, s in SETTINGS.items() if s.section == section and (only is None or name in only)]
@@ -67,11 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None 
         title = f"{section} settings (flag > environment > TOML file > default)"
         group = parser.add_argument_group(title, (struct.__doc__ or "").strip())
         for name in names:
-            _add_flag(group, SETTINGS[name], (described or {}).get(name))
+            _add_flag(group, SETTINGS[name], (described or {}).get(name), (defaults or {}).get(name, ...))
 
 
-def _add_flag(group: argparse._ArgumentGroup, setting: Setting, description: str | None = None) -> None:
-    text = help_text(setting, description).replace("%", "%%")
+def _add_flag(group: argparse._ArgumentGroup, setting: Setting, description: str | None = None,
+              default: object = ...) -> None:
+    text = help_text(setting, description, default).replace("%", "%%")
     if setting.is_bool:
         group.add_argument(flag_name(setting.name), dest=setting.name, default=None,
                            action=argparse.BooleanOptionalAction, help=text)
@@ -123,11 +127,14 @@ def load_settings(
     *,
     environ: dict[str, str] | None = None,
     config_file: str | os.PathLike[str] | None = None,
+    defaults: Mapping[str, object] | None = None,
 ) -> Settings:
-    """Settings from the three sources, checked; ValueError names the offending setting and source."""
+    """Settings from the three sources, checked; ValueError names the offending setting and source.
+    ``defaults``: a command's own defaults, in place of the settings' where no source gives a value
+    (``d3stream evaluate`` listens for metrics on a port of its own, beside a worker's)."""
     environ = dict(os.environ if environ is None else environ)
     given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
-    merged: dict[str, object] = {}
+    merged: dict[str, object] = dict(defaults or {})
     named = given.get("config")
     path = config_file or (named if isinstance(named, str) else None) or environ.get(CONFIG_ENV)
     if path:

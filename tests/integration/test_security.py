@@ -187,7 +187,7 @@ def test_oauthbearer_with_a_module_callable_token_source(secured_broker, pki, tm
     # client hangs instead of failing.)
     topics = _topics(secured_broker, "oauth")
     source = tmp_path / "requests.jsonl"
-    source.write_text('{"id": "oauth-1", "state": "s", "questions": {}}\n')
+    source.write_text(json.dumps({"id": "oauth-1", "state": "s", "questions": {"q": Q_NOUL}}) + "\n")  # a request
     assert main(["produce", topics["req"], str(source), *_flags(_oauth(secured_broker, pki))]) == 0
     assert main(["consume", topics["req"], "--max", "1", "--timeout", "30", *_flags(_oauth(secured_broker, pki))]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["id"] == "oauth-1"
@@ -216,7 +216,7 @@ def test_a_refused_connection_names_the_setting_to_fix(secured_broker, pki, tmp_
     }[case]
     connection = {k: v for k, v in connection.items() if v is not None}
     source = tmp_path / "one.jsonl"
-    source.write_text('{"id": "refused", "state": "s", "questions": {}}\n')
+    source.write_text(json.dumps({"id": "refused", "state": "s", "questions": {"q": Q_NOUL}}) + "\n")  # checked first
     assert main(["produce", "refused-topic", str(source), *_flags(connection)]) == 2  # refused, not hung
     error = capsys.readouterr().err
     assert setting in error, error

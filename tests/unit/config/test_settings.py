@@ -401,3 +401,34 @@ def test_settings_that_would_make_a_rebalance_storm_are_refused(tmp_path):
     # The issue's settings (a 6 s session timeout, defaults otherwise) are fine: the rebalance timeout no
     # longer follows the session timeout.
     assert load_settings({"session_timeout_ms": "6000"}, environ={}).delivery.rebalance_timeout_ms == 30_000
+
+
+def test_evaluate_listens_for_metrics_beside_a_worker_unless_told_otherwise(monkeypatch, tmp_path):
+    """serve and evaluate run side by side on one machine (docs/EVALUATION.md): their default metrics ports
+    differ, and evaluate's own default gives way to every source as a setting's does."""
+    from d3stream.cli.evaluate import EVALUATE_DEFAULTS
+
+    monkeypatch.delenv("D3STREAM_METRICS_PORT", raising=False)
+    monkeypatch.delenv("D3STREAM_CONFIG", raising=False)
+    serve_port = load_settings({}, environ={}).observability.metrics_port
+    evaluate_port = load_settings({}, environ={}, defaults=EVALUATE_DEFAULTS).observability.metrics_port
+    assert serve_port == 9464 and evaluate_port == 9465
+    config = tmp_path / "d3stream.toml"
+    config.write_text("metrics_port = 9600\n", encoding="utf-8")
+    assert load_settings({}, environ={}, config_file=config, defaults=EVALUATE_DEFAULTS).observability.metrics_port == 9600
+    assert load_settings({}, environ={"D3STREAM_METRICS_PORT": ""}, defaults=EVALUATE_DEFAULTS) \
+        .observability.metrics_port is None  # unset: no endpoint
+    assert load_settings({"metrics_port": "9700"}, environ={}, defaults=EVALUATE_DEFAULTS).observability.metrics_port == 9700
+    helps = _helps(monkeypatch)
+    assert "(env D3STREAM_METRICS_PORT; default: 9465)" in helps["evaluate"][1]
+    assert "(env D3STREAM_METRICS_PORT; default: 9464)" in helps["serve"][1]
+
+
+def test_the_record_subject_named_in_the_help_is_the_one_registered():
+    """subject_name_strategy's help names the record as the registry path names it (d3stream.v2.Answer)."""
+    from d3stream_client.avro import NAMESPACE
+    from d3stream_client.contract import Answer
+
+    text = SETTINGS["subject_name_strategy"].help
+    assert f"record ({NAMESPACE}.{Answer.__name__})" in text
+    assert f"topic_record (<topic>-{NAMESPACE}.{Answer.__name__})" in text

@@ -256,3 +256,19 @@ def test_drift_is_near_zero_on_the_same_distribution_and_large_on_a_shifted_one(
     assert shifted.psi is not None and shifted.psi > 0.25
     assert shifted.shares() == {"sales": 1.0}
     assert psi(collections.Counter(), collections.Counter(a=1)) is None
+
+
+def test_the_report_keeps_its_columns_apart_whatever_the_length_of_a_model_name_or_question() -> None:
+    """``evaluate --report``: a model name longer than the default column (24) does not run into the question."""
+    from d3stream.jobs.evaluate import ModelFigures, render
+
+    long_model, long_question = "d3-demo-trained-qwen3_5-tiny-seed0-0123abcd", "which-team-should-handle-it"
+    stats = Tally().stats()
+    rows = render([ModelFigures(long_model, "live", 0, stats, {long_question: stats}),
+                   ModelFigures("short", "shadow", 0, stats, {"q": stats})]).splitlines()
+    header, *table = rows[:-1]
+    start = header.index("question")
+    assert header[:start].rstrip().endswith("model")
+    for row in table:
+        assert row[start - 1] == " " and row[start] != " ", row  # each question starts in the question column
+    assert [row[start:].split()[0] for row in table] == ["(all)", long_question, "(all)", "q"]

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 import d3stream
 from d3stream.core.batching import PassRecord
-from d3stream.ops.metrics import ERROR_CODES, STAGES, Metrics, MetricsServer, serve_metrics
+from d3stream.ops.metrics import ERROR_CODES, STAGES, Metrics, MetricsPortTaken, MetricsServer, serve_metrics
 from d3stream.settings import Settings
 from tests.support.stream_helpers import scrape
 
@@ -279,8 +279,10 @@ def test_a_taken_port_is_a_clear_error() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+        with pytest.raises(MetricsPortTaken, match=f"port {port} on 127.0.0.1 is taken") as taken_error:
             MetricsServer(Metrics(), host="127.0.0.1", port=port).start()
+    assert isinstance(taken_error.value, OSError)  # what a caller catching the bind's own error still catches
+    assert "--metrics-port" in str(taken_error.value) and "[Errno" not in str(taken_error.value)
 
 
 def test_serve_metrics_follows_the_settings() -> None:
