@@ -10,6 +10,7 @@
     d3stream bench head-of-line [S]  text requests behind slow-store image requests
     d3stream bench stream [N]        an operator's stream through d3stream against aiokafka + system_one
     d3stream bench scheduling [S]    priority lanes, deadlines and tenant quotas over the pipeline
+    d3stream bench too-large [N]     one request of N questions whose answer is too large for its topic
 
 Each prints its table (``--json``: one JSON object; ``--out FILE`` keeps it). Figures and their history:
 docs/MEASUREMENTS.md; what each measures: bench/README.md.
@@ -246,6 +247,13 @@ def _scheduling(args: argparse.Namespace) -> Outcome:
     return report, bench_sched.scheduling_markdown(report).rstrip("\n")
 
 
+def _too_large(args: argparse.Namespace) -> Outcome:
+    from d3stream.benchmarks.bench_too_large import too_large_bench, too_large_markdown
+
+    report = too_large_bench(_checkpoint(args), args.count, threads=args.threads or 1)
+    return report, too_large_markdown(report).rstrip("\n")
+
+
 def _counted(default: float, what: str, kind: type[int] | type[float] = int,
              **common: bool) -> Callable[[argparse.ArgumentParser], None]:
     def add(parser: argparse.ArgumentParser) -> None:
@@ -279,6 +287,9 @@ BENCHMARKS = (
               "request, text only and mixed, on an embedded broker and store", _stream_arguments, _stream),
     Benchmark("scheduling", "priority lanes, expired requests and tenant quotas over the request pipeline (no "
               "broker; docs/SCHEDULING.md)", _counted(6.0, "seconds of each stream", float), _scheduling),
+    Benchmark("too-large", "one request of N questions whose answer is over the answer topic's limit, through the "
+              "pipeline (no broker): seconds to its answer_too_large answer, the model's share of them, and what "
+              "sizing the answer costs in JSON and Avro", _counted(12_000, "questions in the request"), _too_large),
 )
 
 
