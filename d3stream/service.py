@@ -154,7 +154,9 @@ class Service:
         self.consumer: AIOKafkaConsumer | None = None
         self.loop: ConsumeLoop | None = None
         # Requests framed by a Schema Registry, and answers written through it (kafka/registry.py).
-        self.registry = Registry(settings.registry, metrics=self.metrics) if settings.registry.schema_registry_url else None
+        self.registry = (Registry(settings.registry, metrics=self.metrics,
+                                  max_record_bytes=settings.limits.max_request_bytes)
+                         if settings.registry.schema_registry_url else None)
         self.ready = False
         self._stop_asked = False
         self._answered = 0

@@ -134,7 +134,7 @@ def _refuse(code: str, message: str, *, dead_letter: bool = False) -> Read:
 # How many writer schemas (admitted or refused) a worker keeps by id, how many ids the registry did not know it
 # remembers (each for schema_registry_unknown_id_ttl_s), and how many lookups run at once. Beyond these a
 # schema is fetched again: a flood of distinct ids costs lookups, not memory.
-KNOWN_SCHEMAS = 1_024
+KNOWN_SCHEMAS = 256
 UNKNOWN_IDS = 4_096
 LOOKUPS_AT_ONCE = 16
 
@@ -238,9 +238,12 @@ class Registry:
     and the schemas it writes."""
 
     def __init__(self, settings: RegistrySettings, *, metrics: Metrics | None = None,
-                 client: AsyncSchemaRegistryClient | None = None) -> None:
+                 client: AsyncSchemaRegistryClient | None = None, max_record_bytes: int | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        # A framed request longer than a plain one may be is not read (max_request_bytes): Avro is denser than
+        # JSON, and its reading costs memory in proportion to its bytes.
+        self.max_record_bytes = max_record_bytes
         self.client = client or AsyncSchemaRegistryClient(client_config(settings))
         self.health = RegistryHealth()
         self._known: OrderedDict[int, WriterSchema] = OrderedDict()
@@ -299,7 +302,7 @@ class Registry:
             if read is None:
                 waiting.append(record)
             else:
-                ready.append(_unframed(record, value, read))
+                ready.append(_unframed(record, value, self._bounded(read, value)))
         return ready, waiting
 
     async def unframe_looked_up(self, records: Sequence[InputRecord],
@@ -311,9 +314,19 @@ class Registry:
         readers = dict(zip(wanted, found, strict=True))
         unframed: list[InputRecord] = []
         for record in records:
-            assert record.value is not None  # framed (unframe_known)
-            unframed.append(_unframed(record, record.value, readers[(record.topic, FRAME.unpack_from(record.value)[1])]))
+            value = record.value
+            assert value is not None  # framed (unframe_known)
+            read = readers[(record.topic, FRAME.unpack_from(value)[1])]
+            unframed.append(_unframed(record, value, self._bounded(read, value)))
         return unframed
+
+    def _bounded(self, read: Read, value: bytes) -> Read:
+        """``read``, unless the record is over max_request_bytes: then its refusal, as a plain request's."""
+        limit = self.max_record_bytes
+        if limit is None or len(value) <= limit or isinstance(read, _Refusal):
+            return read
+        return _refuse("invalid_request", f"the record is {len(value):,} bytes, over max_request_bytes ({limit:,}); "
+                       "it was not read")
 
     def _subjects(self, topic: str, event: type[msgspec.Struct], writer: WriterSchema) -> list[str]:
         """The subjects that speak for ``topic``: the worker's own strategy's, and the two that name the topic

@@ -392,12 +392,14 @@ class _ReaderCompiler(_Compiler):
             size = self.source.name("n")
             self.long(size, depth)
             emit(depth, f"if {size} < 0 or {size} > len(data) - p: raise _Mismatch")
-            if _is_text(kind) and self.lean:  # checked as JSON, kept as its text: its reader parses it once
+            # JSON text where the contract has free-form JSON, whether the writer made the field optional or not.
+            text = _is_text(_nullable_inner(kind))
+            if text and self.lean:  # checked as JSON, kept as its text: its reader parses it once
                 emit(depth, f"{target} = _raw(data[p:p + {size}])")
-            elif _is_text(kind):
+            elif text:
                 emit(depth, f"{target} = _parse(data[p:p + {size}])")
-            elif schema == "string" or isinstance(_kind(_nullable_inner(kind)), mi.StrType):
-                emit(depth, f"{target} = data[p:p + {size}].decode()")  # bytes promoted to a string
+            elif schema == "string" or kind is not None:  # bytes the contract carries resolve to a string only
+                emit(depth, f"{target} = data[p:p + {size}].decode()")
             else:
                 emit(depth, f"{target} = data[p:p + {size}]")  # bytes the event does not carry: skipped
             emit(depth, f"p += {size}")
@@ -671,14 +673,14 @@ class _Walk:
             size = self.length(what, path)
             text = data[self.p:self.p + size]
             self.p += size
-            if _is_text(kind):
+            if _is_text(_nullable_inner(kind)):
                 try:
                     return msgspec.json.decode(text)
                 except RecursionError as exc:
                     raise _TooDeep(f"{path} is JSON text nested deeper than a JSON reader goes") from exc
                 except msgspec.DecodeError as exc:
                     raise _Stop(f"{path} is not JSON text: {exc}") from exc
-            if schema == "string" or isinstance(_kind(_nullable_inner(kind)), mi.StrType):
+            if schema == "string" or kind is not None:
                 try:
                     return text.decode()
                 except UnicodeDecodeError as exc:
