@@ -24,6 +24,6 @@ def test_the_too_large_bench_reports_every_figure(qwen35_text_model):
     assert request["seconds"] >= request["forward_s"] > 0 and request["after_pass_s"] >= 0
     assert set(report["sizing"]) == {"json", "avro"}
     for sizing in report["sizing"].values():
-        assert sizing["code"] == "answer_too_large" and sizing["answer_bytes"] > 2_000 and sizing["seconds"] > 0
+        assert sizing["code"] == "answer_too_large" and sizing["answer_bytes"] > 2_000 and sizing["seconds"] >= 0
     table = too_large_markdown(report)
     assert "answer_too_large in" in table and "| json |" in table and "| avro |" in table
