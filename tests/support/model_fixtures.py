@@ -114,10 +114,10 @@ def build(out: str | os.PathLike, *, sharpen: bool = True, **options: Any) -> Pa
     """``build_checkpoint(out, size="tiny", seed=0, **options)``, sharpened unless ``sharpen=False``.
 
     Built once however many test processes ask (the workers of ``pytest -n``, which share
-    ``checkpoint_root``): the first takes a file lock and builds, the others wait and reuse it."""
+    ``checkpoint_root``): the first takes a file lock and builds, the others wait and reuse it. The build
+    itself is kept between runs (``built_once``): a run on the same machine, CI's fresh clone after a
+    session's run included, copies it instead of building and training again."""
     from filelock import FileLock
-
-    from d3stream.dev.build_checkpoint import build_checkpoint
 
     out = Path(out)
     built = out.parent / f".{out.name}.built"
@@ -126,10 +126,59 @@ def build(out: str | os.PathLike, *, sharpen: bool = True, **options: Any) -> Pa
             return Path(built.read_text(encoding="utf-8"))
         options.setdefault("size", "tiny")
         options.setdefault("seed", 0)
-        root = build_checkpoint(out, **options)
-        root = sharpen_checkpoint(root) if sharpen else Path(root)
+        kept, inside = built_once(out.name, sharpen, options)
+        shutil.copytree(kept, out, symlinks=True)  # a copy: a test may change its checkpoint's files
+        root = out / inside
         built.write_text(str(root), encoding="utf-8")
     return root
+
+
+# What a kept build depends on besides its options: the code that builds, trains and sharpens it.
+_BUILD_SOURCES = ("d3stream/dev/build_checkpoint.py", "d3stream/dev/train.py", "d3stream/dev/tasks.py",
+                  "d3stream/runtime/package.py", "d3stream/runtime/format.py", "tests/support/model_fixtures.py")
+_KEPT_BUILDS = 16  # the newest kept; older ones (code since changed) are removed
+
+
+def built_once(name: str, sharpen: bool, options: dict[str, Any]) -> tuple[Path, Path]:
+    """A checkpoint built with these options by this code, kept under ``$D3STREAM_CACHE/test-checkpoints``
+    (default ~/.cache/d3stream) and built there on first use: its folder, and its root inside it. The key
+    hashes the options, the build's sources and the torch and transformers versions, so a change to any of
+    them builds anew."""
+    import hashlib
+
+    import torch
+    import transformers
+    from filelock import FileLock
+
+    from d3stream.dev.build_checkpoint import build_checkpoint
+
+    digest = hashlib.sha256(repr((name, sharpen, sorted(options.items()), torch.__version__,
+                                  transformers.__version__)).encode())
+    for source in _BUILD_SOURCES:
+        digest.update((REPO_ROOT / source).read_bytes())
+    cache = Path(os.environ.get("D3STREAM_CACHE") or Path.home() / ".cache" / "d3stream") / "test-checkpoints"
+    folder = cache / f"{name}-{digest.hexdigest()[:20]}"
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(cache / f".{folder.name}.lock"):
+        marker = folder / ".root"
+        if not marker.is_file():
+            staging = cache / f".{folder.name}.staging"
+            shutil.rmtree(staging, ignore_errors=True)
+            root = build_checkpoint(staging / name, **options)
+            root = sharpen_checkpoint(root) if sharpen else Path(root)
+            (staging / ".root").write_text(str(Path(root).relative_to(staging)), encoding="utf-8")
+            shutil.rmtree(folder, ignore_errors=True)
+            staging.rename(folder)
+            _forget_old_builds(cache)
+        inside = Path(marker.read_text(encoding="utf-8"))
+    return folder, inside
+
+
+def _forget_old_builds(cache: Path) -> None:
+    builds = sorted((path for path in cache.iterdir() if path.is_dir() and not path.name.startswith(".")),
+                    key=lambda path: path.stat().st_mtime, reverse=True)
+    for old in builds[_KEPT_BUILDS:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def copy_checkpoint(source: str | os.PathLike, destination: str | os.PathLike) -> Path:
