@@ -42,7 +42,7 @@ def add_arguments(make: argparse.ArgumentParser) -> None:
     make.add_argument("--progress", action="store_true", help="show a progress bar even when not on a terminal")
     make.add_argument("--train", choices=("demo",), default=None,
                       help="then fit it on the synthetic support-ticket task (about a minute on a CPU; tiny qwen3_5)")
-    make.add_argument("--train-steps", type=int, default=None, help="training steps of --train (default 1000)")
+    make.add_argument("--train-steps", type=int, default=None, help="training steps of --train (default 3000)")
 
 
 COMMAND = Command("make-checkpoint", "write a complete random-weight D3 checkpoint, or with --train demo a small "

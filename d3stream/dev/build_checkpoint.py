@@ -42,7 +42,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -560,6 +560,16 @@ def _steps(progress: bool, total: int, description: str) -> Iterator[Progress]:
         yield bar
 
 
+def _training_progress(bar: Progress, steps: int) -> Callable[[int, float], None]:
+    """``train_demo``'s ``on_step``: the step and the loss in the bar's label, every 100 steps."""
+
+    def on_step(step: int, loss: float) -> None:
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            bar.set_postfix_str(f"training step {step + 1}/{steps}, loss {loss:.3f}", refresh=True)
+
+    return on_step
+
+
 def _advance(bar: Progress, label: str) -> None:
     bar.set_postfix_str(label, refresh=False)
     bar.update(1)
@@ -578,16 +588,28 @@ def _processor_class(tokenizer: TokenizersBackend) -> Iterator[None]:
         tokenizer._processor_class = previous  # noqa: SLF001 - as it was
 
 
+# transformers' logger of the notices that a Gated DeltaNet op falls back to its reference PyTorch code (the
+# fast kernels are CUDA-only): on a CPU, printed once per op while the build's bar is drawn (tearing it), and nothing to act on.
+KERNEL_NOTICES = "transformers.integrations.hub_kernels"
+
+
 @contextmanager
 def _quiet_transformers() -> Iterator[None]:
-    """No "Writing model shards" bar from ``save_pretrained`` inside the build's own bar."""
+    """No "Writing model shards" bar from ``save_pretrained`` inside the build's own bar, and no kernel-fallback
+    notices across it (``KERNEL_NOTICES``; ``d3stream serve`` says it once, in plain words)."""
+    import logging
+
     from transformers.utils import logging as hf_logging
 
     enabled = hf_logging.is_progress_bar_enabled()
+    notices = logging.getLogger(KERNEL_NOTICES)
+    level = notices.level
     hf_logging.disable_progress_bar()
+    notices.setLevel(logging.ERROR)
     try:
         yield
     finally:
+        notices.setLevel(level)
         if enabled:
             hf_logging.enable_progress_bar()
 
@@ -778,7 +800,10 @@ def build_checkpoint(
 
                 options: TrainOptions = {"pictures": None if vision else 0}
                 options.update(train_options or {})
-                train_demo(staging, steps=DEFAULT_STEPS if train_steps is None else train_steps, seed=seed, **options)
+                count = DEFAULT_STEPS if train_steps is None else train_steps
+                bar.set_postfix_str(f"training on {train}", refresh=True)
+                with _quiet_transformers():
+                    train_demo(staging, steps=count, seed=seed, on_step=_training_progress(bar, count), **options)
                 _advance(bar, f"trained on {train}")
         _publishable(staging)
         if out.exists():

@@ -7,10 +7,17 @@ which of two checkpoints is right, all offline. Every draw is a pure function of
 Two kinds of requests:
 
 * a **ticket** (``state``: ``{"ticket": n, "text": ...}``) with three questions: ``team`` (``choice``:
-  billing, tech or sales), ``refund`` (``noul``: does the customer ask for money back) and ``urgency``
-  (``score``: low, normal, urgent). The text is put together from templated sentences with varied
-  wording, and the three answers are drawn independently (a tech ticket may ask for a refund too), so a
-  model cannot get one right from another.
+  billing, tech or sales), ``refund`` (``noul``: does the customer want a payment reversed, i.e. ask for
+  their money back) and ``urgency`` (``score``: low, medium, high). The text is put together from a
+  grammar of sentences with wide wording (below), and the three answers are drawn independently (a tech
+  ticket may ask for a refund too), so a model cannot get one right from another.
+
+  The questions are worded apart from the words tickets decide with: the demo checkpoint reads every
+  question at the same last position, and a word that is in both ("urgent" in a ticket and in "How urgent
+  is the ticket? ... C. urgent") it could not weigh (measured, issue 43: "This is urgent!" scored normal,
+  "crashes" sent tickets to billing while the team options listed "crashes"). Hence "How soon does the
+  ticket need an answer?" with levels low, medium, high, options without descriptions, and "a payment
+  reversed" rather than "money back".
 * a **picture** (an inline PNG of one to three coloured squares on a plain background) with one question,
   ``red_square`` (``noul``: is there a red square).
 
@@ -24,6 +31,7 @@ import base64
 import io
 import json
 import random
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,57 +47,224 @@ HELDOUT_SEED = 1
 TEAM: dict[str, object] = {
     "type": "choice",
     "instructions": "Which team should handle this ticket?",
-    "criteria": {"billing": "payments, charges, invoices", "tech": "bugs, errors, crashes, login", "sales": "plans, pricing, quotes"},
+    "criteria": {"billing": None, "tech": None, "sales": None},
 }
-REFUND: dict[str, object] = {"type": "noul", "instructions": "Does the customer ask for their money back?"}
-URGENCY: dict[str, object] = {"type": "score", "instructions": "How urgent is the ticket?", "criteria": ["low", "normal", "urgent"]}
+REFUND: dict[str, object] = {"type": "noul", "instructions": "Does the customer want a payment reversed?"}
+URGENCY: dict[str, object] = {"type": "score", "instructions": "How soon does the ticket need an answer?",
+                              "criteria": ["low", "medium", "high"]}
 TICKET_QUESTIONS: dict[str, dict[str, object]] = {"team": TEAM, "refund": REFUND, "urgency": URGENCY}
 RED_SQUARE: dict[str, object] = {"type": "noul", "instructions": "Is there a red square in the picture?"}
 PICTURE_QUESTIONS: dict[str, dict[str, object]] = {"red_square": RED_SQUARE}
 
-_PRODUCTS = ("Pro plan", "Team plan", "mobile app", "desktop app", "starter kit", "annual subscription")
-_AMOUNTS = ("$12", "$49", "$99", "19 EUR", "$240", "$7.50")
-_TOPICS = {
+# The ticket grammar. A sentence is a template whose ``[a|b|c]`` groups are alternatives (one drawn per use, ``[|x]``:
+# x or nothing) and whose ``{slot}`` fields are filled from ``_SLOTS``. The wording is deliberately wide: what
+# a customer writes to billing, tech or sales, asking for money back or not, in a hurry or not, politely or
+# curtly, with greetings, asides and money mentioned for other reasons, so that a model fitted on it learns
+# which words decide, not which templates occur (issue 43: a checkpoint fitted on a few sentences per team
+# answered its own templates right and a newcomer's wording wrong). Every team, refund and urgency sentence
+# can meet every other, so no answer follows from another.
+_SLOTS: dict[str, tuple[str, ...]] = {
+    "product": ("Pro plan", "Team plan", "Starter plan", "Business plan", "Enterprise plan", "basic plan",
+                "mobile app", "desktop app", "web app", "Android app", "iPhone app", "browser extension",
+                "Premium plan", "family plan", "premium account", "starter kit"),
+    "amount": ("$12", "$49", "$99", "19 EUR", "$240", "$7.50", "€30", "£15", "120 dollars", "$1,200", "45 euros",
+               "$5", "300 EUR", "$64.99"),
+    "n": ("5", "8", "ten", "12", "twenty", "25", "40", "60", "100", "250", "three", "fifteen"),
+    "when": ("yesterday", "last week", "this morning", "on Monday", "last month", "in March", "two days ago"),
+    "since": ("yesterday", "last week", "this morning", "Monday", "the weekend", "the last update", "the new version"),
+    "feature": ("export", "search", "login page", "upload", "sync", "settings page", "report builder",
+                "calendar", "import", "share button", "checkout page", "file preview", "editor", "dashboard"),
+    "doing": ("open it", "log in", "save a file", "upload a photo", "click export", "tap the button", "start it",
+              "change my settings", "open a report", "share a document", "switch accounts", "print"),
+    "document": ("invoice", "receipt", "bill", "statement", "billing statement", "credit note"),
+    "fault": ("crashes", "freezes", "hangs", "closes by itself", "stops responding", "shows a blank screen",
+              "keeps crashing", "throws an error", "gives me an error", "is broken", "does not work",
+              "fails", "keeps failing", "is very slow", "won't load", "doesn't load", "logs me out"),
+    "error": ("an error", "error 500", "error 404", "error 403", "a server error", "an error message",
+              "a timeout", "an unknown error", "a bug", "a white page", "a crash report"),
+    "payment": ("payment", "charge", "fee", "debit", "transaction", "renewal fee", "subscription fee"),
+}
+
+_TEAMS: dict[str, tuple[str, ...]] = {
     "billing": (
-        "My card was charged twice for the {product}.",
-        "I was billed {amount} but my invoice says something else.",
-        "The payment for my {product} failed but the money left my account.",
-        "Why is there an extra charge of {amount} on my statement?",
-        "Please send me a corrected invoice for the {product}.",
-        "You charged me {amount} after I cancelled the {product}.",
+        "[My card was|My credit card was|Our company card was|I was|We were|I got] [charged|billed] [twice|two "
+        "times|double] for the {product}.",
+        "There is [an extra|a strange|an unknown|a duplicate|a second] {payment} of {amount} on my "
+        "[statement|card|bank account|credit card].",
+        "[My|Our|The last] {document} [is wrong|shows the wrong amount|has the wrong address|is missing the VAT "
+        "number|lists the wrong plan|has the wrong company name].",
+        "[Please|Could you|Can you] [send|email|resend] me [the|a corrected|a copy of the|my] {document} for the "
+        "{product}[| from last month| from March]?",
+        "The {payment} for my {product} [failed|was declined|did not go through] but the money left my account.",
+        "My [payment|card] [keeps getting|was|is] declined[| at checkout| for the renewal].",
+        "Why [is there|did you take|was I charged] {amount} [on my card|this month|for the renewal|{when}]?",
+        "I [cancelled|stopped|ended] my {product} [{when}|last month|in time] but you [still charged|charged|"
+        "billed] me {amount}.",
+        "[How do I|How can I|Please help me] [change|update] the [card|payment method|billing address|billing "
+        "email|VAT number] on [my|our] account.",
+        "The {payment} was [taken|debited|collected] [twice|again|too early|two times] from [my|our] "
+        "[account|card].",
+        "[My bank|My statement|Our accountant] [shows|found] [two|duplicate|double] payments for the {product}.",
+        "[I was|We were] [overcharged|billed too much|billed the wrong amount] for the {product}.",
+        "You [overcharged me|billed me too much|billed us the wrong amount] for the {product}.",
+        "The {document} [amount|total] does not match what I paid.",
+        "[We were|I was] billed in dollars but [our contract|my plan] is in euros.",
+        "[Where can I|How do I] [download|find|get] [my|our|the] {document}s?",
+        "I need [a|an official|a proper] {document} for [my expenses|our accounting|the tax office].",
+        "Your {payment} [hit|appeared on] my [card|account] {when} [and I do not know why|without warning].",
+        "[Double charge|Duplicate charge|Wrong invoice|Billing problem|Charged twice] on [my|our] account.",
+        "[Card|Account] charged twice for the {product}.",
+        "The automatic renewal [charged|billed] me even though [auto-renew is off|I cancelled].",
+        "[I|We] [paid|was charged|got charged] {amount} [instead of|but the price was] {amount}.",
+        "My {payment} [is|shows as] pending [for a week|since {since}] and the {product} is not active.",
+        "[You|Your system] [took|charged] [my|the] money [twice|two times] [this month|{when}].",
+        "[There are|I see|We have] [two|duplicate|strange|unexpected] charges [on my card|on our account|this month].",
+        "[My|Our] [invoices|payments] [are wrong|do not match|are missing|failed][| since {since}].",
+        "[Please|Could you] [check|explain] the charges on my [card|statement|invoice].",
     ),
     "tech": (
-        "The {product} crashes every time I open it.",
-        "I cannot log in since the last update of the {product}.",
-        "The {product} shows error 500 when I save a file.",
-        "Sync in the {product} is broken and my files disappeared.",
-        "The {product} freezes on the loading screen.",
-        "Password reset emails for the {product} never arrive.",
+        "The {product} {fault} [every time|whenever|as soon as|when] I {doing}.",
+        "The {feature} in the {product} {fault}[| {when}].",
+        "I [cannot|can't|am unable to|could not] [log in|sign in|reset my password|upload files|export my data|"
+        "open my files|connect my account|save my work] since {since}.",
+        "[I get|I see|There is|It shows|I keep getting] {error} when I {doing}.",
+        "[Sync|Search|Login|The export|The upload|The {feature}|Notifications|Two-factor login] [is broken|doesn't "
+        "work|stopped working|fails|is very slow|keeps failing] [in the {product}|{when}|again].",
+        "The [website|page|app|API|server|{product}] [does not load|times out|is down|returns {error}|is offline].",
+        "[The password reset email|The verification code|The invite link|The login link|The confirmation email] "
+        "[never arrives|doesn't work|has expired|gives {error}|goes nowhere].",
+        "After the [update|latest release|new version] the {product} {fault}.",
+        "[There is|I found] a bug in the {feature}: it [shows the wrong data|loses my changes|ignores my "
+        "settings|returns no results|duplicates every entry].",
+        "My [files|photos|notes|reports|contacts] [disappeared|were deleted|are gone|will not open] after "
+        "[syncing|the update|{when}].",
+        "[The {product}|It|The {feature}] {fault}.",
+        "[Error|Bug|Crash|Login broken|Sync broken|App broken] [in|on] the {product}.",
+        "[App|Site|{product}|Login] [down|broken|crashing|not loading].",
+        "The {product} [is stuck on|never gets past] the [loading screen|login screen|splash screen].",
+        "[I am|We are|My colleague is] locked out of [my|our|the] account[| since {since}].",
+        "[The page|The {feature}|The {product}] [freezes|hangs|goes blank] and I lose my work.",
+        "[Pictures|Documents|Exports|Uploads] [come out broken|are empty|fail halfway] in the {product}.",
+        "The {product} [uses all my battery|runs very slowly|keeps logging me out|will not install].",
+        "[How do I fix|What does it mean when I get|Why do I get] {error} in the {product}?",
+        "[Clicking|Tapping] the {feature} [does nothing|shows {error}|closes the {product}].",
+        "The {product} crashes[| on startup| all the time| every day| when I {doing}].",
+        "[Constant|So many|Lots of|Random] [crashes|errors|bugs] [in|with] the {product}[| since {since}].",
+        "[Login|The login page|The login button|Login with Google] [is broken|fails|does not work|gives {error}].",
+        "I [see|get|keep seeing] [errors|bugs|crashes] [when I {doing}|in the {feature}].",
     ),
     "sales": (
-        "What does the {product} cost for a team of twenty?",
-        "Can I get a quote for the {product}?",
-        "Is there a discount if we buy the {product} for a year?",
-        "I would like to upgrade to the {product}; what are the prices?",
-        "Do you offer the {product} to schools at a lower price?",
-        "We want to buy more seats on the {product}.",
+        "[How much|What] does the {product} cost for [a team of {n}|{n} users|{n} seats|{n} people]?",
+        "[Can I|Could I|Can we|Could we] [get|have] a [quote|price quote|quotation|proposal|price offer] for "
+        "[{n} seats|{n} licences|the {product}|the {product} for {n} users]?",
+        "[Please|Could you|Can you] send [me|us] [a quote|pricing|your price list|an offer|a proposal] for "
+        "[{n} seats|the {product}|{n} licences|our team].",
+        "Do you [offer|have|give] [a discount|discounts|special pricing|a cheaper plan|volume pricing|an education "
+        "price] for [schools|non-profits|startups|students|annual billing|more than {n} seats]?",
+        "[We want|We would like|I want|I'd like|We plan] to [upgrade to|buy|add more seats to|switch to|purchase] "
+        "the {product}.",
+        "[We want|We would like|We need] to [add|buy] {n} more [seats|licences|users][| on the {product}].",
+        "What are the [prices|pricing|plans|tiers|price options] [of|for] the {product}?",
+        "[Can we|Could we|Is it possible to] [try|test|get a trial of|get a demo of] the {product} before we "
+        "buy[| it]?",
+        "[I'd like to|We want to|Can I] talk to [sales|someone about pricing|an account manager|your sales "
+        "team][| about the {product}].",
+        "Is the {product} included in the [basic plan|Pro plan|Team plan] or [does it cost extra|do we pay "
+        "extra]?",
+        "[Our team|Our company|Our school] is growing[,| and] [we need more seats|we want to upgrade|we are "
+        "looking at the {product}].",
+        "[What is|What's] the [price|cost|monthly price|yearly price] of the {product}?",
+        "[Quote|Pricing|Prices|Price list] for {n} seats[| please]?",
+        "[Upgrade|Purchase|More seats] for [our team|the {product}|{n} users].",
+        "[We are|I am] comparing [plans|offers|vendors] and [need|want] [your prices|a quote|pricing] for {n} "
+        "seats.",
+        "[Do you sell|Can we buy|Is there] a [yearly|annual|multi-year|volume] [licence|plan|contract] for the "
+        "{product}?",
+        "[How much|What] would it cost to [upgrade|move] from the basic plan to the {product}?",
+        "[Our budget is|We can spend] {amount} per [month|year]: which plan [fits|should we buy]?",
+        "What [plans|pricing options|price plans] do you [offer|have] for [teams|{n} users|schools]?",
+        "[Please|Can you] send [us|me] [pricing|quotes|your plans] for {n} [seats|users].",
+        "[I'm|We're] interested in your [plans|pricing][| for the {product}].",
     ),
 }
+# Asking for money back (refund: true), in many words.
 _REFUND = (
-    "I want a refund.",
-    "Please give me my money back.",
-    "I expect the {amount} to be refunded.",
-    "Refund the charge, please.",
-    "Return my payment of {amount}.",
+    "[I want|I would like|I'd like|I need|I expect|I demand|Can I get|Could I get] [a refund|my money back|a full "
+    "refund|a partial refund|the money back|a refund of {amount}].",
+    "[Please|Kindly|Could you|Can you] [refund|reimburse|return|reverse|credit back] [the charge|the payment|the "
+    "{amount}|the second payment|the difference|my money|it|the fee].",
+    "[Please give me|Give me|Send me|Return] my money back[| please|, thanks].",
+    "[Refund|Reimburse me|Money back|Chargeback|Reverse the charge][| please|, please|, now]!",
+    "[I will|I'll] [ask my bank for a chargeback|file a chargeback|dispute the charge] unless you refund me.",
+    "[Charge it back|Issue a refund|Refund me|Reverse the payment|Send the money back|Pay me back][| please|, "
+    "please|, thanks].",
+    "[I want|I'd like|Please arrange for] the {amount} [returned|refunded|reimbursed|credited back] to my "
+    "[card|account].",
+    "I expect to be [reimbursed|refunded|paid back|compensated with a refund][| for this| for the month].",
+    "[We want|We'd like|We expect] [a refund|our money back|to be reimbursed][| for the {product}| for the unused "
+    "months].",
+    "[Cancel it and refund me|Cancel and refund|Cancel my {product} and give me my money back].",
 )
-_NO_REFUND = ("", "", "I have attached a screenshot.", "Thanks for your help.", "Let me know what you need from me.")
+# A billing ticket that is a request for money back and nothing else (refund: true).
+_BILLING_REFUNDS = (
+    "[The unused months of my subscription|My {product} subscription|The renewal fee|The annual fee|The last "
+    "invoice|The {amount} subscription fee] should be refunded.",
+    "[Please|Kindly] refund [my subscription|the renewal fee|the {amount} subscription fee|my last invoice].",
+    "[My subscription|The renewal|Our annual fee|The last invoice]: [refund|money back|reimbursement] [please|"
+    "wanted].",
+)
+# Asides a ticket may hold whatever it asks: thanks, details, and money mentioned for other reasons.
+_ASIDES = (
+    "[I have attached|Attached is|Here is] a screenshot.",
+    "[Thanks for your help|Thank you|Thanks in advance|Many thanks].",
+    "Let me know what you need from me.",
+    "[I paid|We paid] {amount} for [it|the {product}][| {when}].",
+    "The {amount} {payment} [itself|on my card] is [correct|fine|right].",
+    "[My account email is|You can reach me at] anna@example.com.",
+    "[I have been|We have been] [a customer|customers|users] for [years|three years|a long time].",
+    "[My colleague|My manager|Our admin] [asked me to write|told me to contact you].",
+    "[Our|My] account number is {n}[|001|-552].",
+    "[We spend {amount} a [month|year] on|We pay {amount} a [month|year] for] the {product}.",
+    "This is my [second|third] [message|ticket|email] about it.",
+    "This is [for|about] our [company|team|office|school] account.",
+)
+# Said instead of asking for money back (refund: false): nothing, an aside, or money back declined.
+_NO_REFUND = (
+    "", "", "", "", "", *_ASIDES,
+    "I [do not|don't] [want|need] [a refund|my money back|to be reimbursed], [just|only] [a fix|an answer|the "
+    "{document}|help].",
+    "[No refund needed|Money is not the issue|I am happy to pay for it].",
+)
 _URGENCY = (
-    ("No rush on this.", "Whenever you get a chance.", "Low priority, just so you know.", "It can wait until next month."),
-    ("", "Could you look at it this week?", "Let me know how to proceed."),
-    ("This is urgent!", "Please fix this immediately.", "We need this solved today.", "ASAP please, our business is stuck."),
+    (  # 0 low
+        "No rush[| on this| at all].", "No hurry[| at all].", "[Whenever you [can|get a chance|have time]].",
+        "[It|This] can wait [until next week|until next month|a few days|a while].", "Low priority[|, just so you "
+        "know].", "[Not urgent|This is not urgent|Nothing urgent][|, just letting you know].",
+        "Take your time[| with this].", "[Just letting you know|Just so you know|Just an FYI].",
+        "There is no deadline.", "[Any time|Sometime] [next week|next month|this quarter] is fine.",
+        "[Low urgency|Not a priority|Not pressing].",
+    ),
+    (  # 1 normal: nothing said, or a few days
+        "", "", "", "", "",
+        "Could you look at it this week?", "Let me know how to proceed.", "[Please get back to me|Please reply] "
+        "[when you can|this week|in the next days].", "[Thanks|Thank you|Regards].",
+        "[A reply this week|An answer in the next few days] would be [good|great].",
+    ),
+    (  # 2 urgent ("urgent" itself the most common word, as in real tickets: three times as likely)
+        *["[This is|It is|It's|This is very|This is really|That is|Very|Really] urgent[!|.|!!]"] * 2,
+        "[Urgent|Very urgent|Extremely urgent|Quite urgent][, please|!| request.]", "[This is|It is|It's] [critical|an "
+        "emergency]!", "[Urgent|URGENT|Critical|ASAP][.|!|: please help.]", "[Please treat this as|Marking this "
+        "as|This is an] urgent [request|matter|issue].", "[Urgent|This is urgent], [please|thanks].",
+        "ASAP [please|, please]!", "[Please|We need this|I need this] [fixed|solved|answered|sorted] "
+        "[today|right now|immediately|within the hour|asap].", "[Our|My] [whole team|business|office|shop|"
+        "production|work] is [blocked|stuck|down|at a standstill].", "We are losing money every [hour|minute].",
+        "[Please help|Help] [urgently|immediately|now|asap]!", "[We|I] cannot wait: [today|now|this morning] "
+        "[please|at the latest].", "This is blocking [our launch|the whole team|our customers|everything].",
+        "[Right now|Immediately|Today], please.",
+    ),
 )
-_GREETINGS = ("", "", "Hello,", "Hi team,", "Good morning,")
-
+_GREETINGS = ("", "", "", "Hello,", "Hi,", "Hi team,", "Good morning,", "Dear support,", "Hey,", "Hi there,")
+_CLOSINGS = ("", "", "", "", "Thanks.", "Thank you!", "Best regards, Anna", "Cheers, Tom", "Kind regards.")
 COLOURS = {
     "red": (220, 30, 30),
     "green": (30, 170, 60),
@@ -134,21 +309,48 @@ class Example:
         return self.request["id"]
 
 
+def _expand(rng: random.Random, template: str) -> str:
+    """A template with its ``[a|b]`` groups chosen (innermost first) and its ``{slot}`` fields filled."""
+    while True:
+        group = _GROUP.search(template)
+        if group is None:
+            break
+        template = template[: group.start()] + rng.choice(group.group(1).split("|")) + template[group.end() :]
+    return _SLOT.sub(lambda field: rng.choice(_SLOTS[field.group(1)]), template)
+
+
+_GROUP = re.compile(r"\[([^\[\]]*)\]")
+_SLOT = re.compile(r"\{(\w+)\}")
+
+
+def ticket_text(rng: random.Random, team: str, refund: bool, urgency: int) -> str:
+    """A ticket's text: one or two sentences of the team's, one asking for money back or not, one saying how
+    urgent it is (or nothing), in a drawn order, maybe with a greeting, a closing and an aside. (A billing
+    ticket asking for money back may be that request alone, for a subscription or a fee.)"""
+    topic = [_expand(rng, rng.choice(_TEAMS[team])) for _ in range(1 if rng.random() < 0.7 else 2)]
+    asking = [_expand(rng, rng.choice(_REFUND if refund else _NO_REFUND))]
+    if team == "billing" and refund and rng.random() < 0.15:
+        # Money back for a subscription or a fee, and nothing else: billing's, as a support desk routes it.
+        topic, asking = [_expand(rng, rng.choice(_BILLING_REFUNDS))], []
+    middle = [*topic, *asking]
+    if rng.random() < 0.2:
+        middle.append(_expand(rng, rng.choice(_ASIDES)))
+    rng.shuffle(middle)
+    middle.insert(rng.randrange(len(middle) + 1), _expand(rng, rng.choice(_URGENCY[urgency])))
+    parts = [rng.choice(_GREETINGS), *middle, rng.choice(_CLOSINGS)]
+    text = " ".join(" ".join(part.split()) for part in parts if part.strip())
+    text = text.replace(" ,", ",").replace(" .", ".").replace(" !", "!").replace(" ?", "?")
+    if rng.random() < 0.1:
+        text = text.lower()  # typed in a hurry
+    return text
+
+
 def ticket(rng: random.Random, number: int, prefix: str) -> Example:
     """A support ticket with independently drawn team, refund and urgency."""
-    team = rng.choice(list(_TOPICS))
+    team = rng.choice(list(_TEAMS))
     refund = rng.random() < 0.4
     urgency = rng.randrange(3)
-    fill = {"product": rng.choice(_PRODUCTS), "amount": rng.choice(_AMOUNTS)}
-    sentences = [
-        rng.choice(_GREETINGS),
-        rng.choice(_TOPICS[team]).format(**fill),
-        (rng.choice(_REFUND) if refund else rng.choice(_NO_REFUND)).format(**fill),
-        rng.choice(_URGENCY[urgency]),
-    ]
-    middle = sentences[1:3]
-    rng.shuffle(middle)  # the refund sentence may come first
-    text = " ".join(part for part in [sentences[0], *middle, sentences[3]] if part)
+    text = ticket_text(rng, team, refund, urgency)
     request: TaskRequest = {"id": f"{prefix}-ticket-{number}", "state": {"ticket": 1000 + number, "text": text},
                             "questions": TICKET_QUESTIONS}
     return Example(request, {"team": team, "refund": refund, "urgency": urgency})
