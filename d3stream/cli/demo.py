@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from d3stream.cli.shape import Command
@@ -72,14 +72,30 @@ def _print_live_evaluation(live: LiveFigures, offline: Reevaluation, same: bool)
     print("the same figures, live and offline" if same else "the live and offline figures differ")
 
 
+def _say_to_stderr(progress: bool) -> Callable[[str], None]:
+    """The demo's step lines on stderr, a terminal or not (a CI log, ``| tee``), flushed at once; above the
+    answers' progress bar while one is drawn."""
+
+    def say(line: str) -> None:
+        if progress:
+            from tqdm import tqdm
+
+            tqdm.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    return say
+
+
 def _demo(args: argparse.Namespace) -> int:
     from d3stream.dev.demo import run_demo
     from d3stream.dev.infra import InfraError
     from d3stream.ops.logs import configure_logging
 
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
+    progress = not args.json and sys.stderr.isatty()
     try:
-        summary = asyncio.run(run_demo(progress=not args.json and sys.stderr.isatty(), timeout_s=args.timeout))
+        summary = asyncio.run(run_demo(progress=progress, timeout_s=args.timeout, say=_say_to_stderr(progress)))
     except InfraError as exc:  # a local server that would not start: its log's path and tail say why
         print(f"d3stream demo: {exc}", file=sys.stderr)
         return 1
@@ -105,6 +121,8 @@ def _demo(args: argparse.Namespace) -> int:
               f"answered {summary['answered']}, error answers "
               f"{summary['errors']}, dead letters {summary['dead_letters']}, replayed {summary['replayed']}, "
               f"{summary['seconds']} s")
+        print("time of each step (s): " + ", ".join(f"{name} {seconds}" for name, seconds
+                                                    in summary["step_seconds"].items()))
     every = summary["answered"] == summary["published"] == summary["replayed"]
     return 0 if every and summary["live_equals_offline"] else 1
 

@@ -28,9 +28,9 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypedDict
+from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar
 
 import msgspec
 import numpy as np
@@ -41,13 +41,39 @@ from d3stream.settings import Settings, cache_root
 
 if TYPE_CHECKING:
     from d3stream.dev.infra import KafkaBroker, ObjectStore, SchemaRegistry
-    from d3stream.dev.progress import Progress
     from d3stream.runtime import D3
+    from d3stream.service import Service
+
+_T = TypeVar("_T")
 
 DEMO_BUCKET = "d3stream-demo"
 # Held-out tickets and pictures published next to the showcase, for the labelled re-evaluation.
 HELDOUT_TICKETS = 24
 HELDOUT_PICTURES = 8
+
+
+class Steps:
+    """The demo's progress as plain lines, on a terminal or not (a CI log, ``| tee``): one when a step starts,
+    one when it ends with its time, through ``say`` (None: silent). The times are kept for the summary."""
+
+    def __init__(self, say: Callable[[str], None] | None = None) -> None:
+        self.say = say
+        self.seconds: dict[str, float] = {}
+
+    def line(self, text: str) -> None:
+        if self.say is not None:
+            self.say(f"demo: {text}")
+
+    @contextlib.contextmanager
+    def step(self, name: str, doing: str) -> Iterator[list[str]]:
+        """Say that ``name`` starts (``doing``), then that it is done, in how long, with the notes the block
+        appended to the list it is given."""
+        self.line(f"{name}: {doing}")
+        started = time.perf_counter()
+        notes: list[str] = []
+        yield notes
+        self.seconds[name] = round(time.perf_counter() - started, 1)
+        self.line(f"{name}: done in {self.seconds[name]:.1f} s" + (f" ({'; '.join(notes)})" if notes else ""))
 
 
 def sample_png(width: int = 320, height: int = 240, seed: int = 0) -> bytes:
@@ -87,12 +113,18 @@ def demo_checkpoint(progress: bool = False) -> Path:
     return path
 
 
+def trained_checkpoint_path() -> Path:
+    """Where ``trained_checkpoint`` keeps the trained checkpoint (one folder per ``train.TRAIN_BUILD``)."""
+    from d3stream.dev.train import DEFAULT_STEPS, TRAIN_BUILD
+
+    return cache_root() / "checkpoints" / f"demo-trained-b{TRAIN_BUILD}-qwen3_5-tiny-seed0-steps{DEFAULT_STEPS}"
+
+
 def trained_checkpoint(progress: bool = False) -> Path:
     """The same checkpoint trained on the demo task (about a minute on the first run), cached likewise."""
     from d3stream.dev.build_checkpoint import build_checkpoint
-    from d3stream.dev.train import DEFAULT_STEPS, TRAIN_BUILD
 
-    path = cache_root() / "checkpoints" / f"demo-trained-b{TRAIN_BUILD}-qwen3_5-tiny-seed0-steps{DEFAULT_STEPS}"
+    path = trained_checkpoint_path()
     with _building(path):
         if not (path / "MODEL_MANIFEST.json").is_file():
             build_checkpoint(path, backbone="qwen3_5", size="tiny", seed=0, progress=progress, train="demo")
@@ -192,8 +224,9 @@ class Served(TypedDict):
 
 
 class DemoSummary(Served):
-    """``run_demo``'s summary."""
+    """``run_demo``'s summary: also the time of each step (``Steps``) and of the whole run."""
 
+    step_seconds: dict[str, float]
     seconds: float
 
 
@@ -228,95 +261,189 @@ async def run_demo(
     baseline: Path | None = None,
     stack: tuple[KafkaBroker, ObjectStore] | None = None,
     registry: SchemaRegistry | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> DemoSummary:
     """Run the embedded deployment once; returns the summary (and the answers under ``answers``).
 
     ``trained`` and ``baseline`` default to the cached demo checkpoints (built on first use); ``stack``, a
     running ``(KafkaBroker, ObjectStore)``, to a fresh ``infra.embedded_stack`` for the run, with its Schema
     Registry (``registry`` gives one beside a given ``stack``): every third request is then published framed as
-    Avro through it, as a producer of a Confluent estate would, beside the plain JSON ones.
+    Avro through it, as a producer of a Confluent estate would, beside the plain JSON ones. ``say`` gets a
+    line when each step starts and ends (``Steps``); ``progress`` draws the answers' bar (a terminal's).
     """
     from contextlib import ExitStack
 
-    from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from d3stream.dev.infra import embedded_stack
 
     started = time.perf_counter()
+    steps = Steps(say)
     with ExitStack() as scope:
         if progress:
-            # While the bars are drawn, log lines go through tqdm.write: printed above the bars, which are
+            # While the bar is drawn, log lines go through tqdm.write: printed above the bar, which is
             # redrawn below them, instead of a line torn in two by the next refresh.
             scope.enter_context(logging_redirect_tqdm())
-        status = scope.enter_context(
-            tqdm(total=6, desc="demo: starting Kafka, the S3 store and the Schema Registry", disable=not progress,
-                 file=sys.stderr, leave=False)
-        )
+        # The checkpoints are built (on the first run) and loaded on a thread of their own while the servers'
+        # JVMs start: neither waits for the other.
+        loading = _Loading(steps, trained, baseline)
         if stack is None:
-            started_stack = scope.enter_context(embedded_stack(progress=progress))
-            stack, registry = (started_stack.broker, started_stack.store), started_stack.registry
+            with steps.step("servers", "starting Kafka, the S3 store and the Schema Registry (local JVMs)") as notes:
+                with _short_lived_jvms():
+                    started_stack = scope.enter_context(_stopping(embedded_stack(progress=progress), steps))
+                stack, registry = (started_stack.broker, started_stack.store), started_stack.registry
+                notes.append(f"Kafka at {started_stack.broker.bootstrap_servers}")
         broker, store = stack
-        status.set_description("demo: checkpoints (the first run trains one: about a minute)")
-        status.update()
+        models = loading.result()
+        summary = await _serve_and_reevaluate(broker, store, registry, models, steps, progress, timeout_s)
+    return {**summary, "step_seconds": steps.seconds, "seconds": round(time.perf_counter() - started, 2)}
+
+
+# The demo's servers live for half a minute: the JIT's first tier alone (C1) starts them on half the CPU, which on
+# two cores is half the wait (measured: 8.9 s instead of 19.6 s beside the checkpoints' loading). The test suite
+# starts its servers so too (tests/conftest.py); `d3stream stack`, whose servers stay, does not.
+DEMO_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
+
+
+@contextlib.contextmanager
+def _short_lived_jvms() -> Iterator[None]:
+    """``DEMO_JVM_OPTIONS`` for the servers started inside, unless the environment names JVM options already."""
+    from d3stream.dev.infra import JVM_OPTIONS_ENV
+
+    if JVM_OPTIONS_ENV in os.environ:
+        yield
+        return
+    os.environ[JVM_OPTIONS_ENV] = DEMO_JVM_OPTIONS
+    try:
+        yield
+    finally:
+        os.environ.pop(JVM_OPTIONS_ENV, None)
+
+
+@contextlib.contextmanager
+def _stopping(servers: contextlib.AbstractContextManager[_T], steps: Steps) -> Iterator[_T]:
+    """``servers`` entered, and on the way out a line before and after they stop (it takes seconds)."""
+    with servers as running:
+        try:
+            yield running
+        finally:
+            steps.line("servers: stopping")
+            stopping = time.perf_counter()
+    steps.seconds["stopping"] = round(time.perf_counter() - stopping, 1)
+    steps.line(f"servers: stopped in {steps.seconds['stopping']:.1f} s")
+
+
+class _Loading:
+    """The served (trained) and the baseline (random) checkpoint, built on the first run and loaded, on a
+    thread of its own: a step that runs beside the servers' start, its lines said from both threads."""
+
+    def __init__(self, steps: Steps, trained: Path | None, baseline: Path | None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from d3stream.dev.train import TRAIN_BUILD
+
+        first = trained is None and not (trained_checkpoint_path() / "MODEL_MANIFEST.json").is_file()
+        steps.line("checkpoints: " + (
+            f"building and training the demo checkpoint, beside the servers (the first run of training build "
+            f"{TRAIN_BUILD}: about a minute; cached for the next runs)" if first
+            else "loading the trained and the random checkpoint, beside the servers"))
+        self.steps = steps
+        self.started = time.perf_counter()
+        self.seconds = 0.0
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="d3stream-demo-checkpoints")
+        self.future = self.pool.submit(self._load, trained, baseline)
+
+    def _load(self, trained: Path | None, baseline: Path | None) -> tuple[D3, D3]:
+        from d3stream.runtime import D3
+
         baseline_path = baseline or demo_checkpoint(progress=False)
         trained_path = trained or trained_checkpoint(progress=False)
-        summary = await _serve_and_reevaluate(broker, store, registry, trained_path, baseline_path, status, progress,
-                                              timeout_s)
-        status.close()  # gone before the servers stop (they take a few seconds), so the answers follow at once
-    return {**summary, "seconds": round(time.perf_counter() - started, 2)}
+        models = D3.from_pretrained(trained_path), D3.from_pretrained(baseline_path)
+        self.seconds = round(time.perf_counter() - self.started, 1)
+        return models
+
+    def result(self) -> tuple[D3, D3]:
+        """Wait for both checkpoints; the step's end line (its own time, not the wait's)."""
+        try:
+            models = self.future.result()
+        finally:
+            self.pool.shutdown(wait=False)
+        self.steps.seconds["checkpoints"] = self.seconds
+        self.steps.line(f"checkpoints: done in {self.seconds:.1f} s ({models[0].model_name} served, "
+                        f"{models[1].model_name} to compare with)")
+        return models
+
+
+async def _in_step(steps: Steps, name: str, doing: str, work: Awaitable[_T], note: Callable[[_T], str]) -> _T:
+    """``work`` awaited as the step ``name`` (a task of its own runs it beside another step)."""
+    with steps.step(name, doing) as notes:
+        result = await work
+        notes.append(note(result))
+    return result
 
 
 async def _serve_and_reevaluate(
-    broker: KafkaBroker, store: ObjectStore, registry: SchemaRegistry | None, trained: Path, baseline_path: Path,
-    status: Progress, progress: bool, timeout_s: float
+    broker: KafkaBroker, store: ObjectStore, registry: SchemaRegistry | None, models: tuple[D3, D3], steps: Steps,
+    progress: bool, timeout_s: float
 ) -> Served:
-    """Publish the sample requests, serve them with ``trained``, replay them with ``baseline_path`` and
+    """Publish the sample requests, serve them with the trained model, replay them with the baseline and
     compare both with the labels."""
     from d3stream_client.publisher import produce
-    from tqdm import tqdm
 
     from d3stream.jobs.compare import records_to_answers
     from d3stream.ops.logs import kernel_notice
-    from d3stream.runtime import D3
 
-    model = D3.from_pretrained(trained)
+    model, baseline = models
     notice = kernel_notice(model.kernel_record(), str(model.device))
     if notice and progress:
-        tqdm.write(notice, file=sys.stderr)  # once, above the bars (transformers' own warnings are at debug)
-    _step(status, "demo: media")
+        steps.line(notice)  # once (transformers' own warnings are at debug)
     examples = labelled_examples()
-    records = _sample_records(store, examples)
     settings = _demo_settings(broker, store, registry)
-    records, framed = await _framed(records, settings) if registry is not None else (records, 0)
-    _step(status, "demo: publishing")
-    for topic in ("demo.requests", "demo.answers", "demo.labels"):
-        broker.create_topic(topic, settings.delivery.topic_partitions, exist_ok=True)
     labels = [(e.id.encode(), json.dumps({"id": e.id, "labels": e.labels, "source": "demo"}).encode())
               for e in examples]
-    # Half of the labels are known before the requests are even answered: they wait for their answers.
-    await produce(broker.bootstrap_servers, "demo.labels", labels[::2])
-    await produce(broker.bootstrap_servers, "demo.requests", records)
+    with steps.step("publishing", "sample media to the S3 store, requests and labels to Kafka") as notes:
+        records = _sample_records(store, examples)
+        records, framed = await _framed(records, settings) if registry is not None else (records, 0)
+        for topic in ("demo.requests", "demo.answers", "demo.labels"):
+            await broker.acreate_topic(topic, settings.delivery.topic_partitions, exist_ok=True)
+        # Half of the labels are known before the requests are even answered: they wait for their answers.
+        await produce(broker.bootstrap_servers, "demo.labels", labels[::2])
+        await produce(broker.bootstrap_servers, "demo.requests", records)
+        notes.append(f"{len(records)} requests, {framed} of them as Avro; {len(labels[::2])} labels")
     # The service reads credentials from the standard AWS chain, as it would in production.
     os.environ["AWS_ACCESS_KEY_ID"] = store.access_key
     os.environ["AWS_SECRET_ACCESS_KEY"] = store.secret_key
-    _step(status, "demo: serving (and evaluating live)")
     stop_evaluating = asyncio.Event()
     evaluating = asyncio.ensure_future(run_worker(settings, stop_evaluating))
+    # The replay reads the request topic as published (a fixed range, a consumer group of its own): it runs
+    # beside the live worker rather than after it.
+    replaying = asyncio.ensure_future(_in_step(
+        steps, "replay", f"the request topic through {baseline.model_name}, into a file, beside the live worker",
+        _replayed(settings, baseline), lambda replayed: f"{len(replayed)} answers"))
+    serving: asyncio.Task[None] | None = None
     try:
-        answers, dead_letters = await _serve(settings, model, broker, len(records), progress, timeout_s)
+        with steps.step("answers", f"serving with {model.model_name}, d3stream evaluate beside it") as notes:
+            service, serving, answers = await _serve(settings, model, broker, len(records), progress, timeout_s)
+            errors = sum(1 for answer in answers if answer.get("error"))
+            notes.append(f"{len(answers)} answers, {errors} of them errors")
         # The other half arrives after the answers, as a closed ticket's truth does.
         await produce(broker.bootstrap_servers, "demo.labels", labels[1::2])
-        live = await _live_figures(settings, answers, {e.id for e in examples}, timeout_s)
+        replayed = await replaying
+        with steps.step("evaluation", "the live evaluation's figures, and both checkpoints against the labels") as notes:
+            live = await _live_figures(settings, answers, {e.id for e in examples}, timeout_s)
+            offline = reevaluation(records_to_answers(answers), replayed, examples,
+                                   (model.model_name, baseline.model_name))
+            notes.append(f"accuracy {offline['accuracy'][0]:.3f} against {offline['accuracy'][1]:.3f}")
+        await serving  # it finished its in-flight work, committed and closed meanwhile
+        dead_letters = service.counts["dead_letters"]
     finally:
+        replaying.cancel()
+        if serving is not None and not serving.done():
+            service.stop()
+            await asyncio.gather(serving, return_exceptions=True)
         stop_evaluating.set()
         await evaluating
-    _step(status, "demo: replaying through the random checkpoint")
-    baseline = D3.from_pretrained(baseline_path)
-    replayed = await _replayed(settings, baseline)
-    status.update()
     published = {key.decode() for key, _ in records}
-    offline = reevaluation(records_to_answers(answers), replayed, examples, (model.model_name, baseline.model_name))
     return {
         "published": len(records),
         "framed": framed,
@@ -358,11 +485,6 @@ async def _live_figures(settings: Settings, answers: list[dict[str, object]], la
         await asyncio.sleep(0.5)
     models = figures(records)
     return {**figures_json(models), "evaluations": len(records), "expected": expected}
-
-
-def _step(status: Progress, description: str) -> None:
-    status.set_description(description)
-    status.update()
 
 
 def _sample_records(store: ObjectStore, examples: list[tasks.Example]) -> list[tuple[bytes, bytes]]:
@@ -428,9 +550,9 @@ def _demo_settings(broker: KafkaBroker, store: ObjectStore, registry: SchemaRegi
 
 
 async def _serve(settings: Settings, model: D3, broker: KafkaBroker, expected: int, progress: bool,
-                 timeout_s: float) -> tuple[list[dict[str, object]], int]:
-    """Serve until every request is answered: the answers read back from the answer topic, and how many
-    records were dead-lettered."""
+                 timeout_s: float) -> tuple[Service, asyncio.Task[None], list[dict[str, object]]]:
+    """Serve until every request is answered: the service, its task (asked to stop: it finishes, commits and
+    closes while the demo goes on; await it) and the answers read back from the answer topic."""
     from d3stream_client.subscriber import consume_answers
     from tqdm import tqdm
 
@@ -442,11 +564,14 @@ async def _serve(settings: Settings, model: D3, broker: KafkaBroker, expected: i
     try:
         answers = await consume_answers(broker.bootstrap_servers, "demo.answers", expected=expected,
                                         timeout_s=timeout_s, on_record=lambda _: bar.update())
+    except BaseException:
+        service.stop()
+        await asyncio.gather(serving, return_exceptions=True)
+        raise
     finally:
         bar.close()
-        service.stop()
-        await serving
-    return answers, service.counts["dead_letters"]
+    service.stop()
+    return service, serving, answers
 
 
 async def _replayed(settings: Settings, baseline: D3) -> dict[str, dict[str, object]]:
