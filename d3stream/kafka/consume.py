@@ -206,6 +206,8 @@ class ConsumeLoop:
         self.assignment = Assignment(consumer)
         self.stalled: list[str] = []  # partitions whose commit point has not moved for stall_unready_s
         self.tasks: set[asyncio.Task[None]] = set()
+        # When the running rebalance began revoking (monotonic); counted as paused until its partitions settle.
+        self.rebalance_began: float | None = None
 
     @property
     def paused(self) -> bool:
@@ -475,6 +477,14 @@ class ConsumeLoop:
         finally:
             settled = assignment.settled(partitions, asyncio.current_task())
             log.debug("partitions settled", partitions=[f"{p.topic}-{p.partition}" for p in settled])
+            if not assignment.settling():
+                self.rebalance_settled()
+
+    def rebalance_settled(self) -> None:
+        """Every partition of the assignment is read again: the rebalance's pause ends here."""
+        if self.rebalance_began is not None:
+            self.metrics.count_rebalance_pause(time.monotonic() - self.rebalance_began)
+            self.rebalance_began = None
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -496,6 +506,8 @@ class _Rebalance(ConsumerRebalanceListener):
         started = time.monotonic()
         # What is left of the rebalance timeout after the drain; a second of it stays for the rejoin itself.
         deadline = started + settings.delivery.rebalance_timeout_ms / 1000 - 1.0
+        if loop.rebalance_began is None:
+            loop.rebalance_began = started
         await assignment.stop_settling(revoked)
         await loop.drain(settings.lifecycle.rebalance_drain_s, revoked)
         abandoned = loop.tracker.in_flight(revoked)
@@ -521,6 +533,8 @@ class _Rebalance(ConsumerRebalanceListener):
             await inherit(loop.consumer, loop.tracker, assigned)
         await loop.read.assigned(loop.consumer, assigned, list(loop.assignment.settling()))
         loop.joined = True
+        if not loop.assignment.settling():
+            loop.rebalance_settled()
         loop.metrics.count_rebalance(generation, len(assigned), len(loop.consumer.assignment()))
         log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned],
                  generation=generation)

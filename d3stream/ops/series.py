@@ -164,6 +164,13 @@ class GroupSeries:
             "worker (exactly_once), the partition's new owner answers them.",
             registry=registry,
         )
+        self.rebalance_paused = Counter(
+            f"{PREFIX}_rebalance_paused_seconds",
+            "Seconds this worker's partitions stood still for rebalances: from the revocation's start until "
+            "every partition of the next assignment is read again (settled). What a rolling restart or a scale "
+            "step costs each member.",
+            registry=registry,
+        )
         self.generation = Gauge(
             f"{PREFIX}_group_generation",
             "The consumer group generation of this worker's current assignment (moves on every rebalance).",
@@ -182,6 +189,10 @@ class GroupSeries:
         self.partitions_owned.set(owned)
         if generation is not None:
             self.generation.set(generation)
+
+    def count_rebalance_pause(self, seconds: float) -> None:
+        """A rebalance held this worker's partitions for ``seconds`` (revocation to reading again)."""
+        self.rebalance_paused.inc(max(0.0, seconds))
 
     def count_revoked(self, revoked: int, abandoned: int) -> None:
         """Partitions taken away, and the requests of theirs left unanswered when the drain ended."""
