@@ -89,6 +89,13 @@ class Assignment:
             state = self.states[partition] = PartitionState(partition, self.consumer)
         return state
 
+    def carry(self, previous: PartitionState) -> None:
+        """A partition kept through a rebalance (consume.py): it stays held for the reasons it was, but settling
+        (aiokafka made a fresh, unpaused state for it)."""
+        state = self.state(previous.partition)
+        for reason in previous.reasons - {PauseReason.SETTLING}:
+            state.pause(reason)
+
     def paused_for(self, reason: PauseReason) -> set[TopicPartition]:
         """The partitions ``reason`` holds."""
         return {partition for partition, state in self.states.items() if reason in state.reasons}

@@ -313,7 +313,7 @@ class CommitInTransaction(_Counted):
         async with self._lock:
             # Each partition has its own producer: their transactions commit side by side.
             # Named partitions (a revocation, the shutdown) are tried now; the periodic flush backs off.
-            plans = [plan for partition in (self.tracker.partitions() if partitions is None else partitions)
+            plans = [plan for partition in (self.tracker.committing() if partitions is None else partitions)
                      if (plan := self._plan(partition)) is not None]
             await asyncio.gather(*(self._commit_partition(*plan, now=partitions is not None) for plan in plans))
 

@@ -27,15 +27,18 @@ Each assigned partition's pauses are held in an ``Assignment`` (assignment.py) t
 quota, the read window and settling are reasons in the partition's state, and the partition is read again only
 once none is left.
 
-Rebalance (``_Rebalance``): before partitions are taken away, their in-flight work gets ``rebalance_drain_s`` to
-finish and their finished offsets are committed, all within ``rebalance_timeout_ms`` (a member still revoking
-when the group's rebalance times out is dropped and starts another rebalance). Work that finishes later is
-abandoned (``exactly_once``: never committed, the new owner answers it; ``at_least_once``: published, not
-committed). Newly assigned partitions stay paused until they are *settled*: when the commit policy
-``settles_assignments`` (``exactly_once``), the partition's transactional producer is initialised first (which
-waits until the previous owner's last transaction is complete) and only then is the committed offset read and
-sought to. aiokafka reads committed offsets on assignment without ``require_stable`` (KIP-447), so without
-this a new owner could start from the offset before the previous owner's last commit and answer those
+Rebalance (``_Rebalance``, eager: every partition is revoked, and the assignment that follows hands most of
+them back): a revocation commits what is done, within ``rebalance_timeout_ms`` (a member still revoking when
+the group's rebalance times out is dropped and starts another rebalance), and holds the partitions with their
+producers, work in flight, tracked offsets and positions. The assignment keeps the partitions handed back as
+they were and lets go of those that moved: their late answers are never committed (``exactly_once``: the new
+owner answers them; ``at_least_once``: published, not committed). With ``rebalance_keep_partitions`` off,
+every revoked partition's work gets ``rebalance_drain_s`` to finish, is committed and let go, as before.
+Newly assigned partitions stay paused until they are *settled*: when the commit policy ``settles_assignments``
+(``exactly_once``), the partition's transactional producer is initialised first (which waits until the
+previous owner's last transaction is complete, and fences that owner) and only then is the committed offset
+read and sought to. aiokafka reads committed offsets on assignment without ``require_stable`` (KIP-447), so
+without this a new owner could start from the offset before the previous owner's last commit and answer those
 requests a second time. With the committed offset the commit's metadata is read: the requests it names were
 answered beyond the offset by the previous owner, and are skipped (``OffsetTracker.inherit``).
 """
@@ -54,7 +57,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.seams import InputRecord
-from d3stream.kafka.assignment import Assignment, PauseReason
+from d3stream.kafka.assignment import Assignment, PartitionState, PauseReason
 from d3stream.kafka.commits import CommitPolicy
 from d3stream.kafka.connection import client_options
 from d3stream.kafka.limits import WorkerFatal
@@ -208,6 +211,7 @@ class ConsumeLoop:
         self.tasks: set[asyncio.Task[None]] = set()
         # When the running rebalance began revoking (monotonic); counted as paused until its partitions settle.
         self.rebalance_began: float | None = None
+        self.holdover: _Holdover | None = None  # partitions revoked and kept until the next assignment
 
     @property
     def paused(self) -> bool:
@@ -480,6 +484,18 @@ class ConsumeLoop:
             if not assignment.settling():
                 self.rebalance_settled()
 
+    async def let_go(self, partitions: list[TopicPartition], deadline: float) -> int:
+        """Close ``partitions`` for good (revoked, or held and not handed back): their producers stopped, their
+        late answers never committed; returns how many of their requests were left unanswered."""
+        if not partitions:
+            return 0
+        abandoned = self.tracker.in_flight(partitions)
+        await _within(self.commits.revoked(partitions), deadline, "closing revoked partitions' producers")
+        self.tracker.forget(partitions)  # from here on, late answers of these partitions are not committed
+        self.metrics.forget_partitions([(p.topic, p.partition) for p in partitions])
+        self.metrics.count_revoked(len(partitions), abandoned)
+        return abandoned
+
     def rebalance_settled(self) -> None:
         """Every partition of the assignment is read again: the rebalance's pause ends here."""
         if self.rebalance_began is not None:
@@ -487,16 +503,56 @@ class ConsumeLoop:
             self.rebalance_began = None
 
 
+@dataclass
+class _Holdover:
+    """Partitions an eager rebalance revoked that this worker keeps in hand until the next assignment says
+    whether they stay: where each was read to, and its state (why it was paused)."""
+
+    generation: int  # the group generation they were held in
+    positions: dict[TopicPartition, int]
+    states: dict[TopicPartition, PartitionState]
+    backpressure: bool
+
+
+def known_position(consumer: AIOKafkaConsumer, partition: TopicPartition) -> int | None:
+    """The next offset the consumer returns for ``partition``, when it knows one without asking the broker.
+    (``AIOKafkaConsumer.position`` waits for a position instead; a revocation must not.)"""
+    subscription = consumer._subscription.subscription  # noqa: SLF001 - no public non-blocking read
+    if subscription is None or subscription.assignment is None or partition not in subscription.assignment.tps:
+        return None
+    state = subscription.assignment.state_value(partition)
+    return state.position if state.has_valid_position else None
+
+
+def group_generation(consumer: AIOKafkaConsumer) -> int | None:
+    """The consumer group generation the member is in (None: no group; -1: the member lost its place)."""
+    return getattr(getattr(consumer, "_coordinator", None), "generation", None)
+
+
 class _Rebalance(ConsumerRebalanceListener):
-    """Finish and commit revoked partitions' work before they move to another worker; make the loop's
-    ``Assignment`` when partitions are assigned and end it when they are revoked."""
+    """Make the loop's ``Assignment`` when partitions are assigned and end it when they are revoked.
+
+    aiokafka rebalances eagerly: every member's every partition is revoked, and the assignment that follows
+    usually hands most of them back. With ``rebalance_keep_partitions`` (the default) a revocation only commits
+    what is done and holds the partitions (``_Holdover``): their transactional producers, their work in flight,
+    their tracked offsets and positions stay. The assignment then keeps those handed back as they were (no
+    drain, no new ``init_transactions``, no re-read of the commit) and closes only those that moved. That is
+    safe because every partition has its own transactional id: the new owner of a partition that moved fences
+    this worker's producer of it before it reads the committed offset, so an answer this worker still had in
+    hand can never be committed beside the new owner's (docs/SCALEOUT.md). A partition is kept only when the
+    assignment is the very next generation of the one it was held in: a member that lost its place in the
+    group, or missed a generation, cannot know who owned the partition meanwhile, and settles it afresh.
+
+    Without it, a revocation drains the revoked partitions' work for ``rebalance_drain_s``, commits and closes
+    every one, and the assignment settles every partition anew."""
 
     def __init__(self, loop: ConsumeLoop):
         self.loop = loop
 
     async def on_partitions_revoked(self, partitions: Iterable[TopicPartition]) -> None:
-        """Drain, commit and let go, all within the rebalance timeout: the member rejoins only when this
-        returns, and one that rejoins too late is dropped and starts another rebalance."""
+        """Commit what is done and hold (or drain, commit and let go), all within the rebalance timeout: the
+        member rejoins only when this returns, and one that rejoins too late is dropped and starts another
+        rebalance."""
         revoked = list(partitions)
         if not revoked:
             return
@@ -508,36 +564,64 @@ class _Rebalance(ConsumerRebalanceListener):
         deadline = started + settings.delivery.rebalance_timeout_ms / 1000 - 1.0
         if loop.rebalance_began is None:
             loop.rebalance_began = started
+        generation = group_generation(loop.consumer)
+        settling = set(assignment.settling())  # not positioned yet: not kept, settled afresh if handed back
         await assignment.stop_settling(revoked)
-        await loop.drain(settings.lifecycle.rebalance_drain_s, revoked)
-        abandoned = loop.tracker.in_flight(revoked)
+        kept: dict[TopicPartition, int] = {}
+        if settings.lifecycle.rebalance_keep_partitions and generation is not None and generation >= 0:
+            kept = {partition: position for partition in revoked
+                    if partition not in settling and loop.tracker.owns(partition)
+                    and (position := known_position(loop.consumer, partition)) is not None}
+        else:
+            await loop.drain(settings.lifecycle.rebalance_drain_s, revoked)
         committed = await _within(loop.guarded(loop.commits.flush(revoked)), deadline,
                                   "final commit of revoked partitions")
-        await _within(loop.commits.revoked(revoked), deadline, "closing revoked partitions' producers")
-        loop.tracker.forget(revoked)  # from here on, late answers of these partitions are not committed
-        loop.metrics.forget_partitions([(p.topic, p.partition) for p in revoked])
-        loop.metrics.count_revoked(len(revoked), abandoned)
+        if kept:
+            loop.tracker.hold(kept)  # nothing more is committed for them until the assignment says they stay
+            loop.holdover = _Holdover(generation or 0, kept, {p: assignment.state(p) for p in kept},
+                                      assignment.backpressure)
+        let_go = [partition for partition in revoked if partition not in kept]
+        abandoned = await loop.let_go(let_go, deadline)
         assignment.end(revoked)
         log.info("partitions revoked", partitions=[f"{p.topic}-{p.partition}" for p in revoked],
-                 abandoned=abandoned, committed=committed, seconds=round(time.monotonic() - started, 3))
+                 held=len(kept), abandoned=abandoned, committed=committed,
+                 seconds=round(time.monotonic() - started, 3))
 
     async def on_partitions_assigned(self, partitions: Iterable[TopicPartition]) -> None:
         assigned = list(partitions)
         loop = self.loop
-        generation = getattr(getattr(loop.consumer, "_coordinator", None), "generation", None)
+        generation = group_generation(loop.consumer)
+        holdover, loop.holdover = loop.holdover, None
+        held = holdover.positions if holdover is not None else {}
+        kept: list[TopicPartition] = []
+        if holdover is not None and generation == holdover.generation + 1:
+            # One fenced while held (its producer's commit failed) was owned by another worker meanwhile.
+            kept = [partition for partition in assigned if partition in held and loop.tracker.owns(partition)]
+        for partition in kept:  # before any await: aiokafka would position them at the committed offset
+            loop.consumer.seek(partition, held[partition])
         loop.assignment = Assignment(loop.consumer, assigned, generation)  # unpaused, as aiokafka's own states
+        if holdover is not None:
+            for partition in kept:
+                loop.assignment.carry(holdover.states[partition])
+            loop.assignment.backpressure = holdover.backpressure and bool(kept)
+            loop.tracker.release(kept)
+            moved = [partition for partition in held if partition not in kept]
+            if moved:
+                deadline = time.monotonic() + loop.settings.delivery.rebalance_timeout_ms / 1000
+                await loop.let_go(moved, deadline)
+        fresh = [partition for partition in assigned if partition not in kept]
         if loop.commits.settles_assignments:
-            loop.begin_settling(assigned)  # commits.assigned runs there, outside this callback
+            loop.begin_settling(fresh)  # commits.assigned runs there, outside this callback
         else:
-            await loop.commits.assigned(assigned)
-            await inherit(loop.consumer, loop.tracker, assigned)
+            await loop.commits.assigned(fresh)
+            await inherit(loop.consumer, loop.tracker, fresh)
         await loop.read.assigned(loop.consumer, assigned, list(loop.assignment.settling()))
         loop.joined = True
         if not loop.assignment.settling():
             loop.rebalance_settled()
-        loop.metrics.count_rebalance(generation, len(assigned), len(loop.consumer.assignment()))
+        loop.metrics.count_rebalance(generation, len(assigned), len(loop.consumer.assignment()), kept=len(kept))
         log.info("partitions assigned", partitions=[f"{p.topic}-{p.partition}" for p in assigned],
-                 generation=generation)
+                 kept=len(kept), generation=generation)
 
 
 async def inherit(consumer: AIOKafkaConsumer, tracker: OffsetTracker, partitions: list[TopicPartition]) -> None:

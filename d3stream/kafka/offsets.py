@@ -105,6 +105,9 @@ class OffsetTracker:
         self.window = window_offsets(metadata_bytes) if record_done else None
         self._partitions: dict[TopicPartition, _Progress] = {}
         self._epochs = 0
+        # Partitions a rebalance revoked and this worker still holds until the assignment says whether they stay
+        # (consume.py): the periodic commit leaves them out meanwhile; a commit that names them still commits.
+        self._held: set[TopicPartition] = set()
 
     def _progress(self, partition: TopicPartition) -> _Progress:
         progress = self._partitions.get(partition)
@@ -211,6 +214,8 @@ class OffsetTracker:
         commit, with ``changed_only``."""
         result = {}
         for partition, progress in self._partitions.items():
+            if partitions is None and partition in self._held:
+                continue
             if partitions is not None and partition not in partitions:
                 continue
             if progress.first is None:
@@ -281,6 +286,19 @@ class OffsetTracker:
     def forget(self, partitions: Sequence[TopicPartition]) -> None:
         for partition in partitions:
             self._partitions.pop(partition, None)
+            self._held.discard(partition)
+
+    def hold(self, partitions: Iterable[TopicPartition]) -> None:
+        """Leave ``partitions`` out of the periodic commit (a rebalance revoked them; they may come back)."""
+        self._held.update(partition for partition in partitions if partition in self._partitions)
+
+    def release(self, partitions: Iterable[TopicPartition]) -> None:
+        """``partitions`` came back: the periodic commit covers them again."""
+        self._held.difference_update(partitions)
 
     def partitions(self) -> list[TopicPartition]:
         return list(self._partitions)
+
+    def committing(self) -> list[TopicPartition]:
+        """The partitions the periodic commit covers: every tracked one but those a rebalance holds."""
+        return [partition for partition in self._partitions if partition not in self._held]

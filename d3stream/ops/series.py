@@ -153,6 +153,12 @@ class GroupSeries:
             "Partitions handed to this worker by rebalances.",
             registry=registry,
         )
+        self.partitions_kept_total = Counter(
+            f"{PREFIX}_partitions_kept",
+            "Partitions a rebalance revoked and handed straight back, kept with their producer, work and offsets "
+            "(rebalance_keep_partitions): what a rebalance cost this worker nothing for.",
+            registry=registry,
+        )
         self.partitions_revoked_total = Counter(
             f"{PREFIX}_partitions_revoked",
             "Partitions taken from this worker by rebalances.",
@@ -160,7 +166,8 @@ class GroupSeries:
         )
         self.revoked_abandoned = Counter(
             f"{PREFIX}_revoked_requests_abandoned",
-            "Requests of revoked partitions not answered within rebalance_drain_s: never committed by this "
+            "Requests of partitions that moved to another worker while they were unanswered (with "
+            "rebalance_keep_partitions off: not answered within rebalance_drain_s): never committed by this "
             "worker (exactly_once), the partition's new owner answers them.",
             registry=registry,
         )
@@ -182,10 +189,12 @@ class GroupSeries:
             registry=registry,
         )
 
-    def count_rebalance(self, generation: int | None, assigned: int, owned: int) -> None:
-        """A rebalance this worker took part in: ``assigned`` partitions it received, ``owned`` it holds now."""
+    def count_rebalance(self, generation: int | None, assigned: int, owned: int, kept: int = 0) -> None:
+        """A rebalance this worker took part in: ``assigned`` partitions it received (``kept`` of them handed
+        back with their work in hand), ``owned`` it holds now."""
         self.rebalances.inc()
         self.partitions_assigned_total.inc(assigned)
+        self.partitions_kept_total.inc(kept)
         self.partitions_owned.set(owned)
         if generation is not None:
             self.generation.set(generation)

@@ -501,9 +501,15 @@ class LifecycleSettings(_Section, frozen=True, kw_only=True):
         "while serving, the start-up heap is frozen and the garbage collector's young threshold raised to "
         "this many allocations (Python's own: 700); 0 leaves the collector alone"
     )] = 1_000_000
+    rebalance_keep_partitions: Annotated[bool, doc(
+        "on rebalance, a revocation commits what is done and holds its partitions' producers, work and offsets "
+        'until the new assignment: those handed back go on untouched, only those that move are closed (their '
+        'unfinished work is answered by the new owner). Off: every revocation drains for rebalance_drain_s and '
+        'closes every partition'
+    )] = True
     rebalance_drain_s: Annotated[float, doc(
-        "on rebalance, how long revoked partitions' work may take to finish (exactly_once: what is unfinished"
-        ' then is abandoned and answered by the new owner)'
+        "with rebalance_keep_partitions off, how long revoked partitions' work may take to finish on rebalance "
+        '(exactly_once: what is unfinished then is abandoned and answered by the new owner)'
     )] = 5.0
     stall_unready_s: Annotated[float, doc(
         "/readyz fails while a partition's committed offset has not moved for this long although it has work "

@@ -157,8 +157,10 @@ def test_a_drain_longer_than_the_session_timeout_costs_one_rebalance_not_a_storm
     """The issue's storm: a 6 s session timeout, and revoked work that outlives it (a pass stuck for longer
     than the drain). The revocation drains for rebalance_drain_s (8 s, longer than the session timeout), leaves
     the stuck work to the new owners and rejoins within the rebalance timeout: the joining worker costs the
-    group one generation, after which it stays put; every request is answered once."""
-    settings = stack.settings(session_timeout_ms=6000, rebalance_drain_s=8, max_batch_rows=1, linger_ms=0)
+    group one generation, after which it stays put; every request is answered once. (The drain is the
+    behaviour with rebalance_keep_partitions off; with it on, nothing is drained: tests/integration/test_rebalance.py.)"""
+    settings = stack.settings(session_timeout_ms=6000, rebalance_drain_s=8, max_batch_rows=1, linger_ms=0,
+                              rebalance_keep_partitions=False)  # the drain is what this test is about
     gated = GatedModel(qwen35_model)
     stuck = [{"id": f"stuck-{n}", "state": f"stuck {n}", "questions": {"noul": Q_NOUL}} for n in range(8)]
     ids = {r["id"] for r in stuck}
