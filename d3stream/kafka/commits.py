@@ -23,7 +23,7 @@ policies do that:
 
 A delivery mode is a registered (sink, commit policy) pair (``DELIVERY_MODES``): its entry names the
 factories of both, so adding a mode touches only this table (and, for a mode the ``delivery`` setting may
-name, its ``DeliveryMode`` values in settings/sections.py, which a test keeps in step).
+name, its ``DeliveryName`` values in settings/sections.py, which a test keeps in step).
 """
 
 from __future__ import annotations
