@@ -190,7 +190,7 @@ _TRANSITIONS: dict[TxnState, frozenset[TxnState]] = {
 }
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTxnTransition(RuntimeError):
     """A partition's transactions were asked to move where ``_TRANSITIONS`` does not lead: a bug here."""
 
 
@@ -214,7 +214,7 @@ class PartitionTransactions:
 
     def to(self, state: TxnState) -> None:
         if state not in _TRANSITIONS[self.state]:
-            raise IllegalTransition(f"transactions of {self.partition}: {self.state.value} -> {state.value}")
+            raise IllegalTxnTransition(f"transactions of {self.partition}: {self.state.value} -> {state.value}")
         self.state = state
 
     def after(self, state: TxnState) -> None:
