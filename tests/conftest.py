@@ -43,7 +43,7 @@ from d3stream.dev.infra import JVM_OPTIONS_ENV
 # second OpenMP thread per process only spins and waits: one thread each made the model-heavy modules 15 %
 # faster (measured side by side). Set before torch is imported; the worker processes inherit it. A test that
 # is about thread counts sets its own (tests/unit/core/test_pipeline.py). The servers' JVMs compile with C1 only
-# (d3stream/dev/infra.py says what that saves). A value already in the environment wins.
+# (d3stream/dev/infra/jars.py says what that saves). A value already in the environment wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault(JVM_OPTIONS_ENV, "-XX:TieredStopAtLevel=1")
 

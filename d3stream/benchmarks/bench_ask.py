@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, TypedDict
 from d3stream_client import D3Client
 
 from d3stream.runtime import D3
-from d3stream.settings import DeliveryMode, Settings
+from d3stream.settings import DeliveryName, Settings
 
 if TYPE_CHECKING:
     from d3stream.dev.infra import KafkaBroker
 
 QUESTION = {"type": "choice", "criteria": {"billing": "a payment or a refund", "tech": "the app or the site",
                                            "account": "logging in or the profile"}}
-MODES: tuple[DeliveryMode, ...] = ("exactly_once", "at_least_once")
+MODES: tuple[DeliveryName, ...] = ("exactly_once", "at_least_once")
 
 
 class AskFigures(TypedDict):

@@ -39,7 +39,7 @@ import structlog
 from d3stream.kafka.commits import DELIVERY_MODES
 from d3stream.runtime import D3, Prepared, Row
 from d3stream.runtime.questions import normalize_question, question_error, require_json
-from d3stream.settings import DeliveryMode, Settings
+from d3stream.settings import DeliveryName, Settings
 
 if TYPE_CHECKING:
     from d3stream.core.seams import DecisionModel
@@ -304,7 +304,7 @@ def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker 
     for transactional in (False, True):  # the broker's code paths of both modes
         asyncio.run(consume_answer_loop(bootstrap, topics["requests"], topics["warm-up"],
                                         f"{prefix}-warm-up-{transactional}", count, transactional=transactional))
-    runs: tuple[tuple[KafkaRun, bool, DeliveryMode], ...] = (  # (name, the raw loop?, delivery mode)
+    runs: tuple[tuple[KafkaRun, bool, DeliveryName], ...] = (  # (name, the raw loop?, delivery mode)
         ("raw_at_least_once", True, "at_least_once"),
         ("d3stream_at_least_once", False, "at_least_once"),
         ("raw_transactional", True, "exactly_once"),
@@ -356,7 +356,7 @@ def framed_requests(registry_url: str, topics: Mapping[str, str],
     return [(key, framing.encode(topics["requests-avro"], value)) for key, value in requests]
 
 
-def _one_kafka_run(raw: bool, mode: DeliveryMode, bootstrap: str, topics: dict[str, str], group: str,
+def _one_kafka_run(raw: bool, mode: DeliveryName, bootstrap: str, topics: dict[str, str], group: str,
                    count: int, registry_url: str | None = None) -> float:
     """Seconds one path (the raw loop, transactional for ``exactly_once``; or d3stream in ``mode``, through the
     registry at ``registry_url`` when given) takes to answer ``count`` requests from the start, as consumer

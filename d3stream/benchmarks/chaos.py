@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from d3stream.dev.infra import KafkaBroker, ObjectStore
     from d3stream.dev.progress import Progress
     from d3stream.runtime import D3
-    from d3stream.settings import DeliveryMode
+    from d3stream.settings import DeliveryName
 
 CHAOS_BUCKET = "d3stream-chaos"
 
@@ -213,7 +213,7 @@ def _prepare_stack(broker: KafkaBroker, store: ObjectStore, image: bytes) -> Non
 
 
 def _worker_settings(broker: KafkaBroker, store: ObjectStore, checkpoint: Path,
-                     mode: DeliveryMode) -> dict[str, object]:
+                     mode: DeliveryName) -> dict[str, object]:
     """The ``d3stream serve`` settings of the chaos worker (its environment, ``worker_env``)."""
     return {
         **CHAOS_TOPICS,
@@ -296,7 +296,7 @@ class Counts(TypedDict):
 class ChaosReport(Counts):
     """``d3stream chaos``: the counts, the dead letters, and what was broken on the way."""
 
-    mode: DeliveryMode
+    mode: DeliveryName
     dead_letters: int
     restarts: int
     broker_restarts: int
@@ -324,7 +324,7 @@ async def run_chaos(
     requests: int = 10_000,
     fuzzed: int = 10_000,
     kills: int = 20,
-    mode: DeliveryMode = "exactly_once",
+    mode: DeliveryName = "exactly_once",
     seed: int = 0,
     broker_restart: bool = True,
     store_outage: bool = True,
@@ -397,7 +397,7 @@ def iter_table(report: ChaosReport) -> Iterator[str]:
 class ModeCost(TypedDict):
     """One delivery mode on one stream (``measure_mode``): a flood (``rate`` None) or paced."""
 
-    mode: DeliveryMode
+    mode: DeliveryName
     requests: int
     rate: float | None
     answers_per_s: float
@@ -405,7 +405,7 @@ class ModeCost(TypedDict):
     latency_ms_p99: float
 
 
-async def measure_mode(broker: KafkaBroker, model: D3, mode: DeliveryMode, *, requests: int,
+async def measure_mode(broker: KafkaBroker, model: D3, mode: DeliveryName, *, requests: int,
                        rate: float | None) -> ModeCost:
     """Serve one stream in ``mode``; latency is request timestamp -> answer readable by read_committed."""
     from d3stream_client.publisher import produce
@@ -481,7 +481,7 @@ async def delivery_costs(requests: int = 1000, rate: float = 100.0, progress: bo
     rows: list[ModeCost] = []
     with local_stack(progress=progress) as (broker, _store):
         model = D3.from_pretrained(demo_checkpoint())
-        modes: tuple[DeliveryMode, ...] = ("at_least_once", "exactly_once")
+        modes: tuple[DeliveryName, ...] = ("at_least_once", "exactly_once")
         for mode in modes:
             rows.append(await measure_mode(broker, model, mode, requests=requests, rate=None))
             rows.append(await measure_mode(broker, model, mode, requests=min(requests, int(rate * 10)), rate=rate))

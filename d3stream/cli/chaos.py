@@ -10,7 +10,7 @@ import sys
 from typing import get_args
 
 from d3stream.cli.shape import Command
-from d3stream.settings import DeliveryMode
+from d3stream.settings import DeliveryName
 
 
 def _chaos(args: argparse.Namespace) -> int:
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=10_000, help="valid requests in the stream")
     parser.add_argument("--fuzzed", type=int, default=10_000, help="hostile or malformed events in the stream")
     parser.add_argument("--kills", type=int, default=20, help="SIGKILL/restart cycles of the worker")
-    parser.add_argument("--mode", choices=get_args(DeliveryMode), default="exactly_once")
+    parser.add_argument("--mode", choices=get_args(DeliveryName), default="exactly_once")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for every answer")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")

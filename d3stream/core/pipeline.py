@@ -85,7 +85,9 @@ log = structlog.get_logger(__name__)
 PREPARE_CHUNK = 16
 
 
-Answered = AsyncIterator[list[RequestRecord]]  # a step's answered requests, as they are ready
+# A step's answered requests, as they are ready. Not kafka/commits.py's Answered, which is one read record's
+# answers as the commit policy is handed them.
+AnswersReady = AsyncIterator[list[RequestRecord]]
 
 
 class RequestPipeline:
@@ -116,7 +118,7 @@ class RequestPipeline:
     def close(self) -> None:
         self.prepare_thread.shutdown()
 
-    async def answer(self, inputs: Sequence[InputRecord]) -> Answered:
+    async def answer(self, inputs: Sequence[InputRecord]) -> AnswersReady:
         """Answer every record: yields lists of answered requests as they are ready, each request once. Should
         anything raise out of it anyway, what its records not handed on yet hold goes back before it raises
         (``_given_up``): its caller answers them again (service.py)."""
@@ -143,7 +145,7 @@ class RequestPipeline:
         self.ledger.delivered(records)
         self.ledger.read(len(records))
 
-    async def _answer_begun(self, records: list[RequestRecord]) -> Answered:
+    async def _answer_begun(self, records: list[RequestRecord]) -> AnswersReady:
         positions = [record.position for record in records]
         for each in self.router.hosted.values():
             each.passes.rows.expect(positions)
@@ -173,7 +175,7 @@ class RequestPipeline:
         async for answered in steps:
             yield answered
 
-    async def _isolated(self, records: list[RequestRecord], step: Answered) -> Answered:
+    async def _isolated(self, records: list[RequestRecord], step: AnswersReady) -> AnswersReady:
         """The answers of ``step``; a fault of this worker still gets each of its requests not yet answered an
         answer."""
         try:
@@ -223,7 +225,7 @@ class RequestPipeline:
         record.advance(Stage.ROUTED)
         return request
 
-    async def _answer_with_media(self, record: RequestRecord) -> Answered:
+    async def _answer_with_media(self, record: RequestRecord) -> AnswersReady:
         """A request naming images or videos: refused early if certainly too long, its media fetched and
         decoded, then prepared and answered like the text-only ones."""
         hosted = self.router.of(record)
@@ -247,7 +249,7 @@ class RequestPipeline:
             return Refusal("invalid_request", str(exc))
         return None
 
-    async def _answer_all(self, hosted: Hosted, records: list[RequestRecord]) -> Answered:
+    async def _answer_all(self, hosted: Hosted, records: list[RequestRecord]) -> AnswersReady:
         """Prepare every request (all routed to ``hosted``) on the prepare thread, a few trips for a whole fetch,
         run their rows together on that model's passes, answer them. With a shadow, the chosen requests are
         answered by it too and handed on with their shadow answers."""
@@ -265,7 +267,7 @@ class RequestPipeline:
             if now:
                 yield now
 
-    async def _answer_prepared(self, hosted: Hosted, records: list[RequestRecord]) -> Answered:
+    async def _answer_prepared(self, hosted: Hosted, records: list[RequestRecord]) -> AnswersReady:
         started = time.perf_counter()
         outcomes = await self._prepare_all(hosted, records)
         seconds = time.perf_counter() - started
@@ -294,7 +296,7 @@ class RequestPipeline:
         async for answered in self._run_within_quotas(hosted, passing):
             yield answered
 
-    async def _run_within_quotas(self, hosted: Hosted, passing: list[RequestRecord]) -> Answered:
+    async def _run_within_quotas(self, hosted: Hosted, passing: list[RequestRecord]) -> AnswersReady:
         """Run the requests' rows; a request whose tenant is over ``tenant_max_inflight_tokens`` is held
         first, until its tenant's answered requests make room (quotas.py; the others do not wait for it)."""
         if not self.ledger.quotas.enabled:
@@ -314,12 +316,12 @@ class RequestPipeline:
         async for answered in steps:
             yield answered
 
-    async def _held(self, hosted: Hosted, record: RequestRecord) -> Answered:
+    async def _held(self, hosted: Hosted, record: RequestRecord) -> AnswersReady:
         await self.ledger.wait_for_quota(record)
         async for answered in self._run(hosted, [record]):
             yield answered
 
-    async def _run(self, hosted: Hosted, passing: list[RequestRecord]) -> Answered:
+    async def _run(self, hosted: Hosted, passing: list[RequestRecord]) -> AnswersReady:
         async for done in hosted.passes.run(passing):
             yield [self._answered(hosted, record) for record in done]
 

@@ -23,7 +23,7 @@ policies do that:
 
 A delivery mode is a registered (sink, commit policy) pair (``DELIVERY_MODES``): its entry names the
 factories of both, so adding a mode touches only this table (and, for a mode the ``delivery`` setting may
-name, its ``DeliveryMode`` values in settings/sections.py, which a test keeps in step).
+name, its ``DeliveryName`` values in settings/sections.py, which a test keeps in step).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ _TRANSITIONS: dict[TxnState, frozenset[TxnState]] = {
 }
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTxnTransition(RuntimeError):
     """A partition's transactions were asked to move where ``_TRANSITIONS`` does not lead: a bug here."""
 
 
@@ -214,7 +214,7 @@ class PartitionTransactions:
 
     def to(self, state: TxnState) -> None:
         if state not in _TRANSITIONS[self.state]:
-            raise IllegalTransition(f"transactions of {self.partition}: {self.state.value} -> {state.value}")
+            raise IllegalTxnTransition(f"transactions of {self.partition}: {self.state.value} -> {state.value}")
         self.state = state
 
     def after(self, state: TxnState) -> None:

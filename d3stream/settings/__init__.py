@@ -13,7 +13,7 @@ from d3stream.settings.secret import Secret
 from d3stream.settings.sections import (
     BatchingSettings,
     ConnectionSettings,
-    DeliveryMode,
+    DeliveryName,
     DeliverySettings,
     EvaluationSettings,
     LifecycleSettings,
@@ -55,7 +55,7 @@ def heartbeat_interval_ms(delivery: DeliverySettings) -> int:
 
 __all__ = [
     "CACHE_ENV", "CONFIG_ENV", "CONNECTION_FIELDS", "ENV_PREFIX", "SECTIONS", "SETTINGS",
-    "BatchingSettings", "ConnectionSettings", "DeliveryMode", "DeliverySettings", "EvaluationSettings",
+    "BatchingSettings", "ConnectionSettings", "DeliveryName", "DeliverySettings", "EvaluationSettings",
     "LifecycleSettings", "LimitSettings", "MediaSettings", "ModelSettings", "ObservabilitySettings", "Ordering",
     "RecordFormat", "RegistrySettings", "Secret", "Setting", "Settings", "StorageSettings", "SubjectNameStrategy",
     "add_arguments", "cache_root", "env_name", "flag_name", "heartbeat_interval_ms", "load_settings",

@@ -18,8 +18,9 @@ import msgspec
 from d3stream.settings.secret import Secret
 
 # The delivery setting's values (each a registered sink and commit policy: commits.DELIVERY_MODES, which a
-# test keeps in step with this list); also what chaos and the benchmarks pass as a mode.
-DeliveryMode = Literal["exactly_once", "at_least_once"]
+# test keeps in step with this list); also what chaos and the benchmarks pass as a mode. A mode's name only:
+# the mode itself, its sink and policy, is commits.DeliveryMode.
+DeliveryName = Literal["exactly_once", "at_least_once"]
 # Which answers may leave before earlier requests of their partition are answered (kafka/offsets.py).
 Ordering = Literal["key", "partition", "none"]
 
@@ -195,7 +196,7 @@ class DeliverySettings(_Section, frozen=True, kw_only=True):
     commit_interval_ms: Annotated[int, doc(
         'how often finished offsets are committed (exactly_once: answers become visible then)'
     )] = 500
-    mode: Annotated[DeliveryMode, doc(
+    mode: Annotated[DeliveryName, doc(
         'exactly_once: answers and offsets commit in one Kafka transaction; at_least_once: faster, duplicates'
         ' possible after a crash'
     )] = msgspec.field(default="exactly_once", name="delivery")

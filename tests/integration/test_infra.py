@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from d3stream.dev.infra import JVM_OPTIONS_ENV, KafkaBroker, ObjectStore, _jvm_options
+from d3stream.dev.infra import JVM_OPTIONS_ENV, KafkaBroker, ObjectStore
+from d3stream.dev.infra.jars import _jvm_options
 
 pytestmark = pytest.mark.timeout(180)
 

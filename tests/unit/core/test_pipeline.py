@@ -313,10 +313,10 @@ def test_every_delivery_setting_value_is_a_registered_mode():
     from typing import get_args
 
     from d3stream.kafka.commits import DELIVERY_MODES
-    from d3stream.settings import DeliveryMode
+    from d3stream.settings import DeliveryName
 
     kafka_modes = {name for name, mode in DELIVERY_MODES.items() if mode.kafka_sink}
-    assert set(get_args(DeliveryMode)) == kafka_modes
+    assert set(get_args(DeliveryName)) == kafka_modes
     assert DELIVERY_MODES["exactly_once"].transactional and not DELIVERY_MODES["at_least_once"].transactional
 
 

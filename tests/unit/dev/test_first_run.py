@@ -19,6 +19,7 @@ import pytest
 from aiokafka.errors import GroupAuthorizationFailedError, GroupCoordinatorNotAvailableError
 
 from d3stream.dev import infra
+from d3stream.dev.infra import jars
 from d3stream.ops import logs
 
 COORDINATOR = "aiokafka.consumer.group_coordinator"
@@ -48,7 +49,7 @@ def test_a_failing_maven_resolve_shows_the_log_tail_and_its_path(own_cache, monk
     monkeypatch.setenv("PATH", f"{own_cache / 'bin'}:/usr/bin:/bin")
     with pytest.raises(infra.InfraError) as raised:
         infra.ensure_jars(progress=True)
-    log_path = infra._cache_dir() / "maven.log"
+    log_path = jars._cache_dir() / "maven.log"
     message = str(raised.value)
     assert str(log_path) in message
     assert "[ERROR] Could not resolve dependencies: no network" in message  # the tail says what went wrong

@@ -17,7 +17,7 @@ from d3stream.kafka.assignment import Assignment, PauseReason
 from d3stream.kafka.commits import (
     Answered,
     CommitInTransaction,
-    IllegalTransition,
+    IllegalTxnTransition,
     PartitionTransactions,
     TxnState,
 )
@@ -164,8 +164,8 @@ def test_a_partitions_transactions_move_along_their_states(monkeypatch):
 
 def test_an_illegal_transaction_transition_raises():
     txns = PartitionTransactions(P0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalTxnTransition):
         txns.to(TxnState.IN_TRANSACTION)  # no producer yet
     txns.close()
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalTxnTransition):
         txns.to(TxnState.CREATING)  # closed for good
