@@ -46,7 +46,7 @@ from d3stream.core.outgoing import Outgoing, RecordWriter
 from d3stream.core.passes import Passes, RowScheduler, default_token_budget, model_thread
 from d3stream.core.pipeline import RequestPipeline, skipped
 from d3stream.core.record import RequestRecord, Stage
-from d3stream.core.routing import Hosted
+from d3stream.core.routing import Hosted, Router
 from d3stream.core.seams import DecisionModel, InputRecord, Position, position_of
 from d3stream.core.storage import MediaFetcher
 from d3stream.kafka.commits import DELIVERY_MODES, Answered, CommitPolicy, delivery_for, sink_for
@@ -105,8 +105,7 @@ class Service:
                  replay_id: str | None = None, shadow: DecisionModel | None = None):
         self.settings = settings = settings.check()
         check_connection(settings.connection)
-        self.models = models = _served_models(model, settings, scheduler)
-        self.model = models[0]
+        self.models = _served_models(model, settings, scheduler)
         self.metrics = metrics or Metrics()
         # Spans of served requests (otlp_endpoint, or a caller's own, e.g. a test's in-memory exporter).
         self._owns_tracing = tracing is None
@@ -128,10 +127,7 @@ class Service:
         self.worker = Worker(host=socket.gethostname(), pid=os.getpid(), version=__version__)
         # How answers and dead letters become records: JSON, or the registry's format once chosen at start.
         self.record_writer = RecordWriter()
-        self.hosted, self.shadow = self._host_served(scheduler, replay_id)
-        default = self.hosted[0]
-        self.passes, self.answers = default.passes, default.answers
-        self.provenance, self.provenance_sha256 = default.provenance, default.provenance_sha256
+        served, shadowing = self._host_served(scheduler, replay_id)
         # Media decoding: images on a thread of their own, videos in killable processes, under a deadline;
         # decoded media wait for their share of max_inflight_media_bytes.
         self.decoder = MediaDecoder.from_settings(settings.media)
@@ -140,7 +136,7 @@ class Service:
         self.ledger = InFlightLedger(media_budget=ByteBudget(settings.media.max_inflight_media_bytes),
                                      tenant_max_inflight_tokens=settings.batching.tenant_max_inflight_tokens)
         self.in_flight = self.ledger.counts
-        self.pipeline = self._request_pipeline()
+        self.pipeline = self._request_pipeline(served, shadowing)
         # Live serving lets answers leave out of offset order (settings.delivery.ordering) and records the done offsets
         # beyond each commit point; a replay keeps offset order and commits the point alone.
         self.tracker = OffsetTracker(settings.delivery.ordering if replay_id is None else "partition",
@@ -190,12 +186,12 @@ class Service:
         own = self._host(self.shadow_model, None, replay_id) if self.shadow_model is not None else None
         return hosted, shadow_hosted(self.settings.models, hosted, own)
 
-    def _request_pipeline(self) -> RequestPipeline:
-        """The pipeline that answers each fetch for the served models (and the shadow), on this worker's media
-        path and in-flight counts, which the consume loop's backpressure reads too."""
+    def _request_pipeline(self, hosted: list[Hosted], shadow: Hosted | None) -> RequestPipeline:
+        """The pipeline that answers each fetch for the served models (its router owns them from here on) and
+        the shadow, on this worker's media path and in-flight counts, which the consume loop's backpressure reads too."""
         return RequestPipeline(
-            self.settings, self.hosted, fetcher=self.fetcher, decoder=self.decoder, ledger=self.ledger,
-            metrics=self.metrics, shadow=self.shadow,
+            self.settings, hosted, fetcher=self.fetcher, decoder=self.decoder, ledger=self.ledger,
+            metrics=self.metrics, shadow=shadow,
         )
 
     def _show_in_metrics(self) -> None:
@@ -207,8 +203,9 @@ class Service:
 
     def _hosted_all(self) -> list[Hosted]:
         """The served models and a shadow checkpoint of its own (a served model's shadow is one of them)."""
-        own = self.shadow is not None and all(self.shadow is not each for each in self.hosted)
-        return [*self.hosted, *([self.shadow] if own and self.shadow is not None else [])]
+        hosted, shadow = self.hosted, self.shadow
+        own = shadow is not None and all(shadow is not each for each in hosted)
+        return [*hosted, *([shadow] if own and shadow is not None else [])]
 
     def host_model(self, model: DecisionModel) -> Hosted:
         """A model loaded while serving (a swap's new checkpoint), with the limits every served model gets;
@@ -219,13 +216,13 @@ class Service:
             model.media_cache = MediaFeatureCache(self.settings.media.media_cache_bytes,
                                                   on_lookup=self.metrics.count_media_cache)
         hosted = self._host(model, None, None)
-        self.hosted.append(hosted)
+        self.router.host(hosted)
         return hosted
 
     async def unhost_model(self, hosted: Hosted) -> None:
         """A retired model that answered everything routed to it: its passes closed, forgotten."""
         await hosted.passes.close()
-        self.hosted.remove(hosted)
+        self.router.unhost(hosted)
 
     async def publish_model_provenance(self, hosted: Hosted) -> None:
         """One model's provenance record, keyed by its digest (the topic is compacted)."""
@@ -235,6 +232,47 @@ class Service:
                                                     payload, kind="provenance"))
 
     # ------------------------------------------------------------------------------ what it shows
+
+    @property
+    def router(self) -> Router:
+        """The one owner of the served models (core/routing.py): which are served, which is the default."""
+        return self.pipeline.router
+
+    @property
+    def hosted(self) -> list[Hosted]:
+        """Every served model's parts (the router's, read-only here), the default first until a swap."""
+        return self.router.every
+
+    @property
+    def default(self) -> Hosted:
+        """The model answering requests that name none: the first served, until a rollout swaps it."""
+        return self.router.default
+
+    @property
+    def model(self) -> DecisionModel:
+        return self.default.model
+
+    @property
+    def passes(self) -> Passes:
+        return self.default.passes
+
+    @property
+    def answers(self) -> AnswerBuilder:
+        return self.default.answers
+
+    @property
+    def provenance(self) -> dict[str, object]:
+        return self.default.provenance
+
+    @property
+    def provenance_sha256(self) -> str:
+        return self.default.provenance_sha256
+
+    @property
+    def shadow(self) -> Hosted | None:
+        """The shadow model's parts (a served model's, or a checkpoint of its own), if there is a shadow."""
+        shadow = self.pipeline.shadow
+        return shadow.hosted if shadow is not None else None
 
     @property
     def scheduler(self) -> RowScheduler:
