@@ -42,9 +42,9 @@ delivered) is moved by the stage that did the work, and a step out of order rais
 are yielded as they are ready (all text-only answers of a pass together, a media request's on its own):
 each step is an async generator, and ``streams.Streams`` reads the steps of a fetch side by side.
 
-Whatever raises out of ``answer`` anyway is its caller's to answer (service.py's guard answers the records
-not handed on again one at a time, and one that still fails as a ``SkippedRecord``: ``internal_error``,
-dead-lettered); what the records of the failed call held in flight goes back first.
+Whatever raises out of ``answer`` anyway is its caller's to answer (the guard of service/fetch_handler.py
+answers the records not handed on again one at a time, and one that still fails as a ``SkippedRecord``:
+``internal_error``, dead-lettered); what the records of the failed call held in flight goes back first.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class RequestPipeline:
     async def answer(self, inputs: Sequence[InputRecord]) -> AnswersReady:
         """Answer every record: yields lists of answered requests as they are ready, each request once. Should
         anything raise out of it anyway, what its records not handed on yet hold goes back before it raises
-        (``_given_up``): its caller answers them again (service.py)."""
+        (``_given_up``): its caller answers them again (service/fetch_handler.py)."""
         records = [self._begin(each) for each in inputs]
         handed: set[int] = set()  # id() of the records yielded
         try:
@@ -134,9 +134,9 @@ class RequestPipeline:
 
     def _given_up(self, records: list[RequestRecord]) -> None:
         """What the records of a failed ``answer`` call that were not handed on hold goes back, since its caller
-        answers them again as new records (service.py's guard): an unfinished one's tokens, quota, media and
-        model count, and everyone's questions; their places among the requests read stay taken, for the records
-        that answer them. Leaked, they would hold backpressure (or a retired model) for the worker's lifetime."""
+        answers them again as new records (service/fetch_handler.py's guard): an unfinished one's tokens, quota,
+        media and model count, and everyone's questions; their places among the requests read stay taken, for the
+        records that answer them. Leaked, they would hold backpressure (or a retired model) for the worker's lifetime."""
         for record in records:
             if not record.stage.finished:  # a finished one gave back what its answer frees when it was built
                 self.ledger.answered(record)
@@ -420,10 +420,10 @@ DEAD_LETTERED = frozenset({"undecodable_event", "schema_not_found"})
 
 @dataclass(frozen=True)
 class SkippedRecord:
-    """A record whose handling raised what no stage expected (service.py's guard), read as the ``internal_error``
-    refusal ``unreadable`` names and dead-lettered with its own bytes: it is answered, and its partition goes on
-    past it. Only where it was read, its key and its bytes are kept: anything else of it (its headers, what a
-    registry made of it) may be what failed."""
+    """A record whose handling raised what no stage expected (service/fetch_handler.py's guard), read as the
+    ``internal_error`` refusal ``unreadable`` names and dead-lettered with its own bytes: it is answered, and its
+    partition goes on past it. Only where it was read, its key and its bytes are kept: anything else of it (its
+    headers, what a registry made of it) may be what failed."""
 
     topic: str
     partition: int

@@ -18,6 +18,11 @@ it go. A retired model takes no new requests but stays in ``hosted`` until it ha
 routed to it (``RequestRecord.model`` names it until then): ``drop`` forgets it once the ledger counts none.
 What is refused before it is routed (undecodable, an unknown model, expired at read) is answered with the
 default model's records.
+
+The router is the one owner of the served models: the worker (``service/``) and the rollout ask it which
+models are served and which is the default, and keep no list of their own. A model loaded while serving is
+``host``-ed here before anything is routed to it (its provenance is published first), so that ``every`` names
+each model whose parts are open, routed or not yet.
 """
 
 from __future__ import annotations
@@ -67,6 +72,13 @@ class Router:
         # Picks the model of a request that names none (None: the default); set by a rollout's canary.
         self.route_default: Callable[[Request], Hosted] | None = None
         self.routed = routed
+        # Models loaded while serving and not routed to yet (a swap's checkpoint until ``add``).
+        self.loading: list[Hosted] = []
+
+    @property
+    def every(self) -> list[Hosted]:
+        """Every model hosted: the routable ones, the retired ones still answering, those not routed to yet."""
+        return [*self.hosted.values(), *self.loading]
 
     def route(self, request: Request) -> Hosted | Refusal:
         """The model a decoded request goes to, or its ``model_not_served`` refusal."""
@@ -83,8 +95,17 @@ class Router:
         """The model a request was routed to (the default before routing, and for what is refused before it)."""
         return self.default if record.model is None else self.hosted[record.model]
 
+    def host(self, hosted: Hosted) -> None:
+        """A model loaded while serving: hosted, but nothing is routed to it until ``add``."""
+        self.loading.append(hosted)
+
+    def unhost(self, hosted: Hosted) -> None:
+        """Forget a model hosted and never routed to (a swap refused after it loaded)."""
+        self.loading = [each for each in self.loading if each is not hosted]
+
     def add(self, hosted: Hosted, *, default: bool = False) -> None:
         """Serve one more model (or serve a retired one again); as the default, requests naming none go to it."""
+        self.unhost(hosted)
         self.hosted[hosted.name] = self.routes[hosted.name] = hosted
         if default:
             self.default = hosted

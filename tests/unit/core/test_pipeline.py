@@ -211,7 +211,7 @@ def test_a_fault_of_one_request_is_its_own_error_not_its_neighbours(pipeline_ser
             raise RuntimeError("simulated fault in the tokenizer")
         return original(state, questions, **kwargs)
 
-    service.model = service.pipeline.router.default.model = SimpleNamespace(**{
+    service.pipeline.router.default.model = SimpleNamespace(**{  # service.model follows the router's default
         name: getattr(qwen35_model, name) for name in (
             "model_name", "device", "attention_mode", "image_unavailable", "video_unavailable",
             "request_may_exceed_tokens", "check_request_tokens", "forward", "provenance")

@@ -59,3 +59,18 @@ def test_a_retired_model_answers_what_it_holds_and_is_dropped_when_it_holds_none
     routed["v1"] -= 1
     assert router.drop("v1") is v1 and "v1" not in router.hosted and "v1" not in routed
     assert router.drop("v2") is None  # routable: never dropped
+
+
+def test_a_model_loaded_while_serving_is_hosted_before_it_is_routed_to() -> None:
+    """The router is the one owner of the served models: ``every`` names each model whose parts are open, one
+    loaded for a swap too, before anything is routed to it; ``add`` routes it, ``unhost`` forgets a refused one."""
+    v1, v2, v3 = _hosted("v1"), _hosted("v2"), _hosted("v3")
+    router = Router([v1], routed=Counter())
+    router.host(v2)
+    router.host(v3)
+    assert router.every == [v1, v2, v3]
+    assert isinstance(router.route(_request("v2")), Refusal)  # not routed to yet
+    router.add(v2, default=True)
+    assert router.every == [v1, v2, v3] and router.default is v2 and router.loading == [v3]
+    router.unhost(v3)  # the swap that loaded it was refused
+    assert router.every == [v1, v2]

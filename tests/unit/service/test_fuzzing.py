@@ -262,7 +262,7 @@ def limited_text_model(qwen35_text_model):
     """The text model with the service's prompt limit (what ``Service`` sets: max_prompt_tokens); the shared
     model gets its own limit back afterwards."""
     original = qwen35_text_model.max_length, qwen35_text_model.max_request_tokens
-    qwen35_text_model.limit_prompt_tokens(Settings().limits.max_prompt_tokens)  # as Service.__init__ does
+    qwen35_text_model.limit_prompt_tokens(Settings().limits.max_prompt_tokens)  # as the service's hosting does
     qwen35_text_model.limit_request_tokens(Settings().limits.max_request_tokens)  # ditto
     assert qwen35_text_model.max_length is not None
     yield qwen35_text_model
