@@ -215,10 +215,10 @@ def _stamped_answers(count: int, days: float, start_ms: int) -> Iterator[list[tu
 async def _produce_stamped(servers: str, topic: str, chunks: Iterable[list[tuple[bytes, bytes, int]]],
                            tick: Callable[[int], None] | None = None) -> int:
     """Publish records with their own timestamps (the stream time the evaluator's window runs on)."""
-    from aiokafka import AIOKafkaProducer
+    from d3stream.kafka.connection import raw_client
 
-    producer = AIOKafkaProducer(bootstrap_servers=servers, acks=1, linger_ms=20, max_batch_size=1 << 20,
-                                compression_type=None)
+    producer = raw_client("producer", bootstrap_servers=servers, acks=1, linger_ms=20, max_batch_size=1 << 20,
+                          compression_type=None)
     await producer.start()
     sent = 0
     try:

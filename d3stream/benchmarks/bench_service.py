@@ -147,13 +147,13 @@ async def consume_answer_loop(bootstrap: str, source: str, sink: str, group: str
     """A plain aiokafka consumer-producer: ``answer`` each of ``count`` requests in turn and publish what it
     returns; after each fetched batch, wait for the acknowledgements and commit (in the batch's transaction when
     ``transactional``). Seconds from the first fetched record to the last commit."""
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+    from d3stream.kafka.connection import raw_client
 
-    consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
-                                auto_offset_reset="earliest", isolation_level="read_committed")
+    consumer = raw_client("consumer", source, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
+                          auto_offset_reset="earliest", isolation_level="read_committed")
     options: dict[str, str] = {"transactional_id": f"{group}-raw"} if transactional else {}
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=2,
-                                **options)
+    producer = raw_client("producer", bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=2,
+                          **options)
     await producer.start()
     await consumer.start()
     try:

@@ -165,10 +165,12 @@ async def count_topic(bootstrap: str, topic: str, settle_s: float = 30.0) -> lis
     records lie beyond the partition's last stable offset. So reading goes on until the stable end has
     caught up with the high watermark (every transaction settled), for at most ``settle_s``.
     """
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import TopicPartition
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                                isolation_level="read_committed", auto_offset_reset="earliest")
+    from d3stream.kafka.connection import raw_client
+
+    consumer = raw_client("consumer", bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                          isolation_level="read_committed", auto_offset_reset="earliest")
     await consumer.start()
     try:
         partitions = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
@@ -455,10 +457,11 @@ async def measure_mode(broker: KafkaBroker, model: D3, mode: DeliveryName, *, re
 async def publish_paced(bootstrap: str, topic: str, stream: list[tuple[bytes, bytes]], rate: float) -> None:
     """Publish ``stream`` at ``rate`` records/s: one producer, a tenth of a second's records per tick, each
     tick scheduled from the start (so the time spent sending does not slow the rate down)."""
-    from aiokafka import AIOKafkaProducer
     from d3stream_client.contract import HEADERS
 
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
+    from d3stream.kafka.connection import raw_client
+
+    producer = raw_client("producer", bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
     await producer.start()
     try:
         per_tick = max(1, round(rate / 10))

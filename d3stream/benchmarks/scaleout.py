@@ -124,10 +124,12 @@ class AnswerWatch:
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> AnswerWatch:
-        from aiokafka import AIOKafkaConsumer, TopicPartition
+        from aiokafka import TopicPartition
 
-        self.consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
-                                         auto_offset_reset="earliest", isolation_level="read_committed")
+        from d3stream.kafka.connection import raw_client
+
+        self.consumer = raw_client("consumer", bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
+                                   auto_offset_reset="earliest", isolation_level="read_committed")
         await self.consumer.start()
         await self.consumer._client.force_metadata_update()  # noqa: SLF001 - a fresh client knows no topics yet
         partitions = self.consumer.partitions_for_topic(self.topic) or set()
@@ -166,9 +168,9 @@ class Stream:
     published_at: dict[str, float] = field(default_factory=dict)
 
     async def run(self, stop: asyncio.Event) -> None:
-        from aiokafka import AIOKafkaProducer
+        from d3stream.kafka.connection import raw_client
 
-        producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True)
+        producer = raw_client("producer", bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True)
         await producer.start()
         try:
             started, number = time.monotonic(), 0

@@ -158,14 +158,12 @@ def load_drift(settings: Settings) -> Drift:
 
 async def _shadow_topic(settings: Settings) -> str | None:
     """The shadow topic to read: ``shadow_topic`` when set, else the default one when it exists."""
-    from aiokafka.admin import AIOKafkaAdminClient
-
     from d3stream.core.shadow import shadow_topic
-    from d3stream.kafka.connection import client_options
+    from d3stream.kafka.connection import kafka_admin
 
     if settings.models.shadow_topic:
         return settings.models.shadow_topic
-    admin = AIOKafkaAdminClient(**client_options(settings.connection, "admin", client_id=f"{settings.connection.client_id}-evaluate"))
+    admin = kafka_admin(settings.connection, client_id=f"{settings.connection.client_id}-evaluate")
     await admin.start()
     try:
         name = shadow_topic(settings)

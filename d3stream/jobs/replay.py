@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import NotRequired, TypedDict
 
 import structlog
-from aiokafka import AIOKafkaConsumer
 
 from d3stream.core.ordered import OrderedPasses
 from d3stream.core.passes import model_thread
 from d3stream.core.seams import DecisionModel
-from d3stream.kafka.connection import client_options, connecting
+from d3stream.kafka.connection import connecting, kafka_consumer
 from d3stream.kafka.ranges import RangeRead, ReplayRange, resolve_bounds
 from d3stream.ops.metrics import Metrics
 from d3stream.service import Service
@@ -77,7 +76,7 @@ def _replay_settings(settings: Settings, plan: ReplayRange, replay_id: str, out_
 
 async def plan_total(settings: Settings, plan: ReplayRange) -> int:
     """How many records the range holds (for the progress bar)."""
-    consumer = AIOKafkaConsumer(**client_options(settings.connection, "consumer", client_id=settings.connection.client_id, group_id=None))
+    consumer = kafka_consumer(settings.connection, client_id=settings.connection.client_id, group_id=None)
     try:
         await connecting(settings.connection, consumer.start())
         return sum(end - start for start, end in (await resolve_bounds(consumer, plan)).values())

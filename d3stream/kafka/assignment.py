@@ -24,10 +24,12 @@ import asyncio
 import enum
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
+
+if TYPE_CHECKING:
+    from d3stream.kafka.connection import AIOKafkaConsumer
 
 
 class PauseReason(enum.Enum):

@@ -34,10 +34,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NotRequired, Protocol, TypedDict, Unpack
+from typing import TYPE_CHECKING, NotRequired, Protocol, TypedDict, Unpack
 
 import structlog
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 from d3stream.kafka.offsets import OffsetTracker
@@ -54,6 +53,9 @@ from d3stream.kafka.publishing import (
 )
 from d3stream.kafka.sinks import JsonLinesFile, KafkaTopics, Sink
 from d3stream.ops.metrics import Metrics
+
+if TYPE_CHECKING:
+    from d3stream.kafka.connection import AIOKafkaConsumer, AIOKafkaProducer
 
 log = structlog.get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""Kafka connection settings -> the keyword arguments of every aiokafka client d3stream makes.
+"""Kafka connection settings -> every aiokafka client d3stream makes, made here.
 
 Every command that talks to Kafka (``serve``, ``replay``, ``produce``, ``consume``, ``compare``) builds its
 consumers, producers and admin clients through :func:`client_options`, so a cluster reachable by one is
@@ -7,6 +7,11 @@ OAUTHBEARER with a pluggable token source, AWS MSK IAM built in), TLS with a CA 
 certificate (mutual TLS, hostname checking on by default), and ``kafka_options``: a pass-through of other
 client parameters (``request_timeout_ms=30000``), like kcat's ``-X key=value``, checked against the
 parameters aiokafka's constructors take.
+
+This module is the only one that constructs aiokafka clients (:func:`kafka_consumer`, :func:`kafka_producer`,
+:func:`kafka_admin` with the connection settings; :func:`raw_client` with keyword arguments as given, for a
+benchmark's plain aiokafka baseline or the embedded broker's probe). Elsewhere the classes are types only,
+imported from here under ``TYPE_CHECKING``.
 
 A connection that fails is diagnosed once more by :func:`explain_failure`: aiokafka reports only "Unable
 to bootstrap" when every broker refused, so one direct connection to the first bootstrap server finds the
@@ -29,10 +34,13 @@ import logging
 import os
 import ssl
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 if TYPE_CHECKING:
     from aiokafka.abc import AbstractTokenProvider
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.consumer import AIOKafkaConsumer
+    from aiokafka.producer import AIOKafkaProducer
 
     from d3stream.settings import ConnectionSettings
 
@@ -80,8 +88,9 @@ RESERVED: dict[str, str] = {
 @functools.cache
 def accepted_parameters() -> dict[Client, dict[str, object]]:
     """The keyword parameters (name -> default) of aiokafka's consumer, producer and admin constructors."""
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
     from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.consumer import AIOKafkaConsumer
+    from aiokafka.producer import AIOKafkaProducer
 
     classes: dict[Client, type] = {"consumer": AIOKafkaConsumer, "producer": AIOKafkaProducer,
                                   "admin": AIOKafkaAdminClient}
@@ -296,6 +305,57 @@ def client_options(connection: ConnectionSettings, client: Client, **own: object
     }
 
 
+# ------------------------------------------------------------------------------------------ the clients
+
+
+def kafka_consumer(connection: ConnectionSettings, *topics: str, **options: object) -> AIOKafkaConsumer:
+    """A consumer (subscribed to ``topics``, if any) of ``options`` with the connection's settings
+    (:func:`client_options`). Not started."""
+    return raw_client("consumer", *topics, **client_options(connection, "consumer", **options))
+
+
+def kafka_producer(connection: ConnectionSettings, **options: object) -> AIOKafkaProducer:
+    """A producer of ``options`` with the connection's settings (:func:`client_options`). Not started."""
+    return raw_client("producer", **client_options(connection, "producer", **options))
+
+
+def kafka_admin(connection: ConnectionSettings, **options: object) -> AIOKafkaAdminClient:
+    """An admin client of ``options`` with the connection's settings (:func:`client_options`). Not started."""
+    return raw_client("admin", **client_options(connection, "admin", **options))
+
+
+@overload
+def raw_client(kind: Literal["consumer"], *topics: str, **options: object) -> AIOKafkaConsumer: ...
+
+
+@overload
+def raw_client(kind: Literal["producer"], **options: object) -> AIOKafkaProducer: ...
+
+
+@overload
+def raw_client(kind: Literal["admin"], **options: object) -> AIOKafkaAdminClient: ...
+
+
+def raw_client(kind: Client, *topics: str,
+               **options: object) -> AIOKafkaConsumer | AIOKafkaProducer | AIOKafkaAdminClient:
+    """An aiokafka client of exactly these keyword arguments, nothing added: for options made already (by
+    :func:`client_options`), and for a plain client of the caller's own (a benchmark's raw aiokafka
+    baseline, the embedded broker's probe). ``topics``: a consumer's subscription. Not started."""
+    if kind == "consumer":
+        from aiokafka.consumer import AIOKafkaConsumer
+
+        return AIOKafkaConsumer(*topics, **options)
+    if topics:
+        raise TypeError(f"a {kind} client takes no topics, got {topics!r}")
+    if kind == "producer":
+        from aiokafka.producer import AIOKafkaProducer
+
+        return AIOKafkaProducer(**options)
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    return AIOKafkaAdminClient(**options)
+
+
 # ------------------------------------------------------------------------------------------ diagnosis
 
 
@@ -396,10 +456,9 @@ async def reach(connection: ConnectionSettings, timeout_s: float = REACH_TIMEOUT
     ``bootstrap_servers`` with these security settings, made before a command spends time on anything else.
     A refusal is a ConnectionError naming the setting to change (as :func:`connecting` makes it); aiokafka's
     own log lines about the refusal are held back (the error says more), unless logging is at ``debug``."""
-    from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.errors import KafkaError
 
-    admin = AIOKafkaAdminClient(**client_options(connection, "admin", request_timeout_ms=int(timeout_s * 1000)))
+    admin = kafka_admin(connection, request_timeout_ms=int(timeout_s * 1000))
     with _quiet_aiokafka():
         try:
             try:

@@ -49,21 +49,24 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import structlog
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka import ConsumerRebalanceListener
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.seams import InputRecord
 from d3stream.kafka.assignment import Assignment, PartitionState, PauseReason
 from d3stream.kafka.commits import CommitPolicy
-from d3stream.kafka.connection import client_options
+from d3stream.kafka.connection import kafka_consumer
 from d3stream.kafka.limits import WorkerFatal
 from d3stream.kafka.offsets import OffsetTracker
 from d3stream.ops.metrics import Metrics
 from d3stream.settings import Settings, heartbeat_interval_ms
+
+if TYPE_CHECKING:
+    from d3stream.kafka.connection import AIOKafkaConsumer
 
 log = structlog.get_logger(__name__)
 
@@ -92,8 +95,7 @@ def backpressure_pauses(in_flight: Mapping[K, int], requests: int, tokens: int, 
 def group_consumer(settings: Settings) -> AIOKafkaConsumer:
     """The worker's consumer-group member: committed offsets are the commit policy's (no auto-commit), and it
     reads committed records only (answers of an aborted transaction never count as requests)."""
-    return AIOKafkaConsumer(**client_options(settings.connection,
-        "consumer",
+    return kafka_consumer(settings.connection,
         client_id=settings.connection.client_id,
         group_id=settings.delivery.group_id,
         group_instance_id=settings.delivery.group_instance_id,
@@ -105,7 +107,7 @@ def group_consumer(settings: Settings) -> AIOKafkaConsumer:
         enable_auto_commit=False,
         auto_offset_reset=settings.delivery.auto_offset_reset,
         isolation_level="read_committed",
-    ))
+    )
 
 @dataclass
 class Fetch:

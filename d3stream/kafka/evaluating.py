@@ -65,21 +65,16 @@ from d3stream.core.evaluation import (
     read_answer,
 )
 from d3stream.core.state_store import ROW_OVERHEAD_BYTES, WaitingStore
-from d3stream.kafka.connection import client_options
+from d3stream.kafka.connection import kafka_admin, kafka_consumer, kafka_producer
 from d3stream.kafka.publishing import RecordBatches
 from d3stream.kafka.registry import OutgoingFormat, Registry
 from d3stream.ops.quality import QualityMetrics
 from d3stream.settings import Settings, cache_root
 
 if TYPE_CHECKING:
-    from aiokafka import (
-        AIOKafkaConsumer,
-        AIOKafkaProducer,
-        ConsumerRebalanceListener,
-        ConsumerRecord,
-        TopicPartition,
-    )
-    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka import ConsumerRebalanceListener, ConsumerRecord, TopicPartition
+
+    from d3stream.kafka.connection import AIOKafkaAdminClient, AIOKafkaConsumer, AIOKafkaProducer
 
 log = structlog.get_logger(__name__)
 
@@ -227,7 +222,6 @@ class Evaluator:
     # ------------------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        from aiokafka import AIOKafkaConsumer
         from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
         self.partitions = await prepare_topics(self.settings, self.topics)
@@ -236,15 +230,15 @@ class Evaluator:
                                                              self.topics.dead_letters: DeadLetter})
         self._tombstone_retention_ms = await tombstone_retention_ms(self.settings, self.topics.state)
         settings = self.settings
-        self._restorer = AIOKafkaConsumer(**client_options(settings.connection, "consumer", client_id=f"{settings.connection.client_id}-evaluate-restore", group_id=None,
-            enable_auto_commit=False, isolation_level="read_committed"))
+        self._restorer = kafka_consumer(settings.connection, client_id=f"{settings.connection.client_id}-evaluate-restore", group_id=None,
+            enable_auto_commit=False, isolation_level="read_committed")
         await self._restorer.start()
-        self._consumer = AIOKafkaConsumer(**client_options(settings.connection, "consumer", client_id=f"{settings.connection.client_id}-evaluate", group_id=settings.evaluation.evaluate_group_id,
+        self._consumer = kafka_consumer(settings.connection, client_id=f"{settings.connection.client_id}-evaluate", group_id=settings.evaluation.evaluate_group_id,
             enable_auto_commit=False, isolation_level="read_committed",
             auto_offset_reset=settings.delivery.auto_offset_reset, max_poll_records=MAX_BATCH_RECORDS,
             session_timeout_ms=settings.delivery.session_timeout_ms, rebalance_timeout_ms=settings.delivery.rebalance_timeout_ms,
             # Range hands partition p of every subscribed topic to the same member: labels meet their answers.
-            partition_assignment_strategy=(RangePartitionAssignor,)))
+            partition_assignment_strategy=(RangePartitionAssignor,))
         self._consumer.subscribe(self.topics.inputs, listener=_listener(self))
         await self._consumer.start()
 
@@ -493,12 +487,12 @@ class Evaluator:
         self._rebudget()
 
     async def _adopt(self, partition: int) -> None:
-        from aiokafka import AIOKafkaProducer, TopicPartition
+        from aiokafka import TopicPartition
 
         settings = self.settings
-        producer = AIOKafkaProducer(**client_options(settings.connection, "producer", client_id=f"{settings.connection.client_id}-evaluate", acks="all", enable_idempotence=True,
+        producer = kafka_producer(settings.connection, client_id=f"{settings.connection.client_id}-evaluate", acks="all", enable_idempotence=True,
             linger_ms=5, transactional_id=f"{settings.delivery.transactional_id_prefix}-evaluate-"
-                                          f"{settings.evaluation.evaluate_group_id}-{partition}"))
+                                          f"{settings.evaluation.evaluate_group_id}-{partition}")
         await producer.start()  # init_transactions: the previous owner's open transaction ends first
         state = await self._bring_up_to_date(partition)
         unit = Unit(partition, state, producer, RecordBatches(producer))
@@ -594,11 +588,10 @@ async def _quietly_stop(producer: AIOKafkaProducer) -> None:
 async def tombstone_retention_ms(settings: Settings, topic: str) -> int:
     """The changelog's ``delete.retention.ms``: how long a deletion stays readable in a compacted topic, so how
     old a cleanly closed state file may be and still be brought up to date from the tail."""
-    from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
     from aiokafka.errors import KafkaError
 
-    admin = AIOKafkaAdminClient(**client_options(settings.connection, "admin", client_id=f"{settings.connection.client_id}-evaluate"))
+    admin = kafka_admin(settings.connection, client_id=f"{settings.connection.client_id}-evaluate")
     await admin.start()
     try:
         responses = await admin.describe_configs(
@@ -619,10 +612,10 @@ async def prepare_topics(settings: Settings, topics: EvaluateTopics) -> int:
     """The number of partitions every input topic shares; missing topics are created (``create_topics``):
     the inputs and outputs with ``topic_partitions`` (or the answer topic's count), the state topic compacted
     with one partition per unit. EvaluateSetupError when the counts differ or a topic is missing."""
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.admin.new_topic import NewTopic
     from aiokafka.errors import TopicAlreadyExistsError
 
-    admin = AIOKafkaAdminClient(**client_options(settings.connection, "admin", client_id=f"{settings.connection.client_id}-evaluate"))
+    admin = kafka_admin(settings.connection, client_id=f"{settings.connection.client_id}-evaluate")
     await admin.start()
     try:
         counts = await _partition_counts(admin, [*topics.inputs, topics.state])

@@ -112,12 +112,13 @@ async def read_topic_limits(
     every record for it would be retried forever. A topic whose configuration cannot be read (no
     DescribeConfigs permission, an old broker) gets the broker default, with a warning.
     """
-    from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
     from aiokafka.errors import KafkaError, for_code
 
+    from d3stream.kafka.connection import raw_client
+
     wanted = sorted(set(topics))
-    admin = AIOKafkaAdminClient(**admin_options)
+    admin = raw_client("admin", **admin_options)
     await admin.start()
     try:
         responses = await admin.describe_configs(

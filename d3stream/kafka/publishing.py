@@ -23,7 +23,6 @@ from functools import partial
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import structlog
-from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import RecordMetadata
 
@@ -33,6 +32,7 @@ from d3stream.kafka.limits import WorkerFatal
 if TYPE_CHECKING:
     from aiokafka.producer.message_accumulator import BatchBuilder
 
+    from d3stream.kafka.connection import AIOKafkaProducer
     from d3stream.ops.metrics import Metrics
 
 log = structlog.get_logger(__name__)

@@ -12,9 +12,13 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka import ConsumerRebalanceListener
 from aiokafka.structs import ConsumerRecord, TopicPartition
+
+if TYPE_CHECKING:
+    from d3stream.kafka.connection import AIOKafkaConsumer
 
 
 @dataclass

@@ -12,19 +12,21 @@ import asyncio
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
 
 import structlog
-from aiokafka import AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 from d3stream.core.outgoing import Outgoing
 from d3stream.core.shadow import shadow_topic
-from d3stream.kafka.connection import client_options
+from d3stream.kafka.connection import client_options, kafka_admin, kafka_producer
 from d3stream.kafka.limits import Limits, read_topic_limits
 from d3stream.kafka.publishing import RecordBatches, quietly_stop, send_with_retries
 from d3stream.ops.metrics import Metrics
 from d3stream.settings import Settings
+
+if TYPE_CHECKING:
+    from d3stream.kafka.connection import AIOKafkaProducer
 
 log = structlog.get_logger(__name__)
 
@@ -82,8 +84,7 @@ class KafkaTopics:
             options["transactional_id"] = (
                 f"{settings.delivery.transactional_id_prefix}-{settings.delivery.group_id}-{partition.topic}-{partition.partition}"
             )
-        return AIOKafkaProducer(**client_options(settings.connection,
-            "producer",
+        return kafka_producer(settings.connection,
             client_id=settings.connection.client_id,
             acks="all",
             enable_idempotence=True,
@@ -91,7 +92,7 @@ class KafkaTopics:
             max_request_size=settings.delivery.max_request_size,
             compression_type=self.limits.compression,
             **options,
-        ))
+        )
 
     def topics(self) -> list[tuple[str, dict[str, str]]]:
         settings = self.settings
@@ -206,10 +207,10 @@ class JsonLinesFile:
 async def ensure_topics(settings: Settings, sink: Sink) -> None:
     """Create the request topics and the sink's topics that do not exist yet (``create_topics``), each with
     ``topic_partitions`` partitions and the sink's topic configs."""
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.admin.new_topic import NewTopic
     from aiokafka.errors import TopicAlreadyExistsError
 
-    admin = AIOKafkaAdminClient(**client_options(settings.connection, "admin", client_id=settings.connection.client_id))
+    admin = kafka_admin(settings.connection, client_id=settings.connection.client_id)
     await admin.start()
     try:
         existing = set(await admin.list_topics())

@@ -32,11 +32,10 @@ import os
 import socket
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 import structlog
-from aiokafka import AIOKafkaConsumer
 from d3stream_client.contract import Answer, DeadLetter, Worker
 
 from d3stream import __version__
@@ -65,6 +64,9 @@ from d3stream.runtime.cpu_threads import release_idle_teams
 from d3stream.service.fetch_handler import FetchHandler
 from d3stream.service.hosting import ModelHosting, served_models
 from d3stream.settings import Settings
+
+if TYPE_CHECKING:
+    from d3stream.kafka.connection import AIOKafkaConsumer
 
 __all__ = ["OffsetTracker", "Service", "answer_identity", "default_token_budget", "provenance_digest"]
 

@@ -227,10 +227,10 @@ class KafkaBroker(_LocalServer):
             return False
 
         async def probe() -> bool:
-            from aiokafka.admin import AIOKafkaAdminClient
+            from d3stream.kafka.connection import raw_client
 
-            admin = AIOKafkaAdminClient(
-                bootstrap_servers=self.bootstrap_servers, request_timeout_ms=5000, **self.client_options
+            admin = raw_client(
+                "admin", bootstrap_servers=self.bootstrap_servers, request_timeout_ms=5000, **self.client_options
             )
             try:
                 await admin.start()
@@ -277,11 +277,13 @@ class KafkaBroker(_LocalServer):
         exist_ok: bool = False,
     ) -> None:
         """Async form of :meth:`create_topic`."""
-        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+        from aiokafka.admin.new_topic import NewTopic
         from aiokafka.errors import for_code
 
+        from d3stream.kafka.connection import raw_client
+
         count = partitions or self.partitions
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, **self.client_options)
+        admin = raw_client("admin", bootstrap_servers=self.bootstrap_servers, **self.client_options)
         await admin.start()
         try:
             response = await _once_a_controller_is_known(lambda: admin.create_topics(

@@ -24,8 +24,9 @@ import structlog
 from d3stream_client.contract import Label
 
 if TYPE_CHECKING:
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import TopicPartition
 
+    from d3stream.kafka.connection import AIOKafkaConsumer
     from d3stream.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -225,10 +226,11 @@ async def read_topic(
     or its end offset at the time of the call, so it terminates on a live topic; records of one
     partition come in offset order (the records of one key share a partition).
     """
-    from aiokafka import AIOKafkaConsumer
     from aiokafka.errors import KafkaError
 
-    consumer = AIOKafkaConsumer(**{
+    from d3stream.kafka.connection import raw_client
+
+    consumer = raw_client("consumer", **{
         "bootstrap_servers": bootstrap_servers,
         "group_id": None,
         "enable_auto_commit": False,

@@ -1,6 +1,7 @@
 """Kafka connection settings without a broker (d3stream/kafka/connection.py): Kafka options reach the clients that
-take them and unknown keys are refused, settings that cannot work are refused by name, a client key that does
-not load names ``ssl_key_password``, and the token sources (``module:callable``, AWS MSK IAM). On a secured
+take them and unknown keys are refused, every client is made from the settings by the factories there,
+settings that cannot work are refused by name, a client key that does not load names ``ssl_key_password``,
+and the token sources (``module:callable``, AWS MSK IAM). On a secured
 broker: tests/integration/test_security.py."""
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import pytest
 from d3stream.kafka.connection import (
     check_connection,
     client_options,
+    kafka_admin,
+    kafka_consumer,
+    kafka_producer,
     parse_kafka_options,
+    raw_client,
     security_options,
     token_provider,
 )
@@ -49,6 +54,35 @@ def test_kafka_options_reach_the_clients_that_take_them_and_unknown_keys_are_ref
         parse_kafka_options(["request_timeout_ms=soon"])
     with pytest.raises(ValueError, match="kafka_options"):  # refused as the command starts: exit 2 before work
         check_connection(load_settings({"kafka_options": ["no_such_option=1"]}, environ={}).connection)
+
+
+def test_the_client_factories_make_each_client_with_the_connection_settings_or_as_given(monkeypatch):
+    import aiokafka.admin
+    import aiokafka.consumer
+    import aiokafka.producer
+
+    made: list[tuple[str, tuple[object, ...], dict[str, object]]] = []
+    for module, name in [(aiokafka.consumer, "AIOKafkaConsumer"), (aiokafka.producer, "AIOKafkaProducer"),
+                         (aiokafka.admin, "AIOKafkaAdminClient")]:
+        monkeypatch.setattr(module, name, lambda *args, name=name, **kwargs: made.append((name, args, kwargs)))
+    connection = load_settings({"bootstrap_servers": "broker:9093", "kafka_options": ["request_timeout_ms=30000"]},
+                               environ={}).connection
+
+    kafka_consumer(connection, "requests", group_id="g")
+    kafka_producer(connection, linger_ms=2)
+    kafka_admin(connection, client_id="c")
+    raw_client("consumer", "answers", bootstrap_servers="elsewhere:9092", group_id=None)
+    raw_client("producer", bootstrap_servers="elsewhere:9092", acks=1)
+    assert made == [
+        ("AIOKafkaConsumer", ("requests",), client_options(connection, "consumer", group_id="g")),
+        ("AIOKafkaProducer", (), client_options(connection, "producer", linger_ms=2)),
+        ("AIOKafkaAdminClient", (), client_options(connection, "admin", client_id="c")),
+        ("AIOKafkaConsumer", ("answers",), {"bootstrap_servers": "elsewhere:9092", "group_id": None}),
+        ("AIOKafkaProducer", (), {"bootstrap_servers": "elsewhere:9092", "acks": 1}),
+    ]
+    assert made[0][2]["bootstrap_servers"] == "broker:9093" and made[0][2]["request_timeout_ms"] == 30000
+    with pytest.raises(TypeError, match="takes no topics"):
+        raw_client("producer", "requests")  # type: ignore[call-overload]
 
 
 def test_connection_settings_that_cannot_work_are_refused_by_name():
