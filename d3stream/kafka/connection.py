@@ -11,7 +11,10 @@ parameters aiokafka's constructors take.
 This module is the only one that constructs aiokafka clients (:func:`kafka_consumer`, :func:`kafka_producer`,
 :func:`kafka_admin` with the connection settings; :func:`raw_client` with keyword arguments as given, for a
 benchmark's plain aiokafka baseline or the embedded broker's probe). Elsewhere the classes are types only,
-imported from here under ``TYPE_CHECKING``.
+imported from here under ``TYPE_CHECKING``. ``make lint`` holds the rest of d3stream to it: the import-linter
+contract "Only d3stream.kafka.connection makes Kafka clients" forbids importing the modules that define or
+re-export the client classes (``aiokafka.consumer``, ``aiokafka.producer``, ``aiokafka.admin``,
+``aiokafka.client``), and ruff's banned-api rule (TID251) the classes' names by any path.
 
 A connection that fails is diagnosed once more by :func:`explain_failure`: aiokafka reports only "Unable
 to bootstrap" when every broker refused, so one direct connection to the first bootstrap server finds the
