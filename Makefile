@@ -7,7 +7,8 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 # make test runs the suite on this many pytest-xdist workers (each starts its own Kafka broker and S3 store).
 # Three on two cores: the scenarios wait on worker processes, rebalances and timeouts, and a third worker fills
-# that time (measured on the 2-core machine: 2 workers 754 s, 3 workers 571 s, 4 workers 632 s).
+# that time (measured on the 2-core machine: 2 workers 754 s, 3 workers 571 s, 4 workers 632 s). A module whose own
+# models take a minute to load marks itself with an xdist_group, and --dist loadgroup keeps it on one worker.
 TEST_WORKERS ?= 3
 # mypy's cache outside the checkout: another checkout on the same machine (CI's fresh clone) starts warm, 1 s
 # instead of 37. mypy compares each cached module's hash with its source, so a stale entry is checked again.
@@ -31,13 +32,13 @@ demo: $(STAMP)
 	$(VENV)/bin/d3stream demo
 
 test: lint
-	D3STREAM_REQUIRE_INFRA=1 $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
+	D3STREAM_REQUIRE_INFRA=1 $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The quick loop (tests/conftest.py says what each folder and marker means): tests/unit, the tests that need no
 # JVM (no Kafka broker or S3 store) and start no other Python process, less the slow ones (training, extra
 # models, fuzzing through a model).
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) tests/unit -m "not slow"
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests/unit -m "not slow"
 
 # The docs site (mkdocs.yml) is built --strict: a dead link or anchor, or a page missing from the nav, fails
 # (not --quiet, which hides the warnings --strict counts).

@@ -37,6 +37,10 @@ TRICKY = [
     "don't WE'LL it's <|im_start|>user\nhi<|im_end|>\n<think>\n\n</think>\n\n",
 ]
 
+# Its backbones load once per pytest worker that runs one of its tests: `make test` keeps the module on one worker
+# (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("built-backbones")
+
 
 def vision_tensor_names(root: Path) -> list[str]:
     """What the runtime's vision_weights_present looks for."""

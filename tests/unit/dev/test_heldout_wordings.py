@@ -21,6 +21,10 @@ from tests.unit.dev.heldout_tickets import readme_examples, showcase_tickets, wo
 ACCURACY_FLOOR = 0.85
 PER_QUESTION_FLOOR = {"team": 0.75, "refund": 0.8, "urgency": 0.75}
 
+# The trained demo model loads once per pytest worker that runs a test of it: `make test` keeps the modules that
+# judge it on one worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("demo-trained")
+
 
 def _decisions(model: object, examples: list[tasks.Example]) -> dict[tuple[str, str], bool]:
     """Whether each question of each example is answered as labelled: the most probable choice, p(true) above

@@ -29,6 +29,10 @@ ACCURACY_MARGIN = 0.5
 # refund 0.98, urgency 0.95, red_square 0.9).
 PER_QUESTION_ACCURACY = {"team": 0.85, "refund": 0.85, "urgency": 0.8, "red_square": 0.75}
 
+# The trained demo model loads once per pytest worker that runs a test of it: `make test` keeps the modules that
+# judge it on one worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("demo-trained")
+
 
 @pytest.fixture(scope="module")
 def heldout_report(demo_trained_model, demo_random_model, tmp_path_factory) -> compare.Report:

@@ -56,6 +56,10 @@ IMAGE_C = noise_image(96, 96, 3)
 CLIP_A = frames_array(8, 96, 64, seed=1)
 CLIP_B = frames_array(5, 64, 64, seed=2)
 
+# The module's reference and variant models load once per pytest worker that runs one of its tests (a minute and a
+# half of set-up in all): `make test` keeps the module on one worker (--dist loadgroup).
+pytestmark = pytest.mark.xdist_group("runtime-models")
+
 
 # -------------------------------------------------------------------------------------------- helpers
 

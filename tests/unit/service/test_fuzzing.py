@@ -1,5 +1,6 @@
 """Hostile input, fuzzed (hypothesis, 1,050 examples in all): random bytes, invalid UTF-8, deep nesting, huge
-strings and arrays, NaN/Infinity, wrong types, unknown fields, 300 options, duplicate keys, 10 MB states.
+strings and arrays, NaN/Infinity, wrong types, unknown fields, 300 options, duplicate keys, 10 MB records, 2 MB
+states.
 
 Every input ends as a ``Request`` or an ``EventError`` with an error code (``decode_request``); as a prepared
 request or a ``ValueError`` (``decode_request`` + ``model.prepare``); and, through the service's own per-record
@@ -43,6 +44,9 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )
 TEN_MB = 10 * 1024 * 1024
+# Eight times max_request_bytes' default, and 420,000 prompt tokens (max_request_tokens: 262,144): past every limit
+# a state can meet, at a fifth of the tokenizing that ten megabytes took.
+TWO_MB = 2 * 1024 * 1024
 
 
 # ========================================================================================= strategies
@@ -303,8 +307,8 @@ def test_decode_and_prepare_end_as_a_prepared_request_or_a_value_error(limited_t
 
 
 @pytest.mark.slow  # thousands of fuzzed records, or megabytes, through a model
-def test_ten_megabyte_state_is_refused_unread_or_per_question_without_truncation(limited_text_model, monkeypatch):
-    wire = json.dumps({"id": "ten-mb", "state": "word " * (TEN_MB // 5), "questions": {"a": Q_NOUL}}).encode()
+def test_a_two_megabyte_state_is_refused_unread_or_per_question_without_truncation(limited_text_model, monkeypatch):
+    wire = json.dumps({"id": "two-mb", "state": "word " * (TWO_MB // 5), "questions": {"a": Q_NOUL}}).encode()
     with pytest.raises(EventError, match="max_request_bytes"):  # the service's default: never parsed
         decode_request(wire)
     request = decode_request(wire, limits=RequestLimits(bytes=None))
