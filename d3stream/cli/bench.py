@@ -11,6 +11,7 @@
     d3stream bench stream [N]        an operator's stream through d3stream against aiokafka + system_one
     d3stream bench scheduling [S]    priority lanes, deadlines and tenant quotas over the pipeline
     d3stream bench too-large [N]     one request of N questions whose answer is too large for its topic
+    d3stream bench host              the worker's host path with a stand-in backbone: CPU per question by stage
 
 Each prints its table (``--json``: one JSON object; ``--out FILE`` keeps it). Figures and their history:
 docs/MEASUREMENTS.md; what each measures: bench/README.md.
@@ -254,6 +255,56 @@ def _too_large(args: argparse.Namespace) -> Outcome:
     return report, too_large_markdown(report).rstrip("\n")
 
 
+def _host_arguments(parser: argparse.ArgumentParser) -> None:
+    from d3stream.benchmarks.bench_host import DEFAULT_REQUESTS, GPU_BATCH_TOKENS, WORKLOADS
+
+    defaults = ", ".join(f"{name} {count:,}" for name, count in DEFAULT_REQUESTS.items())
+    parser.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all",
+                        help="small: text-only small requests; shared: long shared states; images: a mix with images")
+    parser.add_argument("--requests", type=int, default=None, help=f"requests per workload (default: {defaults})")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the default request counts")
+    parser.add_argument("--delivery", choices=("exactly_once", "at_least_once", "both"), default="both")
+    parser.add_argument("--format", choices=("json", "avro", "both"), default="both",
+                        help="requests and answers as JSON, or as Avro through the embedded Schema Registry")
+    parser.add_argument("--device-ms", type=float, default=0.0,
+                        help="device time of each backbone call, spent sleeping (0: hidden states at once)")
+    parser.add_argument("--device-tokens-per-s", type=float, default=0.0, metavar="RATE",
+                        help="also sleep each call's padded tokens at this rate (250000: an H100 on the 0.8B "
+                        "backbone; 0: off)")
+    parser.add_argument("--max-batch-tokens", type=int, default=GPU_BATCH_TOKENS,
+                        help="padded tokens per pass (default: the worker's GPU default)")
+    parser.add_argument("--rounds", type=int, default=1, help="measured runs of each configuration, in turn")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="skip the unmeasured run per workload and format")
+    _common(parser)
+
+
+def _host(args: argparse.Namespace) -> Outcome:
+    from d3stream.benchmarks.bench_host import (
+        DEFAULT_REQUESTS,
+        DELIVERIES,
+        FORMATS,
+        WORKLOADS,
+        host_bench,
+        host_markdown,
+    )
+
+    workloads = tuple(WORKLOADS) if args.workload == "all" else (args.workload,)
+    deliveries = DELIVERIES if args.delivery == "both" else (args.delivery,)
+    formats = FORMATS if args.format == "both" else (args.format,)
+    requests = {name: args.requests or max(1, round(DEFAULT_REQUESTS[name] * args.scale)) for name in workloads}
+    runs = len(workloads) * len(formats) * (len(deliveries) * args.rounds + (1 if args.warm_up else 0))
+    checkpoint = _checkpoint(args)
+    with _bar(args, runs, "host", "run") as bar:
+        report = host_bench(checkpoint, workloads=workloads, deliveries=deliveries, formats=formats,
+                            requests=requests, device_ms=args.device_ms, device_tokens_per_s=args.device_tokens_per_s,
+                            rounds=args.rounds, seed=args.seed, threads=args.threads or 1,
+                            max_batch_tokens=args.max_batch_tokens, warm_up=args.warm_up, progress=_stepper(bar))
+        bar.update(bar.total - bar.n)
+    return report, host_markdown(report)
+
+
 def _counted(default: float, what: str, kind: type[int] | type[float] = int,
              **common: bool) -> Callable[[argparse.ArgumentParser], None]:
     def add(parser: argparse.ArgumentParser) -> None:
@@ -290,6 +341,9 @@ BENCHMARKS = (
     Benchmark("too-large", "one request of N questions whose answer is over the answer topic's limit, through the "
               "pipeline (no broker): seconds to its answer_too_large answer, the model's share of them, and what "
               "sizing the answer costs in JSON and Avro", _counted(12_000, "questions in the request"), _too_large),
+    Benchmark("host", "the worker's real host path (Kafka, checks, media, prompts and tokenizing, packing, readout, "
+              "answers, framing) with a stand-in for the backbone's forward: CPU per question by stage, the "
+              "stand-in's busy share and the rate an H100 would need (docs/GPU.md)", _host_arguments, _host),
 )
 
 

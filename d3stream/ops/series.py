@@ -484,7 +484,7 @@ class InputSeries:
             f"{PREFIX}_prefix_requests",
             "Requests with two or more questions by how they ran: 'shared' (the prompt prefix once, each "
             "question's tail on its cached state) or the reason they ran as full prompts (disabled, "
-            "tokenization_boundary, ...).",
+            "media_in_suffix, ...).",
             ["path"],
             registry=registry,
         )

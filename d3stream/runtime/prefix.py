@@ -2,10 +2,11 @@
 
 Every question of a request renders the same prompt up to the end of the state (system turn, images and
 videos, ``State:`` block: ``format.py``), and only the tail (``\\n\\nQuestion: ...``, the options, the
-assistant header) differs. With a **causal** checkpoint the hidden states of that prefix do not depend on
-what follows, so it can run once per request: the prefix pass keeps the backbone's cache (the key/value
-cache of the full-attention layers and the convolution and recurrent states of the Gated DeltaNet layers,
-both carried by transformers' ``DynamicCache``), and each question's suffix then runs on that cache.
+assistant header) differs. The token ids every question's prompt starts with are the request's shared
+prefix. With a **causal** checkpoint the hidden states of that prefix do not depend on what follows, so it
+can run once per request: the prefix pass keeps the backbone's cache (the key/value cache of the
+full-attention layers and the convolution and recurrent states of the Gated DeltaNet layers, both carried
+by transformers' ``DynamicCache``), and each question's suffix then runs on that cache.
 
 Batching. Prefix passes pack the prefixes of many requests (left-padded, exactly as ``D3.forward`` pads
 full prompts). Suffix passes pack suffix rows **across requests**: the cached prefix states of the rows of
@@ -20,10 +21,12 @@ Safety:
 
 * ``noncausal_full_attention`` checkpoints are refused (``PrefixReuseUnavailable``): there the prefix reads
   the question, so it cannot be shared.
-* Tokenization boundary: the prompt text is split at ``\\n\\nQuestion:`` and the prefix text tokenized on
-  its own; the request is served from a shared prefix only when those ids (media placeholders expanded)
-  are a true prefix of **every** row's ids. Otherwise (a BPE merge across the split, a custom format that
-  renders differently, media tokens after the split) that request runs with full prompts.
+* The split is taken from the rows' own token ids (media placeholders expanded), never from text: the
+  longest run every row starts with, one token short of the shortest row. Whatever the tokenizer merges
+  across the question header, the rows share exactly those tokens at exactly those positions, so a prefix
+  pass over them leaves the states each row's full prompt would have there. A request whose rows carry
+  different media, whose media placeholders lie beyond the shared ids or whose media positions differ over
+  them runs with full prompts.
 * Exact replay: with ``verify_every=N`` every Nth question served from a prefix is also run from scratch;
   ``max |Δp|`` of each check goes to ``on_check`` and ``report()``. A check above ``tolerance`` is logged,
   the questions of that round are answered again from full prompts, and (``sticky``, the default) the
@@ -50,7 +53,6 @@ from d3stream.runtime.rows import Prepared, Row
 
 log = structlog.get_logger(__name__)
 
-QUESTION_HEADER = "\n\nQuestion:"
 DEFAULT_TOLERANCE = 1e-2
 # Prefix tokens whose cached states one round may hold at once (then the next round starts).
 DEFAULT_ROUND_TOKENS = 65_536
@@ -376,9 +378,9 @@ class PrefixRunner:
         """What to merge into the model's provenance record when the runner serves answers."""
         return {
             "shared_prefix_reuse": {
-                "split": QUESTION_HEADER,
-                "policy": "the prompt prefix up to the question header runs once per request when its token ids "
-                "are a true prefix of every question's ids; each question's suffix runs on its cached states "
+                "split": "the longest run of token ids every question's prompt starts with",
+                "policy": "the token ids every question's prompt of a request starts with (at least the prompt up "
+                "to the question header) run once per request; each question's suffix runs on its cached states "
                 "(full-attention key/value cache, Gated DeltaNet convolution and recurrent states); causal "
                 "checkpoints only",
                 "min_rows": self.min_rows,
@@ -395,43 +397,47 @@ class _NoPlan(Exception):
 
 
 def split_at_question(model: D3, prepared: Prepared, rows: list[Row]) -> Plan:
-    """``prepared`` split at the question header into one shared prefix and a suffix per row; ``_NoPlan``
-    names why it cannot be (then its rows run as full prompts)."""
+    """``prepared`` split into one shared prefix and a suffix per row; ``_NoPlan`` names why it cannot be (then
+    its rows run as full prompts).
+
+    The prefix is the longest run of token ids every row starts with, one token short of the shortest row so
+    every suffix has one. Every question renders the same prompt up to its question header, so that is at
+    least the system turn, the media and the state. Taken from the rows' own ids it needs no tokenizer call
+    and no text (tokenizing the prefix text again cost as much as a fifth of preparing a small request), and it
+    is exact whatever the tokenizer does at the split: a causal model's states over those positions depend on
+    those tokens alone."""
     import torch
 
-    texts: list[str] = []
-    for row in rows:
-        if row.text is None:
-            raise _NoPlan("no_prompt_text")
-        texts.append(row.text)
-    cut = texts[0].find(QUESTION_HEADER)
-    if cut <= 0:
-        raise _NoPlan("no_question_header")
-    text = texts[0][:cut]
-    if any(not row_text.startswith(text) for row_text in texts):
-        raise _NoPlan("prefix_text_differs")
-    ids = list(model.tokenizer(text, add_special_tokens=False)["input_ids"])
     media = rows[0].media
     if any(row.media is not media for row in rows):
         raise _NoPlan("media_differs")
-    if media is not None:
-        ids = model.media.expand(ids, media)
-    length = len(ids)
+    first = rows[0].ids
+    length = min(row.length for row in rows) - 1  # every suffix keeps a token of its own
+    for row in rows[1:]:
+        length = _shared_length(first, row.ids, length)
+    if length < 1:
+        raise _NoPlan("no_shared_prefix")
     vocabulary = model.checkpoint.vocabulary
     visual = {token for token in (vocabulary.image_token_id, vocabulary.video_token_id) if token is not None}
-    for row in rows:
-        if row.length <= length:
-            raise _NoPlan("empty_suffix")
-        if row.ids[:length] != ids:
-            raise _NoPlan("tokenization_boundary")
-        if visual and any(token in visual for token in row.ids[length:]):
-            raise _NoPlan("media_in_suffix")
+    if visual and any(not visual.isdisjoint(row.ids[length:]) for row in rows):
+        raise _NoPlan("media_in_suffix")
     positions = None
     if rows[0].positions is not None:
         positions = rows[0].positions[:, :length]
         if any(row.positions is None or not torch.equal(row.positions[:, :length], positions) for row in rows):
             raise _NoPlan("positions_differ")
-    return Plan(prepared, ids, positions, media, rows)
+    return Plan(prepared, first[:length], positions, media, rows)
+
+
+def _shared_length(first: list[int], ids: list[int], limit: int) -> int:
+    """How many leading ids ``ids`` shares with ``first``, at most ``limit``: compared a slice at a time (in C),
+    then id by id in the slice that differs."""
+    step = 64
+    for start in range(0, limit, step):
+        end = min(start + step, limit)
+        if ids[start:end] != first[start:end]:
+            return next(n for n in range(start, end) if ids[n] != first[n])
+    return limit
 
 
 def reuse_probabilities(

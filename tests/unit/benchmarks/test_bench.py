@@ -107,12 +107,17 @@ def test_every_benchmark_is_a_subcommand_of_bench():
     assert args.run is bench_command.COMMAND.run and args.workload == "long-state" and args.calibrate
     assert {b.name for b in bench_command.BENCHMARKS} == {
         "workloads", "kafka", "soak", "soak-images", "evaluate", "evaluate-volume", "ask", "head-of-line", "stream",
-        "scheduling", "too-large"}
+        "scheduling", "too-large", "host"}
     assert parser.parse_args(["bench", "kafka"]).count == 20_000
     assert parser.parse_args(["bench", "soak-images", "5", "--json"]).count == 5
     assert parser.parse_args(["bench", "scheduling", "2.5"]).count == 2.5
     assert parser.parse_args(["bench", "too-large"]).count == 12_000
     assert parser.parse_args(["bench", "stream", "100", "--images", "3"]).images == 3
+    host = parser.parse_args(["bench", "host", "--workload", "shared", "--delivery", "at_least_once", "--format",
+                              "avro", "--device-ms", "20", "--json"])
+    assert (host.workload, host.delivery, host.format, host.device_ms, host.json) == (
+        "shared", "at_least_once", "avro", 20.0, True)
+    assert parser.parse_args(["bench", "host"]).max_batch_tokens == 16_384
     with pytest.raises(SystemExit):  # the old "instead" flags are gone
         parser.parse_args(["bench", "--kafka"])
 

@@ -157,27 +157,43 @@ def test_refuses_noncausal_checkpoints(qwen35_noncausal_model):
         PrefixRunner(qwen35_noncausal_model)
 
 
-def test_tokenization_boundary_mismatch_falls_back(qwen35_text_model, monkeypatch):
+def test_prefix_is_the_rows_shared_ids_whatever_the_tokenizer_merges(qwen35_text_model, monkeypatch):
+    """A state whose tail BPE merges with the question header's newlines ("\\t\\n\\n" is one token) is served from a
+    shared prefix too: the prefix is cut from the rows' own ids, not from tokenizing the prefix text, so planning
+    makes no tokenizer call and answers stay those of the full prompts."""
     model = qwen35_text_model
-    # A format that keeps the state's trailing tab: BPE merges "\t" with the "\n\n" after it ("ĉĊĊ"), so the
-    # prefix tokenized alone is not a prefix of the full prompt's tokens.
+    # A format that keeps the state's trailing tab: tokenized alone, the text before the question header would
+    # end in another token than the full prompts have there.
     monkeypatch.setattr(model.contract, "describe",
                         lambda value: "" if value is None else value if isinstance(value, str) else json.dumps(value))
-    broken = model.prepare("A state that ends with a tab\t", QUESTIONS)
+    merged = model.prepare("A state that ends with a tab\t", QUESTIONS)
     fine = model.prepare("A state that ends with a full stop.", QUESTIONS)
     seen = []
-    runner = PrefixRunner(model, on_fallback=lambda reason, prepared: seen.append((reason, prepared)))
-    assert runner.plan(broken) is None
-    assert runner.plan(fine) is not None
-    out = runner.run([broken, fine])
-    assert [reason for reason, _ in seen] == ["tokenization_boundary", "tokenization_boundary"]
-    assert seen[0][1] is broken
+    runner = PrefixRunner(model, on_fallback=lambda reason, prepared: seen.append(reason))
+    calls = []
+    tokenizer = model.tokenizer
+    monkeypatch.setattr(model.checkpoint, "tokenizer", lambda *a, **k: calls.append(a) or tokenizer(*a, **k))
+    plans = [runner.plan(merged), runner.plan(fine)]
+    assert calls == [] and seen == []
+    for plan, prepared in zip(plans, (merged, fine), strict=True):
+        assert plan is not None and all(row.ids[: plan.length] == plan.ids for row in prepared.rows)
+        # the longest shared run: the rows part at the first token that differs, each keeps a suffix
+        assert len({row.ids[plan.length] for row in prepared.rows}) > 1
+    monkeypatch.setattr(model.checkpoint, "tokenizer", tokenizer)
+    out = runner.run([merged, fine])
     report = runner.report()
-    assert report["fallbacks"] == {"tokenization_boundary": 2}
-    assert report["requests_full"] == 1 and report["requests_reused"] == 1
-    # The fallen-back request is answered from its full prompts.
-    assert max_delta(out, model.run(broken), broken.rows) <= TOL
+    assert report["requests_reused"] == 2 and not report["fallbacks"]
+    assert max_delta(out, model.run(merged), merged.rows) <= TOL
     assert max_delta(out, model.run(fine), fine.rows) <= TOL
+
+
+def test_identical_questions_keep_a_token_of_their_own(qwen35_text_model):
+    model = qwen35_text_model
+    prepared = model.prepare("The corridor is blocked.", {"a": STOP, "b": STOP})
+    plan = PrefixRunner(model).plan(prepared)
+    assert plan is not None and plan.length == prepared.rows[0].length - 1
+    out = PrefixRunner(model).run([prepared])
+    assert max_delta(out, model.run(prepared), prepared.rows) <= TOL
 
 
 def test_verify_every_reports_delta(qwen35_text_model):
