@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
 
 from d3stream.runtime import D3
-from d3stream.settings import DeliveryMode, Settings
+from d3stream.settings import DeliveryName, Settings
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +77,7 @@ WORKLOAD_TEXT: dict[Workload, str] = {
 DEFAULT_REQUESTS: dict[Workload, int] = {"small": 2000, "shared": 60, "images": 300}
 Format = Literal["json", "avro"]
 FORMATS: tuple[Format, ...] = ("json", "avro")
-DELIVERIES: tuple[DeliveryMode, ...] = ("exactly_once", "at_least_once")
+DELIVERIES: tuple[DeliveryName, ...] = ("exactly_once", "at_least_once")
 
 # Thread-name prefixes of the worker (service.py and core/) and the stage each one's CPU is reported under.
 THREAD_STAGES = (
@@ -408,10 +408,12 @@ async def _children_settled(servers: Mapping[str, int], *, quiet_s: float = 0.3,
 async def published_values(bootstrap: str, topic: str, settle_s: float = 30.0) -> list[bytes]:
     """Every committed record value of ``topic`` up to its end (``chaos.count_topic`` without the JSON: Avro
     answers count too)."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import TopicPartition
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                                isolation_level="read_committed", auto_offset_reset="earliest")
+    from d3stream.kafka.connection import raw_client
+
+    consumer = raw_client("consumer", bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                          isolation_level="read_committed", auto_offset_reset="earliest")
     await consumer.start()
     try:
         await consumer._client.force_metadata_update()  # noqa: SLF001 - a fresh client knows no topics yet
@@ -632,7 +634,7 @@ def _records(workload: Workload, count: int, seed: int, model: D3,
     return stream_records(requests, uris, with_images=True), sum(len(request.questions) for request in requests)
 
 
-def _settings(stack: LocalStack, source: str, prefix: str, mode: DeliveryMode, format: Format, *,
+def _settings(stack: LocalStack, source: str, prefix: str, mode: DeliveryName, format: Format, *,
               threads: int, max_batch_tokens: int) -> tuple[Settings, str]:
     """A worker's settings for one run (its own answer topics and group) and its answer topic."""
     from d3stream.benchmarks.bench_stream import BUCKET
@@ -661,7 +663,7 @@ def _servers(stack: LocalStack) -> dict[str, int]:
 
 
 def host_bench(checkpoint: Path, *, workloads: Sequence[Workload] = tuple(WORKLOADS),
-               deliveries: Sequence[DeliveryMode] = DELIVERIES, formats: Sequence[Format] = ("json",),
+               deliveries: Sequence[DeliveryName] = DELIVERIES, formats: Sequence[Format] = ("json",),
                requests: Mapping[Workload, int] | None = None, device_ms: float = 0.0,
                device_tokens_per_s: float = 0.0, rounds: int = 1, seed: int = 0, threads: int = 1,
                max_batch_tokens: int = GPU_BATCH_TOKENS, warm_up: bool = True, stack: LocalStack | None = None,
