@@ -97,19 +97,25 @@ def build_stream(requests: int, fuzzed: int, seed: int, image_uri: str | None) -
 # ------------------------------------------------------------------------------------------- workers
 
 
+# What a worker process runs after the interpreter: the production worker.
+SERVE = ("-m", "d3stream", "serve")
+
+
 @dataclass
 class WorkerProcess:
-    """One ``d3stream serve`` process, restartable."""
+    """One worker process, restartable: ``d3stream serve``, or another entry point (``arguments``, after the
+    interpreter; bench fleet's runs a stand-in model)."""
 
     env: dict[str, str]
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    arguments: tuple[str, ...] = SERVE
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child process
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "d3stream", "serve"], env=self.env, stdout=log, stderr=log,
+            [sys.executable, *self.arguments], env=self.env, stdout=log, stderr=log,
             stdin=subprocess.DEVNULL,
         )
         log.close()
