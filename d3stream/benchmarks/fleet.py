@@ -17,8 +17,8 @@ answers a stream that is always ahead of it, through this timeline:
    counted (``read_committed``).
 
 An event runs from its first stop or start until the group has *settled*: every running worker up and joined,
-all partitions owned, every worker on one generation, and so for ``STABLE_S`` (the settling is dated from the
-start of that run, like scaleout.py's). Throughput is committed answers per second, read off the answer topic
+all partitions owned, every worker on one generation, and so for ``stable_s`` (2 s: a rebalance under way may
+not show in the workers' gauges at once; the settling is dated from the start of that run, like scaleout.py's). Throughput is committed answers per second, read off the answer topic
 by a ``read_committed`` consumer as they become visible (in ``exactly_once`` at each commit, every
 ``commit_interval_ms``). Each event's ratio is its throughput over a steady one's: the rolling restart's over
 the steady throughput of all the workers, a scale event's over that of ``scale_from`` workers -- the capacity
@@ -79,8 +79,6 @@ if TYPE_CHECKING:
     from d3stream.dev.infra import KafkaBroker
     from d3stream.settings import DeliveryMode
 
-# The group is settled when it has looked settled for this long (a rebalance under way may not show yet).
-STABLE_S = 2.0
 # How often the workers' endpoints are read while an event runs.
 POLL_S = 0.25
 # Most requests the producer sends before it looks at the backlog again.
@@ -193,10 +191,10 @@ def generation(members: list[FleetMember]) -> int:
     return int(max(((m.latest or {}).get("d3stream_group_generation", 0) for m in members), default=0))
 
 
-async def settle(members: list[FleetMember], partitions: int, timeout_s: float,
+async def settle(members: list[FleetMember], partitions: int, timeout_s: float, stable_s: float,
                  joined_at: dict[str, float] | None = None) -> float:
     """When (monotonic) the group began to be settled with ``members`` running, once it has stayed so for
-    ``STABLE_S``. ``joined_at`` gets, for a member not in it yet, when it was first seen joined."""
+    ``stable_s``. ``joined_at`` gets, for a member not in it yet, when it was first seen joined."""
     started = time.monotonic()
     settled_since: float | None = None
     last: tuple[float | None, ...] | None = None
@@ -214,7 +212,7 @@ async def settle(members: list[FleetMember], partitions: int, timeout_s: float,
             if state != last:
                 settled_since, last = now, state
             assert settled_since is not None
-            if now - settled_since >= STABLE_S:
+            if now - settled_since >= stable_s:
                 return settled_since
         else:
             settled_since, last = None, None
@@ -473,8 +471,7 @@ async def _terminate(members: list[FleetMember], timeout_s: float) -> list[int |
     return list(await asyncio.gather(*(asyncio.to_thread(m.process.terminate, timeout_s) for m in members)))
 
 
-async def _rolling_restart(members: list[FleetMember], partitions: int, settle_timeout_s: float,
-                           stop_timeout_s: float) -> tuple[list[Restart], float]:
+async def _rolling_restart(members: list[FleetMember], shape: FleetShape) -> tuple[list[Restart], float]:
     """Each member in turn: SIGTERM, wait for its exit, start it again, wait for the group to settle. The
     restarts, and when the group had settled after the last."""
     restarts: list[Restart] = []
@@ -482,13 +479,13 @@ async def _rolling_restart(members: list[FleetMember], partitions: int, settle_t
     for member in members:
         await asyncio.to_thread(observe_all, members)  # its counters, before its process goes
         stopping = time.monotonic()
-        code = await asyncio.to_thread(member.process.terminate, stop_timeout_s)
+        code = await asyncio.to_thread(member.process.terminate, shape.settle_timeout_s)
         if code != 0:
             raise RuntimeError(f"{member.name} exited {code} on SIGTERM; see {member.process.log_path}")
         starting = time.monotonic()
         member.process.start()
         joined_at: dict[str, float] = {}
-        settled = await settle(members, partitions, settle_timeout_s, joined_at)
+        settled = await settle(members, shape.partitions, shape.settle_timeout_s, shape.stable_s, joined_at)
         restarts.append({"worker": member.name, "stop_s": round(starting - stopping, 2),
                          "start_s": round(joined_at.get(member.name, settled) - starting, 2),
                          "settled_s": round(settled - starting, 2)})
@@ -520,6 +517,7 @@ class FleetShape:
     session_timeout_ms: int = 10_000
     commit_interval_ms: int = 500
     load_s: float = 0.0
+    stable_s: float = 2.0  # how long the group must look settled to be settled
     settle_timeout_s: float = 120.0
 
     @property
@@ -578,10 +576,10 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
             step(f"starting {len(low)} workers")
             for member in low:
                 member.process.start()
-            await settle(low, shape.partitions, shape.settle_timeout_s)
+            await settle(low, shape.partitions, shape.settle_timeout_s, shape.stable_s)
             publishing = asyncio.create_task(stream.run(stop))
             timeline.started = time.monotonic()
-            await asyncio.sleep(STABLE_S)  # the backlog builds up and the passes fill
+            await asyncio.sleep(shape.stable_s)  # the backlog builds up and the passes fill
             step(f"steady, {len(low)} workers")
             steady_low = await timeline.hold_steady(len(low), shape.steady_s)
             if len(low) < len(everyone):
@@ -590,7 +588,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
                 totals, generation_before, since = _totals(everyone), generation(low), time.monotonic()
                 for member in everyone[len(low):]:
                     member.process.start()
-                until = await settle(everyone, shape.partitions, shape.settle_timeout_s)
+                until = await settle(everyone, shape.partitions, shape.settle_timeout_s, shape.stable_s)
                 timeline.event("scale_up", everyone, before=len(low), after=len(everyone), since=since, until=until,
                                totals=totals, generation_before=generation_before, steady=steady_low)
                 step(f"steady, {len(everyone)} workers")
@@ -600,8 +598,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
             step("rolling restart")
             await asyncio.to_thread(observe_all, everyone)
             totals, generation_before, since = _totals(everyone), generation(everyone), time.monotonic()
-            restarts, until = await _rolling_restart(everyone, shape.partitions, shape.settle_timeout_s,
-                                                     shape.settle_timeout_s)
+            restarts, until = await _rolling_restart(everyone, shape)
             timeline.event("rolling_restart", everyone, before=len(everyone), after=len(everyone), since=since,
                            until=until, totals=totals, generation_before=generation_before, steady=steady_all,
                            restarts=restarts)
@@ -611,7 +608,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
                 totals, generation_before, since = _totals(everyone), generation(everyone), time.monotonic()
                 leaving = everyone[len(low):]
                 codes += await _terminate(leaving, shape.settle_timeout_s)
-                until = await settle(low, shape.partitions, shape.settle_timeout_s)
+                until = await settle(low, shape.partitions, shape.settle_timeout_s, shape.stable_s)
                 timeline.event("scale_down", low, before=len(everyone), after=len(low), since=since, until=until,
                                totals=totals, generation_before=generation_before, steady=steady_low)
             step("draining")
