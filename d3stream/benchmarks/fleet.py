@@ -352,12 +352,13 @@ class Restart(TypedDict):
 
 
 class Steady(TypedDict):
-    """A steady window: the fleet of ``workers`` answering its backlog."""
+    """A steady window: the fleet of ``workers`` answering its backlog (and the rebalances in it: none expected)."""
 
     workers: int
     seconds: float
     answers: int
     answers_per_s: float
+    rebalances: int
 
 
 class Event(TypedDict):
@@ -438,11 +439,14 @@ class Timeline:
         answers = self.answers.between(since, until)
         return answers, round(answers / max(until - since, 1e-9), 1)
 
-    async def hold_steady(self, workers: int, seconds: float) -> Steady:
-        since = time.monotonic()
+    async def hold_steady(self, members: list[FleetMember], seconds: float) -> Steady:
+        await asyncio.to_thread(observe_all, members)
+        generation_before, since = generation(members), time.monotonic()
         await asyncio.sleep(seconds)
         answers, rate = self.rate(since, time.monotonic())
-        steady: Steady = {"workers": workers, "seconds": round(seconds, 1), "answers": answers, "answers_per_s": rate}
+        await asyncio.to_thread(observe_all, members)
+        steady: Steady = {"workers": len(members), "seconds": round(seconds, 1), "answers": answers,
+                          "answers_per_s": rate, "rebalances": generation(members) - generation_before}
         self.steady.append(steady)
         return steady
 
@@ -581,7 +585,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
             timeline.started = time.monotonic()
             await asyncio.sleep(shape.stable_s)  # the backlog builds up and the passes fill
             step(f"steady, {len(low)} workers")
-            steady_low = await timeline.hold_steady(len(low), shape.steady_s)
+            steady_low = await timeline.hold_steady(low, shape.steady_s)
             if len(low) < len(everyone):
                 step(f"scale up {len(low)} -> {len(everyone)}")
                 await asyncio.to_thread(observe_all, low)
@@ -592,7 +596,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
                 timeline.event("scale_up", everyone, before=len(low), after=len(everyone), since=since, until=until,
                                totals=totals, generation_before=generation_before, steady=steady_low)
                 step(f"steady, {len(everyone)} workers")
-                steady_all = await timeline.hold_steady(len(everyone), shape.steady_s)
+                steady_all = await timeline.hold_steady(everyone, shape.steady_s)
             else:
                 steady_all = steady_low
             step("rolling restart")
@@ -669,7 +673,7 @@ def fleet_markdown(report: FleetReport) -> str:
     ]
     for steady in report["steady"]:
         lines.append(f"| steady | {steady['workers']} | {steady['seconds']:g} | {steady['answers_per_s']:,.0f} | "
-                     "1.00 | 0 | |")
+                     f"1.00 | {steady['rebalances']} | |")
     events = report["events"]
     for event in events:
         paused = ", ".join(f"{w['paused_s']:.1f}" for w in event["workers"])

@@ -27,7 +27,7 @@ def test_a_tiny_fleet_answers_every_request_once_through_a_scale_up_a_rolling_re
     report = run(fleet_bench_async(TINY, broker=kafka_broker, folder=tmp_path))
     with capsys.disabled():
         print(f"\n[bench fleet, tiny] {json.dumps(report['events'])}\n{fleet_markdown(report)}")
-    assert [steady["workers"] for steady in report["steady"]] == [1, 2]
+    assert [(steady["workers"], steady["rebalances"]) for steady in report["steady"]] == [(1, 0), (2, 0)]
     events = {event["name"]: event for event in report["events"]}
     assert list(events) == ["scale_up", "rolling_restart", "scale_down"]
     assert [(e["workers_before"], e["workers_after"]) for e in events.values()] == [(1, 2), (2, 2), (2, 1)]
