@@ -406,6 +406,7 @@ class FleetReport(TypedDict):
     exit_codes: list[int | None]
     tracebacks: int
     timeline: list[int]  # answers visible in each second since the stream started
+    load_average: tuple[float, float]  # the machine's 1-minute load average as the run began and as it ended
     logs: str
     seconds: float
 
@@ -569,7 +570,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
     members = fleet_members(env, folder, shape.workers, device_ms=shape.device_ms, load_s=shape.load_s,
                             static=shape.static)
     low, everyone = members[:shape.scale_from], members
-    began = time.monotonic()
+    began, load_before = time.monotonic(), os.getloadavg()[0]
     stop = asyncio.Event()
     codes: list[int | None] = []
     async with AnswerCount(bootstrap, topics["answers"]) as answers:
@@ -627,8 +628,10 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
             codes = await _terminate([m for m in everyone if m.running], shape.settle_timeout_s) + codes
     step("counting")
     counted = await count_topic(bootstrap, topics["answers"])
-    return _report(shape, stream, counted, timeline, codes, folder, since=timeline.started, until=ended,
-                   seconds=time.monotonic() - began, members=everyone)
+    report = _report(shape, stream, counted, timeline, codes, folder, since=timeline.started, until=ended,
+                     seconds=time.monotonic() - began, members=everyone)
+    report["load_average"] = (round(load_before, 1), round(os.getloadavg()[0], 1))
+    return report
 
 
 def _report(shape: FleetShape, stream: BacklogStream, counted: list[dict[str, object]], timeline: Timeline,
@@ -650,7 +653,8 @@ def _report(shape: FleetShape, stream: BacklogStream, counted: list[dict[str, ob
         "repeated": sum(counts[i] - 1 for i in repeated), "lost_ids": lost[:10], "repeated_ids": repeated[:10],
         "errors": sum(1 for answer in counted if answer.get("error")),
         "exit_codes": codes, "tracebacks": logs.count("Traceback"),
-        "timeline": timeline.answers.per_second(since, until), "logs": str(folder), "seconds": round(seconds, 1),
+        "timeline": timeline.answers.per_second(since, until), "load_average": (0.0, 0.0), "logs": str(folder),
+        "seconds": round(seconds, 1),
     }
 
 
@@ -689,7 +693,8 @@ def fleet_markdown(report: FleetReport) -> str:
                                      for r in event["restarts"]) + ".")
     lines.append(f"Requests sent {report['sent']:,}, answered {report['answered']:,}, lost {report['lost']}, "
                  f"repeated {report['repeated']}, error answers {report['errors']}; worker exit codes "
-                 f"{report['exit_codes']}, tracebacks in the logs {report['tracebacks']}; {report['seconds']:g} s in all.")
+                 f"{report['exit_codes']}, tracebacks in the logs {report['tracebacks']}; {report['seconds']:g} s in all; "
+                 f"load average {report['load_average'][0]:g} before, {report['load_average'][1]:g} after.")
     return "\n".join(lines)
 
 
