@@ -18,13 +18,18 @@ answers a stream that is always ahead of it, through this timeline:
 
 An event runs from its first stop or start until the group has *settled*: every running worker up and joined,
 all partitions owned, every worker on one generation, and so for ``stable_s`` (2 s: a rebalance under way may
-not show in the workers' gauges at once; the settling is dated from the start of that run, like scaleout.py's). Throughput is committed answers per second, read off the answer topic
-by a ``read_committed`` consumer as they become visible (in ``exactly_once`` at each commit, every
-``commit_interval_ms``). Each event's ratio is its throughput over a steady one's: the rolling restart's over
-the steady throughput of all the workers, a scale event's over that of ``scale_from`` workers -- the capacity
-the fleet has before a scale-up and after a scale-down, so below 1 means the event cost more than it added. A
-worker's restart takes it away for its stop and start, so even a rebalance that cost nothing would leave a
-rolling restart of N workers at most ``(N - 1) / N`` of steady while one is down; the goal is 0.8.
+not show in the workers' gauges at once; the settling is dated from the start of that run, like scaleout.py's).
+A scale-down does not wait for the stopped processes to exit: its workers are gone for the group once they
+have left it. Throughput is committed answers per second, read off the answer topic by a ``read_committed``
+consumer as they become visible (in ``exactly_once`` at each commit, every ``commit_interval_ms``: an event of
+a few seconds is measured to a commit or two). Each event's ratio is its throughput over a steady one's: the
+rolling restart's over the steady throughput of all the workers, a scale event's over that of ``scale_from``
+workers -- the capacity the fleet has before a scale-up and after a scale-down, so below 1 means the event cost
+more than it added. ``shortfall_s`` says the same in seconds of that steady throughput: ``seconds * (1 -
+ratio)``, comparable between events of different lengths. A worker's restart takes it away for its stop and
+start, so even a rebalance that cost nothing would leave a rolling restart of N workers at ``(N - 1) / N`` of
+steady while one is down (0.75 for 4): the issue's goal of 0.8 needs the fleet at full strength between
+restarts or starts shorter than the settling that follows them.
 
 **Why the stream keeps a backlog**: steady throughput must be the fleet's capacity, not the producer's rate.
 The producer keeps ``backlog`` requests published and not yet answered (default: three seconds of the whole
@@ -373,6 +378,7 @@ class Event(TypedDict):
     answers_per_s: float
     steady_answers_per_s: float  # what the ratio divides by
     ratio: float
+    shortfall_s: float  # seconds of the steady throughput the event cost: seconds * (1 - ratio)
     rebalances: int  # group generations
     workers: list[WorkerFigures]
     restarts: list[Restart]
@@ -455,11 +461,12 @@ class Timeline:
               totals: dict[str, dict[str, float]], generation_before: int, steady: Steady,
               restarts: list[Restart] | None = None) -> Event:
         answers, rate = self.rate(since, until)
+        ratio = rate / steady["answers_per_s"] if steady["answers_per_s"] else 0.0
         figures: Event = {
             "name": name, "workers_before": before, "workers_after": after,
             "started_at_s": round(since - self.started, 1), "seconds": round(until - since, 1),
             "answers": answers, "answers_per_s": rate, "steady_answers_per_s": steady["answers_per_s"],
-            "ratio": round(rate / steady["answers_per_s"], 2) if steady["answers_per_s"] else 0.0,
+            "ratio": round(ratio, 2), "shortfall_s": round((until - since) * (1 - ratio), 1),
             "rebalances": generation(members) - generation_before,
             "workers": event_figures(members, totals), "restarts": restarts or [],
         }
@@ -611,9 +618,11 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
                 step(f"scale down {len(everyone)} -> {len(low)}")
                 await asyncio.to_thread(observe_all, everyone)
                 totals, generation_before, since = _totals(everyone), generation(everyone), time.monotonic()
-                leaving = everyone[len(low):]
-                codes += await _terminate(leaving, shape.settle_timeout_s)
+                # The group has settled once the others own every partition, whether or not the stopped
+                # processes have exited yet.
+                stopping = asyncio.create_task(_terminate(everyone[len(low):], shape.settle_timeout_s))
                 until = await settle(low, shape.partitions, shape.settle_timeout_s, shape.stable_s)
+                codes += await stopping
                 timeline.event("scale_down", low, before=len(everyone), after=len(low), since=since, until=until,
                                totals=totals, generation_before=generation_before, steady=steady_low)
             step("draining")
@@ -672,19 +681,20 @@ def fleet_markdown(report: FleetReport) -> str:
         f"for up to {report['batch_rows']} rows ({report['capacity_per_worker']:,.0f} answers/s per worker); "
         f"backlog {report['backlog']:,} requests:",
         "",
-        "| phase | workers | seconds | answers/s | ÷ steady | rebalances | paused s per worker |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| phase | workers | seconds | answers/s | ÷ steady | shortfall s | rebalances | paused s per worker |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for steady in report["steady"]:
         lines.append(f"| steady | {steady['workers']} | {steady['seconds']:g} | {steady['answers_per_s']:,.0f} | "
-                     f"1.00 | {steady['rebalances']} | |")
+                     f"1.00 | | {steady['rebalances']} | |")
     events = report["events"]
     for event in events:
         paused = ", ".join(f"{w['paused_s']:.1f}" for w in event["workers"])
         workers = (f"{event['workers_before']}" if event["workers_before"] == event["workers_after"]
                    else f"{event['workers_before']} → {event['workers_after']}")
         lines.append(f"| {EVENT_TITLES.get(event['name'], event['name'])} | {workers} | {event['seconds']:g} | "
-                     f"{event['answers_per_s']:,.0f} | **{event['ratio']:.2f}** | {event['rebalances']} | {paused} |")
+                     f"{event['answers_per_s']:,.0f} | **{event['ratio']:.2f}** | {event['shortfall_s']:g} | "
+                     f"{event['rebalances']} | {paused} |")
     lines.append("")
     for event in events:
         if event["restarts"]:

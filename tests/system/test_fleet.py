@@ -42,7 +42,7 @@ def test_a_tiny_fleet_answers_every_request_once_through_a_scale_up_a_rolling_re
     for event in events.values():
         assert event["rebalances"] >= 1, event
         assert sum(worker["rebalances"] for worker in event["workers"]) >= 1, event
-        assert {"answers_per_s", "steady_answers_per_s", "ratio", "seconds"} <= set(event)
+        assert {"answers_per_s", "steady_answers_per_s", "ratio", "shortfall_s", "seconds"} <= set(event)
     # The worker that stayed through the scale-up gave its partitions up and took some back: a pause it counted.
     assert events["scale_up"]["workers"][0]["paused_s"] > 0
     restarts = events["rolling_restart"]["restarts"]

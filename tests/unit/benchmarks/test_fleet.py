@@ -124,7 +124,7 @@ def test_a_request_of_the_stream_is_one_question_keyed_by_its_id():
 def test_the_table_has_a_row_per_phase_with_its_ratio():
     worker = {"worker": "worker-0", "paused_s": 1.5, "rebalances": 2, "abandoned": 0}
     event = {"name": "rolling_restart", "workers_before": 2, "workers_after": 2, "started_at_s": 10.0, "seconds": 20.0,
-             "answers": 3000, "answers_per_s": 150.0, "steady_answers_per_s": 200.0, "ratio": 0.75, "rebalances": 4,
+             "answers": 3000, "answers_per_s": 150.0, "steady_answers_per_s": 200.0, "ratio": 0.75, "shortfall_s": 5.0, "rebalances": 4,
              "workers": [worker, dict(worker, worker="worker-1")],
              "restarts": [{"worker": "worker-0", "stop_s": 3.0, "start_s": 5.0, "settled_s": 6.0}]}
     report = {"delivery": "exactly_once", "static": False, "workers": 2, "scale_from": 2, "partitions": 4,
@@ -133,6 +133,6 @@ def test_the_table_has_a_row_per_phase_with_its_ratio():
               "sent": 9000, "answered": 9000, "lost": 0, "repeated": 0, "errors": 0, "exit_codes": [0, 0],
               "tracebacks": 0, "seconds": 60.0, "load_average": (1.5, 2.0)}
     table = fleet_markdown(report)
-    assert "| steady | 2 | 20 | 200 | 1.00 | 0 | |" in table
-    assert "| rolling restart | 2 | 20 | 150 | **0.75** | 4 | 1.5, 1.5 |" in table
+    assert "| steady | 2 | 20 | 200 | 1.00 | | 0 | |" in table
+    assert "| rolling restart | 2 | 20 | 150 | **0.75** | 5 | 4 | 1.5, 1.5 |" in table
     assert "worker-0 3.0 / 5.0 / 6.0" in table and "lost 0, repeated 0" in table
