@@ -111,11 +111,13 @@ class WorkerProcess:
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
     arguments: tuple[str, ...] = SERVE
+    nice: int = 0  # started this much below the caller's CPU priority (``nice -n``)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child process
+        niced = ("nice", "-n", str(self.nice)) if self.nice else ()
         self.process = subprocess.Popen(
-            [sys.executable, *self.arguments], env=self.env, stdout=log, stderr=log,
+            [*niced, sys.executable, *self.arguments], env=self.env, stdout=log, stderr=log,
             stdin=subprocess.DEVNULL,
         )
         log.close()

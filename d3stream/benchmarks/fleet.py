@@ -42,6 +42,13 @@ hundred microseconds of CPU per answer in all -- well within the CPUs, so the sl
 limit. ``max_inflight`` (64 requests, eight passes) keeps the same few passes of work in flight per worker as
 the service's default of 256 keeps on a GPU with 64-row passes: what a revocation has to drain.
 
+**Why workers start below the bench's CPU priority**: on a fleet each worker has a machine of its own; here a
+starting process (interpreter, imports, torch: seconds of CPU) or an exiting one (the interpreter's teardown)
+would take its CPU from the workers serving beside it, and a restart would cost them throughput no fleet pays.
+So each worker starts at ``START_NICE`` below the bench's priority, takes the bench's back once its service is
+built, and drops it again once its service has stopped (fleet_worker.py). That needs the privilege to raise a
+priority (root or CAP_SYS_NICE); ``priority_taken_back`` in the report says whether the workers had it.
+
 **Per worker and event**: the seconds it was paused (``d3stream_rebalance_paused_seconds_total``: from a
 revocation's start until every partition of its next assignment is read again; a worker's first assignment after
 its own start is not a pause, its restart is reported as its stop and start seconds instead), the rebalances it
@@ -88,6 +95,8 @@ if TYPE_CHECKING:
 POLL_S = 0.25
 # Most requests the producer sends before it looks at the backlog again.
 PUBLISH_CHUNK = 500
+# How far below the bench's CPU priority a worker starts and exits (fleet_worker.py says why).
+START_NICE = 10
 
 # Unlabelled series read from each worker: counters (summed over the worker's processes) and gauges.
 COUNTERS = ("d3stream_rebalance_paused_seconds_total", "d3stream_rebalances_total",
@@ -173,9 +182,20 @@ def fleet_members(env: dict[str, str], folder: Path, workers: int, *, device_ms:
         if static:
             member_env["D3STREAM_GROUP_INSTANCE_ID"] = f"{env['D3STREAM_GROUP_ID']}-{name}"
         arguments = ("-P", "-m", "d3stream.benchmarks.fleet_worker", "--device-ms", f"{device_ms:g}",
-                     "--load-s", f"{load_s:g}")
-        members.append(FleetMember(name, WorkerProcess(member_env, folder / f"{name}.log", arguments=arguments), port))
+                     "--load-s", f"{load_s:g}", "--serve-nice", str(os.getpriority(os.PRIO_PROCESS, 0)))
+        process = WorkerProcess(member_env, folder / f"{name}.log", arguments=arguments, nice=START_NICE)
+        members.append(FleetMember(name, process, port))
     return members
+
+
+def serving_priority(member: FleetMember) -> int | None:
+    """The CPU priority (nice value) the member's main thread runs at; None when it is down."""
+    if member.process.process is None or not member.running:
+        return None
+    try:
+        return os.getpriority(os.PRIO_PROCESS, member.process.process.pid)
+    except OSError:
+        return None
 
 
 def observe_all(members: list[FleetMember]) -> list[dict[str, float] | None]:
@@ -413,6 +433,7 @@ class FleetReport(TypedDict):
     tracebacks: int
     timeline: list[int]  # answers visible in each second since the stream started
     load_average: tuple[float, float]  # the machine's 1-minute load average as the run began and as it ended
+    priority_taken_back: bool  # the first workers serve at the bench's CPU priority, not the start's
     logs: str
     seconds: float
 
@@ -589,6 +610,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
             for member in low:
                 member.process.start()
             await settle(low, shape.partitions, shape.settle_timeout_s, shape.stable_s)
+            priority_taken_back = all(serving_priority(member) == os.getpriority(os.PRIO_PROCESS, 0) for member in low)
             publishing = asyncio.create_task(stream.run(stop))
             timeline.started = time.monotonic()
             await asyncio.sleep(shape.stable_s)  # the backlog builds up and the passes fill
@@ -640,6 +662,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
     report = _report(shape, stream, counted, timeline, codes, folder, since=timeline.started, until=ended,
                      seconds=time.monotonic() - began, members=everyone)
     report["load_average"] = (round(load_before, 1), round(os.getloadavg()[0], 1))
+    report["priority_taken_back"] = priority_taken_back
     return report
 
 
@@ -662,7 +685,8 @@ def _report(shape: FleetShape, stream: BacklogStream, counted: list[dict[str, ob
         "repeated": sum(counts[i] - 1 for i in repeated), "lost_ids": lost[:10], "repeated_ids": repeated[:10],
         "errors": sum(1 for answer in counted if answer.get("error")),
         "exit_codes": codes, "tracebacks": logs.count("Traceback"),
-        "timeline": timeline.answers.per_second(since, until), "load_average": (0.0, 0.0), "logs": str(folder),
+        "timeline": timeline.answers.per_second(since, until), "load_average": (0.0, 0.0),
+        "priority_taken_back": False, "logs": str(folder),
         "seconds": round(seconds, 1),
     }
 
@@ -704,7 +728,9 @@ def fleet_markdown(report: FleetReport) -> str:
     lines.append(f"Requests sent {report['sent']:,}, answered {report['answered']:,}, lost {report['lost']}, "
                  f"repeated {report['repeated']}, error answers {report['errors']}; worker exit codes "
                  f"{report['exit_codes']}, tracebacks in the logs {report['tracebacks']}; {report['seconds']:g} s in all; "
-                 f"load average {report['load_average'][0]:g} before, {report['load_average'][1]:g} after.")
+                 f"load average {report['load_average'][0]:g} before, {report['load_average'][1]:g} after"
+                 + ("" if report["priority_taken_back"] else "; the workers could not take their CPU priority back "
+                    "after starting (fleet_worker.py)") + ".")
     return "\n".join(lines)
 
 

@@ -17,12 +17,21 @@ runs on, and what a rebalance costs shows as passes not run.
 Why a module of its own and not a flag of ``serve``: the production command carries no fake model. ``--load-s``
 stands for a checkpoint's load (the seconds a real worker spends between its process start and joining the
 group); without it a start costs the interpreter and the imports only.
+
+``--serve-nice N``: bench fleet starts its workers below its own CPU priority (``nice -n``) and each takes
+priority ``N`` back once its service is built, to drop it again when its service has stopped. On a fleet each
+worker has a machine of its own; on the 2-core machine the fleet runs on, a starting process (interpreter,
+imports, torch) or an exiting one (the interpreter's teardown, seconds of garbage collection) would otherwise
+take its CPU from the workers serving beside it, and a restart would cost them throughput no real fleet pays.
+Taking a priority back needs the privilege to (root, or CAP_SYS_NICE); without it the worker serves at the
+priority it started with, as every other worker then does too.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -62,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device-ms", type=float, default=40.0, help="device time of one forward pass (a sleep)")
     parser.add_argument("--load-s", type=float, default=0.0,
                         help="seconds a checkpoint's load would take, spent after the metrics endpoint is up")
+    parser.add_argument("--serve-nice", type=int, default=None,
+                        help="the CPU priority (nice value) to serve at, taken once the service is built")
     add_arguments(parser)
     args = parser.parse_args(argv)
     settings = load_settings(args)
@@ -87,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         if stop_asked:
             return 0
         service = Service(settings, SleepModel(args.device_ms / 1000), metrics=metrics)
+        started_at = os.getpriority(os.PRIO_PROCESS, 0)
 
         async def serve() -> None:
+            if args.serve_nice is not None:
+                take_priority(args.serve_nice)
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, service.stop)
@@ -101,10 +115,24 @@ def main(argv: list[str] | None = None) -> int:
                     await service.consumer.stop()
 
         asyncio.run(serve())
+        if args.serve_nice is not None:
+            take_priority(started_at)  # the interpreter's teardown yields to the workers still serving
     finally:
         if server is not None:
             server.stop()
     return 0
+
+
+def take_priority(nice: int) -> None:
+    """Serve at CPU priority ``nice`` from here on (the calling thread and the threads it starts later: Linux
+    keeps a nice value per thread). Raising it back needs a privilege: without one, say so and go on."""
+    import structlog
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except PermissionError:
+        structlog.get_logger(__name__).warning("CPU priority not taken back: serving at the start's", nice=nice,
+                                               serving_at=os.getpriority(os.PRIO_PROCESS, 0))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ def test_a_tiny_fleet_answers_every_request_once_through_a_scale_up_a_rolling_re
     assert report["errors"] == 0
     assert report["exit_codes"] == [0, 0], "a worker did not stop cleanly"
     assert report["tracebacks"] == 0
+    assert isinstance(report["priority_taken_back"], bool)
 
     for event in events.values():
         assert event["rebalances"] >= 1, event

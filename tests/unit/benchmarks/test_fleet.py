@@ -131,7 +131,7 @@ def test_the_table_has_a_row_per_phase_with_its_ratio():
               "device_ms": 40.0, "batch_rows": 8, "capacity_per_worker": 200.0, "backlog": 1200,
               "steady": [{"workers": 2, "seconds": 20.0, "answers": 4000, "answers_per_s": 200.0, "rebalances": 0}], "events": [event],
               "sent": 9000, "answered": 9000, "lost": 0, "repeated": 0, "errors": 0, "exit_codes": [0, 0],
-              "tracebacks": 0, "seconds": 60.0, "load_average": (1.5, 2.0)}
+              "tracebacks": 0, "seconds": 60.0, "load_average": (1.5, 2.0), "priority_taken_back": True}
     table = fleet_markdown(report)
     assert "| steady | 2 | 20 | 200 | 1.00 | | 0 | |" in table
     assert "| rolling restart | 2 | 20 | 150 | **0.75** | 5 | 4 | 1.5, 1.5 |" in table
