@@ -33,7 +33,8 @@ restarts or starts shorter than the settling that follows them.
 
 **Why the stream keeps a backlog**: steady throughput must be the fleet's capacity, not the producer's rate.
 The producer keeps ``backlog`` requests published and not yet answered (default: three seconds of the whole
-fleet's capacity), so every worker always has work and what an event costs shows as answers not given.
+fleet's capacity), each partition its share, so every worker always has work and what an event costs shows as
+answers not given.
 
 **Why the sleeps bound it**: the machine this runs on has 2 cores shared with other work. A pass carries at
 most ``batch_rows`` rows (one per request here: each asks one question) per ``device_ms``, so the fleet's
@@ -79,7 +80,7 @@ import os
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -261,8 +262,9 @@ class AnswerCount:
     """Reads the answer topic in the background (committed answers only, as a client sees them): how many became
     visible when, and which request ids they answer."""
 
-    def __init__(self, bootstrap: str, topic: str):
+    def __init__(self, bootstrap: str, topic: str, on_answered: Callable[[bytes], None] | None = None):
         self.bootstrap, self.topic = bootstrap, topic
+        self.on_answered = on_answered  # called with each request id as its first answer is seen
         self.times: list[float] = []  # monotonic, one entry per fetch that brought answers
         self.cumulative: list[int] = []  # answers seen up to and including that fetch
         self.ids: set[bytes] = set()
@@ -314,7 +316,11 @@ class AnswerCount:
             count = 0
             for records in batches.values():
                 count += len(records)
-                self.ids.update(record.key for record in records)
+                for record in records:
+                    if record.key not in self.ids:
+                        self.ids.add(record.key)
+                        if self.on_answered is not None:
+                            self.on_answered(record.key)
             if count:
                 self.times.append(time.monotonic())
                 self.cumulative.append(self.total + count)
@@ -322,33 +328,47 @@ class AnswerCount:
 
 @dataclass
 class BacklogStream:
-    """Publishes requests so that ``backlog`` of them are always published and not yet answered: the workers
-    never wait for work, so what they answer is what they can."""
+    """Publishes requests so that every partition always has its share of ``backlog`` published and not yet
+    answered: the workers never wait for work, so what they answer is what they can. Kept per partition, not in
+    all: a partition no one serves for a while (a static member's, until its session times out) holds its share
+    and no more, where a backlog counted in all would pile up there and starve the partitions still served."""
 
     bootstrap: str
     topic: str
+    partitions: int
     backlog: int
-    answered: Callable[[], int]
     published: int = 0
+    partition_of: dict[bytes, int] = field(default_factory=dict)  # each request id's partition
+    waiting: list[int] = field(default_factory=list)  # per partition: published, no answer seen yet
+
+    def answered(self, request_id: bytes) -> None:
+        """The first committed answer to ``request_id`` was seen."""
+        partition = self.partition_of.get(request_id)
+        if partition is not None:
+            self.waiting[partition] -= 1
 
     async def run(self, stop: asyncio.Event) -> None:
         from aiokafka import AIOKafkaProducer
 
+        share = -(-self.backlog // self.partitions)
+        self.waiting = self.waiting or [0] * self.partitions
         producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True,
                                     linger_ms=5)
         await producer.start()
         try:
             while not stop.is_set():
-                wanted = min(PUBLISH_CHUNK, self.backlog - (self.published - self.answered()))
-                if wanted <= 0:
+                sends: list[Awaitable[object]] = []
+                for partition in range(self.partitions):
+                    for _ in range(min(share - self.waiting[partition], PUBLISH_CHUNK - len(sends))):
+                        key, value = request_record(self.published)
+                        self.partition_of[key] = partition
+                        self.waiting[partition] += 1
+                        self.published += 1
+                        sends.append(await producer.send(self.topic, value, key=key, partition=partition))
+                if not sends:
                     await asyncio.sleep(0.05)
                     continue
-                sends = []
-                for number in range(self.published, self.published + wanted):
-                    key, value = request_record(number)
-                    sends.append(await producer.send(self.topic, value, key=key))
                 await asyncio.gather(*sends)
-                self.published += wanted
         finally:
             await producer.stop()
 
@@ -601,8 +621,8 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
     began, load_before = time.monotonic(), os.getloadavg()[0]
     stop = asyncio.Event()
     codes: list[int | None] = []
-    async with AnswerCount(bootstrap, topics["answers"]) as answers:
-        stream = BacklogStream(bootstrap, topics["requests"], shape.backlog_requests, lambda: answers.total)
+    stream = BacklogStream(bootstrap, topics["requests"], shape.partitions, shape.backlog_requests)
+    async with AnswerCount(bootstrap, topics["answers"], on_answered=stream.answered) as answers:
         timeline = Timeline(answers)
         publishing: asyncio.Task[None] | None = None
         try:

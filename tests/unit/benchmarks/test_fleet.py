@@ -12,6 +12,7 @@ from d3stream.benchmarks import fleet_worker
 from d3stream.benchmarks.chaos import WorkerProcess
 from d3stream.benchmarks.fleet import (
     AnswerCount,
+    BacklogStream,
     FleetMember,
     FleetShape,
     fleet_markdown,
@@ -114,6 +115,15 @@ def test_the_workers_settings_leave_the_shells_own_out(monkeypatch):
     assert "D3STREAM_MAX_BATCH_TOKENS" not in env
     assert (env["D3STREAM_DELIVERY"], env["D3STREAM_MAX_BATCH_ROWS"], env["D3STREAM_GROUP_ID"]) == (
         "at_least_once", "4", "g")
+
+
+def test_the_backlog_is_kept_per_partition_so_an_unserved_partition_holds_its_share_only():
+    stream = BacklogStream("127.0.0.1:1", "requests", partitions=3, backlog=30)
+    stream.waiting = [10, 10, 10]
+    stream.partition_of = {b"fleet-0000000": 0, b"fleet-0000001": 1}
+    stream.answered(b"fleet-0000001")
+    stream.answered(b"someone-elses")  # not published here: nothing to count
+    assert stream.waiting == [10, 9, 10]
 
 
 def test_a_request_of_the_stream_is_one_question_keyed_by_its_id():
