@@ -20,16 +20,19 @@ An event runs from its first stop or start until the group has *settled*: every 
 all partitions owned, every worker on one generation, and so for ``stable_s`` (2 s: a rebalance under way may
 not show in the workers' gauges at once; the settling is dated from the start of that run, like scaleout.py's).
 A scale-down does not wait for the stopped processes to exit: its workers are gone for the group once they
-have left it. Throughput is committed answers per second, read off the answer topic by a ``read_committed``
-consumer as they become visible (in ``exactly_once`` at each commit, every ``commit_interval_ms``: an event of
-a few seconds is measured to a commit or two). Each event's ratio is its throughput over a steady one's: the
-rolling restart's over the steady throughput of all the workers, a scale event's over that of ``scale_from``
-workers -- the capacity the fleet has before a scale-up and after a scale-down, so below 1 means the event cost
-more than it added. ``shortfall_s`` says the same in seconds of that steady throughput: ``seconds * (1 -
-ratio)``, comparable between events of different lengths. A worker's restart takes it away for its stop and
-start, so even a rebalance that cost nothing would leave a rolling restart of N workers at ``(N - 1) / N`` of
-steady while one is down (0.75 for 4): the issue's goal of 0.8 needs the fleet at full strength between
-restarts or starts shorter than the settling that follows them.
+have left it.
+
+Throughput is committed answers per second, read off the answer topic by a ``read_committed`` consumer as they
+become visible (in ``exactly_once`` at each commit, every ``commit_interval_ms``). So an event that settles
+sooner than ``min_event_s`` (5 s, ten commits) is measured over that long, the fleet serving as it is after the
+event for the rest: a window of a second held a commit more or less than its share (a ratio of 2.2 over 0.9 s).
+Each event's ratio is its throughput over a steady one's: the rolling restart's over the steady throughput of
+all the workers, a scale event's over that of ``scale_from`` workers -- the capacity the fleet has before a
+scale-up and after a scale-down, so below 1 means the event cost more than it added. ``shortfall_s`` says the
+same in seconds of that steady throughput, ``seconds * (1 - ratio)``, comparable between events of different
+lengths. A worker's restart takes it away for its stop and start, so even a rebalance that cost nothing would
+leave a rolling restart of N workers at ``(N - 1) / N`` of steady while one is down (0.75 for 4): the issue's
+goal of 0.8 needs the fleet at full strength between restarts, or starts short beside the settling after them.
 
 **Why the stream keeps a backlog**: steady throughput must be the fleet's capacity, not the producer's rate.
 The producer keeps ``backlog`` requests published and not yet answered (default: three seconds of the whole
@@ -479,6 +482,7 @@ class Timeline:
     """The run's clock, answers and events, and the figures of each."""
 
     answers: AnswerCount
+    min_event_s: float  # the shortest window an event is measured over
     started: float = 0.0  # when the stream started
     steady: list[Steady] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
@@ -498,9 +502,14 @@ class Timeline:
         self.steady.append(steady)
         return steady
 
-    def event(self, name: str, members: list[FleetMember], *, before: int, after: int, since: float, until: float,
-              totals: dict[str, dict[str, float]], generation_before: int, steady: Steady,
-              restarts: list[Restart] | None = None) -> Event:
+    async def event(self, name: str, members: list[FleetMember], *, before: int, after: int, since: float,
+                    until: float, totals: dict[str, dict[str, float]], generation_before: int, steady: Steady,
+                    restarts: list[Restart] | None = None) -> Event:
+        """The figures of an event from ``since`` until the group settled (``until``), or ``min_event_s`` if
+        that is later (waited out here); the workers' counters read once more at its end."""
+        until = max(until, since + self.min_event_s)
+        await asyncio.sleep(max(0.0, until - time.monotonic()))
+        await asyncio.to_thread(observe_all, members)
         answers, rate = self.rate(since, until)
         ratio = rate / steady["answers_per_s"] if steady["answers_per_s"] else 0.0
         figures: Event = {
@@ -571,6 +580,7 @@ class FleetShape:
     commit_interval_ms: int = 500
     load_s: float = 0.0
     stable_s: float = 2.0  # how long the group must look settled to be settled
+    min_event_s: float = 5.0  # an event settled sooner is measured over this long (ten commits at the default)
     settle_timeout_s: float = 120.0
 
     @property
@@ -623,7 +633,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
     codes: list[int | None] = []
     stream = BacklogStream(bootstrap, topics["requests"], shape.partitions, shape.backlog_requests)
     async with AnswerCount(bootstrap, topics["answers"], on_answered=stream.answered) as answers:
-        timeline = Timeline(answers)
+        timeline = Timeline(answers, shape.min_event_s)
         publishing: asyncio.Task[None] | None = None
         try:
             step(f"starting {len(low)} workers")
@@ -643,8 +653,9 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
                 for member in everyone[len(low):]:
                     member.process.start()
                 until = await settle(everyone, shape.partitions, shape.settle_timeout_s, shape.stable_s)
-                timeline.event("scale_up", everyone, before=len(low), after=len(everyone), since=since, until=until,
-                               totals=totals, generation_before=generation_before, steady=steady_low)
+                await timeline.event("scale_up", everyone, before=len(low), after=len(everyone), since=since,
+                                     until=until, totals=totals, generation_before=generation_before,
+                                     steady=steady_low)
                 step(f"steady, {len(everyone)} workers")
                 steady_all = await timeline.hold_steady(everyone, shape.steady_s)
             else:
@@ -653,9 +664,9 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
             await asyncio.to_thread(observe_all, everyone)
             totals, generation_before, since = _totals(everyone), generation(everyone), time.monotonic()
             restarts, until = await _rolling_restart(everyone, shape)
-            timeline.event("rolling_restart", everyone, before=len(everyone), after=len(everyone), since=since,
-                           until=until, totals=totals, generation_before=generation_before, steady=steady_all,
-                           restarts=restarts)
+            await timeline.event("rolling_restart", everyone, before=len(everyone), after=len(everyone),
+                                 since=since, until=until, totals=totals, generation_before=generation_before,
+                                 steady=steady_all, restarts=restarts)
             if len(low) < len(everyone):
                 step(f"scale down {len(everyone)} -> {len(low)}")
                 await asyncio.to_thread(observe_all, everyone)
@@ -665,8 +676,9 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
                 stopping = asyncio.create_task(_terminate(everyone[len(low):], shape.settle_timeout_s))
                 until = await settle(low, shape.partitions, shape.settle_timeout_s, shape.stable_s)
                 codes += await stopping
-                timeline.event("scale_down", low, before=len(everyone), after=len(low), since=since, until=until,
-                               totals=totals, generation_before=generation_before, steady=steady_low)
+                await timeline.event("scale_down", low, before=len(everyone), after=len(low), since=since,
+                                     until=until, totals=totals, generation_before=generation_before,
+                                     steady=steady_low)
             step("draining")
             stop.set()
             await publishing

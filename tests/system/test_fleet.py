@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 
 # Small in every way: a 2-partition topic, short passes, a backlog of a few passes, one-second windows.
 TINY = FleetShape(workers=2, scale_from=1, partitions=2, device_ms=10.0, batch_rows=4, max_inflight=16, steady_s=1.0,
-                  backlog=200, stable_s=1.0, settle_timeout_s=90.0)
+                  backlog=200, stable_s=1.0, min_event_s=1.0, settle_timeout_s=90.0)
 
 
 def test_a_tiny_fleet_answers_every_request_once_through_a_scale_up_a_rolling_restart_and_a_scale_down(
