@@ -97,19 +97,27 @@ def build_stream(requests: int, fuzzed: int, seed: int, image_uri: str | None) -
 # ------------------------------------------------------------------------------------------- workers
 
 
+# What a worker process runs after the interpreter: the production worker.
+SERVE = ("-m", "d3stream", "serve")
+
+
 @dataclass
 class WorkerProcess:
-    """One ``d3stream serve`` process, restartable."""
+    """One worker process, restartable: ``d3stream serve``, or another entry point (``arguments``, after the
+    interpreter; bench fleet's runs a stand-in model)."""
 
     env: dict[str, str]
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    arguments: tuple[str, ...] = SERVE
+    nice: int = 0  # started this much below the caller's CPU priority (``nice -n``)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child process
+        niced = ("nice", "-n", str(self.nice)) if self.nice else ()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "d3stream", "serve"], env=self.env, stdout=log, stderr=log,
+            [*niced, sys.executable, *self.arguments], env=self.env, stdout=log, stderr=log,
             stdin=subprocess.DEVNULL,
         )
         log.close()

@@ -12,6 +12,7 @@
     d3stream bench scheduling [S]    priority lanes, deadlines and tenant quotas over the pipeline
     d3stream bench too-large [N]     one request of N questions whose answer is too large for its topic
     d3stream bench host              the worker's host path with a stand-in backbone: CPU per question by stage
+    d3stream bench fleet             a fleet of workers through a rolling restart and a scale 2 -> 4 -> 2
 
 Each prints its table (``--json``: one JSON object; ``--out FILE`` keeps it). Figures and their history:
 docs/MEASUREMENTS.md; what each measures: bench/README.md.
@@ -305,6 +306,56 @@ def _host(args: argparse.Namespace) -> Outcome:
     return report, host_markdown(report)
 
 
+def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    from d3stream.benchmarks.fleet import FleetShape
+
+    shape = FleetShape()
+    parser.add_argument("--workers", type=int, default=shape.workers,
+                        help="workers at full size; the rolling restart restarts each")
+    parser.add_argument("--scale-from", type=int, default=shape.scale_from,
+                        help="workers before the scale-up and after the scale-down (--workers: no scale events)")
+    parser.add_argument("--partitions", type=int, default=shape.partitions, help="partitions of the request topic")
+    parser.add_argument("--device-ms", type=float, default=shape.device_ms,
+                        help="device time of one forward pass (the stand-in model sleeps it)")
+    parser.add_argument("--batch-rows", type=int, default=shape.batch_rows,
+                        help="rows (here: requests) per pass (max_batch_rows)")
+    parser.add_argument("--max-inflight", type=int, default=shape.max_inflight,
+                        help="requests in flight per worker (max_inflight_requests)")
+    parser.add_argument("--steady-s", type=float, default=shape.steady_s, help="seconds of each steady window")
+    parser.add_argument("--backlog", type=int, default=None,
+                        help="requests kept published and unanswered (default: 3 s of the whole fleet's capacity)")
+    parser.add_argument("--delivery", choices=("exactly_once", "at_least_once"), default=shape.delivery)
+    parser.add_argument("--static", action="store_true",
+                        help="static membership: each worker keeps a group_instance_id across its restarts")
+    parser.add_argument("--drain", dest="keep_partitions", action="store_false",
+                        help="the workers' rebalance_keep_partitions off: every rebalance drains and closes every "
+                        "partition (the behaviour before 2026-12-06), to compare")
+    parser.add_argument("--session-timeout-ms", type=int, default=shape.session_timeout_ms)
+    parser.add_argument("--commit-interval-ms", type=int, default=shape.commit_interval_ms)
+    parser.add_argument("--load-s", type=float, default=shape.load_s,
+                        help="seconds each worker start spends as a checkpoint's load would")
+    parser.add_argument("--logs", metavar="DIR", help="the workers' logs go here (default: a temporary folder)")
+    _common(parser, checkpoint=False, threads=False)
+
+
+def _fleet(args: argparse.Namespace) -> Outcome:
+    from d3stream.benchmarks.fleet import FleetShape, fleet_bench, fleet_markdown
+
+    shape = FleetShape(workers=args.workers, scale_from=args.scale_from, partitions=args.partitions,
+                       device_ms=args.device_ms, batch_rows=args.batch_rows, max_inflight=args.max_inflight,
+                       steady_s=args.steady_s, backlog=args.backlog, delivery=args.delivery, static=args.static,
+                       keep_partitions=args.keep_partitions,
+                       session_timeout_ms=args.session_timeout_ms, commit_interval_ms=args.commit_interval_ms,
+                       load_s=args.load_s)
+    folder = Path(args.logs) if args.logs else None
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+    with _bar(args, 8, "fleet") as bar:
+        report = fleet_bench(shape, folder=folder, progress=_stepper(bar))
+        bar.update(bar.total - bar.n)
+    return report, fleet_markdown(report)
+
+
 def _counted(default: float, what: str, kind: type[int] | type[float] = int,
              **common: bool) -> Callable[[argparse.ArgumentParser], None]:
     def add(parser: argparse.ArgumentParser) -> None:
@@ -344,6 +395,10 @@ BENCHMARKS = (
     Benchmark("host", "the worker's real host path (Kafka, checks, media, prompts and tokenizing, packing, readout, "
               "answers, framing) with a stand-in for the backbone's forward: CPU per question by stage, the "
               "stand-in's busy share and the rate an H100 would need (docs/GPU.md)", _host_arguments, _host),
+    Benchmark("fleet", "a fleet of worker processes with a model that sleeps a fixed device time per pass, through "
+              "a rolling restart and a scale 2 -> 4 -> 2 on an embedded broker: each event's throughput over "
+              "steady, seconds each worker was paused, rebalances, lost and repeated answers",
+              _fleet_arguments, _fleet),
 )
 
 

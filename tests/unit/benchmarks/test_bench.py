@@ -107,7 +107,7 @@ def test_every_benchmark_is_a_subcommand_of_bench():
     assert args.run is bench_command.COMMAND.run and args.workload == "long-state" and args.calibrate
     assert {b.name for b in bench_command.BENCHMARKS} == {
         "workloads", "kafka", "soak", "soak-images", "evaluate", "evaluate-volume", "ask", "head-of-line", "stream",
-        "scheduling", "too-large", "host"}
+        "scheduling", "too-large", "host", "fleet"}
     assert parser.parse_args(["bench", "kafka"]).count == 20_000
     assert parser.parse_args(["bench", "soak-images", "5", "--json"]).count == 5
     assert parser.parse_args(["bench", "scheduling", "2.5"]).count == 2.5
@@ -118,6 +118,8 @@ def test_every_benchmark_is_a_subcommand_of_bench():
     assert (host.workload, host.delivery, host.format, host.device_ms, host.json) == (
         "shared", "at_least_once", "avro", 20.0, True)
     assert parser.parse_args(["bench", "host"]).max_batch_tokens == 16_384
+    fleet = parser.parse_args(["bench", "fleet", "--workers", "6", "--delivery", "at_least_once", "--static"])
+    assert (fleet.workers, fleet.scale_from, fleet.delivery, fleet.static) == (6, 2, "at_least_once", True)
     with pytest.raises(SystemExit):  # the old "instead" flags are gone
         parser.parse_args(["bench", "--kafka"])
 
