@@ -438,6 +438,7 @@ class FleetReport(TypedDict):
     delivery: DeliveryName
     static: bool
     keep_partitions: bool  # rebalance_keep_partitions: a rebalance keeps what it hands back (else drains all)
+    heartbeat_ms: int | None  # the workers' heartbeat_interval_ms, when the run set it
     workers: int
     scale_from: int
     partitions: int
@@ -583,6 +584,7 @@ class FleetShape:
     delivery: DeliveryName = "exactly_once"
     static: bool = False
     keep_partitions: bool = True  # the workers' rebalance_keep_partitions
+    heartbeat_ms: int | None = None  # the workers' heartbeat_interval_ms (None: theirs by default)
     session_timeout_ms: int = 10_000
     commit_interval_ms: int = 500
     load_s: float = 0.0
@@ -617,6 +619,7 @@ def worker_settings(bootstrap: str, topics: dict[str, str], group: str, shape: F
         "session_timeout_ms": shape.session_timeout_ms, "commit_interval_ms": shape.commit_interval_ms,
         "max_batch_rows": shape.batch_rows, "max_inflight_requests": shape.max_inflight,
         "rebalance_keep_partitions": str(shape.keep_partitions).lower(),
+        **({"heartbeat_interval_ms": shape.heartbeat_ms} if shape.heartbeat_ms else {}),
         "log_format": "json", "log_level": "info",  # the logs say what each rebalance did, and how long
     }
     env.update({f"D3STREAM_{name.upper()}": str(value) for name, value in settings.items()})
@@ -716,6 +719,7 @@ def _report(shape: FleetShape, stream: BacklogStream, counted: list[dict[str, ob
     logs = "".join(m.process.log_path.read_text(errors="replace") for m in members if m.process.log_path.exists())
     return {
         "delivery": shape.delivery, "static": shape.static, "keep_partitions": shape.keep_partitions,
+        "heartbeat_ms": shape.heartbeat_ms,
         "workers": shape.workers, "scale_from": shape.scale_from,
         "partitions": shape.partitions, "device_ms": shape.device_ms, "batch_rows": shape.batch_rows,
         "max_inflight": shape.max_inflight, "backlog": shape.backlog_requests,
@@ -743,7 +747,8 @@ def fleet_markdown(report: FleetReport) -> str:
     lines = [
         f"Fleet of {report['workers']} workers ({'static' if report['static'] else 'dynamic'} membership, "
         f"{report['delivery']}, rebalances {'keep what they hand back' if report['keep_partitions'] else 'drain'}"
-        f"), {report['partitions']} partitions; each pass sleeps {report['device_ms']:g} ms "
+        + (f", heartbeat {report['heartbeat_ms']} ms" if report.get("heartbeat_ms") else "")
+        + f"), {report['partitions']} partitions; each pass sleeps {report['device_ms']:g} ms "
         f"for up to {report['batch_rows']} rows ({report['capacity_per_worker']:,.0f} answers/s per worker); "
         f"backlog {report['backlog']:,} requests:",
         "",

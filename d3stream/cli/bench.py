@@ -328,8 +328,11 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--static", action="store_true",
                         help="static membership: each worker keeps a group_instance_id across its restarts")
     parser.add_argument("--drain", dest="keep_partitions", action="store_false",
-                        help="the workers' rebalance_keep_partitions off: every rebalance drains and closes every "
-                        "partition (the behaviour before 2026-12-06), to compare")
+                        help="the workers keep what a rebalance hands back (rebalance_keep_partitions: %(default)s); "
+                        "--drain turns it off, every rebalance draining and closing every partition as before "
+                        "2026-12-06, to compare")
+    parser.add_argument("--heartbeat-ms", type=int, default=None,
+                        help="the workers' heartbeat_interval_ms (default: theirs, 1 s)")
     parser.add_argument("--session-timeout-ms", type=int, default=shape.session_timeout_ms)
     parser.add_argument("--commit-interval-ms", type=int, default=shape.commit_interval_ms)
     parser.add_argument("--load-s", type=float, default=shape.load_s,
@@ -344,7 +347,7 @@ def _fleet(args: argparse.Namespace) -> Outcome:
     shape = FleetShape(workers=args.workers, scale_from=args.scale_from, partitions=args.partitions,
                        device_ms=args.device_ms, batch_rows=args.batch_rows, max_inflight=args.max_inflight,
                        steady_s=args.steady_s, backlog=args.backlog, delivery=args.delivery, static=args.static,
-                       keep_partitions=args.keep_partitions,
+                       keep_partitions=args.keep_partitions, heartbeat_ms=args.heartbeat_ms,
                        session_timeout_ms=args.session_timeout_ms, commit_interval_ms=args.commit_interval_ms,
                        load_s=args.load_s)
     folder = Path(args.logs) if args.logs else None

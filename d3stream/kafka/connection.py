@@ -68,7 +68,7 @@ RESERVED: dict[str, str] = {
     "group_instance_id": "use the setting group_instance_id",
     "session_timeout_ms": "use the setting session_timeout_ms",
     "rebalance_timeout_ms": "use the setting rebalance_timeout_ms",
-    "heartbeat_interval_ms": "derived from session_timeout_ms",
+    "heartbeat_interval_ms": "use the setting heartbeat_interval_ms",
     "auto_offset_reset": "use the setting auto_offset_reset",
     "max_request_size": "use the setting max_request_size",
     "compression_type": "use the setting compression",

@@ -47,10 +47,18 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "d3stream"
 
 
+# The heartbeat unless set: a member hears of a rebalance at its next heartbeat, and until the last member has
+# heard, every member's partitions stand still (they were revoked). aiokafka's 3 s made each rebalance of a
+# fleet stand still up to 3 s (docs/SCALEOUT.md); a heartbeat a second is nothing to the coordinator.
+DEFAULT_HEARTBEAT_MS = 1000
+
+
 def heartbeat_interval_ms(delivery: DeliverySettings) -> int:
-    """aiokafka's 3 s heartbeat, or a third of a shorter session timeout, so one late heartbeat does not
-    drop a healthy worker from the group."""
-    return min(3000, delivery.session_timeout_ms // 3)
+    """The setting, or 1 s, or a third of a shorter session timeout, so one late heartbeat does not drop a
+    healthy worker from the group."""
+    if delivery.heartbeat_interval_ms is not None:
+        return delivery.heartbeat_interval_ms
+    return min(DEFAULT_HEARTBEAT_MS, delivery.session_timeout_ms // 3)
 
 
 __all__ = [

@@ -182,6 +182,11 @@ class DeliverySettings(_Section, frozen=True, kw_only=True):
     session_timeout_ms: Annotated[int, doc(
         'how long the group waits for a silent worker before moving its partitions'
     )] = 10_000
+    heartbeat_interval_ms: Annotated[int | None, doc(
+        'how often a worker tells its group it is alive, and so how soon it hears that a rebalance began: every '
+        "member's partitions stand still from the first revocation until the last member has heard (unset: a "
+        'third of session_timeout_ms, at most 1 s)'
+    )] = None
     rebalance_timeout_ms: Annotated[int, doc(
         'how long a rebalance waits for every worker to rejoin (its revocation drain and final commit run '
         'first); must exceed rebalance_drain_s plus a 5 s margin'
@@ -225,6 +230,10 @@ class DeliverySettings(_Section, frozen=True, kw_only=True):
     )] = 65_536
 
     def check(self) -> None:
+        if self.heartbeat_interval_ms is not None and not 0 < self.heartbeat_interval_ms * 3 <= self.session_timeout_ms:
+            raise ValueError(f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be positive and at most a "
+                             f"third of session_timeout_ms ({self.session_timeout_ms}), so that one late heartbeat "
+                             "does not drop a healthy worker from its group; lower it or raise session_timeout_ms")
         if self.offset_metadata_max_bytes < 64:
             raise ValueError(f"offset_metadata_max_bytes must be at least 64 (the broker's offset.metadata.max.bytes, "
                              f"4096 by default), got {self.offset_metadata_max_bytes}")

@@ -137,7 +137,7 @@ def test_the_table_has_a_row_per_phase_with_its_ratio():
              "answers": 3000, "answers_per_s": 150.0, "steady_answers_per_s": 200.0, "ratio": 0.75, "shortfall_s": 5.0, "rebalances": 4,
              "workers": [worker, dict(worker, worker="worker-1")],
              "restarts": [{"worker": "worker-0", "stop_s": 3.0, "start_s": 5.0, "settled_s": 6.0}]}
-    report = {"delivery": "exactly_once", "static": False, "keep_partitions": True, "workers": 2, "scale_from": 2, "partitions": 4,
+    report = {"delivery": "exactly_once", "static": False, "keep_partitions": True, "heartbeat_ms": None, "workers": 2, "scale_from": 2, "partitions": 4,
               "device_ms": 40.0, "batch_rows": 8, "capacity_per_worker": 200.0, "backlog": 1200,
               "steady": [{"workers": 2, "seconds": 20.0, "answers": 4000, "answers_per_s": 200.0, "rebalances": 0}], "events": [event],
               "sent": 9000, "answered": 9000, "lost": 0, "repeated": 0, "errors": 0, "exit_codes": [0, 0],
