@@ -28,7 +28,7 @@ from tests.support.media_makers import make_png, make_smooth_png
 from tests.support.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, run, stop
 
 # One pytest worker runs the modules of 16-megapixel images (xdist_group, make test's --dist loadgroup): two of
-# them side by side held 6 GB at once and starved each other on the 2-core machine (a 120 s wait ran out).
+# them side by side (gigabytes of pixels each) starved each other on the 2-core machine (a 120 s wait ran out).
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("large-media")]
 
 REQUESTS = 3

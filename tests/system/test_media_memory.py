@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 # One pytest worker runs the modules of 16-megapixel images (xdist_group, make test's --dist loadgroup): two of
-# them side by side held 6 GB at once and starved each other on the 2-core machine (a 120 s wait ran out).
+# them side by side (gigabytes of pixels each) starved each other on the 2-core machine (a 120 s wait ran out).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.xdist_group("large-media")]
 
 ROOT = Path(__file__).resolve().parents[2]
