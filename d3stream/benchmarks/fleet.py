@@ -583,7 +583,7 @@ class FleetShape:
     backlog: int | None = None  # default: three seconds of the whole fleet's capacity
     delivery: DeliveryName = "exactly_once"
     static: bool = False
-    keep_partitions: bool = True  # the workers' rebalance_keep_partitions
+    keep_partitions: bool = False  # the workers' rebalance_keep_partitions (experimental)
     heartbeat_ms: int | None = None  # the workers' heartbeat_interval_ms (None: theirs by default)
     session_timeout_ms: int = 10_000
     commit_interval_ms: int = 500

@@ -327,10 +327,9 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delivery", choices=("exactly_once", "at_least_once"), default=shape.delivery)
     parser.add_argument("--static", action="store_true",
                         help="static membership: each worker keeps a group_instance_id across its restarts")
-    parser.add_argument("--drain", dest="keep_partitions", action="store_false",
-                        help="the workers keep what a rebalance hands back (rebalance_keep_partitions: %(default)s); "
-                        "--drain turns it off, every rebalance draining and closing every partition as before "
-                        "2026-12-06, to compare")
+    parser.add_argument("--keep", dest="keep_partitions", action="store_true",
+                        help="the workers keep what a rebalance hands back (rebalance_keep_partitions, experimental: "
+                        "docs/SCALEOUT.md) instead of draining and closing every partition")
     parser.add_argument("--heartbeat-ms", type=int, default=None,
                         help="the workers' heartbeat_interval_ms (default: theirs, 1 s)")
     parser.add_argument("--session-timeout-ms", type=int, default=shape.session_timeout_ms)

@@ -257,6 +257,9 @@ class CommitInTransaction(_Counted):
         self._factory = producer_factory
         self._partitions: dict[TopicPartition, PartitionTransactions] = {}
         self._lock = asyncio.Lock()
+        # Told of a partition whose producer was fenced while the consumer still holds it (consume.py settles it
+        # again: another worker committed meanwhile, so where this one read to no longer says what is answered).
+        self.on_fenced: Callable[[TopicPartition], None] | None = None
 
     @property
     def producers(self) -> dict[TopicPartition, AIOKafkaProducer]:
@@ -360,6 +363,8 @@ class CommitInTransaction(_Counted):
             log.info("fenced: another worker owns this partition now", partition=str(partition))
             await self._close(txns)
             self.tracker.forget([partition])
+            if self.on_fenced is not None:
+                self.on_fenced(partition)
             return
         except KafkaError as exc:
             producer = txns.drop_producer()  # a fresh producer next time; nothing was committed

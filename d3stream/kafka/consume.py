@@ -27,13 +27,14 @@ Each assigned partition's pauses are held in an ``Assignment`` (assignment.py) t
 quota, the read window and settling are reasons in the partition's state, and the partition is read again only
 once none is left.
 
-Rebalance (``_Rebalance``, eager: every partition is revoked, and the assignment that follows hands most of
-them back): a revocation commits what is done, within ``rebalance_timeout_ms`` (a member still revoking when
-the group's rebalance times out is dropped and starts another rebalance), and holds the partitions with their
-producers, work in flight, tracked offsets and positions. The assignment keeps the partitions handed back as
-they were and lets go of those that moved: their late answers are never committed (``exactly_once``: the new
-owner answers them; ``at_least_once``: published, not committed). With ``rebalance_keep_partitions`` off,
-every revoked partition's work gets ``rebalance_drain_s`` to finish, is committed and let go, as before.
+Rebalance (``_Rebalance``, eager: every partition is revoked, and the assignment that follows hands some of
+them back): before partitions are taken away, their in-flight work gets ``rebalance_drain_s`` to finish and
+their finished offsets are committed, all within ``rebalance_timeout_ms`` (a member still revoking when the
+group's rebalance times out is dropped and starts another rebalance). Work that finishes later is abandoned
+(``exactly_once``: never committed, the new owner answers it; ``at_least_once``: published, not committed).
+With ``rebalance_keep_partitions`` (experimental, off) a revocation commits what is done and holds the
+partitions instead, and the assignment keeps those handed back as they were (see ``_Rebalance``).
+A partition whose producer is fenced while the consumer holds it is settled again (``settle_again``).
 Newly assigned partitions stay paused until they are *settled*: when the commit policy ``settles_assignments``
 (``exactly_once``), the partition's transactional producer is initialised first (which waits until the
 previous owner's last transaction is complete, and fences that owner) and only then is the committed offset
@@ -214,6 +215,8 @@ class ConsumeLoop:
         # When the running rebalance began revoking (monotonic); counted as paused until its partitions settle.
         self.rebalance_began: float | None = None
         self.holdover: _Holdover | None = None  # partitions revoked and kept until the next assignment
+        if hasattr(commits, "on_fenced"):
+            commits.on_fenced = self.settle_again
 
     @property
     def paused(self) -> bool:
@@ -452,6 +455,14 @@ class ConsumeLoop:
 
     # ---------------------------------------------------------------------------------- settling
 
+    def settle_again(self, partition: TopicPartition) -> None:
+        """The partition's producer was fenced while the consumer still holds it: another worker owned it and may
+        have committed beyond what this one read. It is read again only once settled anew (a new producer, the
+        committed offset and its metadata re-read and sought to), never on from where this worker was."""
+        if partition in self.consumer.assignment() and not self.assignment.is_settling(partition):
+            log.warning("fenced partition settled again from its committed offset", partition=str(partition))
+            self.begin_settling([partition])
+
     def begin_settling(self, partitions: list[TopicPartition]) -> None:
         """Hold newly assigned partitions paused until the commit policy is ready for them and they are read
         from their stable committed offset (runs outside the rebalance callback, which must not block)."""
@@ -485,6 +496,25 @@ class ConsumeLoop:
             log.debug("partitions settled", partitions=[f"{p.topic}-{p.partition}" for p in settled])
             if not assignment.settling():
                 self.rebalance_settled()
+
+    async def still_ours(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        """Of partitions kept through a rebalance, those whose committed offset and metadata in the group are
+        still this worker's last commit of them (one request for all); on a failed read, none."""
+        try:
+            fetched = await self.consumer._coordinator.fetch_committed_offsets(partitions)  # noqa: SLF001 - metadata
+        except Exception as exc:  # noqa: BLE001 - then they settle afresh: slower, never wrong
+            log.warning("commits of kept partitions not read; settled afresh", error=str(exc))
+            return []
+        ours = []
+        for partition in partitions:
+            found = fetched.get(partition)
+            group = None if found is None or found.offset < 0 else (found.offset, found.metadata or "")
+            if group == self.tracker.last_commit(partition):
+                ours.append(partition)
+            else:
+                log.warning("a kept partition was committed by another worker meanwhile; settled afresh",
+                            partition=str(partition), group=group, ours=self.tracker.last_commit(partition))
+        return ours
 
     async def let_go(self, partitions: list[TopicPartition], deadline: float) -> int:
         """Close ``partitions`` for good (revoked, or held and not handed back): their producers stopped, their
@@ -535,7 +565,8 @@ class _Rebalance(ConsumerRebalanceListener):
     """Make the loop's ``Assignment`` when partitions are assigned and end it when they are revoked.
 
     aiokafka rebalances eagerly: every member's every partition is revoked, and the assignment that follows
-    usually hands most of them back. With ``rebalance_keep_partitions`` (the default) a revocation only commits
+    usually hands some of them back. With ``rebalance_keep_partitions`` (experimental, off: docs/SCALEOUT.md says
+    what ``bench fleet --keep`` found) a revocation only commits
     what is done and holds the partitions (``_Holdover``): their transactional producers, their work in flight,
     their tracked offsets and positions stay. The assignment then keeps those handed back as they were (no
     drain, no new ``init_transactions``, no re-read of the commit) and closes only those that moved. That is
@@ -602,9 +633,16 @@ class _Rebalance(ConsumerRebalanceListener):
         for partition in kept:  # before any await: aiokafka would position them at the committed offset
             loop.consumer.seek(partition, held[partition])
         loop.assignment = Assignment(loop.consumer, assigned, generation)  # unpaused, as aiokafka's own states
+        if kept:
+            # Held still while the group's commits are read: a partition whose commit is not this worker's last
+            # one was committed by another owner in between (a generation this worker did not see) and is settled
+            # afresh instead.
+            loop.assignment.pause(kept, PauseReason.SETTLING)
+            kept = await loop.still_ours(kept)
         if holdover is not None:
             for partition in kept:
                 loop.assignment.carry(holdover.states[partition])
+                loop.assignment.resume([partition], PauseReason.SETTLING)
             loop.assignment.backpressure = holdover.backpressure and bool(kept)
             loop.tracker.release(kept)
             moved = [partition for partition in held if partition not in kept]

@@ -78,6 +78,7 @@ class _Progress:
     last: int = -1
     committed: int | None = None
     committed_metadata: str = ""
+    found: tuple[int, str] | None = None  # the group's commit as found on assignment (point, metadata)
     epoch: int = 0  # which assignment of the partition this progress belongs to
     first: int | None = None  # the first offset read in this assignment (where the group's commit stood)
     moved_at: float = 0.0  # monotonic time the commit point last moved, or work arrived after none waited
@@ -119,9 +120,14 @@ class OffsetTracker:
     def inherit(self, partition: TopicPartition, committed: int | None, metadata: str | None) -> None:
         """The partition's commit as this worker found it on assignment: offsets its metadata names as done are
         skipped when read (``add_all``) and named again in this worker's commits until the point passes them."""
-        if not self.record_done or committed is None:
+        if committed is None:
             return
-        self._progress(partition).inherited = decode_done(committed, metadata)
+        progress = self._progress(partition)
+        # The group's commit as found: the last one this worker knows of until it commits itself (a rebalance
+        # that hands the partition back checks the group still holds it: consume.py).
+        progress.found = (committed, metadata or "")
+        if self.record_done:
+            progress.inherited = decode_done(committed, metadata)
 
     def add(self, partition: TopicPartition, offset: int, key: bytes | None = None) -> int:
         """Track an offset read from ``partition``; returns the assignment epoch its work belongs to."""
@@ -282,6 +288,16 @@ class OffsetTracker:
         now = time.monotonic() if now is None else now
         oldest = now - min(progress.unanswered.values()) if progress.unanswered else 0.0
         return oldest, now - progress.moved_at
+
+    def last_commit(self, partition: TopicPartition) -> tuple[int, str] | None:
+        """The partition's last commit this worker knows of (point, metadata): its own last one, else the one
+        it found on assignment; None for a partition never committed."""
+        progress = self._partitions.get(partition)
+        if progress is None:
+            return None
+        if progress.committed is not None:
+            return progress.committed, progress.committed_metadata
+        return progress.found
 
     def forget(self, partitions: Sequence[TopicPartition]) -> None:
         for partition in partitions:

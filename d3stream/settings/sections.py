@@ -512,11 +512,11 @@ class LifecycleSettings(_Section, frozen=True, kw_only=True):
         "this many allocations (Python's own: 700); 0 leaves the collector alone"
     )] = 1_000_000
     rebalance_keep_partitions: Annotated[bool, doc(
-        "on rebalance, a revocation commits what is done and holds its partitions' producers, work and offsets "
-        'until the new assignment: those handed back go on untouched, only those that move are closed (their '
-        'unfinished work is answered by the new owner). Off: every revocation drains for rebalance_drain_s and '
-        'closes every partition'
-    )] = True
+        "experimental (docs/SCALEOUT.md): on rebalance, a revocation commits what is done and holds its "
+        "partitions' producers, work and offsets until the new assignment; those handed back go on untouched, "
+        'only those that move are closed. Off: every revocation drains for rebalance_drain_s and closes every '
+        'partition'
+    )] = False
     rebalance_drain_s: Annotated[float, doc(
         "with rebalance_keep_partitions off, how long revoked partitions' work may take to finish on rebalance "
         '(exactly_once: what is unfinished then is abandoned and answered by the new owner)'

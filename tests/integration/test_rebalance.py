@@ -2,7 +2,7 @@
 that move are let go, and exactly once holds either way.
 
 aiokafka revokes every partition of every member at each join or leave. With ``rebalance_keep_partitions``
-(the default) a worker holds its revoked partitions until the next assignment: those handed back keep their
+(experimental, off by default: docs/SCALEOUT.md) a worker holds its revoked partitions until the next assignment: those handed back keep their
 transactional producer (no new ``init_transactions``), their work in flight and their offsets; those that moved
 to the joining worker are closed, and the answers this worker still had in hand for them are never committed
 (the new owner answers them). With the setting off, every partition is drained, closed and settled afresh.
@@ -95,7 +95,7 @@ def test_a_leave_hands_the_partitions_back_with_nothing_redone(stack, qwen35_mod
     """The second worker leaves while the first is stuck with work on the partitions it kept: the first keeps
     them through the leave too (their producers and work stay), takes the leaver's partitions afresh (settled
     from the leaver's commits), and every request is answered once."""
-    settings = stack.settings(max_batch_rows=1, linger_ms=0, commit_interval_ms=100)
+    settings = stack.settings(max_batch_rows=1, linger_ms=0, commit_interval_ms=100, rebalance_keep_partitions=True)
     warm = [{"id": f"warm-{n}", "state": f"warm {n}", "questions": {"noul": Q_NOUL}} for n in range(8)]
     stuck = [{"id": f"stuck-{n}", "state": f"stuck {n}", "questions": {"noul": Q_NOUL}} for n in range(8)]
     ids = {r["id"] for r in warm + stuck}
