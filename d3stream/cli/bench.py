@@ -331,7 +331,7 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the workers keep what a rebalance hands back (rebalance_keep_partitions, experimental: "
                         "docs/SCALEOUT.md) instead of draining and closing every partition")
     parser.add_argument("--heartbeat-ms", type=int, default=None,
-                        help="the workers' heartbeat_interval_ms (default: theirs, 1 s)")
+                        help="the workers' heartbeat_interval_ms (default: theirs, 3 s)")
     parser.add_argument("--session-timeout-ms", type=int, default=shape.session_timeout_ms)
     parser.add_argument("--commit-interval-ms", type=int, default=shape.commit_interval_ms)
     parser.add_argument("--load-s", type=float, default=shape.load_s,

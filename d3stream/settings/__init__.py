@@ -47,14 +47,14 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "d3stream"
 
 
-# The heartbeat unless set: a member hears of a rebalance at its next heartbeat, and until the last member has
-# heard, every member's partitions stand still (they were revoked). aiokafka's 3 s made each rebalance of a
-# fleet stand still up to 3 s (docs/SCALEOUT.md); a heartbeat a second is nothing to the coordinator.
-DEFAULT_HEARTBEAT_MS = 1000
+# The heartbeat unless set: aiokafka's 3 s. A member hears of a rebalance at its next heartbeat, and until the last
+# member has heard, every member's partitions stand still; a second instead did not shorten bench fleet's pauses
+# beyond its noise (2.4-2.6 s per worker over a rolling restart, against 2.5-2.7 at 3 s: docs/MEASUREMENTS.md).
+DEFAULT_HEARTBEAT_MS = 3000
 
 
 def heartbeat_interval_ms(delivery: DeliverySettings) -> int:
-    """The setting, or 1 s, or a third of a shorter session timeout, so one late heartbeat does not drop a
+    """The setting, or 3 s, or a third of a shorter session timeout, so one late heartbeat does not drop a
     healthy worker from the group."""
     if delivery.heartbeat_interval_ms is not None:
         return delivery.heartbeat_interval_ms

@@ -185,7 +185,7 @@ class DeliverySettings(_Section, frozen=True, kw_only=True):
     heartbeat_interval_ms: Annotated[int | None, doc(
         'how often a worker tells its group it is alive, and so how soon it hears that a rebalance began: every '
         "member's partitions stand still from the first revocation until the last member has heard (unset: a "
-        'third of session_timeout_ms, at most 1 s)'
+        'third of session_timeout_ms, at most 3 s)'
     )] = None
     rebalance_timeout_ms: Annotated[int, doc(
         'how long a rebalance waits for every worker to rejoin (its revocation drain and final commit run '

@@ -403,13 +403,13 @@ def test_settings_that_would_make_a_rebalance_storm_are_refused(tmp_path):
     assert load_settings({"session_timeout_ms": "6000"}, environ={}).delivery.rebalance_timeout_ms == 30_000
 
 
-def test_the_heartbeat_is_a_second_unless_set_and_never_over_a_third_of_the_session():
+def test_the_heartbeat_is_three_seconds_unless_set_and_never_over_a_third_of_the_session():
     """A member hears of a rebalance at its next heartbeat; one too rare for its session drops a healthy member."""
     from d3stream.settings import heartbeat_interval_ms
 
-    assert heartbeat_interval_ms(load_settings({}, environ={}).delivery) == 1000
+    assert heartbeat_interval_ms(load_settings({}, environ={}).delivery) == 3000
     assert heartbeat_interval_ms(load_settings({"session_timeout_ms": "2400"}, environ={}).delivery) == 800
-    assert heartbeat_interval_ms(load_settings({"heartbeat_interval_ms": "3000"}, environ={}).delivery) == 3000
+    assert heartbeat_interval_ms(load_settings({"heartbeat_interval_ms": "1000"}, environ={}).delivery) == 1000
     with pytest.raises(ValueError, match="heartbeat_interval_ms .* session_timeout_ms"):
         load_settings({"heartbeat_interval_ms": "4000"}, environ={})
 
