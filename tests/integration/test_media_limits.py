@@ -25,10 +25,7 @@ from d3stream.service import Service
 from tests.support.media_makers import data_url, make_mp4, make_mp4_bomb, make_png, make_smooth_png
 from tests.support.stream_helpers import Q_NOUL, Reader, assigned_and_ready, record, run, serve, stop
 
-# Its decodes race deadlines (a clip must be answered before three bombs' run out): it shares the pytest
-# worker of the 16-megapixel modules (xdist_group), whose decoding beside it pushed the clip past the bombs'
-# deadlines in a fresh-clone run (the load average at 29 on 2 cores).
-pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("large-media")]
+pytestmark = pytest.mark.timeout(300)
 
 # A 16-megapixel gradient PNG decodes to 48 MB of RGB; 30 references of it were 8.4 GB before.
 RSS_BOUND = 600 * 2**20
