@@ -51,10 +51,13 @@ def _settings(bootstrap: str, prefix: str, share: float | None, shadow_name: str
 async def _latencies(settings: Settings, live: Any, shadow: Any, records: list[tuple[bytes, bytes]],
                      rate: float) -> list[float]:
     """Serve ``records`` sent at ``rate`` per second; each one's seconds from send to its committed answer."""
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from aiokafka import TopicPartition
 
-    reader = AIOKafkaConsumer(bootstrap_servers=settings.connection.bootstrap_servers, isolation_level="read_committed",
-                              enable_auto_commit=False, auto_offset_reset="earliest", group_id=None)
+    from d3stream.kafka.connection import raw_client
+
+    reader = raw_client("consumer", bootstrap_servers=settings.connection.bootstrap_servers,
+                        isolation_level="read_committed", enable_auto_commit=False, auto_offset_reset="earliest",
+                        group_id=None)
     await reader.start()
     reader.assign([TopicPartition(settings.delivery.answer_topic, p) for p in range(settings.delivery.topic_partitions)])
     service = Service(settings, live, shadow=shadow)
@@ -66,7 +69,7 @@ async def _latencies(settings: Settings, live: Any, shadow: Any, records: list[t
             await asyncio.sleep(0.01)
 
         async def send() -> None:
-            producer = AIOKafkaProducer(bootstrap_servers=settings.connection.bootstrap_servers, linger_ms=0)
+            producer = raw_client("producer", bootstrap_servers=settings.connection.bootstrap_servers, linger_ms=0)
             await producer.start()
             try:
                 start = time.perf_counter()
