@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import signal
 import sys
 import traceback
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -146,24 +148,65 @@ def reach_kafka(settings: Settings) -> set[str]:
     return asyncio.run(reach(settings.connection))
 
 
-def run_kafka(settings: Settings, step: Callable[[], Awaitable[object]],
+def run_kafka(settings: Settings, step: Callable[[Callable[[], bool]], Awaitable[object]],
               check: Callable[[set[str]], None] | None = None) -> int:
-    """Run a client command's coroutine, made by ``step``, once Kafka has answered (``kafka.connection.reach``)
-    and ``check`` has seen the cluster's topics (it raises Refused for a topic that is missing); a refusal on
-    the way is Refused or a ConnectionError, which ``run_command`` prints with the setting to change."""
+    """Run a client command's coroutine, made by ``step(stop_asked)``, once Kafka has answered
+    (``kafka.connection.reach``) and ``check`` has seen the cluster's topics (it raises Refused for a topic that is
+    missing); a refusal on the way is Refused or a ConnectionError, which ``run_command`` prints with the setting
+    to change.
+
+    Ctrl-C cancels the coroutine and makes ``stop_asked()`` true, and the command ends as interrupted (status
+    130). Both, because a cancellation can be lost: aiokafka closes a client's background task under
+    ``suppress(CancelledError)``, which swallows a cancellation that arrives meanwhile too, and a reader then
+    went on to its one-hour ``--timeout``. A loop that checks ``stop_asked()`` ends either way."""
     from d3stream.kafka.connection import connecting, reach
 
+    interrupted = False
+
+    def stop_asked() -> bool:
+        return interrupted
+
     async def reached() -> object:
-        topics = await reach(settings.connection)
-        if check is not None:
-            check(topics)
-        return await connecting(settings.connection, step())
+        main = asyncio.current_task()
+        assert main is not None
+
+        def on_ctrl_c() -> None:
+            nonlocal interrupted
+            interrupted = True
+            main.cancel()
+
+        with _handling(signal.SIGINT, on_ctrl_c):
+            topics = await reach(settings.connection)
+            if check is not None:
+                check(topics)
+            return await connecting(settings.connection, step(stop_asked))
 
     try:
         asyncio.run(reached())
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
     except ValueError as exc:  # a refused schema (``closing``), an option aiokafka refused
         raise Refused(str(exc)) from exc
+    if interrupted:
+        raise KeyboardInterrupt  # run_command's status 130, as for a command without a loop of its own
     return 0
+
+
+@contextlib.contextmanager
+def _handling(signum: int, handler: Callable[[], None]) -> Iterator[None]:
+    """``handler`` runs on the event loop for ``signum`` while the block runs (where the loop can take signals:
+    the main thread of a process; elsewhere the signal keeps its handling)."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signum, handler)
+    except (RuntimeError, ValueError):  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signum)
 
 
 async def reach_registry(registry: RegistryFormat) -> None:

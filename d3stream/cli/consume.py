@@ -41,9 +41,9 @@ def _consume(args: argparse.Namespace) -> int:
             raise Refused(missing_topic(args.topic, topics, servers, "--wait-for-topic"))
 
     registry = registry_format(settings)
-    return run_kafka(settings, lambda: closing(registry, consume_answers(
+    return run_kafka(settings, lambda stop_asked: closing(registry, consume_answers(
         servers, args.topic, expected=args.max, timeout_s=args.timeout, idle_s=args.idle, security=options,
-        on_record=show, registry=registry)), check=topic_exists)
+        on_record=show, stop=stop_asked, registry=registry)), check=topic_exists)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -162,8 +162,8 @@ def _produce(args: argparse.Namespace) -> int:
     options = client_options(settings.connection, "producer", client_id=settings.connection.client_id)
     servers = options.pop("bootstrap_servers")
     try:
-        run_kafka(settings, lambda: closing(registry, produce(servers, args.topic, records, security=options,
-                                                              on_sent=bar.update, registry=registry)))
+        run_kafka(settings, lambda _stop_asked: closing(registry, produce(
+            servers, args.topic, records, security=options, on_sent=bar.update, registry=registry)))
     finally:
         bar.close()
     skipped = f"; {len(invalid)} invalid {'line' if len(invalid) == 1 else 'lines'} left out (listed above)"
