@@ -9,9 +9,12 @@ answers a stream that is always ahead of it, through this timeline:
 2. **steady** with ``scale_from`` workers for ``steady_s`` seconds;
 3. **scale up**: the other workers (to ``workers``, 4) start at once, as a Deployment scaled from 2 to 4 replicas;
 4. **steady** with all the workers for ``steady_s``;
-5. **rolling restart**: each worker in turn gets SIGTERM -- Kubernetes' graceful stop: it stops reading, finishes
-   what is in flight, publishes, commits and leaves the group -- and once it has exited it is started again (its
-   interpreter, imports and ``load_s`` included); the next one goes once the group has settled;
+5. **rolling restart**: each worker in turn is replaced, as the shipped Deployment rolls (``--rollout surge``,
+   maxSurge 1 and maxUnavailable 0 in deploy/k8s): a new process starts (its interpreter, imports and ``load_s``
+   included) and joins, and once the group has settled with it the old one gets SIGTERM -- Kubernetes' graceful
+   stop: it stops reading, finishes what is in flight, publishes, commits and leaves the group; the next one goes
+   once the group has settled again. ``--rollout stop_first`` (maxSurge 0, maxUnavailable 1: a fleet with no
+   spare GPU, or a StatefulSet) stops the worker first and starts it again once it has exited;
 6. **scale down**: the workers beyond the first ``scale_from`` get SIGTERM at once (4 -> 2);
 7. the stream stops, every request published is waited for, the workers stop, and every committed answer is
    counted (``read_committed``).
@@ -31,8 +34,10 @@ all the workers, a scale event's over that of ``scale_from`` workers -- the capa
 scale-up and after a scale-down, so below 1 means the event cost more than it added. ``shortfall_s`` says the
 same in seconds of that steady throughput, ``seconds * (1 - ratio)``, comparable between events of different
 lengths. A worker's restart takes it away for its stop and start, so even a rebalance that cost nothing would
-leave a rolling restart of N workers at ``(N - 1) / N`` of steady while one is down (0.75 for 4): the issue's
-goal of 0.8 needs the fleet at full strength between restarts, or starts short beside the settling after them.
+leave a ``stop_first`` rolling restart of N workers at ``(N - 1) / N`` of steady while one is down (0.75 for 4):
+its ratio needs the fleet at full strength between restarts, or starts short beside the settling after them. A
+``surge`` restart has every worker's capacity throughout (and one more process while a replacement joins): what
+it costs is its two rebalances per worker.
 
 **Why the stream keeps a backlog**: steady throughput must be the fleet's capacity, not the producer's rate.
 The producer keeps ``backlog`` requests published and not yet answered (default: three seconds of the whole
@@ -97,6 +102,8 @@ if TYPE_CHECKING:
     from d3stream.dev.infra import KafkaBroker
     from d3stream.settings import DeliveryName
 
+# How the rolling restart replaces each worker (FleetShape.rollout).
+ROLLOUTS = ("surge", "stop_first")
 # How often the workers' endpoints are read while an event runs.
 POLL_S = 0.25
 # Most requests the producer sends before it looks at the backlog again.
@@ -180,18 +187,21 @@ def fleet_members(env: dict[str, str], folder: Path, workers: int, *, device_ms:
                   static: bool) -> list[FleetMember]:
     """The fleet's workers (not started): each its own metrics port and log, with static membership its own
     ``group_instance_id``."""
-    members = []
-    for number in range(workers):
-        name = f"worker-{number}"
-        port = free_port()
-        member_env = dict(env, D3STREAM_METRICS_PORT=str(port), D3STREAM_METRICS_HOST="127.0.0.1")
-        if static:
-            member_env["D3STREAM_GROUP_INSTANCE_ID"] = f"{env['D3STREAM_GROUP_ID']}-{name}"
-        arguments = ("-P", "-m", "d3stream.benchmarks.fleet_worker", "--device-ms", f"{device_ms:g}",
-                     "--load-s", f"{load_s:g}", "--serve-nice", str(os.getpriority(os.PRIO_PROCESS, 0)))
-        process = WorkerProcess(member_env, folder / f"{name}.log", arguments=arguments, nice=START_NICE)
-        members.append(FleetMember(name, process, port))
-    return members
+    return [fleet_member(env, folder, f"worker-{number}", device_ms=device_ms, load_s=load_s, static=static)
+            for number in range(workers)]
+
+
+def fleet_member(env: dict[str, str], folder: Path, name: str, *, device_ms: float, load_s: float,
+                 static: bool) -> FleetMember:
+    """One worker (not started) named ``name``: its metrics port, its log ``<name>.log``."""
+    port = free_port()
+    member_env = dict(env, D3STREAM_METRICS_PORT=str(port), D3STREAM_METRICS_HOST="127.0.0.1")
+    if static:
+        member_env["D3STREAM_GROUP_INSTANCE_ID"] = f"{env['D3STREAM_GROUP_ID']}-{name}"
+    arguments = ("-P", "-m", "d3stream.benchmarks.fleet_worker", "--device-ms", f"{device_ms:g}",
+                 "--load-s", f"{load_s:g}", "--serve-nice", str(os.getpriority(os.PRIO_PROCESS, 0)))
+    process = WorkerProcess(member_env, folder / f"{name}.log", arguments=arguments, nice=START_NICE)
+    return FleetMember(name, process, port)
 
 
 def serving_priority(member: FleetMember) -> int | None:
@@ -437,6 +447,7 @@ class FleetReport(TypedDict):
 
     delivery: DeliveryName
     static: bool
+    rollout: str  # surge (the new process before the old stops) or stop_first
     keep_partitions: bool  # rebalance_keep_partitions: a rebalance keeps what it hands back (else drains all)
     heartbeat_ms: int | None  # the workers' heartbeat_interval_ms, when the run set it
     workers: int
@@ -561,6 +572,37 @@ async def _rolling_restart(members: list[FleetMember], shape: FleetShape) -> tup
     return restarts, settled
 
 
+async def _surge_restart(members: list[FleetMember], shape: FleetShape,
+                         replacement: Callable[[FleetMember], FleetMember]) -> tuple[list[Restart], float,
+                                                                                  list[FleetMember]]:
+    """Each member in turn, as the shipped Deployment rolls (maxSurge 1, maxUnavailable 0): its replacement
+    starts and joins, the group settles with both, then the member gets SIGTERM and the group settles without
+    it. The restarts (``start_s``: the replacement's start until it joined; ``stop_s``: SIGTERM until the old
+    process exited; ``settled_s``: the replacement's start until the group had settled without the old one),
+    when the group had settled after the last, and the members now running, replacements in their places."""
+    restarts: list[Restart] = []
+    running = list(members)
+    settled = time.monotonic()
+    for index, member in enumerate(members):
+        new = replacement(member)
+        starting = time.monotonic()
+        new.process.start()
+        joined_at: dict[str, float] = {}
+        await settle([*running, new], shape.partitions, shape.settle_timeout_s, shape.stable_s, joined_at)
+        await asyncio.to_thread(observe_all, running)  # the old process's counters, before it goes
+        stopping = time.monotonic()
+        code = await asyncio.to_thread(member.process.terminate, shape.settle_timeout_s)
+        if code != 0:
+            raise RuntimeError(f"{member.name} exited {code} on SIGTERM; see {member.process.log_path}")
+        exited = time.monotonic()
+        running[index] = new
+        settled = await settle(running, shape.partitions, shape.settle_timeout_s, shape.stable_s)
+        restarts.append({"worker": member.name, "stop_s": round(exited - stopping, 2),
+                         "start_s": round(joined_at.get(new.name, settled) - starting, 2),
+                         "settled_s": round(settled - starting, 2)})
+    return restarts, settled, running
+
+
 async def _answered_all(answers: AnswerCount, stream: BacklogStream, timeout_s: float) -> None:
     """Until every published request has a committed answer (or ``timeout_s``: the count then says which not)."""
     wanted = {request_record(number)[0] for number in range(stream.published)}
@@ -583,6 +625,10 @@ class FleetShape:
     backlog: int | None = None  # default: three seconds of the whole fleet's capacity
     delivery: DeliveryName = "exactly_once"
     static: bool = False
+    # How the rolling restart replaces a worker: "surge" starts the new process before the old one stops (the
+    # shipped Deployment: maxSurge 1, maxUnavailable 0); "stop_first" stops it first (maxSurge 0,
+    # maxUnavailable 1: a fleet with no spare GPU, or a StatefulSet).
+    rollout: str = "surge"
     keep_partitions: bool = False  # the workers' rebalance_keep_partitions (experimental)
     heartbeat_ms: int | None = None  # the workers' heartbeat_interval_ms (None: theirs by default)
     session_timeout_ms: int = 10_000
@@ -604,6 +650,11 @@ class FleetShape:
     def check(self) -> None:
         if not 1 <= self.scale_from <= self.workers:
             raise ValueError(f"--scale-from must be between 1 and --workers ({self.workers}), got {self.scale_from}")
+        if self.rollout not in ROLLOUTS:
+            raise ValueError(f"--rollout must be one of {', '.join(ROLLOUTS)}, got {self.rollout!r}")
+        if self.rollout == "surge" and self.static:
+            raise ValueError("--static needs --rollout stop_first: a replacement started beside the worker would "
+                             "take its group_instance_id and fence it")
         if self.partitions < self.workers:
             raise ValueError(f"--partitions ({self.partitions}) below --workers ({self.workers}) leaves a worker idle")
 
@@ -642,6 +693,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
     began, load_before = time.monotonic(), os.getloadavg()[0]
     stop = asyncio.Event()
     codes: list[int | None] = []
+    retired: list[FleetMember] = []  # surge: the processes replaced in the rolling restart
     stream = BacklogStream(bootstrap, topics["requests"], shape.partitions, shape.backlog_requests)
     async with AnswerCount(bootstrap, topics["answers"], on_answered=stream.answered) as answers:
         timeline = Timeline(answers, shape.min_event_s)
@@ -674,10 +726,22 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
             step("rolling restart")
             await asyncio.to_thread(observe_all, everyone)
             totals, generation_before, since = _totals(everyone), generation(everyone), time.monotonic()
-            restarts, until = await _rolling_restart(everyone, shape)
-            await timeline.event("rolling_restart", everyone, before=len(everyone), after=len(everyone),
-                                 since=since, until=until, totals=totals, generation_before=generation_before,
-                                 steady=steady_all, restarts=restarts)
+            if shape.rollout == "surge":
+                def replacement(member: FleetMember) -> FleetMember:
+                    new = fleet_member(env, folder, f"{member.name}'", device_ms=shape.device_ms,
+                                       load_s=shape.load_s, static=shape.static)
+                    retired.append(member)
+                    return new
+
+                restarts, until, rolled = await _surge_restart(everyone, shape, replacement)
+            else:
+                restarts, until = await _rolling_restart(everyone, shape)
+                rolled = everyone
+            await timeline.event("rolling_restart", [*retired, *rolled] if retired else everyone,
+                                 before=len(everyone), after=len(everyone), since=since, until=until, totals=totals,
+                                 generation_before=generation_before, steady=steady_all, restarts=restarts)
+            everyone = rolled
+            low = everyone[:shape.scale_from]
             if len(low) < len(everyone):
                 step(f"scale down {len(everyone)} -> {len(low)}")
                 await asyncio.to_thread(observe_all, everyone)
@@ -703,7 +767,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
     step("counting")
     counted = await count_topic(bootstrap, topics["answers"])
     report = _report(shape, stream, counted, timeline, codes, folder, since=timeline.started, until=ended,
-                     seconds=time.monotonic() - began, members=everyone)
+                     seconds=time.monotonic() - began, members=[*retired, *everyone])
     report["load_average"] = (round(load_before, 1), round(os.getloadavg()[0], 1))
     report["priority_taken_back"] = priority_taken_back
     return report
@@ -718,7 +782,8 @@ def _report(shape: FleetShape, stream: BacklogStream, counted: list[dict[str, ob
     repeated = [i for i in ids if counts[i] > 1]
     logs = "".join(m.process.log_path.read_text(errors="replace") for m in members if m.process.log_path.exists())
     return {
-        "delivery": shape.delivery, "static": shape.static, "keep_partitions": shape.keep_partitions,
+        "delivery": shape.delivery, "static": shape.static, "rollout": shape.rollout,
+        "keep_partitions": shape.keep_partitions,
         "heartbeat_ms": shape.heartbeat_ms,
         "workers": shape.workers, "scale_from": shape.scale_from,
         "partitions": shape.partitions, "device_ms": shape.device_ms, "batch_rows": shape.batch_rows,
@@ -739,6 +804,7 @@ def _report(shape: FleetShape, stream: BacklogStream, counted: list[dict[str, ob
 # -------------------------------------------------------------------------------------------- the table
 
 
+ROLLOUT_TITLES = {"surge": "new before old (maxSurge 1)", "stop_first": "old stopped first (maxUnavailable 1)"}
 EVENT_TITLES = {"scale_up": "scale up", "rolling_restart": "rolling restart", "scale_down": "scale down"}
 
 
@@ -746,6 +812,7 @@ def fleet_markdown(report: FleetReport) -> str:
     """The report as a Markdown table and its notes."""
     lines = [
         f"Fleet of {report['workers']} workers ({'static' if report['static'] else 'dynamic'} membership, "
+        f"rolling restart {ROLLOUT_TITLES.get(report.get('rollout', 'stop_first'), '?')}, "
         f"{report['delivery']}, rebalances {'keep what they hand back' if report['keep_partitions'] else 'drain'}"
         + (f", heartbeat {report['heartbeat_ms']} ms" if report.get("heartbeat_ms") else "")
         + f"), {report['partitions']} partitions; each pass sleeps {report['device_ms']:g} ms "

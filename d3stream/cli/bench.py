@@ -327,6 +327,11 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delivery", choices=("exactly_once", "at_least_once"), default=shape.delivery)
     parser.add_argument("--static", action="store_true",
                         help="static membership: each worker keeps a group_instance_id across its restarts")
+    parser.add_argument("--rollout", choices=("surge", "stop_first"), default=None,
+                        help="how the rolling restart replaces a worker: surge starts the new process before the old "
+                        "one stops (deploy/k8s: maxSurge 1, maxUnavailable 0); stop_first stops it first (maxSurge 0, "
+                        "maxUnavailable 1). Default: surge, stop_first with --static (a replacement beside the "
+                        "worker would take its group_instance_id)")
     parser.add_argument("--keep", dest="keep_partitions", action="store_true",
                         help="the workers keep what a rebalance hands back (rebalance_keep_partitions, experimental: "
                         "docs/SCALEOUT.md) instead of draining and closing every partition")
@@ -343,9 +348,11 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
 def _fleet(args: argparse.Namespace) -> Outcome:
     from d3stream.benchmarks.fleet import FleetShape, fleet_bench, fleet_markdown
 
+    shape_default = FleetShape()
     shape = FleetShape(workers=args.workers, scale_from=args.scale_from, partitions=args.partitions,
                        device_ms=args.device_ms, batch_rows=args.batch_rows, max_inflight=args.max_inflight,
                        steady_s=args.steady_s, backlog=args.backlog, delivery=args.delivery, static=args.static,
+                       rollout=args.rollout or ("stop_first" if args.static else shape_default.rollout),
                        keep_partitions=args.keep_partitions, heartbeat_ms=args.heartbeat_ms,
                        session_timeout_ms=args.session_timeout_ms, commit_interval_ms=args.commit_interval_ms,
                        load_s=args.load_s)

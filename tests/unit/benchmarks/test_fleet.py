@@ -106,6 +106,11 @@ def test_the_shape_refuses_what_it_cannot_run_and_sizes_the_backlog_from_the_cap
         FleetShape(workers=4, scale_from=5).check()
     with pytest.raises(ValueError, match="--partitions"):
         FleetShape(workers=4, partitions=3).check()
+    with pytest.raises(ValueError, match="--rollout stop_first"):  # a replacement would take the static id
+        FleetShape(static=True).check()
+    with pytest.raises(ValueError, match="--rollout"):
+        FleetShape(rollout="recreate").check()
+    FleetShape(static=True, rollout="stop_first").check()
 
 
 def test_the_workers_settings_leave_the_shells_own_out(monkeypatch):
@@ -137,7 +142,7 @@ def test_the_table_has_a_row_per_phase_with_its_ratio():
              "answers": 3000, "answers_per_s": 150.0, "steady_answers_per_s": 200.0, "ratio": 0.75, "shortfall_s": 5.0, "rebalances": 4,
              "workers": [worker, dict(worker, worker="worker-1")],
              "restarts": [{"worker": "worker-0", "stop_s": 3.0, "start_s": 5.0, "settled_s": 6.0}]}
-    report = {"delivery": "exactly_once", "static": False, "keep_partitions": True, "heartbeat_ms": None, "workers": 2, "scale_from": 2, "partitions": 4,
+    report = {"delivery": "exactly_once", "static": False, "rollout": "surge", "keep_partitions": True, "heartbeat_ms": None, "workers": 2, "scale_from": 2, "partitions": 4,
               "device_ms": 40.0, "batch_rows": 8, "capacity_per_worker": 200.0, "backlog": 1200,
               "steady": [{"workers": 2, "seconds": 20.0, "answers": 4000, "answers_per_s": 200.0, "rebalances": 0}], "events": [event],
               "sent": 9000, "answered": 9000, "lost": 0, "repeated": 0, "errors": 0, "exit_codes": [0, 0],
@@ -146,3 +151,4 @@ def test_the_table_has_a_row_per_phase_with_its_ratio():
     assert "| steady | 2 | 20 | 200 | 1.00 | | 0 | |" in table
     assert "| rolling restart | 2 | 20 | 150 | **0.75** | 5 | 4 | 1.5, 1.5 |" in table
     assert "worker-0 3.0 / 5.0 / 6.0" in table and "lost 0, repeated 0" in table
+    assert "rolling restart new before old (maxSurge 1)" in table
