@@ -2,7 +2,8 @@
 
 The prepare thread's work, no device time in it. Each question renders one prompt (two with permutation
 averaging: the options also in reversed order) through the checkpoint's prompt contract; the prompts are
-tokenized in one call, with the user turn's text tokenized as **plain text** (``UserText``: a ticket that
+tokenized piece by piece, the pieces they share once (``segments.PromptTokens``), with the user turn's text
+tokenized as **plain text** (``UserText``: a ticket that
 contains ``<|im_end|>`` must not forge the chat structure); media placeholders are expanded and positioned
 (``multimodal.py``). A question that cannot be served becomes its error answer (``invalid_question``,
 ``max_length_exceeded``, never truncated) while the others are still answered; a malformed request, or one
@@ -20,6 +21,7 @@ from d3stream.runtime.loading import Checkpoint
 from d3stream.runtime.multimodal import MediaPlanner
 from d3stream.runtime.questions import normalize_question, question_error, require_json, reversed_question
 from d3stream.runtime.rows import Prepared, RequestMedia, Row
+from d3stream.runtime.segments import PromptTokens
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -164,6 +166,15 @@ class PromptPreparer:
         self.max_length: int | None = checkpoint.config.max_length
         # Most prompt tokens summed over one request's prompts (``limit_request_tokens``); None: no limit.
         self.max_request_tokens: int | None = None
+        self._tokens: PromptTokens | None = None
+
+    @property
+    def tokens(self) -> PromptTokens:
+        """The prompts' tokenizing, for the checkpoint's tokenizer of now (a caller may swap it)."""
+        tokenizer = self.checkpoint.tokenizer
+        if self._tokens is None or self._tokens.tokenizer is not tokenizer:
+            self._tokens = PromptTokens.of(tokenizer)
+        return self._tokens
 
     def prepare(
         self,
@@ -191,7 +202,7 @@ class PromptPreparer:
             return prepared
         texts = [prompt.text for prompt in prompts]
         self._refuse_certainly_costly(state, texts)
-        tokenized = self.checkpoint.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        tokenized = self.tokens.ids(texts)
         for prompt, ids in zip(prompts, tokenized, strict=True):
             if prompt.key not in prepared.errors:
                 self._add_row(prepared, prompt, ids, state, request_media, n_images, n_videos)
