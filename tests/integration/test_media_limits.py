@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import time
 
 import psutil
 import pytest
@@ -99,35 +98,33 @@ def test_a_video_decode_bomb_is_abandoned_while_text_requests_flow_and_stop_is_p
                 await produce(bootstrap, stack.requests,
                               [record(request("bomb", videos=[data_url(bomb, "video/mp4")]))])
                 await reader.wait(lambda: decoding_videos(service) > 0, 30, task, what="the bomb's decode")
-                decode_started = time.monotonic()
                 await produce(bootstrap, stack.requests, [record(r) for r in texts])
                 await reader.wait_ids([r["id"] for r in texts], 60, task)
                 # Answered while the bomb was still being decoded: nothing waits behind a decode.
                 busy_while_texts_answered = decoding_videos(service) > 0
                 await produce(bootstrap, stack.requests, [record(request("clip", videos=[data_url(clip, "video/mp4")]))])
-                await reader.wait_ids(["bomb", "clip"], 60, task)
-                bomb_answered = reader.seen_at["bomb"] - decode_started
+                await reader.wait_ids(["bomb", "clip"], 120, task)
                 # A second bomb, then stop() while it decodes: the worker stops within the deadline.
                 await produce(bootstrap, stack.requests,
                               [record(request("bomb-2", videos=[data_url(bomb, "video/mp4")]))])
                 await reader.wait(lambda: decoding_videos(service) > 0, 30, task, what="the second decode")
             finally:
-                stopping = time.monotonic()
-                await stop(service, task, timeout=deadline + 30)
-                stopped_after = time.monotonic() - stopping
+                # A stop that waited for the decode would take minutes: this bound catches that (a hang
+                # guard, far above what a stop takes even on a loaded machine, not a timing).
+                await stop(service, task, timeout=deadline + 90)
             await reader.caught_up()
-            return reader, busy_while_texts_answered, bomb_answered, stopped_after
+            return reader, busy_while_texts_answered
 
-    reader, busy_while_texts_answered, bomb_answered, stopped_after = run(scenario())
+    reader, busy_while_texts_answered = run(scenario())
     by_id = reader.by_id()
     assert sorted(reader.counts().values()) == [1] * (len(texts) + 3), reader.counts()
     assert busy_while_texts_answered
     assert all("error" not in by_id[r["id"]] for r in texts)
+    # Both bombs abandoned at their deadline, their processes killed (decoded to the end, each takes minutes and
+    # is answered otherwise): what the answers say, not how long it took (a loaded CI machine took 52 s once).
     for rid in ("bomb", "bomb-2"):
         error = by_id[rid]["error"]
         assert error["code"] == "media_unreadable" and "media_decode_timeout_s" in error["message"], error
-    assert bomb_answered < deadline + 30  # abandoned at its deadline (unbounded: minutes)
-    assert stopped_after < deadline + 30
     assert "error" not in by_id["clip"], by_id["clip"].get("error")  # decoded in the replacement process
     assert service.decoder.processes.abandoned == 2
 
