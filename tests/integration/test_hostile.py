@@ -31,7 +31,9 @@ from d3stream.settings import Settings
 from tests.support.media_makers import make_jpeg, make_mp4, make_png, make_png_header_only
 from tests.support.stream_helpers import Q_NOUL, Reader, assigned_and_ready, free_port, record, run, serve
 
-pytestmark = pytest.mark.timeout(300)
+# Its module-scoped broker starts once on one pytest worker (xdist_group, make test's --dist loadgroup), not
+# once on each worker that runs one of its tests: in a CI run three such JVMs started at once beside the others.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("sasl-broker")]
 
 
 # ======================================================================================= hostile media

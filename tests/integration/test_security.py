@@ -30,6 +30,10 @@ from tests.support.stream_helpers import Q_NOUL, Reader, assigned_and_ready, fre
 
 # ------------------------------------------------------------------------------------------ the broker
 
+# Its module-scoped broker starts once on one pytest worker (xdist_group, make test's --dist loadgroup), not
+# once on each worker that runs one of its tests: in a CI run three such JVMs started at once beside the others.
+pytestmark = pytest.mark.xdist_group("secured-broker")
+
 
 @pytest.fixture(scope="module")
 def secured_broker(kafka_broker, pki):

@@ -31,7 +31,9 @@ from d3stream_client.publisher import produce
 from d3stream.kafka.limits import BROKER_DEFAULT_MAX_MESSAGE_BYTES
 from tests.support.stream_helpers import Q_NOUL, committed, read_all, record, run, serve
 
-pytestmark = pytest.mark.timeout(300)
+# Its module-scoped broker starts once on one pytest worker (xdist_group, make test's --dist loadgroup), not
+# once on each worker that runs one of its tests: in a CI run three such JVMs started at once beside the others.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("authorizing-broker")]
 
 # These requests are larger than max_request_bytes allows by default (a request that large is refused
 # unread, tests/integration/test_limits.py); the workers here raise it so that the answer and dead-letter limits are met.

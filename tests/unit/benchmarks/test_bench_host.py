@@ -17,6 +17,9 @@ from tests.support.model_fixtures import load_model
 QUESTIONS = {"late": {"type": "noul", "instructions": "Did it arrive late?"},
              "what": {"type": "choice", "criteria": {"refund": "pay back", "resend": "send again"}}}
 
+# Its module-scoped model loads once, on one pytest worker (xdist_group, make test's --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("bench-host-model")
+
 
 @pytest.fixture(scope="module")
 def stood_in(qwen35_checkpoint):

@@ -18,6 +18,9 @@ CHOICE = {
     "criteria": {"north": "toward the door", "south": "", "east": None, "west": {"cost": 3}},
 }
 
+# Its module-scoped tokenizer loads once, on one pytest worker (xdist_group, make test's --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("format-tokenizer")
+
 
 @pytest.fixture(scope="module")
 def tokenizer(qwen35_text_checkpoint):
