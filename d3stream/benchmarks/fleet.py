@@ -694,6 +694,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
     stop = asyncio.Event()
     codes: list[int | None] = []
     retired: list[FleetMember] = []  # surge: the processes replaced in the rolling restart
+    replacements: list[FleetMember] = []  # surge: their replacements, stopped at the end even if the roll failed
     stream = BacklogStream(bootstrap, topics["requests"], shape.partitions, shape.backlog_requests)
     async with AnswerCount(bootstrap, topics["answers"], on_answered=stream.answered) as answers:
         timeline = Timeline(answers, shape.min_event_s)
@@ -731,6 +732,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
                     new = fleet_member(env, folder, f"{member.name}'", device_ms=shape.device_ms,
                                        load_s=shape.load_s, static=shape.static)
                     retired.append(member)
+                    replacements.append(new)
                     return new
 
                 restarts, until, rolled = await _surge_restart(everyone, shape, replacement)
@@ -763,7 +765,9 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
             stop.set()
             if publishing is not None and not publishing.done():
                 await asyncio.gather(publishing, return_exceptions=True)
-            codes = await _terminate([m for m in everyone if m.running], shape.settle_timeout_s) + codes
+            running = [m for m in everyone if m.running]
+            running += [m for m in replacements if m.running and m not in running]
+            codes = await _terminate(running, shape.settle_timeout_s) + codes
     step("counting")
     counted = await count_topic(bootstrap, topics["answers"])
     report = _report(shape, stream, counted, timeline, codes, folder, since=timeline.started, until=ended,
