@@ -4,7 +4,7 @@
   abandoned at ``media_decode_timeout_s``, its process killed and replaced, and answered
   ``media_unreadable``; text-only requests are answered while it decodes, a later video decodes in the
   fresh process, and the worker stops on ``stop()`` within the deadline.
-* A legitimate video behind three bombs is answered before them; three image requests decode side by side.
+* A legitimate video behind a bomb is answered before it; three image requests decode side by side.
 * 30 references to one 16-megapixel PNG and 1,000 references to a small PNG are refused
   (``invalid_request`` naming ``max_media_pixels`` / ``max_media_references``) before any decode / fetch,
   a repeated reference is fetched once, and the test process's RSS stays within a stated bound.
@@ -129,14 +129,18 @@ def test_a_video_decode_bomb_is_abandoned_while_text_requests_flow_and_stop_is_p
     assert service.decoder.processes.abandoned == 2
 
 
-def test_a_legitimate_video_behind_three_bombs_is_answered_before_any_of_them(stack, qwen35_model):
-    """With the default decoding pool, three bombs decoding at once hold three slots and a small legitimate clip
-    read after them decodes in the fourth: it is answered while they still decode, not after their deadlines
-    one after another (issue 36: 30 s behind three bombs with one decoding process). Each video's size comes
-    from its header before it decodes, so the media budget lets all four decode at once."""
+def test_a_legitimate_video_behind_a_bomb_is_answered_before_it(stack, qwen35_model):
+    """With the default decoding pool, a bomb decoding holds one slot and a small legitimate clip read after it
+    decodes in another: it is answered while the bomb still decodes, not after its deadline (issue 36: 30 s
+    behind three bombs with one decoding process). The clip's size comes from its header before it decodes, so
+    the media budget lets both decode at once.
+
+    One bomb, not three: each burns a core until its deadline, and three for 45 s starved the brokers of a
+    fresh-clone CI run on this 2-core machine (fenced: topics could not be created on the other pytest workers).
+    One is enough to show the clip does not queue behind a decode."""
     deadline = 45.0  # far past what the clip takes, even on a loaded 2-core machine (20 s was not, twice)
     bomb = data_url(make_mp4_bomb(30_000, 320, 180, fps=1000, keyframe="first"), "video/mp4")
-    bombs = [f"bomb-{n}" for n in range(3)]
+    bombs = ["bomb-0"]
     taken = {partition_of(rid) for rid in bombs}
     clip_id = next(rid for rid in ids_off_partition("clip", -1, 100) if partition_of(rid) not in taken)
     text_id = next(rid for rid in ids_off_partition("text", -1, 100) if partition_of(rid) not in taken)
@@ -152,8 +156,8 @@ def test_a_legitimate_video_behind_three_bombs_is_answered_before_any_of_them(st
             try:
                 await reader.wait(lambda: assigned_and_ready(service), 60, task, what="the assignment")
                 await produce(bootstrap, stack.requests, [record(request(rid, videos=[bomb])) for rid in bombs])
-                await reader.wait(lambda: decoding_videos(service) == 3, 60, task,
-                                  what="three bombs decoding side by side")
+                await reader.wait(lambda: decoding_videos(service) == len(bombs), 60, task,
+                                  what="the bomb decoding")
                 await produce(bootstrap, stack.requests,
                               [record(request(clip_id, videos=[clip])), record(request(text_id))])
                 await reader.wait_ids([clip_id, text_id], 120, task)
@@ -170,7 +174,7 @@ def test_a_legitimate_video_behind_three_bombs_is_answered_before_any_of_them(st
     for rid in bombs:
         error = by_id[rid]["error"]
         assert error["code"] == "media_unreadable" and "media_decode_timeout_s" in error["message"], error
-    assert sorted(reader.counts().values()) == [1] * 5
+    assert sorted(reader.counts().values()) == [1] * (len(bombs) + 2)
 
 
 def test_three_image_requests_read_together_decode_side_by_side(stack, qwen35_model, monkeypatch):

@@ -98,11 +98,12 @@ def kafka_properties(
         "delete.topic.enable": "true",
         # A broker whose heartbeats to its own controller stop for the session timeout is fenced, and the only
         # broker fenced refuses everything ("All brokers are currently fenced"): 4 s was too short for a
-        # loaded 2-core machine (the test suite, five JVMs starting at once: a load average of 47). The cost is
-        # after a crash (kill()), when the controller refuses the new incarnation until the old one's session
-        # expires (DUPLICATE_BROKER_REGISTRATION): up to 12 s here; a clean stop deregisters at once.
+        # loaded 2-core machine (the test suite, five JVMs starting at once: a load average of 47), and so was
+        # 12 s once. The cost is after a crash (kill()), when the controller refuses the new incarnation until the
+        # old one's session expires (DUPLICATE_BROKER_REGISTRATION): up to 30 s here; a clean stop deregisters
+        # at once.
         "broker.heartbeat.interval.ms": "500",
-        "broker.session.timeout.ms": "12000",
+        "broker.session.timeout.ms": "30000",
         "num.network.threads": "2",
         "num.io.threads": "4",
     }
