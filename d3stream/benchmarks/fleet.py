@@ -739,7 +739,7 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
             else:
                 restarts, until = await _rolling_restart(everyone, shape)
                 rolled = everyone
-            await timeline.event("rolling_restart", [*retired, *rolled] if retired else everyone,
+            await timeline.event("rolling_restart", [*retired, *rolled],
                                  before=len(everyone), after=len(everyone), since=since, until=until, totals=totals,
                                  generation_before=generation_before, steady=steady_all, restarts=restarts)
             everyone = rolled
@@ -765,9 +765,8 @@ async def run_fleet(broker: KafkaBroker, shape: FleetShape, folder: Path, prefix
             stop.set()
             if publishing is not None and not publishing.done():
                 await asyncio.gather(publishing, return_exceptions=True)
-            running = [m for m in everyone if m.running]
-            running += [m for m in replacements if m.running and m not in running]
-            codes = await _terminate(running, shape.settle_timeout_s) + codes
+            running = {id(m): m for m in [*everyone, *replacements] if m.running}  # once each
+            codes = await _terminate(list(running.values()), shape.settle_timeout_s) + codes
     step("counting")
     counted = await count_topic(bootstrap, topics["answers"])
     report = _report(shape, stream, counted, timeline, codes, folder, since=timeline.started, until=ended,
@@ -816,7 +815,7 @@ def fleet_markdown(report: FleetReport) -> str:
     """The report as a Markdown table and its notes."""
     lines = [
         f"Fleet of {report['workers']} workers ({'static' if report['static'] else 'dynamic'} membership, "
-        f"rolling restart {ROLLOUT_TITLES.get(report.get('rollout', 'stop_first'), '?')}, "
+        f"rolling restart {ROLLOUT_TITLES[report['rollout']]}, "
         f"{report['delivery']}, rebalances {'keep what they hand back' if report['keep_partitions'] else 'drain'}"
         + (f", heartbeat {report['heartbeat_ms']} ms" if report.get("heartbeat_ms") else "")
         + f"), {report['partitions']} partitions; each pass sleeps {report['device_ms']:g} ms "

@@ -348,11 +348,10 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
 def _fleet(args: argparse.Namespace) -> Outcome:
     from d3stream.benchmarks.fleet import FleetShape, fleet_bench, fleet_markdown
 
-    shape_default = FleetShape()
     shape = FleetShape(workers=args.workers, scale_from=args.scale_from, partitions=args.partitions,
                        device_ms=args.device_ms, batch_rows=args.batch_rows, max_inflight=args.max_inflight,
                        steady_s=args.steady_s, backlog=args.backlog, delivery=args.delivery, static=args.static,
-                       rollout=args.rollout or ("stop_first" if args.static else shape_default.rollout),
+                       rollout=args.rollout or ("stop_first" if args.static else FleetShape.rollout),
                        keep_partitions=args.keep_partitions, heartbeat_ms=args.heartbeat_ms,
                        session_timeout_ms=args.session_timeout_ms, commit_interval_ms=args.commit_interval_ms,
                        load_s=args.load_s)
