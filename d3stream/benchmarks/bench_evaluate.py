@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, TypedDict
 from d3stream_client.contract import Source, decode_answer
 from d3stream_client.publisher import produce
 
-from d3stream.core.evaluation import JoinState, answer_entry
+from d3stream.jobs.evaluate.join_state import JoinState, answer_entry
 from d3stream.settings import Settings
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class EvaluateReport(TypedDict):
 
 def state_memory(waiting: int = 100_000) -> StateMemory:
     """The state's byte count, its file on disk and the heap growth for ``waiting`` answers with no label."""
-    from d3stream.core.state_store import WaitingStore
+    from d3stream.jobs.evaluate.state_store import WaitingStore
 
     rng = random.Random(0)
     events = [json.dumps(answer_event(f"ticket-{n:08d}", rng)).encode() for n in range(waiting)]
@@ -234,7 +234,7 @@ async def _produce_stamped(servers: str, topic: str, chunks: Iterable[list[tuple
 
 
 class Adopted(TypedDict):
-    """A worker's "evaluating partition" log line, the fields the report reads (kafka/evaluating.py logs them)."""
+    """A worker's "evaluating partition" log line, the fields the report reads (jobs/evaluate/changelog.py logs them)."""
 
     partition: int
     mode: str  # tail (the changelog after the state on disk) or restore (all of it)

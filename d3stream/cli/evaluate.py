@@ -1,4 +1,4 @@
-"""``d3stream evaluate``: the live evaluator's worker, or with ``--report`` its figures (jobs/evaluate.py)."""
+"""``d3stream evaluate``: the live evaluator's worker, or with ``--report`` its figures (jobs/evaluate/)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import json
 from d3stream.cli.common import Refused, reach_kafka
 from d3stream.cli.shape import Command
 
-# The settings ``d3stream evaluate`` reads (the connection's, its topics', its own and the endpoint's).
+# The settings ``d3stream evaluate`` reads (the connection's, its topics', its own, the consume loop's it runs on
+# and the endpoint's).
 EVALUATE_FIELDS = (
     "answer_topic", "shadow_topic", "label_topic", "evaluation_topic", "label_dead_letter_topic", "evaluate_group_id",
     "evaluate_state_topic", "evaluate_state_dir", "evaluate_window_s", "evaluate_max_state_bytes", "evaluate_drift_window",
     "evaluate_drift_reference", "transactional_id_prefix", "create_topics", "topic_partitions", "auto_offset_reset",
-    "session_timeout_ms", "rebalance_timeout_ms", "metrics_host", "metrics_port", "log_format", "log_level",
+    "session_timeout_ms", "rebalance_timeout_ms", "commit_interval_ms", "shutdown_timeout_s", "stall_unready_s",
+    "metrics_host", "metrics_port", "log_format", "log_level",
 )
 
 
@@ -25,9 +27,8 @@ EVALUATE_DEFAULTS: dict[str, object] = {"metrics_port": 9465}
 
 def _run(args: argparse.Namespace) -> int:
     from d3stream.jobs.compare import SourceError
-    from d3stream.jobs.evaluate import figures_json, read_figures, render, run_worker
+    from d3stream.jobs.evaluate import EvaluateSetupError, figures_json, read_figures, render, run_worker
     from d3stream.kafka.connection import check_connection, connecting
-    from d3stream.kafka.evaluating import EvaluateSetupError
     from d3stream.ops.logs import configure_logging
     from d3stream.settings import load_settings
 

@@ -118,7 +118,7 @@ class LabelStats:
     ece: float | None
     log_loss: float | None = None
     bins: tuple[CalibrationBin, ...] = ()
-    # What the answers expected of themselves (core/estimation.py) over the same labelled questions, and the
+    # What the answers expected of themselves (jobs/evaluate/estimation.py) over the same labelled questions, and the
     # estimation error: expected minus realized (near 0 while the model is calibrated).
     estimated_accuracy: float | None = None
     estimated_brier: float | None = None
@@ -174,7 +174,7 @@ class Scored:
     correct: bool
     brier: float
     log_loss: float
-    # What the answer expects of itself against a label drawn from its probabilities (core/estimation.py):
+    # What the answer expects of itself against a label drawn from its probabilities (jobs/evaluate/estimation.py):
     # its expected accuracy is ``confidence``, its expected Brier term this. None: not recorded (an evaluation
     # record from before the estimates).
     expected_brier: float | None = None

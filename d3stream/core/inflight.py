@@ -96,3 +96,8 @@ class InFlightLedger:
         """The sink took these requests' answers (or gave up on them): their places and questions go back."""
         self.counts.requests -= len(records)
         self.counts.questions -= sum(record.questions for record in records)
+
+    def released(self, count: int) -> None:
+        """``count`` records read were handled without becoming requests (the evaluator joins them, it answers
+        none): their places go back."""
+        self.counts.requests -= count

@@ -93,21 +93,32 @@ def backpressure_pauses(in_flight: Mapping[K, int], requests: int, tokens: int, 
 
 
 
-def group_consumer(settings: Settings) -> AIOKafkaConsumer:
-    """The worker's consumer-group member: committed offsets are the commit policy's (no auto-commit), and it
-    reads committed records only (answers of an aborted transaction never count as requests)."""
+def group_consumer(settings: Settings, *, group_id: str | None = None, co_partitioned: bool = False,
+                   client_suffix: str = "") -> AIOKafkaConsumer:
+    """A consumer-group member: committed offsets are the commit policy's (no auto-commit), and it reads
+    committed records only (answers of an aborted transaction never count as requests).
+
+    The serve job's group by default; ``group_id`` names another job's group (without the worker's static
+    membership, which is the serve group's). ``co_partitioned``: partition ``p`` of every subscribed topic goes
+    to the same member (range assignment), for a job whose unit is a partition number across topics
+    (kafka/units.py)."""
+    from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+
+    delivery = settings.delivery
+    assignment: dict[str, object] = {"partition_assignment_strategy": (RangePartitionAssignor,)} if co_partitioned else {}
     return kafka_consumer(settings.connection,
-        client_id=settings.connection.client_id,
-        group_id=settings.delivery.group_id,
-        group_instance_id=settings.delivery.group_instance_id,
-        session_timeout_ms=settings.delivery.session_timeout_ms,
-        rebalance_timeout_ms=settings.delivery.rebalance_timeout_ms,
-        heartbeat_interval_ms=heartbeat_interval_ms(settings.delivery),
+        client_id=settings.connection.client_id + client_suffix,
+        group_id=group_id or delivery.group_id,
+        group_instance_id=delivery.group_instance_id if group_id is None else None,
+        session_timeout_ms=delivery.session_timeout_ms,
+        rebalance_timeout_ms=delivery.rebalance_timeout_ms,
+        heartbeat_interval_ms=heartbeat_interval_ms(delivery),
         # A JoinGroup waits on the broker for the whole rebalance: its request must outlast it.
-        request_timeout_ms=max(40_000, settings.delivery.rebalance_timeout_ms + 5_000),
+        request_timeout_ms=max(40_000, delivery.rebalance_timeout_ms + 5_000),
         enable_auto_commit=False,
-        auto_offset_reset=settings.delivery.auto_offset_reset,
+        auto_offset_reset=delivery.auto_offset_reset,
         isolation_level="read_committed",
+        **assignment,
     )
 
 @dataclass

@@ -12,7 +12,7 @@ shadow) and question (``question``, ``type``):
                 / sum by (model, role) (increase(d3stream_eval_pairs_total[1h]))
 
 (ECE's bins are the ``bin`` label, the tenths of the decided option's probability: the same ten bins as
-``d3stream compare``.) Estimates need no labels (``core/estimation.py``, CBPE): the gauges
+``d3stream compare``.) Estimates need no labels (``jobs/evaluate/estimation.py``, CBPE): the gauges
 ``d3stream_eval_estimated_accuracy``, ``_estimated_brier`` and ``_estimated_log_loss`` are the means the
 answers of the drift window expect of themselves. Beside the realized sums, the labelled pairs' expectations:
 

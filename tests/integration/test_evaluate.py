@@ -24,8 +24,14 @@ from prometheus_client import generate_latest
 
 from d3stream.cli import main as cli_main
 from d3stream.jobs import compare
-from d3stream.jobs.evaluate import figures, figures_json, read_figures, run_worker
-from d3stream.kafka.evaluating import EvaluateTopics, prepare_topics
+from d3stream.jobs.evaluate import (
+    EvaluateTopics,
+    figures,
+    figures_json,
+    prepare_topics,
+    read_figures,
+    run_worker,
+)
 from d3stream.ops.quality import QualityMetrics
 from tests.support.evaluate_events import (
     answer_event,
@@ -224,3 +230,41 @@ def test_over_the_disk_budget_the_oldest_answers_are_evicted_counted_and_their_l
     assert series["d3stream_eval_state_bytes"] <= 24_000
     assert series["d3stream_eval_window_seconds"] == settings.evaluation.evaluate_window_s
     assert 0 < series["d3stream_eval_state_coverage_seconds"] < settings.evaluation.evaluate_window_s
+
+
+def test_a_unit_fenced_while_its_worker_holds_it_is_rebuilt_from_its_changelog_and_joins_each_pair_once(
+        kafka_broker: Any, topic_names: Any) -> None:
+    """Another producer takes the unit's transactional id while the worker holds the unit (a zombie's successor,
+    or a second worker with the same group misconfigured): the worker's next transaction is refused, its unit is
+    closed, its state rebuilt whole from the changelog and its partitions read again from their commits; every
+    answer is still joined with its label exactly once."""
+    from d3stream.kafka.connection import kafka_producer
+
+    settings = evaluate_settings(kafka_broker, topic_names)
+    servers = settings.connection.bootstrap_servers
+    rng = random.Random(11)
+    ids = [f"f-{n:02d}" for n in range(30)]
+    answers, labels = [answer_event(i, rng) for i in ids], [label_event(i, rng) for i in ids]
+
+    async def scenario() -> tuple[list[Any], list[dict[str, Any]]]:
+        await prepare_topics(settings, EvaluateTopics.from_settings(settings, None))
+        stopping = asyncio.Event()
+        worker = asyncio.ensure_future(run_worker(settings, stopping))
+        await produce(servers, settings.delivery.answer_topic, keyed(answers))
+        await produce(servers, settings.evaluation.label_topic, keyed(labels[:10]))
+        await events_until(servers, settings.evaluation.evaluation_topic, 10)
+        intruder = kafka_producer(settings.connection, transactional_id=f"{settings.delivery.transactional_id_prefix}"
+                                  f"-evaluate-{settings.evaluation.evaluate_group_id}-0")
+        await intruder.start()  # init_transactions: the worker's producer of unit 0 is fenced from here on
+        await intruder.stop()
+        await produce(servers, settings.evaluation.label_topic, keyed(labels[10:]))
+        await events_until(servers, settings.evaluation.evaluation_topic, 30)
+        await asyncio.sleep(1.0)  # nothing more may come
+        stopping.set()
+        evaluator = await worker
+        return evaluator.restores, await read_events(servers, settings.evaluation.evaluation_topic)
+
+    restores, evaluations = asyncio.run(scenario())
+    assert sorted(collections.Counter(e["id"] for e in evaluations).items()) == [(i, 1) for i in ids]
+    fenced_unit = [restore["mode"] for restore in restores if restore["partition"] == 0]
+    assert fenced_unit == ["restore", "restore"], "unit 0 rebuilt whole once fenced (its file may lag the changelog)"

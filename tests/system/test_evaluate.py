@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from d3stream_client.publisher import produce
 
-from d3stream.kafka.evaluating import EvaluateSetupError, EvaluateTopics, prepare_topics
+from d3stream.jobs.evaluate import EvaluateSetupError, EvaluateTopics, prepare_topics
 from tests.support.evaluate_events import (
     answer_event,
     evaluate_settings,

@@ -31,7 +31,7 @@ import msgspec
 from d3stream_client.contract import Answer, Evaluation, LabelledQuestion, LabelValue, Role, Source
 
 from d3stream.core.agreement import Scored, Slot, label_key, parse_slot, score
-from d3stream.core.state_store import Held, Totals, WaitingStore
+from d3stream.jobs.evaluate.state_store import Held, Totals, WaitingStore
 
 # Entries read from the store per step of a window or budget walk.
 WALK_STEP = 512

@@ -1,4 +1,4 @@
-"""Live evaluation's parts without a broker (d3stream/core/evaluation.py, agreement.py, estimation.py,
+"""Live evaluation's parts without a broker (d3stream/jobs/evaluate/join_state.py, agreement.py, estimation.py,
 drift.py): the join state on its own (both arrival orders, repeats on both sides, labels of unknown questions
 or of the wrong type, the window, the byte budget, a restore from the changelog), the figures (one ``Tally``
 for the live and the offline evaluation, whatever the order), the estimates and drift. The worker on the
@@ -18,10 +18,10 @@ from d3stream_client.contract import Source, decode_answer
 from d3stream_client.validation import decode_label
 
 from d3stream.core.agreement import Slot, Tally, label_key, label_stats, parse_slot, score
-from d3stream.core.drift import Drift, psi
-from d3stream.core.evaluation import JoinState, LabelEntry, answer_entry, decode_waiting
 from d3stream.jobs import compare
 from d3stream.jobs.evaluate import load_drift
+from d3stream.jobs.evaluate.drift import Drift, psi
+from d3stream.jobs.evaluate.join_state import JoinState, LabelEntry, answer_entry, decode_waiting
 from d3stream.settings import load_settings
 from tests.support.evaluate_events import answer_event, label_event
 
@@ -198,7 +198,7 @@ def test_the_estimates_equal_an_independent_computation_and_match_reality_only_w
     is not, and it says which way."""
     import numpy as np
 
-    from d3stream.core.estimation import Estimates
+    from d3stream.jobs.evaluate.estimation import Estimates
 
     rng = np.random.default_rng(11)
     answers = rng.dirichlet([1.0, 1.0, 1.0], size=20_000)

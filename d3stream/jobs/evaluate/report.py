@@ -1,30 +1,19 @@
-"""``d3stream evaluate``: live evaluation, and its figures read back.
+"""``d3stream evaluate --report``: the evaluation topic folded into figures per model and question.
 
-    d3stream evaluate                      # the worker: join labels with answers, publish evaluations, metrics
-    d3stream evaluate --report [--json]    # accuracy, Brier, log loss, ECE and the estimates per model
-
-The worker (``kafka/evaluating.py``) joins the label topic with the answer topic and the shadow topic, per
-partition and exactly once, publishes one evaluation record per joined request and model
-(``d3stream_client.contract.Evaluation``), and exports the quality and drift series (``ops/quality.py``)
-on ``/metrics``. ``--report`` folds the evaluation topic into the same ``Tally`` that ``d3stream compare
---labels`` uses, so the same answers and labels give the same figures both ways.
+``--report`` folds the evaluation topic into the same ``Tally`` that ``d3stream compare --labels`` uses, so the
+same answers and labels give the same figures both ways.
 """
 
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 from d3stream.core.agreement import LabelStats, Scored, Tally
 
 if TYPE_CHECKING:
-    from d3stream.core.drift import Drift
-    from d3stream.kafka.evaluating import Evaluator
-    from d3stream.ops.quality import QualityMetrics
     from d3stream.settings import Settings
 
 
@@ -138,68 +127,3 @@ def read_figures(settings: Settings, timeout_s: float = 120.0) -> list[ModelFigu
     records = asyncio.run(read_topic(servers, TopicRange(settings.evaluation.evaluation_topic), timeout_s=timeout_s,
                                      security=options, settings=settings))
     return figures(records)
-
-
-def load_drift(settings: Settings) -> Drift:
-    """The drift tracker, with the reference file's distribution when ``evaluate_drift_reference`` names one."""
-    from d3stream.core.agreement import parse_slot
-    from d3stream.core.drift import Drift, reference_bins
-    from d3stream.jobs.compare import read_jsonl
-
-    reference = None
-    if settings.evaluation.evaluate_drift_reference:
-        answers = read_jsonl(Path(settings.evaluation.evaluate_drift_reference))
-        reference = reference_bins(
-            (question_id, slot) for answer in answers if isinstance(answer, dict)
-            and isinstance(answer.get("answers"), dict) for question_id, raw in answer["answers"].items()
-            if (slot := parse_slot(raw)) is not None)
-    return Drift(settings.evaluation.evaluate_drift_window, reference)
-
-
-async def _shadow_topic(settings: Settings) -> str | None:
-    """The shadow topic to read: ``shadow_topic`` when set, else the default one when it exists."""
-    from d3stream.core.shadow import shadow_topic
-    from d3stream.kafka.connection import kafka_admin
-
-    if settings.models.shadow_topic:
-        return settings.models.shadow_topic
-    admin = kafka_admin(settings.connection, client_id=f"{settings.connection.client_id}-evaluate")
-    await admin.start()
-    try:
-        name = shadow_topic(settings)
-        return name if name in await admin.list_topics() else None
-    finally:
-        await admin.close()
-
-
-async def make_evaluator(settings: Settings, metrics: QualityMetrics | None = None) -> Evaluator:
-    """An evaluate worker (``kafka/evaluating.Evaluator``) for ``settings``, its readiness on ``metrics``."""
-    from d3stream.kafka.evaluating import Evaluator
-    from d3stream.ops.quality import QualityMetrics
-
-    metrics = metrics or QualityMetrics()
-    evaluator = Evaluator(settings, metrics, load_drift(settings), shadow_topic=await _shadow_topic(settings))
-    metrics.set_ready_check(lambda: evaluator.ready)
-    return evaluator
-
-
-async def run_worker(settings: Settings, stopping: asyncio.Event | None = None, *,
-                     metrics: QualityMetrics | None = None) -> Evaluator:
-    """Run one evaluate worker until ``stopping`` is set (SIGTERM and SIGINT set it when none is given);
-    returns the Evaluator (its counts)."""
-    stopping = stopping or _on_signals()
-    evaluator = await make_evaluator(settings, metrics)
-    await evaluator.start()
-    try:
-        await evaluator.run(stopping)
-    finally:
-        await evaluator.stop()
-    return evaluator
-
-
-def _on_signals() -> asyncio.Event:
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stopping.set)
-    return stopping
