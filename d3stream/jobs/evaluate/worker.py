@@ -48,6 +48,9 @@ from d3stream.settings import Settings
 if TYPE_CHECKING:
     from d3stream.kafka.connection import AIOKafkaConsumer, AIOKafkaProducer
 
+# Records read and not yet joined, at most (a fetch brings up to what is left of it).
+RECORDS_IN_FLIGHT = 2_000
+
 
 class Evaluator:
     """One evaluate worker: ``await start()``, ``await run(stopping)``, ``await stop()``."""
@@ -104,9 +107,11 @@ class Evaluator:
         self.commits = self.joining.commits = CommitUnitsInTransaction(
             producer_factory=self._producer, open_state=self.joining.open_unit, lock=asyncio.Lock(),
             consumer=consumer, tracker=tracker, group_id=evaluation.evaluate_group_id, metrics=self.loop_metrics)
-        # Joined records hold nothing once taken in: the ledger only bounds how many one fetch brings.
         self.joining.ledger = ledger = InFlightLedger(media_budget=ByteBudget(1))
-        self.loop = ConsumeLoop(settings, consumer, commits=self.commits, tracker=tracker,
+        # A joined record holds nothing once taken in: the evaluator's bound on the records in flight is the size of
+        # the fetches it joins at once (each a read-ahead of the state's entries), not a serving worker's.
+        loop_settings = settings.replaced(max_inflight_requests=RECORDS_IN_FLIGHT)
+        self.loop = ConsumeLoop(loop_settings, consumer, commits=self.commits, tracker=tracker,
                                 read=LiveRead(self.topics.inputs), handler=self.joining.take, ledger=ledger,
                                 metrics=self.loop_metrics)
         await consumer.start()
