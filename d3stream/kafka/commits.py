@@ -123,6 +123,18 @@ class _Counted:
         if self.metrics is not None:
             self.metrics.count_commit(ok=ok)
 
+    async def _aborted(self, producer: AIOKafkaProducer) -> None:
+        """A transaction of ``producer`` failed: counted, and aborted if it is still open (a failure to abort is
+        left to the caller, which replaces or closes the producer anyway)."""
+        self.aborts += 1
+        if self.metrics is not None:
+            self.metrics.count_transaction_abort()
+        if producer._txn_manager.is_in_transaction():  # noqa: SLF001 - aiokafka has no public check
+            try:
+                await producer.abort_transaction()
+            except Exception:  # noqa: BLE001 - the producer is replaced or closed next
+                pass
+
 
 class CommitAfterWrite(_Counted):
     """The sink writes each answer at once; offsets are committed behind its acknowledgements."""
@@ -413,14 +425,7 @@ class CommitInTransaction(_Counted):
             await producer.send_offsets_to_transaction({txns.partition: point}, self.group_id)
             await producer.commit_transaction()
         except BaseException:
-            self.aborts += 1
-            if self.metrics is not None:
-                self.metrics.count_transaction_abort()
-            if producer._txn_manager.is_in_transaction():  # noqa: SLF001 - aiokafka has no public check
-                try:
-                    await producer.abort_transaction()
-                except Exception:  # noqa: BLE001 - the producer is replaced below anyway
-                    pass
+            await self._aborted(producer)
             raise
         finally:
             txns.after(TxnState.READY)  # committed or aborted: no transaction open

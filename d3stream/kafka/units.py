@@ -167,14 +167,7 @@ class CommitUnitsInTransaction(_Counted):
                 await producer.send_offsets_to_transaction(offsets, self.group_id)
             await producer.commit_transaction()
         except BaseException:
-            self.aborts += 1
-            if self.metrics is not None:
-                self.metrics.count_transaction_abort()
-            if producer._txn_manager.is_in_transaction():  # noqa: SLF001 - aiokafka has no public check
-                try:
-                    await producer.abort_transaction()
-                except Exception:  # noqa: BLE001 - the unit is closed below anyway
-                    pass
+            await self._aborted(producer)
             raise
 
     def _settle_again(self, members: list[TopicPartition]) -> None:
