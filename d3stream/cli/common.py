@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 REFUSED_EXIT = 2
 # The exit status after Ctrl-C (128 + SIGINT, as a shell reports a command SIGINT ended).
 INTERRUPTED_EXIT = 130
+# The exit status of a worker (serve, evaluate) after a worker-fatal error (2 is a configuration error).
+WORKER_FATAL_EXIT = 3
 
 
 class Refused(Exception):

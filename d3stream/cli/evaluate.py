@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import json
 
-from d3stream.cli.common import Refused, reach_kafka
+from d3stream.cli.common import WORKER_FATAL_EXIT, Refused, reach_kafka
 from d3stream.cli.shape import Command
 
 # The settings ``d3stream evaluate`` reads (the connection's, its topics', its own, the consume loop's it runs on
@@ -49,10 +49,18 @@ def _run(args: argparse.Namespace) -> int:
     reach_kafka(settings)  # before the endpoint: a worker that cannot start should not look alive meanwhile
     metrics = QualityMetrics()
     server = serve_metrics(metrics, settings.observability)
+    from d3stream.kafka.limits import WorkerFatal
+
     try:
         asyncio.run(connecting(settings.connection, run_worker(settings, metrics=metrics)))
     except (EvaluateSetupError, ValueError, OSError) as exc:  # OSError: evaluate_state_dir, the drift reference
         raise Refused(str(exc)) from exc
+    except WorkerFatal as exc:  # e.g. no permission on the evaluation topic: a restart would not help by itself
+        import structlog
+
+        structlog.get_logger("d3stream.evaluate").error("d3stream evaluate stopped", error=str(exc),
+                                                        exit_status=WORKER_FATAL_EXIT)
+        return WORKER_FATAL_EXIT
     finally:
         if server is not None:
             server.stop()

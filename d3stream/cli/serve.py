@@ -14,11 +14,8 @@ if TYPE_CHECKING:
     from d3stream.runtime import D3
     from d3stream.settings import Settings
 
-from d3stream.cli.common import Refused, checkpoint_folder, load_checkpoint, reach_kafka
+from d3stream.cli.common import WORKER_FATAL_EXIT, Refused, checkpoint_folder, load_checkpoint, reach_kafka
 from d3stream.cli.shape import Command
-
-# The exit status of `d3stream serve` after a worker-fatal error (2 is a configuration error).
-WORKER_FATAL_EXIT = 3
 
 
 def _serve(args: argparse.Namespace) -> int:

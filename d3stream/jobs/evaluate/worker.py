@@ -71,12 +71,17 @@ class Evaluator:
         self.commits: CommitUnitsInTransaction | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._reader: AIOKafkaConsumer | None = None
+        self._settled_once = False
 
     @property
     def ready(self) -> bool:
-        """In the group, every unit's state up to date, no task of the loop dead."""
+        """In the group with the first assignment's states up to date (a later rebalance does not take it away,
+        as it does not a serving worker's), no partition stalled, no task of the loop dead."""
         loop = self.loop
-        return loop is not None and loop.joined and not loop.settling and self.loop_metrics.tasks_died == 0
+        if loop is None or not loop.joined:
+            return False
+        self._settled_once = self._settled_once or not loop.settling
+        return self._settled_once and not loop.stalled and self.loop_metrics.tasks_died == 0
 
     @property
     def restores(self) -> list[Restore]:
