@@ -77,6 +77,9 @@ class CommitPolicy(Protocol):
     settles_assignments: bool
     commits: int
     aborts: int
+    # Told of a partition still held whose commits cannot go on from where it was read (its producer was fenced,
+    # or its transaction failed and its state went back): the consume loop settles it again.
+    on_fenced: Callable[[TopicPartition], None] | None
 
     async def start(self) -> None: ...
 
@@ -116,6 +119,7 @@ class _Counted:
         self.metrics = metrics
         self.commits = 0
         self.aborts = 0
+        self.on_fenced: Callable[[TopicPartition], None] | None = None
 
     def _counted_commit(self, ok: bool = True) -> None:
         if ok:
@@ -269,9 +273,6 @@ class CommitInTransaction(_Counted):
         self._factory = producer_factory
         self._partitions: dict[TopicPartition, PartitionTransactions] = {}
         self._lock = asyncio.Lock()
-        # Told of a partition whose producer was fenced while the consumer still holds it (consume.py settles it
-        # again: another worker committed meanwhile, so where this one read to no longer says what is answered).
-        self.on_fenced: Callable[[TopicPartition], None] | None = None
 
     @property
     def producers(self) -> dict[TopicPartition, AIOKafkaProducer]:

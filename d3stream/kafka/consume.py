@@ -226,8 +226,7 @@ class ConsumeLoop:
         # When the running rebalance began revoking (monotonic); counted as paused until its partitions settle.
         self.rebalance_began: float | None = None
         self.holdover: _Holdover | None = None  # partitions revoked and kept until the next assignment
-        if hasattr(commits, "on_fenced"):
-            commits.on_fenced = self.settle_again
+        commits.on_fenced = self.settle_again
 
     @property
     def paused(self) -> bool:

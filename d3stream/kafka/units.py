@@ -90,8 +90,6 @@ class CommitUnitsInTransaction(_Counted):
         self.lock = lock
         self.units: dict[int, Unit] = {}
         self._opening: dict[int, asyncio.Future[Unit]] = {}
-        # Told of each partition of a unit closed after a failed transaction, to be settled again (consume.py).
-        self.on_fenced: Callable[[TopicPartition], None] | None = None
 
     def state(self, number: int) -> UnitState | None:
         """The state of unit ``number`` when this worker holds it, ready to take records."""
