@@ -6,7 +6,8 @@ partition was read as far past its commit point as a commit's metadata can name)
 assigned, not yet positioned at its stable committed offset). Each ``PartitionState`` keeps the set of its
 reasons: the first reason pauses the partition in the consumer, and only the last one going resumes it, so
 no path that lets one reason go has to ask after the others. (aiokafka's ``TopicPartitionState`` and Quix
-Streams' ``PartitionBuffer.pause()`` are the models.)
+Streams' ``PartitionBuffer.pause()`` are the models.) A partition's ``PartitionState`` is a part of its
+``PartitionWork`` (partitions.py), beside its progress and transactions.
 
 An ``Assignment`` is made by the rebalance listener when partitions are assigned and ended when they are
 revoked (consume.py); the consume loop and the callbacks act on the one current. A new assignment starts
@@ -21,63 +22,28 @@ must not be committed after it.
 from __future__ import annotations
 
 import asyncio
-import enum
-from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Iterable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from aiokafka.structs import TopicPartition
 
+from d3stream.kafka.partitions import Partitions, PartitionState, PauseReason
+
 if TYPE_CHECKING:
     from d3stream.kafka.connection import AIOKafkaConsumer
-
-
-class PauseReason(enum.Enum):
-    """Why a partition is not read now."""
-
-    BACKPRESSURE = "backpressure"  # it holds its share of the work in flight, which is at a limit
-    QUOTA = "quota"  # a request of it waits for its tenant's quota (quotas.py)
-    WINDOW = "window"  # read as far past its commit point as a commit's metadata can name (offsets.py)
-    SETTLING = "settling"  # newly assigned, not yet read from its stable committed offset
-
-
-@dataclass(eq=False)
-class PartitionState:
-    """One assigned partition: why it is paused (it is read while no reason holds) and its settling."""
-
-    partition: TopicPartition
-    consumer: AIOKafkaConsumer
-    reasons: set[PauseReason] = field(default_factory=set)
-    settling: asyncio.Task[None] | None = None  # positioning it at its stable committed offset
-    skipped: int | None = None  # the first offset of a record fetched while settling (read again once settled)
-
-    def pause(self, reason: PauseReason) -> bool:
-        """Hold the partition for ``reason`` (paused in the consumer on its first reason); whether it is new."""
-        if reason in self.reasons:
-            return False
-        if not self.reasons:
-            self.consumer.pause(self.partition)
-        self.reasons.add(reason)
-        return True
-
-    def resume(self, reason: PauseReason) -> bool:
-        """Let ``reason`` go (resumed in the consumer once no reason is left); whether it held the partition."""
-        if reason not in self.reasons:
-            return False
-        self.reasons.discard(reason)
-        if not self.reasons and self.partition in self.consumer.assignment():
-            self.consumer.resume(self.partition)
-        return True
 
 
 class Assignment:
     """The partitions of one assignment and their states; whether backpressure is on; what was revoked."""
 
     def __init__(self, consumer: AIOKafkaConsumer, partitions: Iterable[TopicPartition] = (),
-                 generation: int | None = None):
+                 generation: int | None = None, *, works: Partitions | None = None):
         self.consumer = consumer
         self.generation = generation  # the group generation that gave it (None: assigned by hand, or none yet)
-        self.states: dict[TopicPartition, PartitionState] = {}
+        # Each partition's pause state is a part of its work (partitions.py); a new assignment starts them afresh.
+        self.states: MutableMapping[TopicPartition, PartitionState] = (
+            works if works is not None else Partitions()).view("pauses")
+        self.states.clear()
         for partition in partitions:
             self.state(partition)
         self.backpressure = False  # on until the work in flight drains (consume.py)

@@ -13,8 +13,9 @@ policies do that:
   one), the new owner's producer fences the old one: a zombie's late commit fails instead of duplicating
   answers. (aiokafka has no consumer-group-generation fencing, KIP-447, so partition-scoped ids are the way.)
   Each partition's producer, its waiting answers and its retries are one ``PartitionTransactions`` whose
-  ``TxnState`` moves only along ``_TRANSITIONS`` (idle, creating, ready, in a transaction, waiting to retry,
-  closed); revocation, fencing and the end close it in one place (``_close``).
+  ``TxnState`` moves only along a transition table (idle, creating, ready, in a transaction, waiting to retry,
+  closed), a part of the partition's ``PartitionWork`` (partitions.py); revocation, fencing and the end close
+  it in one place (``_close``).
   Cost: answers become visible at commit time, every ``commit_interval_ms``.
 * ``CommitAfterWrite`` (delivery ``at_least_once``, and replays into a file): the sink writes each answer as
   soon as it is ready; an offset is committed once the answers for it and every earlier offset are
@@ -29,10 +30,9 @@ name, its ``DeliveryName`` values in settings/sections.py, which a test keeps in
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NotRequired, Protocol, TypedDict, Unpack
 
@@ -40,6 +40,7 @@ import structlog
 from aiokafka.structs import TopicPartition
 
 from d3stream.kafka.offsets import OffsetTracker
+from d3stream.kafka.partitions import PartitionTransactions, TxnState
 from d3stream.kafka.publishing import (
     MAX_TXN_BACKOFF_S,
     PUBLISH_BACKOFF_S,
@@ -186,77 +187,8 @@ class CommitAfterWrite(_Counted):
         return None
 
 
-class TxnState(enum.Enum):
-    """Where one input partition's transactions stand (``PartitionTransactions``)."""
-
-    IDLE = "idle"  # no producer: none made yet, or the last one dropped after a failed transaction
-    CREATING = "creating"  # its producer is starting (init_transactions: fences any older one of the partition)
-    READY = "ready"  # a started producer, no transaction open
-    IN_TRANSACTION = "in_transaction"  # a transaction is open: records sent, the offset and the commit to come
-    RETRY_WAIT = "retry_wait"  # a retriable failure: no producer, the next periodic attempt waits for retry_at
-    CLOSED = "closed"  # revoked, fenced or stopped: its producer stopped, its answers dropped; never reopened
-
-
-# The moves a partition's transactions may make; any other raises (as aiokafka's own TransactionState does).
-_TRANSITIONS: dict[TxnState, frozenset[TxnState]] = {
-    TxnState.IDLE: frozenset({TxnState.CREATING, TxnState.RETRY_WAIT, TxnState.CLOSED}),
-    TxnState.CREATING: frozenset({TxnState.READY, TxnState.IDLE, TxnState.CLOSED}),
-    TxnState.READY: frozenset({TxnState.IN_TRANSACTION, TxnState.IDLE, TxnState.CLOSED}),
-    TxnState.IN_TRANSACTION: frozenset({TxnState.READY, TxnState.CLOSED}),
-    TxnState.RETRY_WAIT: frozenset({TxnState.CREATING, TxnState.CLOSED}),
-    TxnState.CLOSED: frozenset(),
-}
-
-
-class IllegalTxnTransition(RuntimeError):
-    """A partition's transactions were asked to move where ``_TRANSITIONS`` does not lead: a bug here."""
-
-
 class _Closed(Exception):  # noqa: N818 - not an error: the step's partition went away meanwhile
     """The partition's transactions were closed (revoked, fenced, stopped) while a step of them waited."""
-
-
-@dataclass(eq=False)
-class PartitionTransactions:
-    """One input partition's transactional producer, the answers waiting for its next transaction and its
-    retries, with where they stand (``state``, moved by ``to`` along ``_TRANSITIONS`` only)."""
-
-    partition: TopicPartition
-    state: TxnState = TxnState.IDLE
-    producer: AIOKafkaProducer | None = None
-    batches: RecordBatches | None = None  # its producer's, made with it
-    creating: asyncio.Future[AIOKafkaProducer] | None = None  # the producer's start, shared by every caller meanwhile
-    pending: dict[int, list[Outgoing]] = field(default_factory=dict)  # answered offset -> records waiting
-    failures: int = 0  # retriable transaction failures in a row
-    retry_at: float = 0.0  # monotonic time the next periodic attempt may start
-
-    def to(self, state: TxnState) -> None:
-        if state not in _TRANSITIONS[self.state]:
-            raise IllegalTxnTransition(f"transactions of {self.partition}: {self.state.value} -> {state.value}")
-        self.state = state
-
-    def after(self, state: TxnState) -> None:
-        """``to``, at the end of a step that waited: closed meanwhile, they stay closed."""
-        if self.state is not TxnState.CLOSED:
-            self.to(state)
-
-    def drop_producer(self) -> AIOKafkaProducer | None:
-        """Let the producer go after a failed transaction (a fresh one is made for the next); returns it, for
-        the caller to stop."""
-        producer, self.producer, self.batches, self.creating = self.producer, None, None, None
-        if self.state in (TxnState.CREATING, TxnState.READY):
-            self.to(TxnState.IDLE)
-        return producer
-
-    def close(self) -> AIOKafkaProducer | None:
-        """Closed for good: the waiting answers are dropped (the partition's next owner answers them); returns
-        the producer, for the caller to stop (None: none, or closed already)."""
-        if self.state is TxnState.CLOSED:
-            return None
-        producer, self.producer, self.batches, self.creating = self.producer, None, None, None
-        self.pending = {}
-        self.to(TxnState.CLOSED)
-        return producer
 
 
 class CommitInTransaction(_Counted):
@@ -271,7 +203,9 @@ class CommitInTransaction(_Counted):
                  **kwargs: Unpack[Common]):
         super().__init__(**kwargs)
         self._factory = producer_factory
-        self._partitions: dict[TopicPartition, PartitionTransactions] = {}
+        # Each partition's transactions are a part of its work (partitions.py), beside its progress and pauses.
+        self._partitions: MutableMapping[TopicPartition, PartitionTransactions] = self.tracker.works.view(
+            "transactions")
         self._lock = asyncio.Lock()
 
     @property

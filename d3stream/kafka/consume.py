@@ -58,11 +58,12 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.seams import InputRecord
-from d3stream.kafka.assignment import Assignment, PartitionState, PauseReason
+from d3stream.kafka.assignment import Assignment
 from d3stream.kafka.commits import CommitPolicy
 from d3stream.kafka.connection import kafka_consumer
 from d3stream.kafka.limits import WorkerFatal
 from d3stream.kafka.offsets import OffsetTracker
+from d3stream.kafka.partitions import PartitionState, PauseReason
 from d3stream.ops.metrics import Metrics
 from d3stream.settings import Settings, heartbeat_interval_ms
 
@@ -220,7 +221,8 @@ class ConsumeLoop:
         self.fatal: WorkerFatal | None = None  # why the worker stopped by itself, if it did
         self.joined = False  # the consumer has an assignment
         # The current assignment (made and ended by the rebalance listener): its partitions' pause reasons.
-        self.assignment = Assignment(consumer)
+        self.works = tracker.works  # every partition's work (partitions.py): its progress, pauses, transactions
+        self.assignment = Assignment(consumer, works=self.works)
         self.stalled: list[str] = []  # partitions whose commit point has not moved for stall_unready_s
         self.tasks: set[asyncio.Task[None]] = set()
         # When the running rebalance began revoking (monotonic); counted as paused until its partitions settle.
@@ -275,7 +277,7 @@ class ConsumeLoop:
     async def run(self) -> None:
         """Subscribe, consume until stopped or finished, then drain and commit (nothing after a fatal error)."""
         if await self.read.subscribe(self.consumer, _Rebalance(self)):
-            self.assignment = Assignment(self.consumer, self.consumer.assignment())  # assigned by hand
+            self.assignment = Assignment(self.consumer, self.consumer.assignment(), works=self.works)  # by hand
             self.joined = True
         try:
             await self._consume()
@@ -532,8 +534,11 @@ class ConsumeLoop:
         if not partitions:
             return 0
         abandoned = self.tracker.in_flight(partitions)
+        # The commit policy's part first (a producer is stopped), then the rest of each partition's work, in one
+        # call: from here on, late answers of these partitions are not committed.
         await _within(self.commits.revoked(partitions), deadline, "closing revoked partitions' producers")
-        self.tracker.forget(partitions)  # from here on, late answers of these partitions are not committed
+        for partition in partitions:
+            self.works.end(partition)
         self.metrics.forget_partitions([(p.topic, p.partition) for p in partitions])
         self.metrics.count_revoked(len(partitions), abandoned)
         return abandoned
@@ -642,7 +647,8 @@ class _Rebalance(ConsumerRebalanceListener):
             kept = [partition for partition in assigned if partition in held and loop.tracker.owns(partition)]
         for partition in kept:  # before any await: aiokafka would position them at the committed offset
             loop.consumer.seek(partition, held[partition])
-        loop.assignment = Assignment(loop.consumer, assigned, generation)  # unpaused, as aiokafka's own states
+        # Unpaused, as aiokafka's own states.
+        loop.assignment = Assignment(loop.consumer, assigned, generation, works=loop.works)
         if kept:
             # Held still while the group's commits are read: a partition whose commit is not this worker's last
             # one was committed by another owner in between (a generation this worker did not see) and is settled

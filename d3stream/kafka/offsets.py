@@ -21,18 +21,21 @@ their answers are neither lost (they committed with the metadata, in one transac
 nor repeated. The metadata is bounded by the broker's ``offset.metadata.max.bytes`` (4 KB by default): a
 partition whose read offsets reach past the commit point by as many offsets as its bitset can hold is not
 read further (:meth:`OffsetTracker.window_full`) until the commit point moves.
+
+A partition's ``Progress`` is a part of its ``PartitionWork`` (partitions.py). The tracker holds the
+``Partitions`` registry of the worker, which the assignment and the commit policy share, so everything about
+one partition is in one object.
 """
 
 from __future__ import annotations
 
 import base64
 import time
-from collections import deque
-from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, MutableMapping, Sequence
 
 from aiokafka.structs import TopicPartition
 
+from d3stream.kafka.partitions import Partitions, Progress
 from d3stream.settings import Ordering
 
 # The metadata of a commit with done offsets beyond its point: this prefix, then the base64 of a bitset whose
@@ -69,28 +72,6 @@ def decode_done(point: int, metadata: str | None) -> set[int]:
             if byte >> bit & 1}
 
 
-@dataclass
-class _Progress:
-    read: deque[int] = field(default_factory=deque)  # offsets in read order, from the first unanswered one on
-    unanswered: dict[int, float] = field(default_factory=dict)  # offset -> when it was read (monotonic)
-    keys: dict[int, bytes | None] = field(default_factory=dict)  # offset in ``read`` -> its record's key
-    inherited: set[int] = field(default_factory=set)  # done by an earlier owner (its commit's metadata)
-    last: int = -1
-    committed: int | None = None
-    committed_metadata: str = ""
-    found: tuple[int, str] | None = None  # the group's commit as found on assignment (point, metadata)
-    epoch: int = 0  # which assignment of the partition this progress belongs to
-    first: int | None = None  # the first offset read in this assignment (where the group's commit stood)
-    moved_at: float = 0.0  # monotonic time the commit point last moved, or work arrived after none waited
-
-    def waiting(self) -> bool:
-        """Whether work of this partition is not committed yet (unanswered, or answered but uncommitted)."""
-        return bool(self.unanswered) or (self.last >= 0 and self.committed != self.last + 1)
-
-    def point(self) -> int:
-        return self.read[0] if self.read else self.last + 1
-
-
 class OffsetTracker:
     """Per partition: which offsets are in flight, the commit point, and the done offsets beyond it.
 
@@ -100,21 +81,21 @@ class OffsetTracker:
     """
 
     def __init__(self, ordering: Ordering = "partition", *, record_done: bool = False,
-                 metadata_bytes: int = DEFAULT_METADATA_BYTES) -> None:
+                 metadata_bytes: int = DEFAULT_METADATA_BYTES, works: Partitions | None = None) -> None:
         self.ordering = ordering
         self.record_done = record_done
         self.window = window_offsets(metadata_bytes) if record_done else None
-        self._partitions: dict[TopicPartition, _Progress] = {}
+        # Every partition's work (partitions.py), shared with the assignment and the commit policy: the tracker
+        # keeps each one's progress in it.
+        self.works = works if works is not None else Partitions()
+        self._partitions: MutableMapping[TopicPartition, Progress] = self.works.view("progress")
         self._epochs = 0
-        # Partitions a rebalance revoked and this worker still holds until the assignment says whether they stay
-        # (consume.py): the periodic commit leaves them out meanwhile; a commit that names them still commits.
-        self._held: set[TopicPartition] = set()
 
-    def _progress(self, partition: TopicPartition) -> _Progress:
+    def _progress(self, partition: TopicPartition) -> Progress:
         progress = self._partitions.get(partition)
         if progress is None:
             self._epochs += 1
-            progress = self._partitions[partition] = _Progress(epoch=self._epochs)
+            progress = self._partitions[partition] = Progress(epoch=self._epochs)
         return progress
 
     def inherit(self, partition: TopicPartition, committed: int | None, metadata: str | None) -> None:
@@ -171,7 +152,7 @@ class OffsetTracker:
         self._advance(progress)
 
     @staticmethod
-    def _advance(progress: _Progress) -> None:
+    def _advance(progress: Progress) -> None:
         read = progress.read
         while read and read[0] not in progress.unanswered:
             progress.keys.pop(read.popleft(), None)
@@ -220,7 +201,7 @@ class OffsetTracker:
         commit, with ``changed_only``."""
         result = {}
         for partition, progress in self._partitions.items():
-            if partitions is None and partition in self._held:
+            if partitions is None and progress.held:
                 continue
             if partitions is not None and partition not in partitions:
                 continue
@@ -300,21 +281,25 @@ class OffsetTracker:
         return progress.found
 
     def forget(self, partitions: Sequence[TopicPartition]) -> None:
+        """Drop the partitions' progress: work read before is never committed (a later read starts an epoch)."""
         for partition in partitions:
             self._partitions.pop(partition, None)
-            self._held.discard(partition)
 
     def hold(self, partitions: Iterable[TopicPartition]) -> None:
         """Leave ``partitions`` out of the periodic commit (a rebalance revoked them; they may come back)."""
-        self._held.update(partition for partition in partitions if partition in self._partitions)
+        for partition in partitions:
+            if (progress := self._partitions.get(partition)) is not None:
+                progress.held = True
 
     def release(self, partitions: Iterable[TopicPartition]) -> None:
         """``partitions`` came back: the periodic commit covers them again."""
-        self._held.difference_update(partitions)
+        for partition in partitions:
+            if (progress := self._partitions.get(partition)) is not None:
+                progress.held = False
 
     def partitions(self) -> list[TopicPartition]:
         return list(self._partitions)
 
     def committing(self) -> list[TopicPartition]:
         """The partitions the periodic commit covers: every tracked one but those a rebalance holds."""
-        return [partition for partition in self._partitions if partition not in self._held]
+        return [partition for partition, progress in self._partitions.items() if not progress.held]

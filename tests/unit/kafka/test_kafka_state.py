@@ -1,5 +1,5 @@
-"""The Kafka layer's state objects without a broker: a partition's pause reasons (d3stream/kafka/assignment.py)
-and a partition's transaction states (d3stream/kafka/commits.py); the broker scenarios are in
+"""The Kafka layer's state objects without a broker: a partition's pause reasons (d3stream/kafka/partitions.py, kept
+by assignment.py) and a partition's transaction states (partitions.py, moved by commits.py); the broker scenarios are in
 tests/test_delivery.py, tests/test_quotas.py and tests/test_ordering.py."""
 
 from __future__ import annotations
@@ -13,15 +13,10 @@ from aiokafka.errors import KafkaTimeoutError, ProducerFenced
 from aiokafka.structs import TopicPartition
 
 from d3stream.kafka import commits
-from d3stream.kafka.assignment import Assignment, PauseReason
-from d3stream.kafka.commits import (
-    Answered,
-    CommitInTransaction,
-    IllegalTxnTransition,
-    PartitionTransactions,
-    TxnState,
-)
+from d3stream.kafka.assignment import Assignment
+from d3stream.kafka.commits import Answered, CommitInTransaction
 from d3stream.kafka.offsets import OffsetTracker
+from d3stream.kafka.partitions import IllegalTxnTransition, PartitionTransactions, PauseReason, TxnState
 
 P0, P1 = TopicPartition("requests", 0), TopicPartition("requests", 1)
 
