@@ -164,3 +164,34 @@ def test_an_illegal_transaction_transition_raises():
     txns.close()
     with pytest.raises(IllegalTxnTransition):
         txns.to(TxnState.CREATING)  # closed for good
+
+
+def test_a_partitions_progress_pauses_and_transactions_are_one_object_that_ends_in_one_call(monkeypatch):
+    """The tracker, the assignment and the transactional policy keep their parts of a partition in its one
+    PartitionWork: a partition taken over again (fenced, then settled) keeps being that object, and a
+    revocation ends all of it: not read, not paused, no producer, nothing of it committed later."""
+    monkeypatch.setattr(commits, "RecordBatches", FakeBatches)
+
+    async def scenario() -> None:
+        consumer = FakeConsumer({P0, P1})
+        tracker = OffsetTracker("partition")
+        assignment = Assignment(consumer, [P0, P1], works=tracker.works)  # type: ignore[arg-type]
+        policy = CommitInTransaction(producer_factory=FakeProducer, consumer=None, tracker=tracker, group_id="g")
+        await policy.assigned([P0, P1])
+        epoch, _ = tracker.add_all(P0, [0, 1])
+        assignment.pause([P0], PauseReason.QUOTA)
+        work = tracker.works.get(P0)
+        assert work is not None and work.progress is not None and work.transactions is not None
+        assert work.pauses is not None and PauseReason.QUOTA in work.pauses.reasons
+        producer = work.transactions.producer
+        assert isinstance(producer, FakeProducer)
+
+        await policy.revoked([P0])  # the policy's part: its producer stopped
+        tracker.works.end(P0)  # and the rest, in one call
+        assert tracker.works.get(P0) is None and not tracker.owns(P0, epoch) and producer.stopped
+        assert assignment.paused_for(PauseReason.QUOTA) == set() and P0 not in policy.producers
+        await policy.deliver([Answered(P0, 0, [], epoch)])
+        assert tracker.commit_offsets() == {}, "a late answer of the revoked partition is never committed"
+        assert tracker.works.get(P1) is not None, "the other partition's work is untouched"
+
+    asyncio.run(scenario())
