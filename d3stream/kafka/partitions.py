@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import deque
-from collections.abc import Iterator, MutableMapping
+from collections.abc import ItemsView, Iterator, MutableMapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar
 
 from aiokafka.structs import TopicPartition
@@ -215,13 +216,23 @@ class PartView(MutableMapping[TopicPartition, T], Generic[T]):
     def __init__(self, works: dict[TopicPartition, PartitionWork], part: Part) -> None:
         self._works = works
         self._part = part
+        self._of = attrgetter(part)
 
     def __getitem__(self, partition: TopicPartition) -> T:
         work = self._works.get(partition)
-        value = getattr(work, self._part) if work is not None else None
+        value = self._of(work) if work is not None else None
         if value is None:
             raise KeyError(partition)
         return value
+
+    # The tracker asks these per answer: without the exception a missing key costs in Mapping's own.
+    def get(self, partition: TopicPartition, default: T | None = None) -> T | None:  # type: ignore[override]
+        work = self._works.get(partition)
+        value = self._of(work) if work is not None else None
+        return default if value is None else value
+
+    def items(self) -> ItemsView[TopicPartition, T]:
+        return _Items(self)
 
     def __setitem__(self, partition: TopicPartition, value: T) -> None:
         work = self._works.get(partition)
@@ -231,18 +242,34 @@ class PartView(MutableMapping[TopicPartition, T], Generic[T]):
 
     def __delitem__(self, partition: TopicPartition) -> None:
         work = self._works.get(partition)
-        if work is None or getattr(work, self._part) is None:
+        if work is None or self._of(work) is None:
             raise KeyError(partition)
         setattr(work, self._part, None)
         if work.empty:
             del self._works[partition]
 
     def __iter__(self) -> Iterator[TopicPartition]:
-        return iter([partition for partition, work in self._works.items() if getattr(work, self._part) is not None])
+        of = self._of
+        return iter([partition for partition, work in self._works.items() if of(work) is not None])
 
     def __len__(self) -> int:
-        return sum(1 for work in self._works.values() if getattr(work, self._part) is not None)
+        of = self._of
+        return sum(1 for work in self._works.values() if of(work) is not None)
 
     def __contains__(self, partition: object) -> bool:
         work = self._works.get(partition)
-        return work is not None and getattr(work, self._part) is not None
+        return work is not None and self._of(work) is not None
+
+    def pairs(self) -> list[tuple[TopicPartition, T]]:
+        """(partition, part) of every partition that has the part, as they are now."""
+        of = self._of
+        return [(partition, value) for partition, work in self._works.items() if (value := of(work)) is not None]
+
+
+class _Items(ItemsView[TopicPartition, T]):
+    """A view's items without a lookup per key."""
+
+    _mapping: PartView[T]
+
+    def __iter__(self) -> Iterator[tuple[TopicPartition, T]]:
+        return iter(self._mapping.pairs())
