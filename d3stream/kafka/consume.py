@@ -487,7 +487,11 @@ class ConsumeLoop:
 
     async def _settle(self, assignment: Assignment, partitions: list[TopicPartition]) -> None:
         try:
-            await self.commits.assigned(partitions)
+            try:
+                await self.commits.assigned(partitions)
+            except WorkerFatal as exc:  # no permission for its transactional id, say: the worker stops
+                self.fail(exc)
+                return
             for partition in partitions:
                 if partition not in self.consumer.assignment():
                     continue

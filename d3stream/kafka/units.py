@@ -35,7 +35,15 @@ import structlog
 from aiokafka.structs import TopicPartition
 
 from d3stream.kafka.commits import Answered, Common, _Counted
-from d3stream.kafka.publishing import Publishable, RecordBatches, classify, fatal, quietly_stop
+from d3stream.kafka.publishing import (
+    MAX_TXN_BACKOFF_S,
+    PUBLISH_BACKOFF_S,
+    Publishable,
+    RecordBatches,
+    classify,
+    fatal,
+    quietly_stop,
+)
 
 if TYPE_CHECKING:
     from d3stream.kafka.connection import AIOKafkaProducer
@@ -178,18 +186,36 @@ class CommitUnitsInTransaction(_Counted):
 
     async def assigned(self, partitions: Sequence[TopicPartition]) -> None:
         """Open the units of ``partitions`` (one per number, however many of its topics are named): a producer
-        that fences the previous owner, then the state brought up to date."""
+        that fences the previous owner, then the state brought up to date. A unit that cannot be opened now
+        (the broker away) is tried again with backoff, its partitions held unread meanwhile (the loop settles
+        them only once this returns; a revocation cancels the wait); a worker-fatal error stops the worker."""
+        from aiokafka.errors import KafkaError
+
         for number in sorted({partition.partition for partition in partitions}):
-            if number in self.units:
-                continue
-            opening = self._opening.get(number)
-            if opening is None:
-                opening = self._opening[number] = asyncio.ensure_future(self._open(number))
-            try:
-                await asyncio.shield(opening)
-            finally:
-                if opening.done() and self._opening.get(number) is opening:
-                    del self._opening[number]
+            failures = 0
+            while number not in self.units:
+                try:
+                    await self._opened(number)
+                except KafkaError as exc:  # the broker's: retried below, unless no retry can help
+                    if classify(exc, transactional=True) == "worker":
+                        raise fatal(None, exc, f"opening unit {number}") from exc
+                    delay = min(MAX_TXN_BACKOFF_S, PUBLISH_BACKOFF_S[0] * 2 ** failures)
+                    failures += 1
+                    log.warning("unit not opened; will retry", unit=number, attempt=failures,
+                                retry_in_s=round(delay, 1), error=f"{type(exc).__name__}: {exc}")
+                    await asyncio.sleep(delay)
+
+    async def _opened(self, number: int) -> None:
+        """Wait for unit ``number`` to open, starting it unless another caller has (one producer per unit: a
+        second with the same transactional id would fence the first, i.e. this worker itself)."""
+        opening = self._opening.get(number)
+        if opening is None:
+            opening = self._opening[number] = asyncio.ensure_future(self._open(number))
+        try:
+            await asyncio.shield(opening)
+        finally:
+            if opening.done() and self._opening.get(number) is opening:
+                del self._opening[number]
 
     async def _open(self, number: int) -> Unit:
         producer = self._factory(number)

@@ -9,11 +9,18 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from aiokafka.errors import KafkaTimeoutError, ProducerFenced
+import pytest
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    ProducerFenced,
+    TransactionalIdAuthorizationFailed,
+)
 from aiokafka.structs import TopicPartition
 
 from d3stream.kafka import units
 from d3stream.kafka.commits import Answered
+from d3stream.kafka.limits import WorkerFatal
 from d3stream.kafka.offsets import OffsetTracker
 from d3stream.kafka.units import CommitUnitsInTransaction
 
@@ -33,8 +40,11 @@ class Producer:
     def is_in_transaction(self) -> bool:
         return self.in_transaction
 
+    starts: list[BaseException | None] = []  # what each start does: an error raised, or None: started
+
     async def start(self) -> None:
-        return None
+        if Producer.starts and (error := Producer.starts.pop(0)) is not None:
+            raise error
 
     async def stop(self) -> None:
         self.stopped = True
@@ -152,5 +162,24 @@ def test_a_failed_transaction_sends_the_state_back_and_the_units_partitions_are_
         Producer.fail = [ProducerFenced()]  # another worker owns the unit: its state file cannot be trusted
         await policy.flush()
         assert second.closed is False and second.kept == [] and not policy.units
+
+    asyncio.run(scenario())
+
+
+def test_a_unit_that_cannot_open_is_tried_again_and_one_refused_for_good_stops_the_worker(monkeypatch):
+    """The broker away while a unit opens: its partitions stay unread while it is tried again, with backoff,
+    until it opens; a transactional id the worker may not use is worker-fatal, naming the cause."""
+    monkeypatch.setattr(units, "RecordBatches", Batches)
+    opened: list[State] = []
+
+    async def scenario() -> None:
+        policy, _, _ = _policy(opened)
+        Producer.starts = [KafkaConnectionError(), None]
+        await policy.assigned([ANSWERS, LABELS])
+        assert list(policy.units) == [0] and len(opened) == 1 and not Producer.starts
+        Producer.starts = [TransactionalIdAuthorizationFailed()]
+        with pytest.raises(WorkerFatal, match="transactional ids"):
+            await policy.assigned([TopicPartition("answers", 1)])
+        assert list(policy.units) == [0]
 
     asyncio.run(scenario())
