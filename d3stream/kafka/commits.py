@@ -42,8 +42,6 @@ from aiokafka.structs import TopicPartition
 from d3stream.kafka.offsets import OffsetTracker
 from d3stream.kafka.partitions import PartitionTransactions, TxnState
 from d3stream.kafka.publishing import (
-    MAX_TXN_BACKOFF_S,
-    PUBLISH_BACKOFF_S,
     Outgoing,
     RecordBatches,
     classify,
@@ -51,6 +49,7 @@ from d3stream.kafka.publishing import (
     quietly_stop,
     replaced,
     retrieved,
+    transaction_backoff_s,
 )
 from d3stream.kafka.sinks import JsonLinesFile, KafkaTopics, Sink
 from d3stream.ops.metrics import Metrics
@@ -368,7 +367,7 @@ class CommitInTransaction(_Counted):
     def _back_off(self, txns: PartitionTransactions, exc: BaseException, topic: str) -> None:
         """A retriable failure: the partition's next transaction waits, twice as long each time (bounded)."""
         txns.failures += 1
-        delay = min(MAX_TXN_BACKOFF_S, PUBLISH_BACKOFF_S[0] * 2 ** (txns.failures - 1))
+        delay = transaction_backoff_s(txns.failures)
         txns.retry_at = time.monotonic() + delay
         txns.after(TxnState.RETRY_WAIT)
         if self.metrics is not None:

@@ -192,12 +192,6 @@ class Partitions:
     def get(self, partition: TopicPartition) -> PartitionWork | None:
         return self._works.get(partition)
 
-    def __iter__(self) -> Iterator[PartitionWork]:
-        return iter(list(self._works.values()))
-
-    def __len__(self) -> int:
-        return len(self._works)
-
     def view(self, part: Part) -> PartView:
         """The partitions that have ``part``, as a mapping from partition to that part."""
         return PartView(self._works, part)

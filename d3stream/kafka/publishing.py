@@ -60,6 +60,12 @@ def classify(exc: BaseException, *, transactional: bool) -> ErrorClass:
     return "retriable"
 
 
+def transaction_backoff_s(failures: int) -> float:
+    """How long to wait after ``failures`` retriable transaction failures in a row: twice as long each time,
+    up to ``MAX_TXN_BACKOFF_S``."""
+    return float(min(MAX_TXN_BACKOFF_S, PUBLISH_BACKOFF_S[0] * 2 ** (failures - 1)))
+
+
 def breaks_the_producer(exc: BaseException) -> bool:
     """Whether an idempotent producer must be replaced before it can send again: a batch the broker refused
     (too large) still took its sequence numbers, so every later batch of that partition is out of order."""

@@ -36,13 +36,12 @@ from aiokafka.structs import TopicPartition
 
 from d3stream.kafka.commits import Answered, Common, _Counted
 from d3stream.kafka.publishing import (
-    MAX_TXN_BACKOFF_S,
-    PUBLISH_BACKOFF_S,
     Publishable,
     RecordBatches,
     classify,
     fatal,
     quietly_stop,
+    transaction_backoff_s,
 )
 
 if TYPE_CHECKING:
@@ -115,8 +114,7 @@ class CommitUnitsInTransaction(_Counted):
     async def deliver(self, answered: Sequence[Answered]) -> None:
         """The records of these offsets were taken into their unit's state: their offsets are done."""
         for item in answered:
-            if self.tracker.owns(item.partition, item.epoch):
-                self.tracker.done(item.partition, item.offset, item.epoch)
+            self.tracker.done(item.partition, item.offset, item.epoch)  # not if revoked since: not ours
 
     # ------------------------------------------------------------------------------------ commits
 
@@ -199,8 +197,8 @@ class CommitUnitsInTransaction(_Counted):
                 except KafkaError as exc:  # the broker's: retried below, unless no retry can help
                     if classify(exc, transactional=True) == "worker":
                         raise fatal(None, exc, f"opening unit {number}") from exc
-                    delay = min(MAX_TXN_BACKOFF_S, PUBLISH_BACKOFF_S[0] * 2 ** failures)
                     failures += 1
+                    delay = transaction_backoff_s(failures)
                     log.warning("unit not opened; will retry", unit=number, attempt=failures,
                                 retry_in_s=round(delay, 1), error=f"{type(exc).__name__}: {exc}")
                     await asyncio.sleep(delay)

@@ -31,7 +31,6 @@ from d3stream.jobs.evaluate.estimation import Estimates
 from d3stream.jobs.evaluate.join_state import Joined, JoinState, LabelEntry, Outcomes, read_answer
 from d3stream.jobs.evaluate.state_store import ROW_OVERHEAD_BYTES
 from d3stream.jobs.evaluate.topics import EvaluateTopics
-from d3stream.kafka.commits import Answered
 from d3stream.kafka.publishing import Publishable
 from d3stream.ops.quality import QualityMetrics
 
@@ -143,7 +142,6 @@ class Joining:
         self.commits: CommitUnitsInTransaction
         self.changelog: Changelog
         self.ledger: InFlightLedger
-        self._budgeted = 0  # how many units the disk bound was last shared between
 
     async def open_unit(self, partition: int) -> JoinUnit:
         """The unit's state brought up to date from its file and changelog (after its producer fenced the
@@ -174,9 +172,9 @@ class Joining:
             self.ledger.released(len(fetch.records))
 
     def _take_unit(self, unit: JoinUnit, parts: list[tuple[TopicPartition, int, list[ConsumerRecord]]]) -> None:
-        taken: list[Answered] = []
+        tracker = self.commits.tracker
         for partition, epoch, records in parts:
-            if not self.commits.tracker.owns(partition, epoch):
+            if not tracker.owns(partition, epoch):
                 continue  # read before its partition was settled again: read again from the commit
             role = self.topics.role(partition.topic)
             # Their entries read ahead, together (answers and labels are keyed by request id).
@@ -186,17 +184,12 @@ class Joining:
                     self._take_label(unit, record)
                 else:
                     self._take_answer(unit, record, role)
-            taken += [Answered(partition, record.offset, [], epoch) for record in records]
+                tracker.done(partition, record.offset, epoch)  # taken in: no commit can come between (the lock)
         unit.state.expire()
-        for item in taken:
-            self.commits.tracker.done(item.partition, item.offset, item.epoch)
 
     def _rebudget(self) -> None:
-        # The disk bound is the worker's: each unit holds an equal share of it.
+        # The disk bound is the worker's: each unit holds an equal share of it (a unit opens with the whole).
         units = self.commits.units
-        if len(units) == self._budgeted:
-            return
-        self._budgeted = len(units)
         share = self.max_state_bytes // max(1, len(units))
         for unit in units.values():
             if isinstance(unit.state, JoinUnit):
