@@ -106,7 +106,8 @@ async def prepare_topics(settings: Settings, topics: EvaluateTopics) -> int:
                         await admin.create_topics([NewTopic(name, count, 1, topic_configs=config)])
                     except TopicAlreadyExistsError:
                         pass
-            counts = await _created(admin, [*topics.inputs, topics.state])
+            # Every topic, outputs too: a reader of the evaluations started next must find the topic there.
+            counts = await _created(admin, list(wanted))
         _check_counts(counts, topics)
         return counts[topics.answers]
     finally:
