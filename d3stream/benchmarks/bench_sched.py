@@ -203,7 +203,7 @@ def _run(settings: Settings, model: DecisionModel, arrivals: Arrivals, watch: st
         try:
             return await run.feed(arrivals)
         finally:
-            await run.service.passes.close()
+            await run.service.default.passes.close()
 
     seconds = asyncio.run(go())
     run.close()
@@ -311,7 +311,7 @@ class SchedulingReport(TypedDict):
 def _lane_figures(run: _Run, seconds: float) -> LaneFigures:
     """The high stream's latency and where it went, the loop's lag and the flood's throughput in one run."""
     latency = run.latencies("hi")
-    scheduler = run.service.scheduler
+    scheduler = run.service.default.passes.rows
     assert isinstance(scheduler, BatchScheduler)  # serving, not a replay's ordered passes
     stages: dict[str, Quantiles] = {stage: {"p50": round(_quantile(sorted(each[stage] for each in run.stages), 0.5), 1),
                       "p99": round(_quantile(sorted(each[stage] for each in run.stages), 0.99), 1)}
@@ -363,7 +363,7 @@ def _lanes(settings: Settings, model: DecisionModel, capacity: float, seconds: f
 def _expired(settings: Settings, model: DecisionModel, expired: int) -> Expired:
     """A burst of requests already past their deadline: the passes they cost (none, if refused in time)."""
     run, _ = _run(_with(settings), model, _burst("late", expired, deadline=1_000))
-    return {"requests": expired, "passes_run": run.service.scheduler.passes_run,
+    return {"requests": expired, "passes_run": run.service.default.passes.rows.passes_run,
             "deadline_exceeded": len(run.answered)}
 
 

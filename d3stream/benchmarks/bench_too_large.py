@@ -107,7 +107,7 @@ def _request(service: Service, record: BenchRecord) -> RequestFigures:
                 answered.extend(group)
             return time.perf_counter()
         finally:
-            await service.passes.close()
+            await service.default.passes.close()
 
     started = time.perf_counter()
     done = asyncio.run(go())
@@ -129,7 +129,7 @@ def _full_precision_answer(service: Service, questions: int) -> Answer:
     for n in range(questions):
         p = rng.random()
         answers[f"q{n}"] = {"type": "noul", "noul": p, "probabilities": {"false": 1 - p, "true": p}}
-    builder = service.answers
+    builder = service.default.answers
     return Answer(id="too-large", answer_id="a" * 32, source=Source(topic="bench", partition=0, offset=0),
                   model=builder.model_record.name, answers=answers, usage={"input_tokens": 20 * questions},
                   provenance=Provenance(model=builder.model_record, worker=builder.worker))
@@ -137,7 +137,7 @@ def _full_precision_answer(service: Service, questions: int) -> Answer:
 
 def _sizing(service: Service, answer: Answer, record: RequestRecord) -> SizingFigures:
     """``fitted`` on ``answer`` with the service's writer as it is framed now: best of SIZING_ROUNDS."""
-    builder = service.answers
+    builder = service.default.answers
     value, _ = builder.write(TOPIC, answer, record.headers)
     best = float("inf")
     code = None

@@ -118,6 +118,14 @@ class RequestPipeline:
     def close(self) -> None:
         self.prepare_thread.shutdown()
 
+    @property
+    def every_model(self) -> list[Hosted]:
+        """Every model this pipeline answers with: the router's, and a shadow checkpoint of its own (a served
+        model that shadows is one of the router's already)."""
+        every = self.router.every
+        own = self.shadow.hosted if self.shadow is not None else None
+        return [*every, own] if own is not None and all(own is not each for each in every) else every
+
     async def answer(self, inputs: Sequence[InputRecord]) -> AnswersReady:
         """Answer every record: yields lists of answered requests as they are ready, each request once. Should
         anything raise out of it anyway, what its records not handed on yet hold goes back before it raises

@@ -153,7 +153,7 @@ async def run_replay(
         "answered": service.counts["answered"],
         "errors": service.counts["errors"],
         "dead_letters": service.counts["dead_letters"],
-        "passes": service.scheduler.passes_run,
+        "passes": service.default.passes.rows.passes_run,
         "seconds": round(time.perf_counter() - started, 2),
     }
 

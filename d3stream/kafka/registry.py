@@ -54,7 +54,7 @@ import structlog
 from confluent_kafka.schema_registry import AsyncSchemaRegistryClient, Schema, SchemaRegistryError
 from d3stream_client import avro, writer_schemas
 from d3stream_client.avro_binary import PayloadError
-from d3stream_client.contract import HEADERS, Request, encode
+from d3stream_client.contract import HEADERS, Answer, DeadLetter, Request, encode
 from d3stream_client.registry import (
     AVRO,
     CONTENT_TYPES,
@@ -74,7 +74,7 @@ from d3stream_client.writer_schemas import SchemaRefused, admit
 
 from d3stream.core.seams import InputRecord
 from d3stream.ops.metrics import Metrics
-from d3stream.settings import RegistrySettings
+from d3stream.settings import DeliverySettings, ModelSettings, RegistrySettings
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -674,3 +674,11 @@ def _settled(pending: dict[tuple[object, ...], asyncio.Future[object]], key: tup
     pending.pop(key, None)
     if not done.cancelled():
         done.exception()
+
+
+def framed_topics(delivery: DeliverySettings, models: ModelSettings) -> dict[str, type[msgspec.Struct]]:
+    """The topics a worker writes in the registry's wire format, and the event each carries."""
+    topics: dict[str, type[msgspec.Struct]] = {delivery.answer_topic: Answer, delivery.dead_letter_topic: DeadLetter}
+    if models.shadow_topic:
+        topics[models.shadow_topic] = Answer
+    return topics

@@ -5,8 +5,8 @@ worker, routed by the request's ``model``) serves until ``stop()`` (SIGTERM/SIGI
 flight, publish, commit, close; a crash never loses a request, a clean shutdown repeats nothing). The parts:
 
 * ``hosting.ModelHosting`` gives each served model its own parts (``core.routing.Hosted``), and the pipeline's
-  ``core.routing.Router`` owns them from then on: ``Service.hosted``, ``model``, ``passes``, ``answers`` and
-  ``provenance`` read the router (its current default, which a rollout's swap changes: ``models/rollout.py``);
+  ``core.routing.Router`` owns them from then on: ``Service.hosted`` and ``Service.default`` (its model, passes,
+  answers and provenance) read the router, whose default a rollout's swap changes (``models/rollout.py``);
 * ``pipeline.RequestPipeline`` answers the records of each fetch (no Kafka in it);
 * ``consume.ConsumeLoop`` reads them under a ``ReadPolicy`` (the live stream here; a replay passes its range),
   with backpressure, settling of new assignments, rebalances and the commit cadence;
@@ -34,16 +34,15 @@ from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-import msgspec
 import structlog
-from d3stream_client.contract import Answer, DeadLetter, Worker
+from d3stream_client.contract import Worker
 
 from d3stream import __version__
-from d3stream.core.answers import AnswerBuilder, answer_identity, provenance_digest
+from d3stream.core.answers import answer_identity, provenance_digest
 from d3stream.core.decoding import ByteBudget, MediaDecoder
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.outgoing import Outgoing, RecordWriter
-from d3stream.core.passes import Passes, RowScheduler, default_token_budget, model_thread
+from d3stream.core.passes import RowScheduler, default_token_budget, model_thread
 from d3stream.core.pipeline import RequestPipeline
 from d3stream.core.routing import Hosted, Router
 from d3stream.core.seams import DecisionModel
@@ -53,7 +52,7 @@ from d3stream.kafka.connection import check_connection, connecting
 from d3stream.kafka.consume import ConsumeLoop, LiveRead, ReadPolicy, group_consumer
 from d3stream.kafka.limits import Limits, WorkerFatal, producer_compression
 from d3stream.kafka.offsets import OffsetTracker
-from d3stream.kafka.registry import Registry
+from d3stream.kafka.registry import Registry, framed_topics
 from d3stream.kafka.sinks import KafkaTopics, Sink, ensure_topics
 from d3stream.models.rollout import rollout_for
 from d3stream.ops.collector import tuned_collector
@@ -128,7 +127,9 @@ class Service:
         self.ledger = InFlightLedger(media_budget=ByteBudget(settings.media.max_inflight_media_bytes),
                                      tenant_max_inflight_tokens=settings.batching.tenant_max_inflight_tokens)
         self.in_flight = self.ledger.counts
-        self.pipeline = self._request_pipeline(served, shadowing)
+        # Answers each fetch for the served models (its router owns them from here on) and the shadow.
+        self.pipeline = RequestPipeline(settings, served, fetcher=self.fetcher, decoder=self.decoder,
+                                        ledger=self.ledger, metrics=self.metrics, shadow=shadowing)
         # Live serving lets answers leave out of offset order (settings.delivery.ordering) and records the done offsets
         # beyond each commit point; a replay keeps offset order and commits the point alone.
         self.tracker = OffsetTracker(settings.delivery.ordering if replay_id is None else "partition",
@@ -152,26 +153,13 @@ class Service:
         self._stop_asked = False
         self._show_in_metrics()
 
-    def _request_pipeline(self, hosted: list[Hosted], shadow: Hosted | None) -> RequestPipeline:
-        """The pipeline that answers each fetch for the served models (its router owns them from here on) and
-        the shadow, on this worker's media path and in-flight counts, which the consume loop's backpressure reads too."""
-        return RequestPipeline(
-            self.settings, hosted, fetcher=self.fetcher, decoder=self.decoder, ledger=self.ledger,
-            metrics=self.metrics, shadow=shadow,
-        )
-
     def _show_in_metrics(self) -> None:
         """The default model's identity and kernels, and the readiness check, on the metrics endpoint."""
-        self.metrics.set_model(self.model.model_name, self.provenance_sha256, str(self.model.device))
-        self.metrics.set_kernels(self.model.kernel_record())
+        default = self.default
+        self.metrics.set_model(default.model.model_name, default.provenance_sha256, str(default.model.device))
+        self.metrics.set_kernels(default.model.kernel_record())
         self.metrics.set_ready_check(lambda: self.ready and self.joined and not self.stopping and not self.stalled
                                      and not self.registry_outage, why_not=lambda: self.registry_outage)
-
-    def _hosted_all(self) -> list[Hosted]:
-        """The served models and a shadow checkpoint of its own (a served model's shadow is one of them)."""
-        hosted, shadow = self.hosted, self.shadow
-        own = shadow is not None and all(shadow is not each for each in hosted)
-        return [*hosted, *([shadow] if own and shadow is not None else [])]
 
     def host_model(self, model: DecisionModel) -> Hosted:
         """A model loaded while serving (a swap's new checkpoint), with the parts every served model gets, hosted
@@ -211,39 +199,15 @@ class Service:
         return self.router.default
 
     @property
-    def model(self) -> DecisionModel:
-        return self.default.model
-
-    @property
-    def passes(self) -> Passes:
-        return self.default.passes
-
-    @property
-    def answers(self) -> AnswerBuilder:
-        return self.default.answers
-
-    @property
-    def provenance(self) -> dict[str, object]:
-        return self.default.provenance
-
-    @property
-    def provenance_sha256(self) -> str:
-        return self.default.provenance_sha256
-
-    @property
     def shadow(self) -> Hosted | None:
         """The shadow model's parts (a served model's, or a checkpoint of its own), if there is a shadow."""
         shadow = self.pipeline.shadow
         return shadow.hosted if shadow is not None else None
 
     @property
-    def scheduler(self) -> RowScheduler:
-        return self.passes.rows
-
-    @property
     def counts(self) -> dict[str, int]:
         return {"answered": self.handler.answered, "errors": self.handler.errors,
-                "dead_letters": self.answers.dead_letters}
+                "dead_letters": self.default.answers.dead_letters}
 
     @property
     def joined(self) -> bool:
@@ -305,7 +269,7 @@ class Service:
         await self.delivery.start()
         if self.registry is not None and settings.registry.answer_format != "json":
             try:
-                self.record_writer.framing = await self.registry.writers_for(self._framed_topics())
+                self.record_writer.framing = await self.registry.writers_for(framed_topics(settings.delivery, settings.models))
             except asyncio.CancelledError:
                 if not self._stop_asked:
                     raise
@@ -315,31 +279,24 @@ class Service:
                  max_request_size=self.limits.max_request_size)
         if any(each.model.video_unavailable is None for each in self.hosted):
             self.decoder.warm()  # the first video should not wait for its decoding process to start
-        await self._publish_provenance()
+        for hosted in self.pipeline.every_model:  # a record per served model, and a shadow checkpoint's
+            await self.publish_model_provenance(hosted)
         await self._connecting(self.consumer.start())
         if self.rollout is not None:
             self.rollout.start()  # watches the model source beside the consume loop, never in its way
         try:
             self.ready = True
             log.info("serving", topics=settings.delivery.request_topics, group=settings.delivery.group_id,
-                     models=[each.name for each in self.hosted], budget=self.passes.budget, delivery=self.mode.name)
+                     models=[each.name for each in self.hosted], budget=self.default.passes.budget, delivery=self.mode.name)
             await self.loop.run()
         finally:
             self.ready = False
             await self.consumer.stop()
 
-    def _framed_topics(self) -> dict[str, type[msgspec.Struct]]:
-        """The topics written in the registry's wire format, and the event each carries."""
-        delivery = self.settings.delivery
-        topics: dict[str, type[msgspec.Struct]] = {delivery.answer_topic: Answer, delivery.dead_letter_topic: DeadLetter}
-        if self.settings.models.shadow_topic:
-            topics[self.settings.models.shadow_topic] = Answer
-        return topics
-
     async def _close(self) -> None:
         if self.rollout is not None:
             await self.rollout.stop()
-        for hosted in self._hosted_all():
+        for hosted in self.pipeline.every_model:
             await hosted.passes.close()
         self.model_thread.shutdown(wait=True)
         if self.delivery is not None:
@@ -360,14 +317,9 @@ class Service:
     def _media_cache_lent(self) -> contextlib.AbstractContextManager[None]:
         """Each model encodes through a media-feature cache of this service while it serves (one per model:
         vision features differ between checkpoints), handed back as it was given however serving ends."""
-        models = {id(each.model): each.model for each in self._hosted_all()}.values()
+        models = {id(each.model): each.model for each in self.pipeline.every_model}.values()
         return lent_media_caches(models, self.settings.media.media_cache_bytes, self.metrics.count_media_cache)
 
     async def _connecting(self, step: Awaitable[T]) -> T:
         """Run a start-up step that connects to Kafka; a refusal becomes an error that names the knobs."""
         return await connecting(self.settings.connection, step)
-
-    async def _publish_provenance(self) -> None:
-        """One record per served model and a shadow checkpoint of its own."""
-        for hosted in self._hosted_all():
-            await self.publish_model_provenance(hosted)

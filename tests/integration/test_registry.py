@@ -240,7 +240,7 @@ def test_a_registry_outage_makes_the_stream_wait(stack: Stack, schema_registry: 
         probes.stop()
     assert reader.counts() == {each: 1 for each in ids}
     assert all("error" not in answer for answer in reader.answers())
-    assert service.answers.dead_letters == 0
+    assert service.default.answers.dead_letters == 0
 
 
 def test_a_schema_change_the_registry_refuses_stops_the_worker_at_start(stack: Stack,

@@ -133,8 +133,8 @@ def test_a_pointer_changed_mid_stream_swaps_the_model_without_a_stop(
     assert set(service.pipeline.router.hosted) == {"v2"}
     # The worker's default model is the router's (its one owner), so its aliases follow the swap.
     v2 = service.pipeline.router.hosted["v2"]
-    assert service.hosted == [v2] and service.model.model_name == "v2" and service.passes is v2.passes
-    assert service.provenance_sha256 == v2.provenance_sha256 and service.scheduler is v2.passes.rows
+    assert service.hosted == [v2] and service.default.model.model_name == "v2" and service.default.passes is v2.passes
+    assert service.default.provenance_sha256 == v2.provenance_sha256 and service.default.passes.rows is v2.passes.rows
 
     references = {"v1": qwen35_text_model, "v2": demo_random_model}
     by_partition: dict[int, list[tuple[int, str]]] = defaultdict(list)
@@ -166,7 +166,7 @@ def test_a_pointer_changed_mid_stream_swaps_the_model_without_a_stop(
     # A provenance record for the checkpoint swapped in, as for the one served at start.
     stored = {r.key.decode() for r in run(read_all(stack.broker.bootstrap_servers, stack.provenance, 1))}
     assert set(digests.values()) <= stored and len(set(digests.values())) == 2
-    assert digests["v2"] == service.provenance_sha256
+    assert digests["v2"] == service.default.provenance_sha256
 
 
 def upload(client: Any, bucket: str, prefix: str, root: Path, damaged: str | None = None) -> None:

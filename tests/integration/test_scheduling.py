@@ -41,7 +41,7 @@ def test_deadlines_lanes_and_cost_over_the_broker(stack, qwen35_model):
     # ttl_ms 0 counts from the record's timestamp: already past when the worker reads it.
     assert by_id["late-ttl"].error.code == "deadline_exceeded"
     assert all(by_id[r["id"]].error is None for r in requests)
-    rows = service.scheduler
+    rows = service.default.passes.rows
     assert rows.rows_run == 2 * len(requests), "the expired requests' rows never reached a pass"
     assert sum(a.provenance.cost.device_seconds for a in answers if a.provenance.cost) == pytest.approx(
         rows.device_seconds, rel=1e-9)

@@ -132,15 +132,15 @@ def test_mixed_stream_answers_match_system_one_with_provenance(stack, qwen35_mod
     assert set(answers) == set(by_id)
     assert all(len(v) == 1 for v in answers.values()), {k: len(v) for k, v in answers.items() if len(v) > 1}
     # The worker's provenance: the model's, plus how it shares prompt prefixes (on by default: causal).
-    assert service.provenance == {**model.provenance(), "shared_prefix_reuse": service.provenance["shared_prefix_reuse"]}
-    sha = provenance_digest(service.provenance)
+    assert service.default.provenance == {**model.provenance(), "shared_prefix_reuse": service.default.provenance["shared_prefix_reuse"]}
+    sha = provenance_digest(service.default.provenance)
     # Deterministic answer ids: a function of the request record and the model.
     answer_ids = [answer_identity(decode_answer(item.value), sha) for item in records]
     assert [json.loads(item.value)["answer_id"] for item in records] == answer_ids
     assert len(set(answer_ids)) == len(answer_ids)
 
     # Cross-event batching really happened ...
-    assert service.scheduler.passes_run < service.scheduler.rows_run
+    assert service.default.passes.rows.passes_run < service.default.passes.rows.rows_run
     own_rows = {
         rid: len([q for q in by_id[rid]["questions"] if q != "bad"]) * (2 if by_id[rid].get("permutation_average") else 1)
         for rid in by_id
@@ -171,7 +171,7 @@ def test_mixed_stream_answers_match_system_one_with_provenance(stack, qwen35_mod
         assert source["topic"] == stack.requests and 0 <= source["partition"] < 4 and source["offset"] >= 0
         assert source["timestamp"] > 1_600_000_000_000
         prov = answer["provenance"]
-        assert prov["model"] == {"name": model.model_name, "runtime": service.provenance["runtime"],
+        assert prov["model"] == {"name": model.model_name, "runtime": service.default.provenance["runtime"],
                                  "provenance_sha256": sha}
         assert prov["worker"] == {"host": socket.gethostname(), "pid": os.getpid(), "version": d3stream.__version__}
         batch = prov["batch"]
@@ -216,7 +216,7 @@ def test_mixed_stream_answers_match_system_one_with_provenance(stack, qwen35_mod
     prov_records, config_response = run(provenance_records())
     assert [r.key for r in prov_records] == [sha.encode()]
     stored = json.loads(prov_records[0].value)
-    assert stored == json.loads(json.dumps(service.provenance))
+    assert stored == json.loads(json.dumps(service.default.provenance))
     assert provenance_digest(stored) == sha
     config = {entry[0]: entry[1] for entry in config_response.resources[0][4]}
     assert config.get("cleanup.policy") == "compact"
@@ -265,7 +265,7 @@ def test_questions_share_their_prompt_prefix_and_repeated_media_is_encoded_once(
     # Three requests, one image: encoded once. Requests in the same pass share one vision-tower call (no
     # cache lookup for the copies); ones in later passes find it in the cache. Either way: one miss.
     assert value("d3stream_media_cache_lookups_total", {"result": "miss"}) == 1
-    assert service.provenance["shared_prefix_reuse"]["verify_every"] == 1
+    assert service.default.provenance["shared_prefix_reuse"]["verify_every"] == 1
     assert model.media_cache is None  # the service's cache went with it: a later caller of the model sees none
 
 
@@ -281,7 +281,7 @@ def test_a_failing_shared_prefix_call_falls_back_to_full_prompts(stack, qwen35_m
         def broken(rows, states):
             raise RuntimeError("CUDA out of memory (simulated) in a suffix pass")
 
-        service.passes.prefix_runner._suffix_pass = broken  # every shared-prefix call fails
+        service.default.passes.prefix_runner._suffix_pass = broken  # every shared-prefix call fails
         async with Reader(stack.broker.bootstrap_servers, stack.answers) as reader:
             task = asyncio.create_task(service.run())
             try:
@@ -293,7 +293,7 @@ def test_a_failing_shared_prefix_call_falls_back_to_full_prompts(stack, qwen35_m
     service, answers = run(scenario())
     # Planned for a shared prefix, failed there, answered from full prompts.
     assert service.metrics.registry.get_sample_value("d3stream_prefix_requests_total", {"path": "shared"}) == 3
-    assert service.scheduler.rows_run >= 6
+    assert service.default.passes.rows.rows_run >= 6
     for request in requests:
         answer = answers[request["id"]]
         assert not answer["provenance"]["batch"].get("shared_prefix"), answer["provenance"]["batch"]
@@ -305,7 +305,7 @@ def test_prefix_reuse_on_is_refused_for_a_noncausal_checkpoint(stack, qwen35_non
     with pytest.raises(ValueError, match="prefix_reuse"):
         Service(stack.settings(prefix_reuse="on"), qwen35_noncausal_model)
     service = Service(stack.settings(), qwen35_noncausal_model)  # auto: full prompts, nothing to refuse
-    assert service.passes.prefix_runner is None and "shared_prefix_reuse" not in service.provenance
+    assert service.default.passes.prefix_runner is None and "shared_prefix_reuse" not in service.default.provenance
 
 
 # ------------------------------------------------------------------------------------- error codes
@@ -422,7 +422,7 @@ def test_every_request_error_is_answered_and_the_stream_continues(stack, qwen35_
     expected["e-good-2"] = None
     by_id = {a["id"]: a for a in answers}
     assert collections.Counter(a["id"] for a in answers) == collections.Counter(set(expected)), "one answer each"
-    sha = service.provenance_sha256
+    sha = service.default.provenance_sha256
     for rid, code in expected.items():
         answer = by_id[rid]
         ANSWER_VALIDATOR.validate(answer)
@@ -533,7 +533,7 @@ def test_a_failing_pass_costs_only_its_own_question(stack, qwen35_model):
     service, answers = run(scenario())
     by_id = {a["id"]: a for a in answers}
     assert len(answers) == len(requests) == len(by_id)
-    assert service.scheduler.passes_run >= 1
+    assert service.default.passes.rows.passes_run >= 1
     poisoned = by_id["fc-poisoned"]
     assert "error" not in poisoned
     assert poisoned["answers"]["poison"]["error"] == "invalid_model_output"

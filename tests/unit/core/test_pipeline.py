@@ -61,7 +61,7 @@ def serve(service: Service, batch: list[SimpleNamespace], recorder: Recorder | N
             async for answered in service.pipeline.answer(batch):
                 await recorder(answered)
         finally:
-            await service.passes.close()
+            await service.default.passes.close()
 
     asyncio.run(go())
     service.pipeline.close()
@@ -211,7 +211,7 @@ def test_a_fault_of_one_request_is_its_own_error_not_its_neighbours(pipeline_ser
             raise RuntimeError("simulated fault in the tokenizer")
         return original(state, questions, **kwargs)
 
-    service.pipeline.router.default.model = SimpleNamespace(**{  # service.model follows the router's default
+    service.pipeline.router.default.model = SimpleNamespace(**{  # service.default.model follows the router's default
         name: getattr(qwen35_model, name) for name in (
             "model_name", "device", "attention_mode", "image_unavailable", "video_unavailable",
             "request_may_exceed_tokens", "check_request_tokens", "forward", "provenance")
@@ -304,7 +304,7 @@ def test_a_fetch_is_prepared_in_one_trip_and_its_questions_share_passes(pipeline
     assert len(trips) == 1, f"{len(trips)} trips to the prepare thread for one fetch of text requests"
     for rid, answer in recorder.answers.items():
         close_to(answer.answers, wanted[rid], rid)
-    assert service.passes.rows.passes_run <= 3, service.passes.rows.passes_run
+    assert service.default.passes.rows.passes_run <= 3, service.default.passes.rows.passes_run
     assert max(answer.provenance.batch.rows for answer in recorder.answers.values()) > 3
 
 
@@ -337,7 +337,7 @@ def test_a_request_past_its_deadline_on_arrival_costs_no_pass(pipeline_service):
         assert error.late_ms > 10**9 and f"{error.late_ms:,} ms" in error.message
         assert answers[rid].provenance.cost.device_seconds == 0 and answers[rid].provenance.batch.passes == 0
     assert answers["no-deadline"].error is None
-    assert service.passes.rows.passes_run == 1 and service.passes.rows.rows_run == 1
+    assert service.default.passes.rows.passes_run == 1 and service.default.passes.rows.rows_run == 1
 
 
 def test_a_request_expiring_while_queued_is_dropped_before_its_pass(pipeline_service):
@@ -352,7 +352,7 @@ def test_a_request_expiring_while_queued_is_dropped_before_its_pass(pipeline_ser
     assert answers["expiring"].error.code == "deadline_exceeded"
     assert answers["expiring"].error.late_ms > 0 and "forward pass" in answers["expiring"].error.message
     assert answers["patient"].error is None and answers["patient"].provenance.batch.rows == 1
-    assert service.passes.rows.passes_run == 1 and service.passes.rows.rows_expired == 1
+    assert service.default.passes.rows.passes_run == 1 and service.default.passes.rows.rows_expired == 1
 
 
 def test_cost_shares_add_up_to_the_passes_measured_time(pipeline_service):
@@ -367,7 +367,7 @@ def test_cost_shares_add_up_to_the_passes_measured_time(pipeline_service):
     for record in batch[1::3]:
         record.headers = [("x-team", b"from-header")]
     recorder = serve(service, batch)
-    rows = service.passes.rows
+    rows = service.default.passes.rows
     answers = list(recorder.answers.values())
     assert all(answer.error is None for answer in answers)
     assert rows.passes_run >= 3
@@ -379,7 +379,7 @@ def test_cost_shares_add_up_to_the_passes_measured_time(pipeline_service):
     assert {tenants["r0"], tenants["r1"], tenants["r2"]} == {"explicit", "from-header", "requests"}
     registry = service.metrics.registry
     counted = sum(registry.get_sample_value("d3stream_device_seconds_total",
-                                            {"tenant": tenant, "model": service.model.model_name}) or 0.0
+                                            {"tenant": tenant, "model": service.default.model.model_name}) or 0.0
                   for tenant in ("explicit", "from-header", "requests"))
     assert counted == pytest.approx(rows.device_seconds, rel=1e-9)
 

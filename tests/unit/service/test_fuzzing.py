@@ -368,7 +368,7 @@ def record_path(qwen35_text_model):
         return delivered
 
     yield serve_one
-    asyncio.run_coroutine_threadsafe(service.passes.close(), loop).result(timeout=30)
+    asyncio.run_coroutine_threadsafe(service.default.passes.close(), loop).result(timeout=30)
     service.pipeline.close()
     service.fetcher.close()
     loop.call_soon_threadsafe(loop.stop)
