@@ -394,10 +394,13 @@ class CommitInTransaction(_Counted):
                 log.warning("transactional producer not ready", partition=str(partition), error=str(exc))
 
     async def revoked(self, partitions: Sequence[TopicPartition]) -> None:
-        for partition in partitions:
-            txns = self._partitions.get(partition)
-            if txns is not None:
-                await self._close(txns)
+        # Under the lock: a producer stopped in the middle of a commit's transaction leaves that commit waiting
+        # for ever, and with it every later one (the lock stays taken).
+        async with self._lock:
+            for partition in partitions:
+                txns = self._partitions.get(partition)
+                if txns is not None:
+                    await self._close(txns)
 
 
 # ---------------------------------------------------------------------------------------- the modes

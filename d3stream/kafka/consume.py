@@ -626,12 +626,16 @@ class _Rebalance(ConsumerRebalanceListener):
                     and (position := known_position(loop.consumer, partition)) is not None}
         else:
             await loop.drain(settings.lifecycle.rebalance_drain_s, revoked)
-        committed = await _within(loop.guarded(loop.commits.flush(revoked)), deadline,
-                                  "final commit of revoked partitions")
         if kept:
+            # Held before the final commit, not after: a periodic commit waiting for the policy's lock would
+            # otherwise take it when the final commit lets go and open a transaction for a partition about to
+            # move, whose producer the assignment then stops under it (bench fleet --keep: the worker's commits
+            # hung from then on, 29 s at every later revocation). The final commit names them: it still commits.
             loop.tracker.hold(kept)  # nothing more is committed for them until the assignment says they stay
             loop.holdover = _Holdover(generation or 0, kept, {p: assignment.state(p) for p in kept},
                                       assignment.backpressure)
+        committed = await _within(loop.guarded(loop.commits.flush(revoked)), deadline,
+                                  "final commit of revoked partitions")
         let_go = [partition for partition in revoked if partition not in kept]
         abandoned = await loop.let_go(let_go, deadline)
         assignment.end(revoked)

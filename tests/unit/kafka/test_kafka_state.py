@@ -157,6 +157,45 @@ def test_a_partitions_transactions_move_along_their_states(monkeypatch):
     asyncio.run(scenario())
 
 
+class GatedProducer(FakeProducer):
+    """A producer whose transaction waits at its offsets until the test opens the gate."""
+
+    gate: asyncio.Event
+
+    async def send_offsets_to_transaction(self, offsets: Any, group_id: str) -> None:
+        await GatedProducer.gate.wait()
+        if self.stopped:
+            raise RuntimeError("stopped in the middle of its transaction")
+
+
+def test_a_revoked_partitions_producer_is_stopped_only_once_its_commit_in_flight_has_ended(monkeypatch):
+    """bench fleet --keep found a periodic commit in flight for a partition the rebalance then let go: its
+    producer was stopped under it, the commit waited for ever holding the policy's lock, and no later commit of
+    the worker ever finished. The revocation waits for the transaction instead."""
+    monkeypatch.setattr(commits, "RecordBatches", FakeBatches)
+
+    async def scenario() -> None:
+        GatedProducer.gate = asyncio.Event()
+        tracker = OffsetTracker("partition")
+        policy = CommitInTransaction(producer_factory=GatedProducer, consumer=None, tracker=tracker, group_id="g")
+        await policy.assigned([P0])
+        producer = policy.producers[P0]
+        epoch, _ = tracker.add_all(P0, [0])
+        await policy.deliver([Answered(P0, 0, [], epoch)])
+        committing = asyncio.create_task(policy.flush())
+        await asyncio.sleep(0.05)
+        assert producer.in_transaction, "the commit is in flight"
+        revoking = asyncio.create_task(policy.revoked([P0]))
+        await asyncio.sleep(0.05)
+        assert not producer.stopped, "stopped in the middle of the commit's transaction"
+        GatedProducer.gate.set()
+        await asyncio.wait_for(committing, 5)
+        await asyncio.wait_for(revoking, 5)
+        assert policy.commits == 1 and producer.stopped and not policy.producers
+
+    asyncio.run(scenario())
+
+
 def test_an_illegal_transaction_transition_raises():
     txns = PartitionTransactions(P0)
     with pytest.raises(IllegalTxnTransition):
