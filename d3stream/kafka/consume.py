@@ -328,6 +328,11 @@ class ConsumeLoop:
                 if records:
                     self.assignment.skipped_while_settling(partition, records[0].offset)
                 continue
+            if self.tracker.held(partition):
+                # Revoked and held (rebalance_keep_partitions): aiokafka still returns its records until the
+                # next assignment, which seeks a kept partition back to where it was held. Taken now, they would
+                # be read and answered twice (bench fleet --keep: 32 answers committed twice).
+                continue
             limit = self.tracker.read_limit(partition, records[0].offset) if records else None
             if limit is not None and records[-1].offset > limit:
                 # Past what a commit's metadata can speak for: read again once the commit point has moved.
@@ -657,6 +662,13 @@ class _Rebalance(ConsumerRebalanceListener):
             loop.consumer.seek(partition, held[partition])
         # Unpaused, as aiokafka's own states.
         loop.assignment = Assignment(loop.consumer, assigned, generation, works=loop.works)
+        if loop.commits.settles_assignments:
+            # The others held from the start too: aiokafka has positioned them at the committed offset it read,
+            # and records read from there during the awaits below, before their settling re-reads that offset and
+            # seeks to it, would be answered twice (bench fleet --keep: runs of 8-16 requests answered twice by
+            # their new owner, both committed).
+            loop.assignment.pause([partition for partition in assigned if partition not in kept],
+                                  PauseReason.SETTLING)
         if kept:
             # Held still while the group's commits are read: a partition whose commit is not this worker's last
             # one was committed by another owner in between (a generation this worker did not see) and is settled

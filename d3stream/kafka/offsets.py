@@ -291,6 +291,11 @@ class OffsetTracker:
             if (progress := self._partitions.get(partition)) is not None:
                 progress.held = True
 
+    def held(self, partition: TopicPartition) -> bool:
+        """Whether a rebalance holds the partition (revoked, kept until the assignment says whether it stays)."""
+        progress = self._partitions.get(partition)
+        return progress is not None and progress.held
+
     def release(self, partitions: Iterable[TopicPartition]) -> None:
         """``partitions`` came back: the periodic commit covers them again."""
         for partition in partitions:
