@@ -134,7 +134,8 @@ def _load_models(settings: Settings, ready_to_load: Callable[[], object] = lambd
     if settings.models.model_source:
         from d3stream.models.rollout import load_source_models
 
-        models.extend(load_source_models(settings, beside=[each.path for each in resolved]))
+        models.extend(load_source_models(settings.models, settings.storage,
+                                         beside=[each.path for each in resolved]))
     ready_to_load()
     for name, each in zip(names, resolved, strict=True):
         models.append(load_checkpoint(each.path, device=settings.models.device, verify=settings.models.verify,

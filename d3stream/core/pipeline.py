@@ -75,7 +75,13 @@ from d3stream.ops.metrics import Metrics
 from d3stream.ops.tracing import forwarded_headers, header_names
 from d3stream.runtime.cpu_threads import use_intraop_threads
 from d3stream.runtime.media import reason
-from d3stream.settings import Settings
+from d3stream.settings import (
+    BatchingSettings,
+    DeliverySettings,
+    MediaSettings,
+    ModelSettings,
+    ObservabilitySettings,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -93,27 +99,35 @@ AnswersReady = AsyncIterator[list[RequestRecord]]
 class RequestPipeline:
     """Records -> answer events, for the models of one worker (see the module's docstring)."""
 
-    def __init__(self, settings: Settings, hosted: Sequence[Hosted], *, fetcher: MediaFetcher,
-                 decoder: MediaDecoder, ledger: InFlightLedger, metrics: Metrics, shadow: Hosted | None = None):
-        self.settings = settings
+    def __init__(self, batching: BatchingSettings, media: MediaSettings, observability: ObservabilitySettings,
+                 models: ModelSettings, delivery: DeliverySettings, hosted: Sequence[Hosted], *,
+                 request_limits: RequestLimits, fetcher: MediaFetcher, decoder: MediaDecoder,
+                 ledger: InFlightLedger, metrics: Metrics, shadow: Hosted | None = None):
+        # The sections it reads: lanes, tenants and deadlines (batching) and the forwarded headers
+        # (observability); media goes to the media stage, and models and delivery only make the shadow (its
+        # topic, share and answers: shadow.py).
+        self.batching = batching
+        self.observability = observability
         # What in-flight requests hold (their models' counts, tokens, quotas, media budget), taken and given
         # back through this one owner; a retired model is dropped when its count reaches zero.
         self.ledger = ledger
         # The models served and which one each request goes to (routing.py); a rollout adds, retires and drops
         # models and sets its canary there.
         self.router = Router(hosted, routed=ledger.routed)
-        self.media = MediaStage(settings.media, fetcher=fetcher, decoder=decoder, ledger=ledger, metrics=metrics)
+        self.media = MediaStage(media, fetcher=fetcher, decoder=decoder, ledger=ledger, metrics=metrics)
         self.metrics = metrics
-        self.request_limits = RequestLimits.from_settings(settings)
+        # The decode-time limits (the limits and media sections: ``RequestLimits.from_settings``).
+        self.request_limits = request_limits
         # Request headers the answers carry: the trace headers, then forward_headers.
-        self._forwarded_names = header_names(settings.observability.forward_headers)
+        self._forwarded_names = header_names(observability.forward_headers)
         # Prompt preparation and prefix planning: one thread, woken once for many requests. On a CPU its torch
         # ops (the image processor) run inline, leaving the intra-op threads to the model thread (cpu_threads.py).
         on_cpu = str(self.router.default.model.device).startswith("cpu")
         self.prepare_thread = JobThread("d3stream-prepare",
                                         initializer=partial(use_intraop_threads, 1) if on_cpu else None)
         # A model that also answers a share of the requests, to a topic of its own (shadow.py).
-        self.shadow = Shadow(settings, shadow, prepare_thread=self.prepare_thread, metrics=metrics) if shadow else None
+        self.shadow = (Shadow(models, batching, delivery, shadow, prepare_thread=self.prepare_thread,
+                              metrics=metrics) if shadow else None)
 
     def close(self) -> None:
         self.prepare_thread.shutdown()
@@ -169,7 +183,7 @@ class RequestPipeline:
             elif request.images or request.videos:
                 with_media.append(record)
             else:
-                lane = record.scheduling.lane if self.settings.batching.priority_lanes else 1
+                lane = record.scheduling.lane if self.batching.priority_lanes else 1
                 text.setdefault((self.router.of(record).name, lane), []).append(record)
         steps: Streams[list[RequestRecord]] = Streams()
         # A few prepare trips and one submission per model and lane, the higher lanes' started first: their jobs
@@ -201,7 +215,7 @@ class RequestPipeline:
                                             timestamp=read.timestamp), time.perf_counter())
         if read.headers:
             forwarded = forwarded_headers(read.headers, self._forwarded_names,
-                                          self.settings.observability.forward_headers_max_bytes)
+                                          self.observability.forward_headers_max_bytes)
             if forwarded:
                 record.headers = [*HEADERS, *forwarded]
         return record
@@ -221,8 +235,8 @@ class RequestPipeline:
                 record.records.append(self.router.default.answers.dead_letter(record, str(exc)))
             return Refusal(exc.code, str(exc), request_id=exc.request_id)
         record.request = request
-        record.tenant = request_tenant(self.settings, read, request)
-        scheduling = record.scheduling = request_scheduling(self.settings, read, request)
+        record.tenant = request_tenant(self.batching, read, request)
+        scheduling = record.scheduling = request_scheduling(self.batching, read, request)
         record.advance(Stage.DECODED)
         if scheduling.deadline is not None and time.time() > scheduling.deadline:
             return _expired(DeadlineExceeded(time.time() - scheduling.deadline), "was read")
@@ -337,7 +351,7 @@ class RequestPipeline:
                            records: list[RequestRecord]) -> list[PrepareOutcome]:
         """Each request prepared (or what went wrong), in trips of ``PREPARE_CHUNK`` requests of one priority
         lane: a high-priority request's trip goes before a flood's backlog waiting on the prepare thread."""
-        lanes = [record.scheduling.lane if self.settings.batching.priority_lanes else 1 for record in records]
+        lanes = [record.scheduling.lane if self.batching.priority_lanes else 1 for record in records]
         order = sorted(range(len(records)), key=lanes.__getitem__)
         chunks = [order[at:at + PREPARE_CHUNK] for at in range(0, len(order), PREPARE_CHUNK)]
 
@@ -458,11 +472,11 @@ def skipped(read: InputRecord, exc: BaseException) -> SkippedRecord:
 MAX_FAULT_CHARS = 500
 
 
-def request_tenant(settings: Settings, record: InputRecord, request: Request) -> str:
+def request_tenant(batching: BatchingSettings, record: InputRecord, request: Request) -> str:
     """Who a request's cost counts for: its ``tenant``, else the ``tenant_header`` header, else the topic."""
     if request.tenant is not None:
         return request.tenant
-    header = settings.batching.tenant_header
+    header = batching.tenant_header
     if header:
         for name, value in record.headers or ():
             if name == header and value:
@@ -470,11 +484,11 @@ def request_tenant(settings: Settings, record: InputRecord, request: Request) ->
     return record.topic
 
 
-def request_scheduling(settings: Settings, record: InputRecord, request: Request) -> Scheduling:
+def request_scheduling(batching: BatchingSettings, record: InputRecord, request: Request) -> Scheduling:
     """A request's lane and deadline (epoch seconds): the earlier of ``deadline`` and the record's timestamp
     plus ``ttl_ms``; none when ``honor_deadlines`` is off."""
     candidates = []
-    if settings.batching.honor_deadlines:
+    if batching.honor_deadlines:
         if request.deadline is not None:
             candidates.append(request.deadline)
         if request.ttl_ms is not None and record.timestamp is not None and record.timestamp >= 0:

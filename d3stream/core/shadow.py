@@ -53,7 +53,7 @@ from d3stream.core.routing import Hosted
 from d3stream.core.seams import Scheduling
 from d3stream.ops.metrics import Metrics
 from d3stream.runtime.media import reason
-from d3stream.settings import Settings
+from d3stream.settings import BatchingSettings, DeliverySettings, ModelSettings
 
 log = structlog.get_logger(__name__)
 
@@ -61,9 +61,9 @@ log = structlog.get_logger(__name__)
 SHARE_SALT = b"d3stream-shadow\x00"
 
 
-def shadow_topic(settings: Settings) -> str:
+def shadow_topic(models: ModelSettings, delivery: DeliverySettings) -> str:
     """Where shadow answers go: ``shadow_topic``, else the answer topic's name + ``.shadow``."""
-    return settings.models.shadow_topic or f"{settings.delivery.answer_topic}.shadow"
+    return models.shadow_topic or f"{delivery.answer_topic}.shadow"
 
 
 def chosen(request_id: str, share: float) -> bool:
@@ -80,17 +80,18 @@ def chosen(request_id: str, share: float) -> bool:
 class Shadow:
     """The shadow of one worker: its model's passes, an answer builder for the shadow topic, the share."""
 
-    def __init__(self, settings: Settings, hosted: Hosted, *, prepare_thread: JobThread, metrics: Metrics):
+    def __init__(self, models: ModelSettings, batching: BatchingSettings, delivery: DeliverySettings,
+                 hosted: Hosted, *, prepare_thread: JobThread, metrics: Metrics):
         self.hosted = hosted
         self.name: str = hosted.name
-        self.topic = shadow_topic(settings)
-        self.share = settings.models.shadow_share
-        self.lanes = settings.batching.priority_lanes
+        self.topic = shadow_topic(models, delivery)
+        self.share = models.shadow_share
+        self.lanes = batching.priority_lanes
         self.prepare_thread = prepare_thread
         self.metrics = metrics
         live: AnswerBuilder = hosted.answers
         # Its answers are fitted to the shadow topic's message limit, and name the shadow model.
-        self.answers = AnswerBuilder(msgspec.structs.replace(settings.delivery, answer_topic=self.topic),
+        self.answers = AnswerBuilder(msgspec.structs.replace(delivery, answer_topic=self.topic),
                                      model_record=live.model_record, worker=live.worker, fit=live.fit,
                                      metrics=metrics, replay_id=live.replay_id, write=live.write)
 

@@ -65,7 +65,13 @@ from d3stream.kafka.limits import WorkerFatal
 from d3stream.kafka.offsets import OffsetTracker
 from d3stream.kafka.partitions import PartitionState, PauseReason
 from d3stream.ops.metrics import Metrics
-from d3stream.settings import Settings, heartbeat_interval_ms
+from d3stream.settings import (
+    BatchingSettings,
+    ConnectionSettings,
+    DeliverySettings,
+    LifecycleSettings,
+    heartbeat_interval_ms,
+)
 
 if TYPE_CHECKING:
     from d3stream.kafka.connection import AIOKafkaConsumer
@@ -94,8 +100,8 @@ def backpressure_pauses(in_flight: Mapping[K, int], requests: int, tokens: int, 
 
 
 
-def group_consumer(settings: Settings, *, group_id: str | None = None, co_partitioned: bool = False,
-                   client_suffix: str = "") -> AIOKafkaConsumer:
+def group_consumer(connection: ConnectionSettings, delivery: DeliverySettings, *, group_id: str | None = None,
+                   co_partitioned: bool = False, client_suffix: str = "") -> AIOKafkaConsumer:
     """A consumer-group member: committed offsets are the commit policy's (no auto-commit), and it reads
     committed records only (answers of an aborted transaction never count as requests).
 
@@ -105,10 +111,9 @@ def group_consumer(settings: Settings, *, group_id: str | None = None, co_partit
     (kafka/units.py)."""
     from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
-    delivery = settings.delivery
     assignment: dict[str, object] = {"partition_assignment_strategy": (RangePartitionAssignor,)} if co_partitioned else {}
-    return kafka_consumer(settings.connection,
-        client_id=settings.connection.client_id + client_suffix,
+    return kafka_consumer(connection,
+        client_id=connection.client_id + client_suffix,
         group_id=group_id or delivery.group_id,
         group_instance_id=delivery.group_instance_id if group_id is None else None,
         session_timeout_ms=delivery.session_timeout_ms,
@@ -202,10 +207,14 @@ class LiveRead:
 class ConsumeLoop:
     """One consumer group member's loop (see the module's docstring)."""
 
-    def __init__(self, settings: Settings, consumer: AIOKafkaConsumer, *, commits: CommitPolicy,
-                 tracker: OffsetTracker, read: ReadPolicy, handler: Handler, ledger: InFlightLedger,
-                 metrics: Metrics):
-        self.settings = settings
+    def __init__(self, delivery: DeliverySettings, batching: BatchingSettings, lifecycle: LifecycleSettings,
+                 consumer: AIOKafkaConsumer, *, commits: CommitPolicy, tracker: OffsetTracker,
+                 read: ReadPolicy, handler: Handler, ledger: InFlightLedger, metrics: Metrics):
+        # The commit cadence and rebalance timeout (delivery), the in-flight limits backpressure holds to
+        # (batching), the shutdown and rebalance drains, keeping partitions and stalls (lifecycle).
+        self.delivery = delivery
+        self.batching = batching
+        self.lifecycle = lifecycle
         self.consumer = consumer
         self.commits = commits
         self.tracker = tracker
@@ -282,7 +291,7 @@ class ConsumeLoop:
         try:
             await self._consume()
             if self.fatal is None:  # after a worker-fatal error nothing more can be published
-                await self.drain(self.settings.lifecycle.shutdown_timeout_s)
+                await self.drain(self.lifecycle.shutdown_timeout_s)
                 await self.guarded(self.commits.flush(self.tracker.partitions()))
             if self.fatal is not None:  # requests still in flight stay uncommitted: served again later
                 await self._cancel_tasks()
@@ -290,8 +299,7 @@ class ConsumeLoop:
             await self.assignment.stop_settling()
 
     async def _consume(self) -> None:
-        settings = self.settings
-        next_commit = time.monotonic() + settings.delivery.commit_interval_ms / 1000
+        next_commit = time.monotonic() + self.delivery.commit_interval_ms / 1000
         flushing: asyncio.Task[None] | None = None
         while not self.stopping.is_set():
             room = max(1, self._room())
@@ -313,7 +321,7 @@ class ConsumeLoop:
             if time.monotonic() >= next_commit and (flushing is None or flushing.done()):
                 flushing = asyncio.create_task(self._flush_and_report())
                 self.metrics.watch(flushing, "the periodic commit")
-                next_commit = time.monotonic() + settings.delivery.commit_interval_ms / 1000
+                next_commit = time.monotonic() + self.delivery.commit_interval_ms / 1000
             if await self.read.finished(self.consumer, self.tracker.in_flight()):
                 break
         if flushing is not None:
@@ -383,23 +391,23 @@ class ConsumeLoop:
         backpressure up to its ``RESERVE`` for the partitions still read (only those below their share are).
         Without the reserve here a fetch past the limit would bring one record at a time: a pipeline trip per
         record, which cost a quarter of the Kafka path's throughput (bench kafka)."""
-        limit = self.settings.batching.max_inflight_requests
+        limit = self.batching.max_inflight_requests
         if self.paused:
             limit = int(limit * (1 + RESERVE))
         return limit - self.in_flight.requests + self.in_flight.held_requests
 
     def _apply_backpressure(self) -> None:
-        settings, work = self.settings, self.in_flight
+        batching, work = self.batching, self.in_flight
         # Requests held by a tenant quota are bounded by their partitions' pause, not by these limits.
         requests, tokens = work.requests - work.held_requests, work.tokens - work.held_tokens
         full = (
-            requests >= settings.batching.max_inflight_requests
-            or tokens >= settings.batching.max_inflight_tokens
+            requests >= batching.max_inflight_requests
+            or tokens >= batching.max_inflight_tokens
             or self.media_budget.full
         )
         drained = (
-            requests < RESUME_AT * settings.batching.max_inflight_requests
-            and tokens < RESUME_AT * settings.batching.max_inflight_tokens
+            requests < RESUME_AT * batching.max_inflight_requests
+            and tokens < RESUME_AT * batching.max_inflight_tokens
             and self.media_budget.used < RESUME_AT * self.media_budget.capacity
         )
         current = self.assignment
@@ -415,7 +423,7 @@ class ConsumeLoop:
             # Re-evaluated while it lasts: a partition reaching its share is paused too.
             pause = set(assignment) if self.media_budget.full else backpressure_pauses(
                 {p: self.tracker.in_flight([p]) for p in assignment}, requests, tokens,
-                settings.batching.max_inflight_requests, settings.batching.max_inflight_tokens)
+                batching.max_inflight_requests, batching.max_inflight_tokens)
             current.pause(pause, PauseReason.BACKPRESSURE)
 
     def _apply_quotas(self) -> None:
@@ -443,7 +451,7 @@ class ConsumeLoop:
         unanswered request, and how long the commit point has stood still with work waiting; a stall longer
         than ``stall_unready_s`` makes the worker unready."""
         now = time.monotonic()
-        limit = self.settings.lifecycle.stall_unready_s
+        limit = self.lifecycle.stall_unready_s
         stalled = []
         for partition in self.consumer.assignment():
             oldest, stalled_s = self.tracker.stall(partition, now)
@@ -615,22 +623,21 @@ class _Rebalance(ConsumerRebalanceListener):
             return
         loop = self.loop
         assignment = loop.assignment
-        settings = loop.settings
         started = time.monotonic()
         # What is left of the rebalance timeout after the drain; a second of it stays for the rejoin itself.
-        deadline = started + settings.delivery.rebalance_timeout_ms / 1000 - 1.0
+        deadline = started + loop.delivery.rebalance_timeout_ms / 1000 - 1.0
         if loop.rebalance_began is None:
             loop.rebalance_began = started
         generation = group_generation(loop.consumer)
         settling = set(assignment.settling())  # not positioned yet: not kept, settled afresh if handed back
         await assignment.stop_settling(revoked)
         kept: dict[TopicPartition, int] = {}
-        if settings.lifecycle.rebalance_keep_partitions and generation is not None and generation >= 0:
+        if loop.lifecycle.rebalance_keep_partitions and generation is not None and generation >= 0:
             kept = {partition: position for partition in revoked
                     if partition not in settling and loop.tracker.owns(partition)
                     and (position := known_position(loop.consumer, partition)) is not None}
         else:
-            await loop.drain(settings.lifecycle.rebalance_drain_s, revoked)
+            await loop.drain(loop.lifecycle.rebalance_drain_s, revoked)
         if kept:
             # Held before the final commit, not after: a periodic commit waiting for the policy's lock would
             # otherwise take it when the final commit lets go and open a transaction for a partition about to
@@ -683,7 +690,7 @@ class _Rebalance(ConsumerRebalanceListener):
             loop.tracker.release(kept)
             moved = [partition for partition in held if partition not in kept]
             if moved:
-                deadline = time.monotonic() + loop.settings.delivery.rebalance_timeout_ms / 1000
+                deadline = time.monotonic() + loop.delivery.rebalance_timeout_ms / 1000
                 await loop.let_go(moved, deadline)
         fresh = [partition for partition in assigned if partition not in kept]
         if loop.commits.settles_assignments:

@@ -23,7 +23,7 @@ from d3stream.kafka.connection import client_options, kafka_admin, kafka_produce
 from d3stream.kafka.limits import Limits, read_topic_limits
 from d3stream.kafka.publishing import RecordBatches, quietly_stop, send_with_retries
 from d3stream.ops.metrics import Metrics
-from d3stream.settings import Settings
+from d3stream.settings import ConnectionSettings, DeliverySettings, ModelSettings
 
 if TYPE_CHECKING:
     from d3stream.kafka.connection import AIOKafkaProducer
@@ -63,8 +63,11 @@ class KafkaTopics:
     """Answers, dead letters and the provenance record on their Kafka topics, through an idempotent producer
     (``acks=all``); transactional producers per input partition for the ``exactly_once`` commit policy."""
 
-    def __init__(self, settings: Settings, limits: Limits, metrics: Metrics | None = None):
-        self.settings = settings
+    def __init__(self, connection: ConnectionSettings, delivery: DeliverySettings, models: ModelSettings,
+                 limits: Limits, metrics: Metrics | None = None):
+        self.connection = connection
+        self.delivery = delivery
+        self.models = models  # whether there is a shadow, and its topic
         self.limits = limits
         self.metrics = metrics
         self.producer: AIOKafkaProducer | None = None
@@ -78,28 +81,30 @@ class KafkaTopics:
     def new_producer(self, partition: TopicPartition | None = None) -> AIOKafkaProducer:
         """A producer with this worker's settings; for an input ``partition``, transactional with an id derived
         from the group, topic and partition (so the partition's next owner fences this one)."""
-        settings = self.settings
+        delivery = self.delivery
         options: dict[str, object] = {}
         if partition is not None:
             options["transactional_id"] = (
-                f"{settings.delivery.transactional_id_prefix}-{settings.delivery.group_id}-{partition.topic}-{partition.partition}"
+                f"{delivery.transactional_id_prefix}-{delivery.group_id}-{partition.topic}-{partition.partition}"
             )
-        return kafka_producer(settings.connection,
-            client_id=settings.connection.client_id,
+        return kafka_producer(self.connection,
+            client_id=self.connection.client_id,
             acks="all",
             enable_idempotence=True,
             linger_ms=2,
-            max_request_size=settings.delivery.max_request_size,
+            max_request_size=delivery.max_request_size,
             compression_type=self.limits.compression,
             **options,
         )
 
     def topics(self) -> list[tuple[str, dict[str, str]]]:
-        settings = self.settings
+        delivery = self.delivery
         # With a shadow model, its answers' topic (shadow.py).
-        shadow: list[tuple[str, dict[str, str]]] = [(shadow_topic(settings), {})] if settings.models.shadow else []
-        return [(settings.delivery.answer_topic, {}), *shadow, (settings.delivery.dead_letter_topic, {}),
-                (settings.delivery.provenance_topic, {"cleanup.policy": "compact"})]
+        shadow: list[tuple[str, dict[str, str]]] = (
+            [(shadow_topic(self.models, delivery), {})] if self.models.shadow else []
+        )
+        return [(delivery.answer_topic, {}), *shadow, (delivery.dead_letter_topic, {}),
+                (delivery.provenance_topic, {"cleanup.policy": "compact"})]
 
     async def start(self) -> None:
         self.producer = self.new_producer()
@@ -110,11 +115,10 @@ class KafkaTopics:
             await self.producer.stop()
 
     async def read_limits(self) -> dict[str, int]:
-        settings = self.settings
         return await read_topic_limits(
-            client_options(settings.connection, "admin", client_id=settings.connection.client_id),
+            client_options(self.connection, "admin", client_id=self.connection.client_id),
             [name for name, _ in self.topics()],
-            create_topics=settings.delivery.create_topics,
+            create_topics=self.delivery.create_topics,
         )
 
     async def write(self, records: Sequence[Outgoing]) -> None:
@@ -204,21 +208,21 @@ class JsonLinesFile:
         return self._handle
 
 
-async def ensure_topics(settings: Settings, sink: Sink) -> None:
+async def ensure_topics(connection: ConnectionSettings, delivery: DeliverySettings, sink: Sink) -> None:
     """Create the request topics and the sink's topics that do not exist yet (``create_topics``), each with
     ``topic_partitions`` partitions and the sink's topic configs."""
     from aiokafka.admin.new_topic import NewTopic
     from aiokafka.errors import TopicAlreadyExistsError
 
-    admin = kafka_admin(settings.connection, client_id=settings.connection.client_id)
+    admin = kafka_admin(connection, client_id=connection.client_id)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        partitions = {name: settings.delivery.topic_partitions for name in settings.delivery.request_topics}
+        partitions = {name: delivery.topic_partitions for name in delivery.request_topics}
         configs: dict[str, dict[str, str]] = {}
         for name, config in sink.topics():
             # A compacted topic (provenance) holds one record per model: one partition is enough.
-            partitions[name] = 1 if config.get("cleanup.policy") == "compact" else settings.delivery.topic_partitions
+            partitions[name] = 1 if config.get("cleanup.policy") == "compact" else delivery.topic_partitions
             configs[name] = config
         for name, count in partitions.items():
             if name in existing:

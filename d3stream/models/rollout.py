@@ -57,7 +57,7 @@ from d3stream.models.checkpoints import (
 from d3stream.ops.collector import collect_released
 from d3stream.ops.metrics import Metrics
 from d3stream.runtime import D3
-from d3stream.settings import Settings
+from d3stream.settings import ModelSettings, StorageSettings
 
 log = structlog.get_logger(__name__)
 
@@ -122,7 +122,8 @@ class SourceModel(D3):
     model_source_location: str
 
 
-def load_checkpoint(location: str, settings: Settings, served: Sequence[Path] = ()) -> SourceModel:
+def load_checkpoint(location: str, models: ModelSettings, storage: StorageSettings,
+                    served: Sequence[Path] = ()) -> SourceModel:
     """Load a checkpoint of a model source under its folder's name, every file's full SHA-256 checked
     against its manifest (a pointer can be changed by anyone who can write to the source), its format
     version checked by the runtime; first, its weights and those of the ``served`` checkpoints must fit
@@ -130,28 +131,28 @@ def load_checkpoint(location: str, settings: Settings, served: Sequence[Path] = 
     until its requests are answered. Blocking: run it off the event loop. RefusedCheckpoint says why not."""
     try:
         if location.startswith("s3://"):
-            path = fetch_checkpoint(location, ObjectStoreAccess.from_settings(settings.storage))
+            path = fetch_checkpoint(location, ObjectStoreAccess.from_settings(storage))
         else:
             path = Path(location).expanduser()
-        _check_fit(location, path, served, settings)
+        _check_fit(location, path, served, models)
         with collector_paused():
-            model = SourceModel.from_pretrained(path, device=settings.models.device, verify="full",
+            model = SourceModel.from_pretrained(path, device=models.device, verify="full",
                                                 model_name=checkpoint_folder(location),
-                                                permutation_average=settings.models.permutation_average)
+                                                permutation_average=models.permutation_average)
     except (CheckpointError, ValueError, OSError) as exc:
         raise RefusedCheckpoint(location, "refused_verification", str(exc)) from exc
     model.model_source_location = location
     return model
 
 
-def _check_fit(location: str, path: Path, served: Sequence[Path], settings: Settings) -> None:
+def _check_fit(location: str, path: Path, served: Sequence[Path], models: ModelSettings) -> None:
     import torch
 
-    device = settings.models.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = models.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     needs = {str(root): checkpoint_memory_bytes(root) for root in served}
     needs[checkpoint_folder(location)] = checkpoint_memory_bytes(path)
     try:
-        check_models_fit(needs, device, settings.models.model_memory_bytes)
+        check_models_fit(needs, device, models.model_memory_bytes)
     except CheckpointError as exc:
         raise RefusedCheckpoint(location, "refused_memory", str(exc)) from exc
 
@@ -187,23 +188,24 @@ def warm_up(model: D3, location: str) -> None:
         raise RefusedCheckpoint(location, "refused_warmup", f"the warm-up pass answered no probability: {answer}")
 
 
-def load_source_models(settings: Settings, beside: Sequence[Path] = ()) -> list[D3]:
+def load_source_models(models: ModelSettings, storage: StorageSettings,
+                       beside: Sequence[Path] = ()) -> list[D3]:
     """At start: the pointer's current checkpoint (the default) and its canary, loaded and verified as a
     swap would load them, each checked to fit beside the checkpoints ``beside`` (the --model and --shadow
     ones) and the ones loaded before it. CheckpointError names what is wrong."""
-    assert settings.models.model_source is not None
-    pointer = resolve_source(settings.models.model_source, ObjectStoreAccess.from_settings(settings.storage))
+    assert models.model_source is not None
+    pointer = resolve_source(models.model_source, ObjectStoreAccess.from_settings(storage))
     locations = [pointer.current, *([pointer.canary.location] if pointer.canary else [])]
     served: list[Path] = list(beside)
-    models: list[D3] = []
+    loaded: list[D3] = []
     try:
         for location in locations:
-            model = load_checkpoint(location, settings, served)
+            model = load_checkpoint(location, models, storage, served)
             served.append(model.root)
-            models.append(model)
+            loaded.append(model)
     except RefusedCheckpoint as exc:
-        raise CheckpointError(f"model_source {settings.models.model_source}: {exc}") from exc
-    return models
+        raise CheckpointError(f"model_source {models.model_source}: {exc}") from exc
+    return loaded
 
 
 # ---------------------------------------------------------------------------------------------- rollout
@@ -234,14 +236,15 @@ class RolloutHost(Protocol):
 class Rollout:
     """Watches ``model_source`` and swaps the default model without a stop; routes the canary share."""
 
-    def __init__(self, settings: Settings, host: RolloutHost, metrics: Metrics):
-        self.settings = settings
+    def __init__(self, models: ModelSettings, storage: StorageSettings, host: RolloutHost, metrics: Metrics):
+        self.models = models  # the source, its poll, the canary; how a checkpoint loads (device, memory)
+        self.storage = storage  # how an s3:// source is read
         self.host = host
         self.metrics = metrics
         self.pipeline = host.pipeline
         self.router = host.pipeline.router  # the models served, and the canary it routes (core/routing.py)
-        self.source = settings.models.model_source
-        self.static_canary = parse_canary(settings.models.canary) if settings.models.canary else None
+        self.source = models.model_source
+        self.static_canary = parse_canary(models.canary) if models.canary else None
         if self.static_canary is not None and self.static_canary[0] not in self.router.routes:
             served = ", ".join(repr(name) for name in self.router.routes)
             raise ValueError(f"canary names {self.static_canary[0]!r}, which is not served (this worker serves "
@@ -253,7 +256,7 @@ class Rollout:
         self.canary: CanaryRoute | None = None
         self._set_canary(None)
         self.router.route_default = self._route
-        self._access = ObjectStoreAccess.from_settings(settings.storage) if self.source else None
+        self._access = ObjectStoreAccess.from_settings(storage) if self.source else None
         self._client: S3Client | None = None
         self._applied: SourcePointer | None = None
         self._refused: SourcePointer | None = None
@@ -297,7 +300,7 @@ class Rollout:
                 raise
             except Exception:  # noqa: BLE001 - the watch must outlive any one bad poll
                 log.exception("model source check failed", source=self.source)
-            await asyncio.sleep(self.settings.models.model_source_poll_ms / 1000.0)
+            await asyncio.sleep(self.models.model_source_poll_ms / 1000.0)
 
     async def check(self) -> None:
         """Read the pointer once; act on it when it changed since the last one applied or refused."""
@@ -363,7 +366,7 @@ class Rollout:
         started = time.perf_counter()
         served = [root for root in (getattr(hosted.model, "root", None) for hosted in self.router.hosted.values())
                   if isinstance(root, Path)]
-        model = await asyncio.to_thread(load_checkpoint, location, self.settings, served)
+        model = await asyncio.to_thread(load_checkpoint, location, self.models, self.storage, served)
         loaded = time.perf_counter()
         await asyncio.get_running_loop().run_in_executor(self.host.model_thread, warm_up, model, location)
         log.info("checkpoint verified and warmed up", checkpoint=location, load_s=round(loaded - started, 2),
@@ -416,11 +419,12 @@ class Rollout:
             await asyncio.sleep(DRAIN_CHECK_S)
 
 
-def rollout_for(settings: Settings, host: RolloutHost, metrics: Metrics) -> Rollout | None:
+def rollout_for(models: ModelSettings, storage: StorageSettings, host: RolloutHost,
+                metrics: Metrics) -> Rollout | None:
     """The worker's rollout when it watches a model source or routes a canary share; else None."""
-    if not settings.models.model_source and not settings.models.canary:
+    if not models.model_source and not models.canary:
         return None
-    return Rollout(settings, host, metrics)
+    return Rollout(models, storage, host, metrics)
 
 
 __all__ = ["CanaryRoute", "RefusedCheckpoint", "Rollout", "RolloutHost", "checkpoint_folder", "load_checkpoint",

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.util.types import AttributeValue
 
-    from d3stream.settings import Settings
+    from d3stream.settings import DeliverySettings, ObservabilitySettings
 
 log = structlog.get_logger(__name__)
 
@@ -150,10 +150,12 @@ class Tracing:
         self._failed = False
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Tracing | None:
-        if not settings.observability.otlp_endpoint:
+    def from_settings(cls, observability: ObservabilitySettings,
+                      delivery: DeliverySettings) -> Tracing | None:
+        """Tracing to ``otlp_endpoint``, its spans naming the consumer group; none when it is unset."""
+        if not observability.otlp_endpoint:
             return None
-        return cls(endpoint=settings.observability.otlp_endpoint, group_id=settings.delivery.group_id)
+        return cls(endpoint=observability.otlp_endpoint, group_id=delivery.group_id)
 
     def request_served(self, record: ReadRecord, work: ServedWork, answer: Answer, finished: float) -> None:
         """The spans of one request, from ``work``'s recorded stage starts and durations (perf_counter

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 from d3stream_client.contract import Worker
+from d3stream_client.validation import RequestLimits
 
 from d3stream import __version__
 from d3stream.core.answers import answer_identity, provenance_digest
@@ -96,7 +97,8 @@ class Service:
         self.metrics = metrics or Metrics()
         # Spans of served requests (otlp_endpoint, or a caller's own, e.g. a test's in-memory exporter).
         self._owns_tracing = tracing is None
-        self.tracing = tracing if tracing is not None else Tracing.from_settings(settings)
+        self.tracing = (tracing if tracing is not None
+                        else Tracing.from_settings(settings.observability, settings.delivery))
         _use_torch_threads(settings.models.torch_threads)
         # The model thread takes the intra-op threads: a team this thread kept from loading would slow every pass.
         release_idle_teams()
@@ -128,15 +130,18 @@ class Service:
                                      tenant_max_inflight_tokens=settings.batching.tenant_max_inflight_tokens)
         self.in_flight = self.ledger.counts
         # Answers each fetch for the served models (its router owns them from here on) and the shadow.
-        self.pipeline = RequestPipeline(settings, served, fetcher=self.fetcher, decoder=self.decoder,
-                                        ledger=self.ledger, metrics=self.metrics, shadow=shadowing)
+        self.pipeline = RequestPipeline(settings.batching, settings.media, settings.observability,
+                                        settings.models, settings.delivery, served,
+                                        request_limits=RequestLimits.from_settings(settings),
+                                        fetcher=self.fetcher, decoder=self.decoder, ledger=self.ledger,
+                                        metrics=self.metrics, shadow=shadowing)
         # Live serving lets answers leave out of offset order (settings.delivery.ordering) and records the done offsets
         # beyond each commit point; a replay keeps offset order and commits the point alone.
         self.tracker = OffsetTracker(settings.delivery.ordering if replay_id is None else "partition",
                                      record_done=replay_id is None,
                                      metadata_bytes=settings.delivery.offset_metadata_max_bytes)
         # The watched model source (swaps without a stop) and the canary share (rollout.py), when set.
-        self.rollout = rollout_for(settings, self, self.metrics)
+        self.rollout = rollout_for(settings.models, settings.storage, self, self.metrics)
         # Made when it runs: the Kafka consumer, where answers go and how offsets commit, the loop over them.
         self.sink: Sink | None = None
         self.delivery: CommitPolicy | None = None
@@ -253,18 +258,20 @@ class Service:
 
     async def _serve_until_stopped(self) -> None:
         settings = self.settings
-        self.consumer = group_consumer(self.settings)
-        self.sink = sink_for(self.mode, kafka=lambda: KafkaTopics(settings, self.limits, self.metrics),
+        self.consumer = group_consumer(settings.connection, settings.delivery)
+        self.sink = sink_for(self.mode, kafka=lambda: KafkaTopics(settings.connection, settings.delivery,
+                                                                  settings.models, self.limits, self.metrics),
                              file=self.answer_file)
         self.delivery = delivery_for(self.mode, sink=self.sink, consumer=self.consumer, tracker=self.tracker,
                                      group_id=settings.delivery.group_id, metrics=self.metrics)
-        self.loop = ConsumeLoop(settings, self.consumer, commits=self.delivery, tracker=self.tracker, read=self.read,
+        self.loop = ConsumeLoop(settings.delivery, settings.batching, settings.lifecycle, self.consumer,
+                                commits=self.delivery, tracker=self.tracker, read=self.read,
                                 handler=self.handler.serve, ledger=self.ledger, metrics=self.metrics)
         self.handler.deliver_through(self.delivery, self.loop)
         if self._stop_asked:
             self.loop.stop()
         if settings.delivery.create_topics:
-            await self._connecting(ensure_topics(self.settings, self.sink))
+            await self._connecting(ensure_topics(settings.connection, settings.delivery, self.sink))
         await self._connecting(self.sink.start())
         await self.delivery.start()
         if self.registry is not None and settings.registry.answer_format != "json":

@@ -59,10 +59,10 @@ def _poison_admission(monkeypatch: pytest.MonkeyPatch) -> None:
     """The poisoned request's scheduling raises (a stage's bug, met by this one request only)."""
     real = pipeline.request_scheduling
 
-    def scheduling(settings: Any, read: Any, request: Request) -> Any:
+    def scheduling(batching: Any, read: Any, request: Request) -> Any:
         if request.id == POISON:
             raise RecursionError("maximum recursion depth exceeded (simulated)")
-        return real(settings, read, request)
+        return real(batching, read, request)
 
     monkeypatch.setattr(pipeline, "request_scheduling", scheduling)
 

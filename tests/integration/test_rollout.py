@@ -86,7 +86,7 @@ def test_a_pointer_changed_mid_stream_swaps_the_model_without_a_stop(
     copy_checkpoint(demo_random_checkpoint, source / "v2")
     write_pointer(local_pointer(source), "v1")
     settings = stack.settings(model_source=str(source), model_source_poll_ms=100)
-    (served,) = load_source_models(settings)
+    (served,) = load_source_models(settings.models, settings.storage)
     assert served.model_name == "v1"
     bootstrap = stack.broker.bootstrap_servers
     before = [f"before-{n}" for n in range(24)]
@@ -193,7 +193,7 @@ def test_a_tampered_checkpoint_is_refused_and_the_canary_share_follows_the_point
     write_pointer(put, "v1")
     settings = stack.settings(model_source=f"s3://{stack.bucket}/{prefix}/", model_source_poll_ms=100,
                               model_allowlist=[f"{stack.bucket}/{prefix}"], model_cache_dir=str(tmp_path / "cache"))
-    served = load_source_models(settings)
+    served = load_source_models(settings.models, settings.storage)
     bootstrap = stack.broker.bootstrap_servers
     batches: dict[str, list[str]] = {"refused": [f"a-{n}" for n in range(10)],
                                      "share-0.3": [f"b-{n}" for n in range(80)],

@@ -32,10 +32,13 @@ def test_header_and_tracing_settings_are_checked():
         Settings.from_flat(forward_headers=["content-type"]).check()
     with pytest.raises(ValueError, match="forward_headers_max_bytes"):
         Settings.from_flat(forward_headers_max_bytes=-1).check()
-    assert Tracing.from_settings(Settings()) is None  # off by default: the service builds no spans at all
+    defaults = Settings()
+    # Off by default: the service builds no spans at all.
+    assert Tracing.from_settings(defaults.observability, defaults.delivery) is None
     # ... and never imports OpenTelemetry (checked in a fresh interpreter: this session may have imported it).
     probe = ("import sys, d3stream.service, d3stream.jobs.replay; from d3stream.settings import Settings; "
-             "from d3stream.ops.tracing import Tracing; assert Tracing.from_settings(Settings()) is None; "
+             "from d3stream.ops.tracing import Tracing; s = Settings(); "
+             "assert Tracing.from_settings(s.observability, s.delivery) is None; "
              "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})

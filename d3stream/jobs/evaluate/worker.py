@@ -106,8 +106,9 @@ class Evaluator:
                                       group_id=None, enable_auto_commit=False, isolation_level="read_committed")
         await self._reader.start()
         self.joining.changelog = Changelog(settings, self._reader, tombstone_retention_ms=retention)
-        consumer = self._consumer = group_consumer(settings, group_id=evaluation.evaluate_group_id,
-                                                   co_partitioned=True, client_suffix="-evaluate")
+        consumer = self._consumer = group_consumer(settings.connection, settings.delivery,
+                                                   group_id=evaluation.evaluate_group_id, co_partitioned=True,
+                                                   client_suffix="-evaluate")
         tracker = OffsetTracker("partition")
         self.commits = self.joining.commits = CommitUnitsInTransaction(
             producer_factory=self._producer, open_state=self.joining.open_unit, lock=asyncio.Lock(),
@@ -115,8 +116,9 @@ class Evaluator:
         self.joining.ledger = ledger = InFlightLedger(media_budget=ByteBudget(1))
         # A joined record holds nothing once taken in: the evaluator's bound on the records in flight is the size of
         # the fetches it joins at once (each a read-ahead of the state's entries), not a serving worker's.
-        loop_settings = settings.replaced(max_inflight_requests=RECORDS_IN_FLIGHT)
-        self.loop = ConsumeLoop(loop_settings, consumer, commits=self.commits, tracker=tracker,
+        batching = settings.replaced(max_inflight_requests=RECORDS_IN_FLIGHT).batching
+        self.loop = ConsumeLoop(settings.delivery, batching, settings.lifecycle, consumer,
+                                commits=self.commits, tracker=tracker,
                                 read=LiveRead(self.topics.inputs), handler=self.joining.take, ledger=ledger,
                                 metrics=self.loop_metrics)
         await consumer.start()
@@ -188,7 +190,7 @@ async def _shadow_topic(settings: Settings) -> str | None:
     admin = kafka_admin(settings.connection, client_id=f"{settings.connection.client_id}-evaluate")
     await admin.start()
     try:
-        name = shadow_topic(settings)
+        name = shadow_topic(settings.models, settings.delivery)
         return name if name in await admin.list_topics() else None
     finally:
         await admin.close()

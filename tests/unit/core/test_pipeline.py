@@ -251,10 +251,10 @@ def test_what_raises_out_of_answer_anyway_leaves_nothing_held_in_flight(pipeline
     service = pipeline_service()
     real = pipeline.request_scheduling
 
-    def scheduling(settings: Any, read: Any, request: Any) -> Any:
+    def scheduling(batching: Any, read: Any, request: Any) -> Any:
         if request.id == "faulty":
             raise RecursionError("simulated")
-        return real(settings, read, request)
+        return real(batching, read, request)
 
     monkeypatch.setattr(pipeline, "request_scheduling", scheduling)
     with pytest.raises(RecursionError):

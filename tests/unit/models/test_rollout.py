@@ -66,13 +66,15 @@ def test_canary_settings_and_a_checkpoint_of_another_format_version(
     write_manifest(newer, model_name=manifest["model_name"], repo_id=manifest["repo_id"],
                    identity={k: v for k, v in manifest["identity"].items() if k != "model_sha256"})
     with pytest.raises(RefusedCheckpoint, match="format_version 99") as refused:
-        load_checkpoint(str(newer), Settings())
+        load_checkpoint(str(newer), Settings().models, Settings().storage)
     assert refused.value.outcome == "refused_verification"
 
     # The old model stays loaded while the new one loads: both must fit (model_memory_bytes), else refused.
     needs = checkpoint_memory_bytes(qwen35_text_checkpoint)
+    fits_one = Settings.from_flat(model_memory_bytes=needs)
     with pytest.raises(RefusedCheckpoint, match="the models do not fit") as refused:
-        load_checkpoint(str(qwen35_text_checkpoint), Settings.from_flat(model_memory_bytes=needs), [qwen35_text_checkpoint])
+        load_checkpoint(str(qwen35_text_checkpoint), fits_one.models, fits_one.storage,
+                        [qwen35_text_checkpoint])
     assert refused.value.outcome == "refused_memory" and "model_memory_bytes" in str(refused.value)
 
 
@@ -122,7 +124,8 @@ def test_a_checkpoint_that_verifies_but_answers_no_probability_is_refused_at_war
     manifest = read_manifest(broken)
     write_manifest(broken, model_name=manifest["model_name"], repo_id=manifest["repo_id"],
                    identity={k: v for k, v in manifest["identity"].items() if k != "model_sha256"})
-    model = load_checkpoint(str(broken), Settings())  # a manifest that matches: it verifies
+    # A manifest that matches: it verifies.
+    model = load_checkpoint(str(broken), Settings().models, Settings().storage)
     with pytest.raises(RefusedCheckpoint, match="warm-up") as refused:
         warm_up(model, str(broken))
     assert refused.value.outcome == "refused_warmup"
