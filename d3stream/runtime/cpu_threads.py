@@ -7,6 +7,8 @@ GNU OpenMP stops letting an idle team thread wait for the next op (it spins 100 
 thousands of small ops, so a worker whose prepare thread ran the image processor (torch ops) beside the model
 thread ran its passes 2-2.5x slower, and stayed that slow (docs/MEASUREMENTS.md, "CPU threads"). Hence:
 
+* ``cap_torch_threads(n)`` at a worker's start, when ``torch_threads`` is set: the process-wide count that
+  threads which set none settle on;
 * ``use_intraop_threads(n)`` as the initializer of the model thread (n: ``torch_threads``, or torch's own
   choice) and, with n = 1, of the other threads that touch torch on a CPU worker (the prepare thread): a
   one-thread op runs inline and makes no team;
@@ -20,6 +22,14 @@ import ctypes
 import functools
 import os
 from collections.abc import Callable
+
+
+def cap_torch_threads(count: int | None) -> None:
+    """Cap torch's intra-op threads (torch_threads; unset leaves torch's own choice)."""
+    if count:
+        import torch
+
+        torch.set_num_threads(count)
 
 
 def use_intraop_threads(count: int) -> None:

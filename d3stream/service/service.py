@@ -60,7 +60,7 @@ from d3stream.ops.collector import tuned_collector
 from d3stream.ops.metrics import Metrics
 from d3stream.ops.tracing import Tracing
 from d3stream.runtime.cache import lent_media_caches
-from d3stream.runtime.cpu_threads import release_idle_teams
+from d3stream.runtime.cpu_threads import cap_torch_threads, release_idle_teams
 from d3stream.service.fetch_handler import FetchHandler
 from d3stream.service.hosting import ModelHosting, served_models
 from d3stream.settings import Settings
@@ -73,14 +73,6 @@ __all__ = ["OffsetTracker", "Service", "answer_identity", "default_token_budget"
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-
-
-def _use_torch_threads(count: int | None) -> None:
-    """Cap torch's intra-op threads (torch_threads; unset leaves torch's own choice)."""
-    if count:
-        import torch
-
-        torch.set_num_threads(count)
 
 
 class Service:
@@ -99,7 +91,7 @@ class Service:
         self._owns_tracing = tracing is None
         self.tracing = (tracing if tracing is not None
                         else Tracing.from_settings(settings.observability, settings.delivery))
-        _use_torch_threads(settings.models.torch_threads)
+        cap_torch_threads(settings.models.torch_threads)
         # The model thread takes the intra-op threads: a team this thread kept from loading would slow every pass.
         release_idle_teams()
         self.read = read or LiveRead(settings.delivery.request_topics)
