@@ -2,6 +2,8 @@
 
 * ``service``: ``Service``, the worker: composes the parts (the only module that knows them all), starts them
   in order, serves until asked to stop, and closes them;
+* ``startup``: what the worker makes when it runs (consumer, sink, commit policy, consume loop) and the steps
+  it takes, in order, before it serves;
 * ``hosting``: each served model's own parts (``core.routing.Hosted``), the same whenever it was loaded;
 * ``fetch_handler``: ``FetchHandler``, the consume loop's handler: each fetch answered and delivered, under
   the guard that answers every record, even one the pipeline raises on.

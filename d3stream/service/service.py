@@ -14,25 +14,25 @@ flight, publish, commit, close; a crash never loses a request, a clean shutdown 
   delivery, and guards the stream (a record the pipeline raises on is answered ``internal_error`` and
   dead-lettered, its partition going on);
 * a delivery mode (``commits.DELIVERY_MODES``) is a sink (``sinks.py``: Kafka topics or a file) and a commit
-  policy (``commits.py``: in the answers' transaction, or after they are written).
+  policy (``commits.py``: in the answers' transaction, or after they are written);
+* ``startup.py`` makes the Kafka parts when the worker runs (consumer, sink, commit policy, consume loop) and
+  takes the steps before serving in their order (topics, limits, a provenance record per model, consumer,
+  the rollout's watch).
 
-This module wires them and owns what spans them: the start-up order (topics, limits, a provenance record per
-model, consumer), the one model thread every model's passes share (one device: passes never run side by side),
-readiness and the clean-up. An error that no retry can cure (``WorkerFatal``: no permission, a missing topic)
-stops the worker without committing past the record; ``run`` raises it and ``d3stream serve`` exits with
-status 3.
+This module wires them and owns what spans them: the one model thread every model's passes share (one device:
+passes never run side by side), readiness, stopping and the clean-up. An error that no retry can cure
+(``WorkerFatal``: no permission, a missing topic) stops the worker without committing past the record; ``run``
+raises it and ``d3stream serve`` exits with status 3.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import socket
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import structlog
 from d3stream_client.contract import Worker
@@ -48,21 +48,21 @@ from d3stream.core.pipeline import RequestPipeline
 from d3stream.core.routing import Hosted, Router
 from d3stream.core.seams import DecisionModel
 from d3stream.core.storage import MediaFetcher
-from d3stream.kafka.commits import DELIVERY_MODES, CommitPolicy, delivery_for, sink_for
-from d3stream.kafka.connection import check_connection, connecting
-from d3stream.kafka.consume import ConsumeLoop, LiveRead, ReadPolicy, group_consumer
+from d3stream.kafka.commits import DELIVERY_MODES, CommitPolicy
+from d3stream.kafka.connection import check_connection
+from d3stream.kafka.consume import ConsumeLoop, LiveRead, ReadPolicy
 from d3stream.kafka.limits import Limits, WorkerFatal, producer_compression
 from d3stream.kafka.offsets import OffsetTracker
-from d3stream.kafka.registry import Registry, framed_topics
-from d3stream.kafka.sinks import KafkaTopics, Sink, ensure_topics
+from d3stream.kafka.registry import Registry
+from d3stream.kafka.sinks import Sink
 from d3stream.models.rollout import rollout_for
 from d3stream.ops.collector import tuned_collector
 from d3stream.ops.metrics import Metrics
 from d3stream.ops.tracing import Tracing
-from d3stream.runtime.cache import lent_media_caches
 from d3stream.runtime.cpu_threads import cap_torch_threads, release_idle_teams
 from d3stream.service.fetch_handler import FetchHandler
 from d3stream.service.hosting import ModelHosting, served_models
+from d3stream.service.startup import make_kafka_parts, media_caches_lent, prepare_to_serve
 from d3stream.settings import Settings
 
 if TYPE_CHECKING:
@@ -71,8 +71,6 @@ if TYPE_CHECKING:
 __all__ = ["OffsetTracker", "Service", "answer_identity", "default_token_budget", "provenance_digest"]
 
 log = structlog.get_logger(__name__)
-
-T = TypeVar("T")
 
 
 class Service:
@@ -240,7 +238,8 @@ class Service:
 
     async def run(self) -> None:
         """Serve until ``stop()``; then finish in-flight work, publish, commit and close."""
-        with self._media_cache_lent(), tuned_collector(self.settings.lifecycle.gc_young_threshold):
+        with (media_caches_lent(self.pipeline, self.settings.media, self.metrics),
+              tuned_collector(self.settings.lifecycle.gc_young_threshold)):
             try:
                 await self._serve_until_stopped()
             finally:
@@ -250,39 +249,22 @@ class Service:
 
     async def _serve_until_stopped(self) -> None:
         settings = self.settings
-        self.consumer = group_consumer(settings.connection, settings.delivery)
-        self.sink = sink_for(self.mode, kafka=lambda: KafkaTopics(settings.connection, settings.delivery,
-                                                                  settings.models, self.limits, self.metrics),
-                             file=self.answer_file)
-        self.delivery = delivery_for(self.mode, sink=self.sink, consumer=self.consumer, tracker=self.tracker,
-                                     group_id=settings.delivery.group_id, metrics=self.metrics)
-        self.loop = ConsumeLoop(settings.delivery, settings.batching, settings.lifecycle, self.consumer,
-                                commits=self.delivery, tracker=self.tracker, read=self.read,
-                                handler=self.handler.serve, ledger=self.ledger, metrics=self.metrics)
-        self.handler.deliver_through(self.delivery, self.loop)
+        parts = make_kafka_parts(settings, self.mode, answer_file=self.answer_file, limits=self.limits,
+                                 tracker=self.tracker, read=self.read, handler=self.handler,
+                                 ledger=self.ledger, metrics=self.metrics)
+        # Kept here as soon as made: a start-up step that fails leaves them to the clean-up (_close), and the
+        # consumer, made but never started, to the caller (d3stream serve stops it).
+        self.consumer, self.sink = parts.consumer, parts.sink
+        self.delivery, self.loop = parts.delivery, parts.loop
         if self._stop_asked:
             self.loop.stop()
-        if settings.delivery.create_topics:
-            await self._connecting(ensure_topics(settings.connection, settings.delivery, self.sink))
-        await self._connecting(self.sink.start())
-        await self.delivery.start()
-        if self.registry is not None and settings.registry.answer_format != "json":
-            try:
-                self.record_writer.framing = await self.registry.writers_for(framed_topics(settings.delivery, settings.models))
-            except asyncio.CancelledError:
-                if not self._stop_asked:
-                    raise
-                return  # asked to stop while waiting for a registry that does not answer: nothing was read
-        self.limits.topics = await self._connecting(self.sink.read_limits())
-        log.info("topic limits", max_message_bytes=self.limits.topics, compression=self.limits.compression,
-                 max_request_size=self.limits.max_request_size)
-        if any(each.model.video_unavailable is None for each in self.hosted):
-            self.decoder.warm()  # the first video should not wait for its decoding process to start
-        for hosted in self.pipeline.every_model:  # a record per served model, and a shadow checkpoint's
-            await self.publish_model_provenance(hosted)
-        await self._connecting(self.consumer.start())
-        if self.rollout is not None:
-            self.rollout.start()  # watches the model source beside the consume loop, never in its way
+        # Topics, limits, a provenance record per model, the consumer, the rollout's watch (startup.py).
+        if not await prepare_to_serve(settings, parts, pipeline=self.pipeline, decoder=self.decoder,
+                                      registry=self.registry, record_writer=self.record_writer,
+                                      limits=self.limits, rollout=self.rollout,
+                                      publish=self.publish_model_provenance,
+                                      stop_asked=lambda: self._stop_asked):
+            return  # asked to stop while waiting for a registry that does not answer: nothing was read
         try:
             self.ready = True
             log.info("serving", topics=settings.delivery.request_topics, group=settings.delivery.group_id,
@@ -312,13 +294,3 @@ class Service:
         elif self.tracing is not None:
             self.tracing.flush()
         log.info("stopped", **self.counts)
-
-    def _media_cache_lent(self) -> contextlib.AbstractContextManager[None]:
-        """Each model encodes through a media-feature cache of this service while it serves (one per model:
-        vision features differ between checkpoints), handed back as it was given however serving ends."""
-        models = {id(each.model): each.model for each in self.pipeline.every_model}.values()
-        return lent_media_caches(models, self.settings.media.media_cache_bytes, self.metrics.count_media_cache)
-
-    async def _connecting(self, step: Awaitable[T]) -> T:
-        """Run a start-up step that connects to Kafka; a refusal becomes an error that names the knobs."""
-        return await connecting(self.settings.connection, step)
