@@ -9,6 +9,7 @@ and checks that a group stays on one worker.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +31,13 @@ def test_grouped(case):
 def test_an_xdist_group_runs_on_one_worker_under_loadgroup(tmp_path: Path) -> None:
     (tmp_path / "test_grouped.py").write_text(GROUPED)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # not this project's options and plugins
+    # Two workers are enough to split an ungrouped group; xdist alone of the installed plugins is loaded (the
+    # others only cost each process's start).
     finished = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "3", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider",
-         str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+        [sys.executable, "-m", "pytest", "-p", "xdist.plugin", "-n", "2", "--dist", "loadgroup", "-v",
+         "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert finished.returncode == 0, finished.stdout + finished.stderr
     workers = {line.split("]")[0].lstrip("[") for line in finished.stdout.splitlines()
                if line.startswith("[gw") and "PASSED" in line}
