@@ -629,7 +629,7 @@ class FleetShape:
     # shipped Deployment: maxSurge 1, maxUnavailable 0); "stop_first" stops it first (maxSurge 0,
     # maxUnavailable 1: a fleet with no spare GPU, or a StatefulSet).
     rollout: str = "surge"
-    keep_partitions: bool = False  # the workers' rebalance_keep_partitions (experimental)
+    keep_partitions: bool = True  # the workers' rebalance_keep_partitions (False: they drain at every rebalance)
     heartbeat_ms: int | None = None  # the workers' heartbeat_interval_ms (None: theirs by default)
     session_timeout_ms: int = 10_000
     commit_interval_ms: int = 500

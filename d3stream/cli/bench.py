@@ -332,9 +332,10 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
                         "one stops (deploy/k8s: maxSurge 1, maxUnavailable 0); stop_first stops it first (maxSurge 0, "
                         "maxUnavailable 1). Default: surge, stop_first with --static (a replacement beside the "
                         "worker would take its group_instance_id)")
-    parser.add_argument("--keep", dest="keep_partitions", action="store_true",
-                        help="the workers keep what a rebalance hands back (rebalance_keep_partitions, experimental: "
-                        "docs/SCALEOUT.md) instead of draining and closing every partition")
+    parser.add_argument("--keep", dest="keep_partitions", action=argparse.BooleanOptionalAction,
+                        default=shape.keep_partitions,
+                        help="the workers keep what a rebalance hands back (rebalance_keep_partitions, their "
+                        "default); --no-keep: they drain and close every partition at every rebalance")
     parser.add_argument("--heartbeat-ms", type=int, default=None,
                         help="the workers' heartbeat_interval_ms (default: theirs, 3 s)")
     parser.add_argument("--session-timeout-ms", type=int, default=shape.session_timeout_ms)

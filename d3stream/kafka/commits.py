@@ -75,6 +75,10 @@ class CommitPolicy(Protocol):
 
     # Whether a newly assigned partition must wait for ``assigned`` before it is read (consume.py settles it).
     settles_assignments: bool
+    # Whether work this worker still holds for a partition that moved can never reach the answers (the new
+    # owner's producer fences ours): a rebalance may then keep what it hands back without draining first
+    # (rebalance_keep_partitions). Where it can (at least once), a revocation drains, or the new owner repeats it.
+    fences_moved_work: bool
     commits: int
     aborts: int
     # Told of a partition still held whose commits cannot go on from where it was read (its producer was fenced,
@@ -144,6 +148,7 @@ class CommitAfterWrite(_Counted):
     """The sink writes each answer at once; offsets are committed behind its acknowledgements."""
 
     settles_assignments = False
+    fences_moved_work = False  # an answer finished after its partition moved is published all the same
 
     def __init__(self, sink: Sink, **kwargs: Unpack[Common]):
         super().__init__(**kwargs)
@@ -197,6 +202,7 @@ class CommitInTransaction(_Counted):
     # The consume loop holds a newly assigned partition until ``assigned`` returned (the previous owner's
     # last transaction is then complete) and re-reads its committed offset: see consume.py.
     settles_assignments = True
+    fences_moved_work = True  # a moved partition's new owner fences its producer here before it reads
 
     def __init__(self, *, producer_factory: Callable[[TopicPartition], AIOKafkaProducer],
                  **kwargs: Unpack[Common]):

@@ -28,12 +28,13 @@ quota, the read window and settling are reasons in the partition's state, and th
 once none is left.
 
 Rebalance (``_Rebalance``, eager: every partition is revoked, and the assignment that follows hands some of
-them back): before partitions are taken away, their in-flight work gets ``rebalance_drain_s`` to finish and
-their finished offsets are committed, all within ``rebalance_timeout_ms`` (a member still revoking when the
-group's rebalance times out is dropped and starts another rebalance). Work that finishes later is abandoned
-(``exactly_once``: never committed, the new owner answers it; ``at_least_once``: published, not committed).
-With ``rebalance_keep_partitions`` (experimental, off) a revocation commits what is done and holds the
-partitions instead, and the assignment keeps those handed back as they were (see ``_Rebalance``).
+them back): a revocation commits what is done and holds the partitions, and the assignment keeps those handed
+back as they were and lets go of those that moved (``rebalance_keep_partitions``, on by default; see
+``_Rebalance``), all within ``rebalance_timeout_ms`` (a member still revoking when the group's rebalance times
+out is dropped and starts another rebalance). With it off, the revoked partitions' in-flight work gets
+``rebalance_drain_s`` to finish first and every partition is closed. Work of a partition that moved and
+finishes later is abandoned (``exactly_once``: never committed, the new owner answers it; ``at_least_once``:
+published, not committed).
 A partition whose producer is fenced while the consumer holds it is settled again (``settle_again``).
 Newly assigned partitions stay paused until they are *settled*: when the commit policy ``settles_assignments``
 (``exactly_once``), the partition's transactional producer is initialised first (which waits until the
@@ -597,10 +598,10 @@ class _Rebalance(ConsumerRebalanceListener):
     """Make the loop's ``Assignment`` when partitions are assigned and end it when they are revoked.
 
     aiokafka rebalances eagerly: every member's every partition is revoked, and the assignment that follows
-    usually hands some of them back. With ``rebalance_keep_partitions`` (experimental, off: docs/SCALEOUT.md says
-    what ``bench fleet --keep`` found) a revocation only commits
-    what is done and holds the partitions (``_Holdover``): their transactional producers, their work in flight,
-    their tracked offsets and positions stay. The assignment then keeps those handed back as they were (no
+    usually hands some of them back. With ``rebalance_keep_partitions`` (on by default: docs/SCALEOUT.md says
+    what ``bench fleet`` measured) a revocation only commits what is done and holds the partitions
+    (``_Holdover``): their transactional producers, their work in flight, their tracked offsets and positions
+    stay. The assignment then keeps those handed back as they were (no
     drain, no new ``init_transactions``, no re-read of the commit) and closes only those that moved. That is
     safe because every partition has its own transactional id: the new owner of a partition that moved fences
     this worker's producer of it before it reads the committed offset, so an answer this worker still had in
@@ -632,7 +633,11 @@ class _Rebalance(ConsumerRebalanceListener):
         settling = set(assignment.settling())  # not positioned yet: not kept, settled afresh if handed back
         await assignment.stop_settling(revoked)
         kept: dict[TopicPartition, int] = {}
-        if loop.lifecycle.rebalance_keep_partitions and generation is not None and generation >= 0:
+        # Kept only where the work of a partition that moves can never be committed beside its new owner's (each
+        # partition's producer is fenced by the next owner); at least once drains instead, as its answers of a
+        # moved partition would be published and then answered again (bench fleet: 1,656 of 62,008 repeated).
+        if (loop.lifecycle.rebalance_keep_partitions and loop.commits.fences_moved_work
+                and generation is not None and generation >= 0):
             kept = {partition: position for partition in revoked
                     if partition not in settling and loop.tracker.owns(partition)
                     and (position := known_position(loop.consumer, partition)) is not None}

@@ -88,6 +88,7 @@ class CommitUnitsInTransaction(_Counted):
 
     # A unit is read only once its producer has fenced the previous owner and its state is up to date.
     settles_assignments = True
+    fences_moved_work = True  # a unit's new owner fences its producer here before it reads
 
     def __init__(self, *, producer_factory: Callable[[int], AIOKafkaProducer],
                  open_state: Callable[[int], Awaitable[UnitState]], lock: asyncio.Lock, **kwargs: Unpack[Common]):

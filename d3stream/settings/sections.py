@@ -512,14 +512,15 @@ class LifecycleSettings(_Section, frozen=True, kw_only=True):
         "this many allocations (Python's own: 700); 0 leaves the collector alone"
     )] = 1_000_000
     rebalance_keep_partitions: Annotated[bool, doc(
-        "experimental (docs/SCALEOUT.md): on rebalance, a revocation commits what is done and holds its "
-        "partitions' producers, work and offsets until the new assignment; those handed back go on untouched, "
-        'only those that move are closed. Off: every revocation drains for rebalance_drain_s and closes every '
-        'partition'
-    )] = False
+        "exactly_once: on rebalance, a revocation commits what is done and holds its partitions' producers, work "
+        'and offsets until the new assignment; those handed back go on untouched, only those that move are '
+        'closed (docs/SCALEOUT.md). Off, and always in at_least_once (whose answers of a partition that moved '
+        'would be answered again by its next owner): every revocation drains for rebalance_drain_s and closes '
+        'every partition'
+    )] = True
     rebalance_drain_s: Annotated[float, doc(
-        "with rebalance_keep_partitions off, how long revoked partitions' work may take to finish on rebalance "
-        '(exactly_once: what is unfinished then is abandoned and answered by the new owner)'
+        "with rebalance_keep_partitions off or in at_least_once, how long revoked partitions' work may take to "
+        'finish on rebalance (exactly_once: what is unfinished then is abandoned and answered by the new owner)'
     )] = 5.0
     stall_unready_s: Annotated[float, doc(
         "/readyz fails while a partition's committed offset has not moved for this long although it has work "

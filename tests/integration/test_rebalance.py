@@ -2,10 +2,10 @@
 that move are let go, and exactly once holds either way.
 
 aiokafka revokes every partition of every member at each join or leave. With ``rebalance_keep_partitions``
-(experimental, off by default: docs/SCALEOUT.md) a worker holds its revoked partitions until the next assignment: those handed back keep their
-transactional producer (no new ``init_transactions``), their work in flight and their offsets; those that moved
-to the joining worker are closed, and the answers this worker still had in hand for them are never committed
-(the new owner answers them). With the setting off, every partition is drained, closed and settled afresh.
+(on by default in exactly_once: docs/SCALEOUT.md) a worker holds its revoked partitions until the next
+assignment: those handed back keep their transactional producer (no new ``init_transactions``), their work in
+flight and their offsets; those that moved to the joining worker are closed, and the answers this worker still
+had in hand for them are never committed (the new owner answers them). With the setting off, every partition is drained, closed and settled afresh.
 """
 
 from __future__ import annotations

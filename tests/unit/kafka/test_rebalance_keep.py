@@ -1,5 +1,6 @@
 """Keeping what a rebalance hands back (``rebalance_keep_partitions``, kafka/consume.py) without a broker: the two
-ways ``bench fleet --keep`` found a worker answering the same records twice, both committed (docs/SCALEOUT.md).
+ways ``bench fleet --keep`` found a worker answering the same records twice, both committed (docs/SCALEOUT.md), and
+where it keeps nothing (at least once).
 
 * A partition newly assigned beside a kept one is read from aiokafka's own position (the committed offset it
   read) as soon as the assignment is made; the callback then awaits the group's commits of the kept ones, and
@@ -14,6 +15,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from aiokafka.structs import TopicPartition
 
 from d3stream.kafka.consume import ConsumeLoop, _Holdover, _Rebalance
@@ -90,3 +92,62 @@ def test_records_of_a_held_partition_are_not_taken_until_the_assignment_says_it_
 
     tracker.release([KEPT])
     assert [record.offset for record in ConsumeLoop._take(loop, {KEPT: records}).records] == [2, 3]  # type: ignore[arg-type]
+
+
+class PositionedConsumer(Consumer):
+    """A consumer that knows where it read each partition to (aiokafka's assignment state)."""
+
+    def __init__(self, generation: int, positions: dict[TopicPartition, int]):
+        super().__init__(generation)
+        states = {partition: SimpleNamespace(position=position, has_valid_position=True)
+                  for partition, position in positions.items()}
+        assignment = SimpleNamespace(tps=set(positions), state_value=states.__getitem__)
+        self._subscription = SimpleNamespace(subscription=SimpleNamespace(assignment=assignment))
+
+
+@pytest.mark.parametrize("fences_moved_work", [True, False], ids=["exactly_once", "at_least_once"])
+def test_a_revocation_keeps_without_a_drain_only_where_moved_work_is_fenced(fences_moved_work: bool) -> None:
+    """In exactly once a revoked partition is held as it is, its work in hand (its next owner fences whatever
+    this worker still had). In at least once that work would be published after the partition moved and answered
+    again by the next owner, so the revocation drains and lets every partition go, the setting on or not."""
+    async def scenario() -> tuple[list[float], Any]:
+        consumer = PositionedConsumer(generation=4, positions={KEPT: 5, NEW: 9})
+        tracker = OffsetTracker("partition")
+        for partition in (KEPT, NEW):
+            tracker.add_all(partition, [0, 1])
+        drains: list[float] = []
+        let_go: list[TopicPartition] = []
+
+        async def drain(seconds: float, partitions: list[TopicPartition]) -> None:
+            drains.append(seconds)
+
+        async def flush(partitions: list[TopicPartition]) -> None:
+            return None
+
+        async def guarded(step: Any) -> None:
+            await step
+
+        async def letting_go(partitions: list[TopicPartition], deadline: float) -> int:
+            let_go.extend(partitions)
+            return 0
+
+        async def stop_settling(partitions: list[TopicPartition]) -> None:
+            return None
+
+        assignment = SimpleNamespace(settling=lambda: [], stop_settling=stop_settling, end=lambda partitions: None,
+                                     state=lambda partition: None, backpressure=False)
+        loop: Any = SimpleNamespace(
+            consumer=consumer, tracker=tracker, assignment=assignment, holdover=None, rebalance_began=None,
+            lifecycle=SimpleNamespace(rebalance_keep_partitions=True, rebalance_drain_s=5.0),
+            delivery=SimpleNamespace(rebalance_timeout_ms=30_000), drain=drain, guarded=guarded,
+            commits=SimpleNamespace(fences_moved_work=fences_moved_work, flush=flush), let_go=letting_go)
+        await _Rebalance(loop).on_partitions_revoked([KEPT, NEW])
+        return drains, (loop.holdover, let_go)
+
+    drains, (holdover, let_go) = asyncio.run(scenario())
+    if fences_moved_work:
+        assert drains == [] and let_go == [], "exactly once drained or let go what it could keep"
+        assert holdover.positions == {KEPT: 5, NEW: 9}
+    else:
+        assert drains == [5.0], "at least once did not drain before its partitions could move"
+        assert holdover is None and set(let_go) == {KEPT, NEW}
