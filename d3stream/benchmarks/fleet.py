@@ -634,6 +634,7 @@ class FleetShape:
     session_timeout_ms: int = 10_000
     commit_interval_ms: int = 500
     load_s: float = 0.0
+    log_level: str = "info"  # the workers' (debug: aiokafka's requests too, as chasing a fault needs)
     stable_s: float = 2.0  # how long the group must look settled to be settled
     min_event_s: float = 5.0  # an event settled sooner is measured over this long (ten commits at the default)
     settle_timeout_s: float = 120.0
@@ -671,7 +672,7 @@ def worker_settings(bootstrap: str, topics: dict[str, str], group: str, shape: F
         "max_batch_rows": shape.batch_rows, "max_inflight_requests": shape.max_inflight,
         "rebalance_keep_partitions": str(shape.keep_partitions).lower(),
         **({"heartbeat_interval_ms": shape.heartbeat_ms} if shape.heartbeat_ms else {}),
-        "log_format": "json", "log_level": "info",  # the logs say what each rebalance did, and how long
+        "log_format": "json", "log_level": shape.log_level,  # the logs say what each rebalance did, and how long
     }
     env.update({f"D3STREAM_{name.upper()}": str(value) for name, value in settings.items()})
     return env

@@ -343,6 +343,8 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-s", type=float, default=shape.load_s,
                         help="seconds each worker start spends as a checkpoint's load would")
     parser.add_argument("--logs", metavar="DIR", help="the workers' logs go here (default: a temporary folder)")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning"), default=shape.log_level,
+                        help="the workers' log level (debug: aiokafka's requests too, to chase a fault)")
     _common(parser, checkpoint=False, threads=False)
 
 
@@ -355,7 +357,7 @@ def _fleet(args: argparse.Namespace) -> Outcome:
                        rollout=args.rollout or ("stop_first" if args.static else FleetShape.rollout),
                        keep_partitions=args.keep_partitions, heartbeat_ms=args.heartbeat_ms,
                        session_timeout_ms=args.session_timeout_ms, commit_interval_ms=args.commit_interval_ms,
-                       load_s=args.load_s)
+                       load_s=args.load_s, log_level=args.log_level)
     folder = Path(args.logs) if args.logs else None
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
