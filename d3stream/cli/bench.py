@@ -367,6 +367,15 @@ def _fleet(args: argparse.Namespace) -> Outcome:
     return report, fleet_markdown(report)
 
 
+def _servers(args: argparse.Namespace) -> Outcome:
+    from d3stream.benchmarks.bench_servers import RUNS, SERVERS, servers_bench, servers_markdown
+
+    with _bar(args, len(SERVERS) * len(RUNS), "servers") as bar:
+        report = servers_bench(args.count, progress=_stepper(bar))
+        bar.update(bar.total - bar.n)
+    return report, servers_markdown(report)
+
+
 def _counted(default: float, what: str, kind: type[int] | type[float] = int,
              **common: bool) -> Callable[[argparse.ArgumentParser], None]:
     def add(parser: argparse.ArgumentParser) -> None:
@@ -410,6 +419,11 @@ BENCHMARKS = (
               "a rolling restart and a scale 2 -> 4 -> 2 on an embedded broker: each event's throughput over "
               "steady, seconds each worker was paused, rebalances, lost and repeated answers",
               _fleet_arguments, _fleet),
+    Benchmark("servers", "each embedded server (Kafka, S3Proxy, the Schema Registry) started and stopped without and "
+              "with a class-data archive of its classes: CPU and seconds per start, as the test suite's sixty "
+              "starts pay them (d3stream/dev/infra/class_data.py)",
+              _counted(3, "starts of each server without and with its archive", checkpoint=False, threads=False),
+              _servers),
 )
 
 

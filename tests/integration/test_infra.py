@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from d3stream.dev.infra import JVM_OPTIONS_ENV, KafkaBroker, ObjectStore
+from d3stream.dev.infra import JVM_OPTIONS_ENV, KafkaBroker, ObjectStore, class_data
+from d3stream.dev.infra.class_data import ARCHIVES_ENV
 from d3stream.dev.infra.jars import _jvm_options
 
 pytestmark = pytest.mark.timeout(180)
@@ -163,3 +165,36 @@ def test_both_servers_start_with_the_extra_jvm_options(
         assert arguments.index(wanted[0]) > next(i for i, a in enumerate(arguments) if a.startswith("-Xmx"))
     monkeypatch.setenv(JVM_OPTIONS_ENV, "-Xmx1g  -Dd3stream.note='two words'")
     assert _jvm_options() == ["-Xmx1g", "-Dd3stream.note=two words"]
+
+
+def _mapped(pid: int, path: Path) -> bool:
+    """Whether the process has ``path`` mapped into its memory (a JVM maps the class-data archive it uses)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return any(line.rstrip().endswith(str(path)) for line in maps)
+
+
+def test_a_server_writes_its_class_data_archive_on_a_clean_exit_and_starts_from_it_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With archives asked for (the suite asks), a server's first start writes the archive of its classes when it
+    exits cleanly, and the next start maps it; a killed server's archive is never taken (it may be half
+    written)."""
+    monkeypatch.setenv(ARCHIVES_ENV, "1")
+    monkeypatch.setattr(class_data, "archive_folder", lambda: tmp_path / "archives")
+    store = ObjectStore(tmp_path / "store")
+    try:
+        store.start()
+        store.kill()
+        assert not list((tmp_path / "archives").glob("*")), "a killed JVM's archive was kept"
+        store.start()
+        assert store.pid is not None
+        store.stop()
+        archives = list((tmp_path / "archives").glob("*.jsa"))
+        assert len(archives) == 1 and not list((tmp_path / "archives").glob("*.partial")), archives
+        store.start()
+        assert store.pid is not None and _mapped(store.pid, archives[0]), "the second start did not use the archive"
+        s3 = store.client()
+        s3.create_bucket(Bucket="after-the-archive")  # and it serves
+        assert [b["Name"] for b in s3.list_buckets()["Buckets"]] == ["after-the-archive"]
+    finally:
+        store.close()

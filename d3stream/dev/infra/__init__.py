@@ -11,13 +11,15 @@ running consumer, S3 ETags and range reads). So tests start the actual programs:
 * **Apicurio Registry** (Confluent's Schema Registry API), when a test or the demo asks for one.
 
 One module per concern, each saying more of its own: ``jars`` (the pom's jars from Maven Central, once, and
-the ``java`` that runs them), ``processes`` (each server a child process with its ports, its log and its
+the ``java`` that runs them), ``class_data`` (archives of the servers' classes, so the suite's many starts are
+cheaper), ``processes`` (each server a child process with its ports, its log and its
 start/stop/restart), ``kafka`` (the broker), ``object_store`` (S3Proxy), ``registry`` (Apicurio, and finding
 a Java new enough for it) and ``stack`` (all of them started together). Import from here: the names below
 are the package's interface, what the demo, the CLI, the benchmarks and the tests use.
 
 Importing this package imports only the standard library and structlog (aiokafka and boto3 are imported where a
-server is probed or a client made): tests/conftest.py reads :data:`JVM_OPTIONS_ENV` from it before torch loads.
+server is probed or a client made): tests/conftest.py reads :data:`JVM_OPTIONS_ENV` (and ``class_data``'s
+``ARCHIVES_ENV``) from it before torch loads.
 """
 
 from d3stream.dev.infra.jars import JVM_OPTIONS_ENV, POM_PATH, ensure_jars, java_available

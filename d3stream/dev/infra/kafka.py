@@ -19,6 +19,7 @@ from typing import Self, TypeVar
 
 import structlog
 
+from d3stream.dev.infra.class_data import server_archive
 from d3stream.dev.infra.jars import _java, _jvm_options, _kafka_classpath, ensure_jars
 from d3stream.dev.infra.processes import (
     InfraError,
@@ -194,13 +195,13 @@ class KafkaBroker(_LocalServer):
             *_jvm_options(),
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={log4j_path}",
-            "-cp",
-            classpath,
         ]
+        archive = server_archive("kafka", java, classpath)
         started = time.monotonic()
         if not (self.data_dir / "meta.properties").is_file():
-            self._format(jvm, props_path)
-        self._launch([*jvm, "kafka.Kafka", str(props_path)], started, bootstrap=self.bootstrap_servers)
+            self._format([*jvm, *(archive.reuse_only() if archive else []), "-cp", classpath], props_path)
+        self._launch([*jvm, *(archive.options() if archive else []), "-cp", classpath, "kafka.Kafka", str(props_path)],
+                     started, on_exit=archive.exited if archive else None, bootstrap=self.bootstrap_servers)
         return self
 
     def _format(self, jvm: list[str], props_path: Path) -> None:
@@ -246,13 +247,6 @@ class KafkaBroker(_LocalServer):
                     await admin.close()
 
         return _run_sync(probe)
-
-    def kill(self) -> None:
-        """SIGKILL, no clean shutdown: the broker crashing. :meth:`start` recovers the logs."""
-        if self._proc is not None:
-            log.info("kafka.killing", pid=self._proc.pid)
-            self._proc.kill()
-            self._proc = None
 
     # -- helpers
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Self
 
+from d3stream.dev.infra.class_data import server_archive
 from d3stream.dev.infra.jars import _java, _jvm_options, _s3proxy_jar, ensure_jars
 from d3stream.dev.infra.processes import _free_port, _LocalServer, _workdir, _write_properties
 
@@ -80,11 +81,14 @@ class ObjectStore(_LocalServer):
                 "jclouds.filesystem.basedir": str(self.data_dir),
             },
         )
+        java = _java()
+        archive = server_archive("s3proxy", java, str(jar))
         cmd = [
-            _java(),
+            java,
             f"-Xmx{self.heap}",
             "-Xms32m",
             *_jvm_options(),
+            *(archive.options() if archive else []),
             "-Djava.awt.headless=true",
             "-Dlogback.statusListenerClass=ch.qos.logback.core.status.NopStatusListener",
             "-jar",
@@ -92,7 +96,8 @@ class ObjectStore(_LocalServer):
             "--properties",
             str(props_path),
         ]
-        self._launch(cmd, time.monotonic(), poll_s=0.1, endpoint=self.endpoint_url)
+        self._launch(cmd, time.monotonic(), poll_s=0.1, on_exit=archive.exited if archive else None,
+                     endpoint=self.endpoint_url)
         return self
 
     def _ready(self) -> bool:

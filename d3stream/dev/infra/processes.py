@@ -114,9 +114,13 @@ class _Process:
     servers in order; and the group kill takes along anything the JVM might fork.
     """
 
-    def __init__(self, name: str, cmd: list[str], log_path: Path, cwd: Path) -> None:
+    def __init__(self, name: str, cmd: list[str], log_path: Path, cwd: Path,
+                 on_exit: Callable[[bool], None] | None = None) -> None:
+        """``on_exit`` is told, once the process has ended, whether it exited cleanly (status 0, or a JVM's 143
+        after SIGTERM) rather than being killed."""
         self.name = name
         self.log_path = log_path
+        self._on_exit = on_exit
         with open(log_path, "ab") as out:
             out.write(f"\n===== d3stream: starting {name}: {' '.join(cmd[:3])} ... =====\n".encode())
             out.flush()
@@ -156,6 +160,7 @@ class _Process:
         finally:
             with _live_lock:
                 _live.discard(self)
+            self._ended()
 
     def kill(self) -> None:
         """SIGKILL now: a crash, for tests of what survives one."""
@@ -164,6 +169,12 @@ class _Process:
         self.popen.wait(timeout=30)
         with _live_lock:
             _live.discard(self)
+        self._ended()
+
+    def _ended(self) -> None:
+        on_exit, self._on_exit = self._on_exit, None
+        if on_exit is not None and self.popen.returncode is not None:
+            on_exit(self.popen.returncode in (0, 128 + signal.SIGTERM))
 
 
 def _stop_leftovers() -> None:
@@ -273,13 +284,14 @@ class _LocalServer:
         raise NotImplementedError
 
     def _launch(self, cmd: list[str], started: float, *, poll_s: float = 0.2, wait: bool = True,
-                **where: object) -> None:
+                on_exit: Callable[[bool], None] | None = None, **where: object) -> None:
         """Run ``cmd`` and (with ``wait``) wait until :meth:`_ready`; a server that dies or stays unready is
-        stopped and the error carries its log tail (:class:`PortTaken` when its port was taken)."""
+        stopped and the error carries its log tail (:class:`PortTaken` when its port was taken). ``on_exit``:
+        see :class:`_Process`."""
         log.info(f"{self.event}.starting", workdir=str(self.workdir), **where)
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._launched_at = started
-        self._proc = _Process(self.event, cmd, self.log_path, self.workdir)
+        self._proc = _Process(self.event, cmd, self.log_path, self.workdir, on_exit)
         if wait:
             self.wait_ready(poll_s=poll_s, **where)
 
@@ -343,6 +355,13 @@ class _LocalServer:
         log.info(f"{self.event}.stopping", pid=self._proc.pid)
         self._proc.stop(self.stop_grace)
         self._proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, no clean shutdown: the server crashing (a broker's :meth:`start` then recovers its logs)."""
+        if self._proc is not None:
+            log.info(f"{self.event}.killing", pid=self._proc.pid)
+            self._proc.kill()
+            self._proc = None
 
     def restart(self) -> None:
         """Stop then start on the same port and data folder."""

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Self
 
+from d3stream.dev.infra.class_data import server_archive
 from d3stream.dev.infra.jars import _DEPENDENCY_PLUGIN, _fetched_once, _jvm_options, _maven, _notice
 from d3stream.dev.infra.processes import InfraError, _LocalServer, _workdir, free_ports
 
@@ -173,11 +174,13 @@ class SchemaRegistry(_LocalServer):
             return self
         app = ensure_registry(self.version)
         database = self.workdir / "registry-db"
+        archive = server_archive(f"registry-{self.version}", str(self.java), str(_runner_jar(app)))
         cmd = [
             str(self.java),
             f"-Xmx{self.heap}",
             "-Xms64m",
             *_jvm_options(),
+            *(archive.options() if archive else []),
             "-Djava.awt.headless=true",
             "-Dquarkus.http.host=127.0.0.1",
             *self._listener_options(),
@@ -190,7 +193,8 @@ class SchemaRegistry(_LocalServer):
             "-jar",
             str(_runner_jar(app)),
         ]
-        self._launch(cmd, time.monotonic(), wait=False, url=self.url, version=self.version)
+        self._launch(cmd, time.monotonic(), wait=False, on_exit=archive.exited if archive else None, url=self.url,
+                     version=self.version)
         return self
 
     def _listener_options(self) -> list[str]:
