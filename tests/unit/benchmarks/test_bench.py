@@ -107,7 +107,7 @@ def test_every_benchmark_is_a_subcommand_of_bench():
     assert args.run is bench_command.COMMAND.run and args.workload == "long-state" and args.calibrate
     assert {b.name for b in bench_command.BENCHMARKS} == {
         "workloads", "kafka", "soak", "soak-images", "evaluate", "evaluate-volume", "ask", "head-of-line", "stream",
-        "scheduling", "too-large", "host", "fleet"}
+        "scheduling", "too-large", "host", "fleet", "servers"}
     assert parser.parse_args(["bench", "kafka"]).count == 20_000
     assert parser.parse_args(["bench", "soak-images", "5", "--json"]).count == 5
     assert parser.parse_args(["bench", "scheduling", "2.5"]).count == 2.5
