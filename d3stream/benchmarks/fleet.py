@@ -817,7 +817,8 @@ def fleet_markdown(report: FleetReport) -> str:
     lines = [
         f"Fleet of {report['workers']} workers ({'static' if report['static'] else 'dynamic'} membership, "
         f"rolling restart {ROLLOUT_TITLES[report['rollout']]}, "
-        f"{report['delivery']}, rebalances {'keep what they hand back' if report['keep_partitions'] else 'drain'}"
+        f"{report['delivery']}, rebalances "
+        f"{'keep what they hand back' if report['keep_partitions'] and report['delivery'] == 'exactly_once' else 'drain'}"
         + (f", heartbeat {report['heartbeat_ms']} ms" if report.get("heartbeat_ms") else "")
         + f"), {report['partitions']} partitions; each pass sleeps {report['device_ms']:g} ms "
         f"for up to {report['batch_rows']} rows ({report['capacity_per_worker']:,.0f} answers/s per worker); "

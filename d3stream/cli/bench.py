@@ -335,7 +335,8 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", dest="keep_partitions", action=argparse.BooleanOptionalAction,
                         default=shape.keep_partitions,
                         help="the workers keep what a rebalance hands back (rebalance_keep_partitions, their "
-                        "default); --no-keep: they drain and close every partition at every rebalance")
+                        "default; exactly_once only: at_least_once drains); --no-keep: they drain and close every "
+                        "partition at every rebalance")
     parser.add_argument("--heartbeat-ms", type=int, default=None,
                         help="the workers' heartbeat_interval_ms (default: theirs, 3 s)")
     parser.add_argument("--session-timeout-ms", type=int, default=shape.session_timeout_ms)

@@ -167,7 +167,7 @@ class GroupSeries:
         self.revoked_abandoned = Counter(
             f"{PREFIX}_revoked_requests_abandoned",
             "Requests of partitions that moved to another worker while they were unanswered (with "
-            "rebalance_keep_partitions off: not answered within rebalance_drain_s): never committed by this "
+            "rebalance_keep_partitions off, or at_least_once: not answered within rebalance_drain_s): never committed by this "
             "worker (exactly_once), the partition's new owner answers them.",
             registry=registry,
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,7 @@ class ClassDataArchive:
         if self.path.is_file():
             return [f"-XX:SharedArchiveFile={self.path}"]
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._sweep()
         self._pending = self.path.with_name(f"{self.path.stem}.{uuid.uuid4().hex[:8]}.partial")
         return [f"-XX:ArchiveClassesAtExit={self._pending}"]
 
@@ -83,6 +85,15 @@ class ClassDataArchive:
         """The flags of a short helper run on the same class path (Kafka's storage format): use the archive when
         there is one, never write it (a helper's classes are not the server's)."""
         return [f"-XX:SharedArchiveFile={self.path}"] if self.path.is_file() else []
+
+    def _sweep(self) -> None:
+        """Drop this archive's pending files older than a day: written by servers whose parent went away before
+        it could keep or drop them (a JVM told by the kernel that its parent died exits cleanly, and dumps)."""
+        stale = time.time() - 86_400
+        for pending in self.path.parent.glob(f"{self.path.stem}.*.partial"):
+            with contextlib.suppress(OSError):
+                if pending.stat().st_mtime < stale:
+                    pending.unlink()
 
     def exited(self, cleanly: bool) -> None:
         """The server's JVM has ended: keep the archive it wrote on a clean exit, drop a partial one."""

@@ -121,6 +121,7 @@ class _Process:
         self.name = name
         self.log_path = log_path
         self._on_exit = on_exit
+        self._failed = False
         with open(log_path, "ab") as out:
             out.write(f"\n===== d3stream: starting {name}: {' '.join(cmd[:3])} ... =====\n".encode())
             out.flush()
@@ -144,8 +145,11 @@ class _Process:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def stop(self, grace: float) -> None:
-        """SIGTERM the group (clean shutdown: Kafka checkpoints its logs), SIGKILL if still there after ``grace``."""
+    def stop(self, grace: float, *, failed: bool = False) -> None:
+        """SIGTERM the group (clean shutdown: Kafka checkpoints its logs), SIGKILL if still there after ``grace``.
+        ``failed``: it never became ready, so its exit does not count as clean for ``on_exit``."""
+        if failed:
+            self._failed = True
         try:
             if self.alive():
                 with contextlib.suppress(ProcessLookupError):
@@ -173,8 +177,8 @@ class _Process:
 
     def _ended(self) -> None:
         on_exit, self._on_exit = self._on_exit, None
-        if on_exit is not None and self.popen.returncode is not None:
-            on_exit(self.popen.returncode in (0, 128 + signal.SIGTERM))
+        if on_exit is not None:
+            on_exit(not self._failed and self.popen.returncode in (0, 128 + signal.SIGTERM))
 
 
 def _stop_leftovers() -> None:
@@ -303,13 +307,13 @@ class _LocalServer:
         try:
             _wait_until(self._ready, proc, self.label, self.startup_timeout, interval=poll_s)
         except InfraError as exc:
-            proc.stop(grace=5)
+            proc.stop(grace=5, failed=True)
             self._proc = None
             if self._port_taken():
                 raise PortTaken(f"{self.label}: a port picked for it was taken by another program; {exc}") from exc
             raise
         except BaseException:
-            proc.stop(grace=5)
+            proc.stop(grace=5, failed=True)
             self._proc = None
             raise
         self.startup_seconds = time.monotonic() - self._launched_at
