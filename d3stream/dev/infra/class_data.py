@@ -7,9 +7,9 @@ docs/MEASUREMENTS.md). The test suite starts about sixty servers, so it turns th
 in tests/conftest.py); ``d3stream stack`` and the demo, which start three each, do not.
 
 There is no separate step to make an archive: a server started while its archive is missing is told to write
-one when it exits (``-XX:ArchiveClassesAtExit``), to a file of its own; only a clean exit (SIGTERM, not the
-SIGKILL of a stop that ran out of grace, nor a test's kill) moves it into place, so a half-written archive is
-never used. Each archive is named after what it must match (the ``java`` and its runtime image, the class
+one when it exits (``-XX:ArchiveClassesAtExit``), to a file of its own; only a clean exit of a server that became
+ready (SIGTERM, not the SIGKILL of a stop that ran out of grace, nor a test's kill) moves it into place, so a
+half-written archive, or one of a server that never got going, is never used. Each archive is named after what it must match (the ``java`` and its runtime image, the class
 path or jar, the server), so a new JDK or a new jar set makes a new one. A JVM that finds an archive it cannot
 use (one made by another JDK build at the same path) says so in the server's log and starts without it.
 """
