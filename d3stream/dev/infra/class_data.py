@@ -36,12 +36,10 @@ def archives_wanted() -> bool:
     return os.environ.get(ARCHIVES_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def server_archive(server: str, java: str, classes: str) -> ClassDataArchive | None:
-    """The archive a server start uses (or writes) when :data:`ARCHIVES_ENV` asks for archives, else None.
-    They live in ``$D3STREAM_CACHE/jvm-archives`` (default ``~/.cache/d3stream``), beside the jars."""
-    if not archives_wanted():
-        return None
-    return ClassDataArchive.of(archive_folder(), server, java, classes)
+def server_archive(server: str, java: str, classes: str) -> ClassDataArchive:
+    """The archive a server start uses (or writes); one that gives no flags unless :data:`ARCHIVES_ENV` asks
+    for archives. They live in ``$D3STREAM_CACHE/jvm-archives`` (default ``~/.cache/d3stream``), beside the jars."""
+    return ClassDataArchive.of(archive_folder(), server, java, classes, wanted=archives_wanted())
 
 
 def archive_folder() -> Path:
@@ -64,16 +62,19 @@ class ClassDataArchive:
     """The archive of one server's classes for one ``java`` and class path, in ``folder``."""
 
     path: Path
+    wanted: bool = True  # False: no flags, the server starts as it would without archives
     _pending: Path | None = field(default=None, init=False)
 
     @classmethod
-    def of(cls, folder: Path, server: str, java: str, classes: str) -> ClassDataArchive:
+    def of(cls, folder: Path, server: str, java: str, classes: str, *, wanted: bool = True) -> ClassDataArchive:
         """``classes``: the class path, or the jar run with ``-jar``, exactly as the command line gives it."""
         key = hashlib.sha256("\n".join((server, _runtime_identity(java), classes)).encode()).hexdigest()[:16]
-        return cls(folder / f"{server}-{key}.jsa")
+        return cls(folder / f"{server}-{key}.jsa", wanted)
 
     def options(self) -> list[str]:
         """The JVM flags of a server start: use the archive, or write it at exit when there is none yet."""
+        if not self.wanted:
+            return []
         if self.path.is_file():
             return [f"-XX:SharedArchiveFile={self.path}"]
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +85,7 @@ class ClassDataArchive:
     def reuse_only(self) -> list[str]:
         """The flags of a short helper run on the same class path (Kafka's storage format): use the archive when
         there is one, never write it (a helper's classes are not the server's)."""
-        return [f"-XX:SharedArchiveFile={self.path}"] if self.path.is_file() else []
+        return [f"-XX:SharedArchiveFile={self.path}"] if self.wanted and self.path.is_file() else []
 
     def _sweep(self) -> None:
         """Drop this archive's pending files older than a day: written by servers whose parent went away before

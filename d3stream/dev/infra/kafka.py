@@ -199,9 +199,9 @@ class KafkaBroker(_LocalServer):
         archive = server_archive("kafka", java, classpath)
         started = time.monotonic()
         if not (self.data_dir / "meta.properties").is_file():
-            self._format([*jvm, *(archive.reuse_only() if archive else []), "-cp", classpath], props_path)
-        self._launch([*jvm, *(archive.options() if archive else []), "-cp", classpath, "kafka.Kafka", str(props_path)],
-                     started, on_exit=archive.exited if archive else None, bootstrap=self.bootstrap_servers)
+            self._format([*jvm, *archive.reuse_only(), "-cp", classpath], props_path)
+        self._launch([*jvm, *archive.options(), "-cp", classpath, "kafka.Kafka", str(props_path)], started,
+                     on_exit=archive.exited, bootstrap=self.bootstrap_servers)
         return self
 
     def _format(self, jvm: list[str], props_path: Path) -> None:

@@ -88,7 +88,7 @@ class ObjectStore(_LocalServer):
             f"-Xmx{self.heap}",
             "-Xms32m",
             *_jvm_options(),
-            *(archive.options() if archive else []),
+            *archive.options(),
             "-Djava.awt.headless=true",
             "-Dlogback.statusListenerClass=ch.qos.logback.core.status.NopStatusListener",
             "-jar",
@@ -96,7 +96,7 @@ class ObjectStore(_LocalServer):
             "--properties",
             str(props_path),
         ]
-        self._launch(cmd, time.monotonic(), poll_s=0.1, on_exit=archive.exited if archive else None,
+        self._launch(cmd, time.monotonic(), poll_s=0.1, on_exit=archive.exited,
                      endpoint=self.endpoint_url)
         return self
 

@@ -121,7 +121,6 @@ class _Process:
         self.name = name
         self.log_path = log_path
         self._on_exit = on_exit
-        self._failed = False
         with open(log_path, "ab") as out:
             out.write(f"\n===== d3stream: starting {name}: {' '.join(cmd[:3])} ... =====\n".encode())
             out.flush()
@@ -148,8 +147,6 @@ class _Process:
     def stop(self, grace: float, *, failed: bool = False) -> None:
         """SIGTERM the group (clean shutdown: Kafka checkpoints its logs), SIGKILL if still there after ``grace``.
         ``failed``: it never became ready, so its exit does not count as clean for ``on_exit``."""
-        if failed:
-            self._failed = True
         try:
             if self.alive():
                 with contextlib.suppress(ProcessLookupError):
@@ -164,7 +161,7 @@ class _Process:
         finally:
             with _live_lock:
                 _live.discard(self)
-            self._ended()
+            self._ended(failed)
 
     def kill(self) -> None:
         """SIGKILL now: a crash, for tests of what survives one."""
@@ -173,12 +170,12 @@ class _Process:
         self.popen.wait(timeout=30)
         with _live_lock:
             _live.discard(self)
-        self._ended()
+        self._ended(failed=True)
 
-    def _ended(self) -> None:
+    def _ended(self, failed: bool) -> None:
         on_exit, self._on_exit = self._on_exit, None
         if on_exit is not None:
-            on_exit(not self._failed and self.popen.returncode in (0, 128 + signal.SIGTERM))
+            on_exit(not failed and self.popen.returncode in (0, 128 + signal.SIGTERM))
 
 
 def _stop_leftovers() -> None:

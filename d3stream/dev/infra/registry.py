@@ -180,7 +180,7 @@ class SchemaRegistry(_LocalServer):
             f"-Xmx{self.heap}",
             "-Xms64m",
             *_jvm_options(),
-            *(archive.options() if archive else []),
+            *archive.options(),
             "-Djava.awt.headless=true",
             "-Dquarkus.http.host=127.0.0.1",
             *self._listener_options(),
@@ -193,7 +193,7 @@ class SchemaRegistry(_LocalServer):
             "-jar",
             str(_runner_jar(app)),
         ]
-        self._launch(cmd, time.monotonic(), wait=False, on_exit=archive.exited if archive else None, url=self.url,
+        self._launch(cmd, time.monotonic(), wait=False, on_exit=archive.exited, url=self.url,
                      version=self.version)
         return self
 

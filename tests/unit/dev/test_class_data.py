@@ -50,3 +50,11 @@ def test_pending_archives_left_by_a_parent_that_died_are_swept_after_a_day(tmp_p
     os.utime(old, (two_days_ago, two_days_ago))
     archive.options()
     assert not old.exists() and recent.exists(), "a recent one may be a server still running"
+
+
+def test_a_server_not_asked_to_use_archives_gets_no_flags_and_writes_nothing(tmp_path: Path) -> None:
+    archive = ClassDataArchive.of(tmp_path, "kafka", "/usr/bin/java", "a.jar", wanted=False)
+    archive.path.write_bytes(b"classes")  # even where one exists
+    assert archive.options() == archive.reuse_only() == []
+    archive.exited(cleanly=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [archive.path.name]
