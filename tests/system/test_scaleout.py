@@ -1,6 +1,6 @@
 """Scale-out: a consumer group of real ``d3stream serve`` workers stays healthy while workers die and come back.
 
-* Two and three workers in one group (``exactly_once``), session timeouts of 6 s and 10 s, a paced stream, a
+* Three workers in one group (``exactly_once``), a session timeout of 6 s, a paced stream, a
   worker SIGKILLed and restarted mid-stream (``d3stream.benchmarks.scaleout.churn``): every request is answered exactly
   once, the group settles (every worker up, all partitions owned, one generation) within
   ``session_timeout + SETTLE_MARGIN_S`` of the kill, and a kill and restart cost at most
@@ -62,7 +62,9 @@ def _check_exactly_once(result: dict[str, Any]) -> None:
     assert result["tracebacks"] == 0 and result["never_retrieved"] == 0, "expected fencing must stay quiet"
 
 
-@pytest.mark.parametrize(("workers", "session_timeout_ms"), [(2, 6000), (3, 10000)])
+# One group size: two workers in a group are already the static-membership case below, and a longer session
+# timeout only waits longer for the same rebalance (the two sizes cost 34 and 46 CPU-seconds of the suite).
+@pytest.mark.parametrize(("workers", "session_timeout_ms"), [(3, 6000)])
 def test_a_group_under_a_stream_survives_a_kill_and_restart(stack, qwen35_checkpoint, tmp_path, capsys, workers,
                                                              session_timeout_ms):
     result = _churn(stack, qwen35_checkpoint, tmp_path, workers=workers, session_timeout_ms=session_timeout_ms,
