@@ -8,6 +8,10 @@ and its answer codes, the device, the BF16 backbone with SDPA attention, the rea
 images and videos can be read. The result is one ``Checkpoint``: what every other part of the model
 (``prompts``, ``multimodal``, ``vision``, ``forward``, ``provenance``) reads, and nothing they change but
 the tokenizer a caller may swap.
+
+The tokenizer and processor are read once per process for the same files: a second model whose files are
+the same (the next version in a rollout, a shadow, a copy of the checkpoint) shares the ones a loaded model
+still holds (``SharedTextSides``), instead of parsing 33 MB of BPE again (about 1.7 CPU-seconds).
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import contextlib
 import hashlib
 import json
 import math
+import threading
 import time
 import types
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -294,6 +300,55 @@ class Checkpoint:
         return self.processor
 
 
+# Files of a checkpoint that neither the tokenizer nor the processor reads: its weights, and d3stream's own
+# files (a new version's manifest differs while its tokenizer does not).
+_NOT_TEXT_SIDE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_NOT_TEXT_SIDE_FILES = ("MODEL_MANIFEST.json", CONFIG_FILE, "d3_format.py")
+
+
+def text_side_digest(root: Path) -> str:
+    """A digest of every file the tokenizer and processor of ``root`` may read (its top-level files but the
+    weights and d3stream's own): two checkpoints with the same digest tokenize and process alike."""
+    digest = hashlib.blake2b(digest_size=20)
+    for path in sorted(root.iterdir()):
+        if (not path.is_file() or path.suffix in _NOT_TEXT_SIDE_SUFFIXES
+                or path.name in _NOT_TEXT_SIDE_FILES):
+            continue
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+class SharedTextSides:
+    """The tokenizers and processors of this process's loaded models, by the digest of their files, held weakly:
+    a load whose files match a live model's shares its objects (the runtime only reads them, and sets the same
+    padding side and media sizes on each), and one goes with the last model holding it. A processor that
+    failed to load is not kept: the next load tries again."""
+
+    def __init__(self) -> None:
+        self._processors: weakref.WeakValueDictionary[str, ProcessorMixin] = weakref.WeakValueDictionary()
+        self._tokenizers: weakref.WeakValueDictionary[str, PreTrainedTokenizerBase] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, root: Path, has_vision: bool) -> tuple[ProcessorMixin | None, str | None, PreTrainedTokenizerBase]:
+        """(processor, why it failed to load, tokenizer) of ``root``, shared with a live model's where the
+        files are the same."""
+        key = text_side_digest(root)
+        with self._lock:
+            processor = self._processors.get(key) if has_vision else None
+            tokenizer = processor.tokenizer if processor is not None else self._tokenizers.get(key)
+        if tokenizer is not None and (processor is not None or not has_vision):
+            return processor, None, tokenizer
+        processor, processor_error, tokenizer = _text_side(root, has_vision)
+        with self._lock:
+            if processor is not None:
+                self._processors[key] = processor
+            self._tokenizers[key] = tokenizer
+        return processor, processor_error, tokenizer
+
+
+TEXT_SIDES = SharedTextSides()
+
+
 def _text_side(
     root: Path, has_vision: bool
 ) -> tuple[ProcessorMixin | None, str | None, PreTrainedTokenizerBase]:
@@ -408,7 +463,7 @@ def load_checkpoint(
     """Load the tokenizer and processor, choose the device, load the weights and settle which media can be
     read. ``started``: when loading began (``time.perf_counter()``), for ``loaded_seconds``."""
     has_vision = vision_weights_present(root)
-    processor, processor_error, tokenizer = _text_side(root, has_vision)
+    processor, processor_error, tokenizer = TEXT_SIDES.get(root, has_vision)
     vocabulary = Vocabulary.of(tokenizer, contract, config.raw)
     chosen, kernels = _device(device, config.backbone_type)
     backbone, readout = _weights(root, config.backbone_type, int(contract.MAX_OPTIONS), chosen, config.readout_dtype)

@@ -1005,6 +1005,22 @@ def test_reloading_a_changed_d3_format_uses_the_new_one(text_copy):
     assert "SECOND EDIT." in second.tokenizer.decode(second.prepare("s", {"q": NOUL}).rows[0].ids)
 
 
+def test_a_second_model_from_the_same_files_shares_the_tokenizer_and_a_changed_file_gets_its_own(
+        qwen35_text_model, text_copy):
+    # A copy (another folder, another manifest) tokenizes alike: the live model's tokenizer is shared, not read again.
+    again = load_model(text_copy, verify="none")
+    assert again.tokenizer is qwen35_text_model.tokenizer
+    assert again.prepare("s", {"q": NOUL}).rows[0].ids == qwen35_text_model.prepare("s", {"q": NOUL}).rows[0].ids
+    # A changed tokenizer file is read afresh, and what it says is what the new model does.
+    config = text_copy / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    settings["model_max_length"] = 12345
+    config.write_text(json.dumps(settings))
+    changed = load_model(text_copy, verify="none")
+    assert changed.tokenizer is not qwen35_text_model.tokenizer
+    assert changed.tokenizer.model_max_length == 12345 != qwen35_text_model.tokenizer.model_max_length
+
+
 def test_d3_is_the_public_class():
     assert D3.from_pretrained.__doc__ and "verify" in D3.from_pretrained.__doc__
 
