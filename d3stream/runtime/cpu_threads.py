@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 from collections.abc import Callable
 
 
@@ -70,7 +71,10 @@ def _openmp() -> ctypes.CDLL | None:
 def release_idle_teams() -> bool:
     """Free the calling thread's idle OpenMP team (OpenMP 5's ``omp_pause_resource_all``, soft), so that it no
     longer counts against the CPUs; its next parallel op builds a new one. False where the runtime has no such
-    call (a torch not built on GNU OpenMP), which leaves things as they were."""
+    call (a torch not built on GNU OpenMP), which leaves things as they were; False, without importing torch
+    (about a second), where nothing has imported it yet: no op has run, so there is no team."""
+    if "torch" not in sys.modules:
+        return False
     library = _openmp()
     if library is None:
         return False
