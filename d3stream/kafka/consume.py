@@ -60,6 +60,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from d3stream.core.inflight import InFlightLedger
 from d3stream.core.seams import InputRecord
 from d3stream.kafka.assignment import Assignment
+from d3stream.kafka.assignor import StickyAssignor
 from d3stream.kafka.commits import CommitPolicy
 from d3stream.kafka.connection import kafka_consumer
 from d3stream.kafka.limits import WorkerFatal
@@ -109,11 +110,14 @@ def group_consumer(connection: ConnectionSettings, delivery: DeliverySettings, *
     The serve job's group by default; ``group_id`` names another job's group (without the worker's static
     membership, which is the serve group's). ``co_partitioned``: partition ``p`` of every subscribed topic goes
     to the same member (range assignment), for a job whose unit is a partition number across topics
-    (kafka/units.py)."""
+    (kafka/units.py); otherwise sticky (kafka/assignor.py: at a rebalance each member keeps what it owns, up to
+    its share, so a join or a leave moves only that member's share)."""
     from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
-    assignment: dict[str, object] = {"partition_assignment_strategy": (RangePartitionAssignor,)} if co_partitioned else {}
-    return kafka_consumer(connection,
+    sticky = StickyAssignor()
+    assignment: dict[str, object] = {
+        "partition_assignment_strategy": (RangePartitionAssignor,) if co_partitioned else (sticky,)}
+    consumer = kafka_consumer(connection,
         client_id=connection.client_id + client_suffix,
         group_id=group_id or delivery.group_id,
         group_instance_id=delivery.group_instance_id if group_id is None else None,
@@ -127,6 +131,9 @@ def group_consumer(connection: ConnectionSettings, delivery: DeliverySettings, *
         isolation_level="read_committed",
         **assignment,
     )
+    sticky.generation = lambda: group_generation(consumer)  # the generation its partitions were assigned in
+    return consumer
+
 
 @dataclass
 class Fetch:
