@@ -22,6 +22,9 @@ from tests.support.stream_helpers import Q_NOUL, Reader, run
 pytestmark = pytest.mark.timeout(300)
 
 
+MOVED = 3  # the partition the scenarios put their requests on
+
+
 def _keys_on(partition: int, count: int, prefix: str) -> list[str]:
     """``count`` record keys the default partitioner puts on ``partition`` of a 4-partition topic."""
     keys, n = [], 0
@@ -59,7 +62,9 @@ async def _committed(bootstrap: str, group: str, partition: TopicPartition) -> t
 @pytest.mark.parametrize("how", ["kill", "rebalance"])
 def test_a_worker_killed_or_rebalanced_while_answers_complete_out_of_order_loses_and_doubles_nothing(
         stack, proxy, qwen35_checkpoint, tmp_path, how):
-    keys = _keys_on(1, 21, "ticket")
+    # Partition 3: when the second worker joins, the sticky assignor (kafka/assignor.py) lets the first keep its
+    # first two partitions and hands on its last two, so the slow request's partition is the one that moves.
+    keys = _keys_on(MOVED, 21, "ticket")
     # For the rebalance the slow fetch outlasts the second worker's start (its model loads first) and the
     # first one's revocation drain (rebalance_drain_s), so the slow request is handed over unanswered.
     slow = _slow_image(stack, proxy, "b", 8.0 if how == "kill" else 60.0)
@@ -77,9 +82,10 @@ def test_a_worker_killed_or_rebalanced_while_answers_complete_out_of_order_loses
     env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = stack.store.access_key, stack.store.secret_key
     env.pop("D3STREAM_CONFIG", None)
     worker = WorkerProcess(env, tmp_path / "worker.log")
-    # The rebalance: a second worker joins the group mid-stream; every partition is revoked and assigned again.
+    # The rebalance: a second worker joins the group mid-stream; every partition is revoked, and the slow request's
+    # goes to the second worker.
     second = WorkerProcess({**env, "D3STREAM_GROUP_INSTANCE_ID": f"{stack.group}-1"}, tmp_path / "second.log")
-    partition = TopicPartition(stack.requests, 1)
+    partition = TopicPartition(stack.requests, MOVED)
 
     async def scenario() -> tuple[collections.Counter, set[int], int, str]:
         from d3stream_client.publisher import produce

@@ -1,0 +1,80 @@
+"""The serve group's sticky assignor (kafka/assignor.py) on the real broker: a group of d3stream members settles
+on one generation (aiokafka sends a JoinGroup per offered protocol, which rebalanced a group offering two for
+ever), and a member of an older version offering aiokafka's round robin joins the same group."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
+
+from d3stream.kafka.consume import group_consumer, group_generation
+from tests.support.stream_helpers import run
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _settled(consumers: list[AIOKafkaConsumer], partitions: int, what: str) -> None:
+    """Poll every member until their assignments cover the topic's partitions, each once."""
+    for _ in range(600):
+        await asyncio.gather(*(consumer.getmany(timeout_ms=50) for consumer in consumers))
+        owned = [tp for consumer in consumers for tp in consumer.assignment()]
+        if len(owned) == partitions and len(set(owned)) == partitions and all(c.assignment() for c in consumers):
+            return
+    raise AssertionError(f"{what}: never settled; owned {[sorted(c.assignment()) for c in consumers]}")
+
+
+async def _poll_for(consumers: list[AIOKafkaConsumer], seconds: float) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while asyncio.get_running_loop().time() < deadline:
+        await asyncio.gather(*(consumer.getmany(timeout_ms=100) for consumer in consumers))
+
+
+def test_two_members_settle_on_one_generation_and_a_leave_hands_on_only_the_leavers_share(stack):
+    settings = stack.settings(session_timeout_ms=6000)
+
+    async def scenario() -> None:
+        first, second = (group_consumer(settings.connection, settings.delivery, client_suffix=f"-{n}") for n in (1, 2))
+        for consumer in (first, second):
+            consumer.subscribe([stack.requests])
+        await first.start()
+        await second.start()
+        try:
+            await _settled([first, second], 4, "two members")
+            generation, held = group_generation(first), set(first.assignment())
+            # Longer than the heartbeat (3 s) twice: a group that rebalances for ever moves on in that time.
+            await _poll_for([first, second], 8)
+            assert group_generation(first) == group_generation(second) == generation
+            assert set(first.assignment()) == held
+            await second.stop()
+            await _settled([first], 4, "the one left")
+            assert held <= set(first.assignment()), "the member that stayed lost partitions of its own"
+        finally:
+            await first.stop()
+            await second.stop()
+
+    run(scenario())
+
+
+def test_a_member_offering_round_robin_joins_the_same_group(stack):
+    settings = stack.settings(session_timeout_ms=6000)
+
+    async def scenario() -> None:
+        ours = group_consumer(settings.connection, settings.delivery)
+        older = AIOKafkaConsumer(bootstrap_servers=stack.broker.bootstrap_servers, group_id=settings.delivery.group_id,
+                                 enable_auto_commit=False, session_timeout_ms=6000,
+                                 partition_assignment_strategy=(RoundRobinPartitionAssignor,))
+        for consumer in (ours, older):
+            consumer.subscribe([stack.requests])
+        await ours.start()
+        await older.start()
+        try:
+            await _settled([ours, older], 4, "a d3stream member and one offering round robin")
+            assert len(ours.assignment()) == len(older.assignment()) == 2
+        finally:
+            await ours.stop()
+            await older.stop()
+
+    run(scenario())
