@@ -5,6 +5,8 @@ ever), and a member of an older version offering aiokafka's round robin joins th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from aiokafka import AIOKafkaConsumer
@@ -26,6 +28,19 @@ async def _settled(consumers: list[AIOKafkaConsumer], partitions: int, what: str
     raise AssertionError(f"{what}: never settled; owned {[sorted(c.assignment()) for c in consumers]}")
 
 
+@contextlib.asynccontextmanager
+async def _members(topic: str, *consumers: AIOKafkaConsumer) -> AsyncIterator[None]:
+    """The consumers subscribed to ``topic`` and started, in order; all stopped at the end."""
+    try:
+        for consumer in consumers:
+            consumer.subscribe([topic])
+            await consumer.start()
+        yield
+    finally:
+        for consumer in consumers:
+            await consumer.stop()
+
+
 async def _poll_for(consumers: list[AIOKafkaConsumer], seconds: float) -> None:
     deadline = asyncio.get_running_loop().time() + seconds
     while asyncio.get_running_loop().time() < deadline:
@@ -37,11 +52,7 @@ def test_two_members_settle_on_one_generation_and_a_leave_hands_on_only_the_leav
 
     async def scenario() -> None:
         first, second = (group_consumer(settings.connection, settings.delivery, client_suffix=f"-{n}") for n in (1, 2))
-        for consumer in (first, second):
-            consumer.subscribe([stack.requests])
-        await first.start()
-        await second.start()
-        try:
+        async with _members(stack.requests, first, second):
             await _settled([first, second], 4, "two members")
             generation, held = group_generation(first), set(first.assignment())
             # Longer than the heartbeat (3 s) twice: a group that rebalances for ever moves on in that time.
@@ -51,9 +62,6 @@ def test_two_members_settle_on_one_generation_and_a_leave_hands_on_only_the_leav
             await second.stop()
             await _settled([first], 4, "the one left")
             assert held <= set(first.assignment()), "the member that stayed lost partitions of its own"
-        finally:
-            await first.stop()
-            await second.stop()
 
     run(scenario())
 
@@ -66,15 +74,8 @@ def test_a_member_offering_round_robin_joins_the_same_group(stack):
         older = AIOKafkaConsumer(bootstrap_servers=stack.broker.bootstrap_servers, group_id=settings.delivery.group_id,
                                  enable_auto_commit=False, session_timeout_ms=6000,
                                  partition_assignment_strategy=(RoundRobinPartitionAssignor,))
-        for consumer in (ours, older):
-            consumer.subscribe([stack.requests])
-        await ours.start()
-        await older.start()
-        try:
+        async with _members(stack.requests, ours, older):
             await _settled([ours, older], 4, "a d3stream member and one offering round robin")
             assert len(ours.assignment()) == len(older.assignment()) == 2
-        finally:
-            await ours.stop()
-            await older.stop()
 
     run(scenario())
