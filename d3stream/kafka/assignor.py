@@ -117,8 +117,17 @@ def sticky_assignment(partitions: list[TopicPartition],
     share = {member: floor + (1 if rank < extra else 0) for rank, member in enumerate(by_claims)}
     chosen = {member: claimed[member][:share[member]] for member in members}
     taken = {partition for mine in chosen.values() for partition in mine}
+    # The rest dealt out one at a time, in topic and partition order, to the members below their share in
+    # turn: with several request topics each member gets some of each, as round robin gave (a busy topic
+    # does not land on one worker).
     rest = [partition for partition in partitions if partition not in taken]
-    for member in members:
-        while len(chosen[member]) < share[member]:
-            chosen[member].append(rest.pop(0))
+    wanting = [member for member in members if len(chosen[member]) < share[member]]
+    turn = 0
+    for partition in rest:
+        member = wanting[turn % len(wanting)]
+        chosen[member].append(partition)
+        if len(chosen[member]) >= share[member]:
+            wanting.remove(member)  # the next member in turn is now at this index
+        else:
+            turn += 1
     return {member: sorted(mine) for member, mine in chosen.items()}

@@ -47,21 +47,25 @@ async def _poll_for(consumers: list[AIOKafkaConsumer], seconds: float) -> None:
         await asyncio.gather(*(consumer.getmany(timeout_ms=100) for consumer in consumers))
 
 
-def test_two_members_settle_on_one_generation_and_a_leave_hands_on_only_the_leavers_share(stack):
+def test_members_settle_on_one_generation_and_a_leave_hands_on_only_the_leavers_partitions(stack):
     settings = stack.settings(session_timeout_ms=6000)
 
     async def scenario() -> None:
-        first, second = (group_consumer(settings.connection, settings.delivery, client_suffix=f"-{n}") for n in (1, 2))
-        async with _members(stack.requests, first, second):
-            await _settled([first, second], 4, "two members")
-            generation, held = group_generation(first), set(first.assignment())
+        members = [group_consumer(settings.connection, settings.delivery, client_suffix=f"-{n}") for n in range(3)]
+        async with _members(stack.requests, *members):
+            await _settled(members, 4, "three members")
+            generation = group_generation(members[0])
             # Longer than the heartbeat (3 s) twice: a group that rebalances for ever moves on in that time.
-            await _poll_for([first, second], 8)
-            assert group_generation(first) == group_generation(second) == generation
-            assert set(first.assignment()) == held
-            await second.stop()
-            await _settled([first], 4, "the one left")
-            assert held <= set(first.assignment()), "the member that stayed lost partitions of its own"
+            await _poll_for(members, 8)
+            assert {group_generation(member) for member in members} == {generation}
+            held = [set(member.assignment()) for member in members]
+            leaving = min(range(3), key=lambda n: (len(held[n]), n))  # one with a single partition
+            await members[leaving].stop()
+            staying = [member for n, member in enumerate(members) if n != leaving]
+            await _settled(staying, 4, "the two left")
+            for n, member in enumerate(members):
+                if n != leaving:
+                    assert held[n] <= set(member.assignment()), f"member {n} lost partitions of its own"
 
     run(scenario())
 
@@ -76,6 +80,9 @@ def test_a_member_offering_round_robin_joins_the_same_group(stack):
                                  partition_assignment_strategy=(RoundRobinPartitionAssignor,))
         async with _members(stack.requests, ours, older):
             await _settled([ours, older], 4, "a d3stream member and one offering round robin")
+            generation = group_generation(ours)
+            await _poll_for([ours, older], 8)
+            assert group_generation(ours) == generation, "the mixed group kept rebalancing"
             assert len(ours.assignment()) == len(older.assignment()) == 2
 
     run(scenario())

@@ -65,3 +65,10 @@ def test_members_that_subscribe_differently_get_round_robin() -> None:
     a, b = StickyAssignor(), StickyAssignor()
     chosen = a.assign(cluster, {"a": a.metadata(["x"]), "b": b.metadata(["x", "y"])})  # type: ignore[arg-type]
     assert sorted(p for m in chosen.values() for p in m.partitions()) == [("x", 0), ("x", 1), ("y", 0), ("y", 1)]
+
+
+def test_new_members_get_some_of_each_request_topic() -> None:
+    partitions = [TopicPartition(topic, n) for topic in ("high", "low") for n in range(4)]
+    chosen = _checked(sticky_assignment(partitions, {m: (-1, []) for m in "ab"}), partitions)
+    for mine in chosen.values():
+        assert {p.topic for p in mine} == {"high", "low"}, chosen
