@@ -53,6 +53,10 @@ def intraop_initializer(count: int | None) -> Callable[[], None]:
     return functools.partial(use_intraop_threads, count)
 
 
+def _torch_imported() -> bool:
+    return "torch" in sys.modules
+
+
 @functools.cache
 def _openmp() -> ctypes.CDLL | None:
     """torch's bundled GNU OpenMP runtime (the one its ops run on), or None where torch brings another."""
@@ -73,7 +77,7 @@ def release_idle_teams() -> bool:
     longer counts against the CPUs; its next parallel op builds a new one. False where the runtime has no such
     call (a torch not built on GNU OpenMP), which leaves things as they were; False, without importing torch
     (about a second), where nothing has imported it yet: no op has run, so there is no team."""
-    if "torch" not in sys.modules:
+    if not _torch_imported():
         return False
     library = _openmp()
     if library is None:

@@ -300,29 +300,38 @@ class Checkpoint:
         return self.processor
 
 
-# Files of a checkpoint that neither the tokenizer nor the processor reads: its weights, and d3stream's own
-# files (a new version's manifest differs while its tokenizer does not).
-_NOT_TEXT_SIDE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-_NOT_TEXT_SIDE_FILES = ("MODEL_MANIFEST.json", CONFIG_FILE, "d3_format.py")
+# Files of a checkpoint that neither the tokenizer nor the processor reads: its weights (in any format), and
+# d3stream's own files (a new version's manifest differs while its tokenizer does not).
+_NOT_TEXT_SIDE_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf", ".onnx", ".h5", ".msgpack",
+                                     ".ckpt", ".pyc"})
+_NOT_TEXT_SIDE_FILES = frozenset({"MODEL_MANIFEST.json", CONFIG_FILE, "d3_format.py"})
 
 
 def text_side_digest(root: Path) -> str:
-    """A digest of every file the tokenizer and processor of ``root`` may read (its top-level files but the
-    weights and d3stream's own): two checkpoints with the same digest tokenize and process alike."""
+    """A digest of every file the tokenizer and processor of ``root`` may read (its files, in subfolders too, such
+    as ``additional_chat_templates/``, but the weights and d3stream's own), read in blocks: two checkpoints with
+    the same digest tokenize and process alike."""
     digest = hashlib.blake2b(digest_size=20)
-    for path in sorted(root.iterdir()):
+    for path in sorted(root.rglob("*")):
         if (not path.is_file() or path.suffix in _NOT_TEXT_SIDE_SUFFIXES
-                or path.name in _NOT_TEXT_SIDE_FILES):
+                or (path.parent == root and path.name in _NOT_TEXT_SIDE_FILES)):
             continue
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        with path.open("rb") as file:
+            content = hashlib.file_digest(file, "blake2b").digest()
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + content)
     return digest.hexdigest()
 
 
 class SharedTextSides:
     """The tokenizers and processors of this process's loaded models, by the digest of their files, held weakly:
-    a load whose files match a live model's shares its objects (the runtime only reads them, and sets the same
-    padding side and media sizes on each), and one goes with the last model holding it. A processor that
-    failed to load is not kept: the next load tries again."""
+    a load whose files match a live model's shares its objects, and one goes with the last model holding it. A
+    processor that failed to load is not kept: the next load tries again.
+
+    Sharing relies on nothing changing them per model: the runtime only reads them (a tokenizer called without
+    padding or truncation changes nothing of its backend), a load sets the same padding side, image sizes and
+    video settings on each, and a prompt contract (``d3_format.py``, left out of the digest) must not change
+    the tokenizer it is given. A rollout loads its next version on another thread while the first serves: the
+    same rule makes that safe."""
 
     def __init__(self) -> None:
         self._processors: weakref.WeakValueDictionary[str, ProcessorMixin] = weakref.WeakValueDictionary()
