@@ -19,7 +19,8 @@ from d3stream.runtime.segments import CACHED_PIECE_CHARS, PromptTokens
 
 def _fuzzed_texts(added: list[str], count: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    alphabet = [*"ab Z\n\t .,:;!?'0123456789éü中🎉", *added, "<|im", "end|>", "<", "|>", "  ", "\r\n", "'s", "'LL"]
+    alphabet = [*"ab Z\n\t .,:;!?'0123456789éü中🎉", *added, "<|im", "end|>", "<", "|>", "  ", "\r\n", "'s", "'LL",
+                "\n\n", "\n\nQ", "\u0301"]
     return ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(count)]
 
 
@@ -45,6 +46,21 @@ def test_a_real_prompt_and_one_over_the_cached_length_match_the_tokenizer(qwen35
     tokenizer = qwen35_text_model.tokenizer
     assert PromptTokens.of(tokenizer).ids(texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
     assert [row.ids for row in prepared.rows] == tokenizer(texts[:2], add_special_tokens=False)["input_ids"]
+
+
+def test_a_requests_state_goes_to_the_tokenizer_once_for_all_its_questions(qwen35_text_model):
+    state = "Order 18: the parcel came back damaged, and the customer asks for a refund. " * 12
+    questions = {f"q{n}": {"type": "noul", "instructions": f"Is point {n} settled?"} for n in range(3)}
+    texts = [row.text for row in qwen35_text_model.prepare(state, questions).rows]
+    tokenizer = qwen35_text_model.tokenizer
+    tokens = PromptTokens.of(tokenizer)
+    assert tokens.cut_paragraphs
+    sent: list[str] = []
+    encode = tokens._encode
+    assert encode is not None
+    tokens._encode = lambda pieces: sent.extend(pieces) or encode(pieces)
+    assert tokens.ids(texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
+    assert sum(state.strip() in piece for piece in sent) == 1, "the state was tokenized once per question"
 
 
 def _small_tokenizer(separator: AddedToken) -> TokenizersBackend:
