@@ -343,10 +343,10 @@ class SharedTextSides:
         files are the same."""
         key = text_side_digest(root)
         with self._lock:
-            processor = self._processors.get(key) if has_vision else None
-            tokenizer = processor.tokenizer if processor is not None else self._tokenizers.get(key)
-        if tokenizer is not None and (processor is not None or not has_vision):
-            return processor, None, tokenizer
+            if has_vision and (shared_processor := self._processors.get(key)) is not None:
+                return shared_processor, None, shared_processor.tokenizer
+            if not has_vision and (shared_tokenizer := self._tokenizers.get(key)) is not None:
+                return None, None, shared_tokenizer
         processor, processor_error, tokenizer = _text_side(root, has_vision)
         with self._lock:
             if processor is not None:

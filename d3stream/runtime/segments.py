@@ -77,12 +77,11 @@ class PromptTokens:
             return pieces.ids([probe]) == [list(ids) for ids in tokenizer([probe], add_special_tokens=False)["input_ids"]]
 
         added_probe = "\n".join(f" x{token}y\t{token}" for token in added) + " Zürich 12.5\n\n"
-        if not exact(cls(tokenizer, encode, added), added_probe):
+        pieces = cls(tokenizer, encode, added)
+        if not exact(pieces, added_probe):
             return cls(tokenizer, None, {})
         cut = cls(tokenizer, encode, added, cut_paragraphs=True)
-        if exact(cut, added_probe + _CUT_PROBE) and exact(cut, _CUT_PROBE):
-            return cut
-        return cls(tokenizer, encode, added)
+        return cut if exact(cut, added_probe + _CUT_PROBE) and exact(cut, _CUT_PROBE) else pieces
 
     @property
     def piecewise(self) -> bool:

@@ -174,7 +174,8 @@ class SchemaRegistry(_LocalServer):
             return self
         app = ensure_registry(self.version)
         database = self.workdir / "registry-db"
-        archive = server_archive(f"registry-{self.version}", str(self.java), str(_runner_jar(app)))
+        runner = str(_runner_jar(app))
+        archive = server_archive(f"registry-{self.version}", str(self.java), runner)
         cmd = [
             str(self.java),
             f"-Xmx{self.heap}",
@@ -191,7 +192,7 @@ class SchemaRegistry(_LocalServer):
             f"-Dregistry.datasource.url=jdbc:h2:file:{database};DB_CLOSE_ON_EXIT=FALSE",
             "-Dquarkus.log.level=WARN",
             "-jar",
-            str(_runner_jar(app)),
+            runner,
         ]
         self._launch(cmd, time.monotonic(), wait=False, on_exit=archive.exited, url=self.url,
                      version=self.version)
