@@ -38,7 +38,7 @@ import structlog
 
 from d3stream.kafka.commits import DELIVERY_MODES
 from d3stream.runtime import D3, Prepared, Row
-from d3stream.runtime.questions import normalize_question, question_error, require_json
+from d3stream.runtime.questions import QuestionCache, question_error, require_json
 from d3stream.settings import DeliveryName, Settings
 
 if TYPE_CHECKING:
@@ -68,6 +68,9 @@ class NullModel:
     attention_mode = "noncausal"  # no shared-prefix reuse: there is nothing to reuse
     image_unavailable = video_unavailable = "the null model takes no media"
     media_cache = None
+
+    def __init__(self) -> None:
+        self.questions = QuestionCache()  # as the runtime's prompt preparer keeps them
 
     def limit_prompt_tokens(self, limit: int | None) -> None:
         return None
@@ -101,9 +104,10 @@ class NullModel:
         if not isinstance(questions, dict) or not questions:
             raise ValueError("questions must be a nonempty mapping of question IDs to questions")
         prepared = Prepared(keys=list(questions), model_name=self.model_name)
+        normalize = self.questions.normalize
         for key, question in questions.items():
             try:
-                normalized = normalize_question(question)
+                normalized = normalize(question)
             except ValueError as exc:
                 prepared.errors[key] = question_error(question, "invalid_question", str(exc))
                 continue

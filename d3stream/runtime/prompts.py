@@ -19,7 +19,7 @@ from d3stream.runtime import media as media_io
 from d3stream.runtime.kinds import PromptContract
 from d3stream.runtime.loading import Checkpoint
 from d3stream.runtime.multimodal import MediaPlanner
-from d3stream.runtime.questions import normalize_question, question_error, require_json, reversed_question
+from d3stream.runtime.questions import QuestionCache, question_error, require_json, reversed_question
 from d3stream.runtime.rows import Prepared, RequestMedia, Row
 from d3stream.runtime.segments import PromptTokens
 
@@ -167,6 +167,15 @@ class PromptPreparer:
         # Most prompt tokens summed over one request's prompts (``limit_request_tokens``); None: no limit.
         self.max_request_tokens: int | None = None
         self._tokens: PromptTokens | None = None
+        self._questions = QuestionCache(checkpoint.contract)
+
+    @property
+    def questions(self) -> QuestionCache:
+        """The validated questions of the checkpoint's prompt contract of now (a caller may swap it)."""
+        contract = self.checkpoint.contract
+        if self._questions.contract is not contract:
+            self._questions = QuestionCache(contract)
+        return self._questions
 
     @property
     def tokens(self) -> PromptTokens:
@@ -277,12 +286,12 @@ class PromptPreparer:
     ) -> tuple[Prepared, list[Prompt]]:
         """The request's validated questions and per-question errors, and its prompts, one per question and
         option order."""
-        checkpoint, render = self.checkpoint, self.renderer.render
+        checkpoint, render, normalize = self.checkpoint, self.renderer.render, self.questions.normalize
         prepared = Prepared(keys=list(questions), model_name=self.model_name, contract=checkpoint.contract)
         prompts: list[Prompt] = []
         for key, question in questions.items():
             try:
-                normalized = normalize_question(question, contract=checkpoint.contract)
+                normalized = normalize(question)
                 rendered = normalized.rendered
                 prompts.append(Prompt(key, False, render(state, rendered, n_images, n_videos), rendered))
                 flipped = reversed_question(normalized) if averaged else None

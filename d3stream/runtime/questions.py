@@ -16,7 +16,10 @@ helpers (``Question``, ``require_json``, ``confidence``, ``canonical_text``) tha
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
+
+import msgspec
 
 from d3stream.runtime import format as d3_format
 from d3stream.runtime.kinds import (
@@ -33,7 +36,7 @@ from d3stream.runtime.kinds import (
 )
 
 __all__ = [
-    "ERRORS", "QUESTION_TYPE_NAMES", "SCORE_LEVELS", "Question", "answer_object", "average_orders",
+    "ERRORS", "QUESTION_TYPE_NAMES", "SCORE_LEVELS", "Question", "QuestionCache", "answer_object", "average_orders",
     "canonical_text", "confidence", "normalize_question", "question_error", "require_json", "reversed_question",
 ]
 
@@ -55,6 +58,43 @@ def normalize_question(question: object, *, contract: PromptContract = d3_format
     if found is None:
         raise ValueError(f"unsupported question type {kind!r} ({spoken_list(QUESTION_TYPE_NAMES)})")
     return found.build(question, instructions, contract)
+
+
+class QuestionCache:
+    """Validated questions by their content, for one prompt contract: a stream asks the same few questions of
+    many states (a ticket router asks the same three of every ticket), and validating one again costs more
+    than recognising it (``bench kafka``: 5 µs a question validated, under 1 µs recognised).
+
+    A question is recognised by its MessagePack encoding, which keeps apart what JSON text would merge (NaN
+    and null, 1 and 1.0, true and 1). A question that fails validation is not kept: it raises each time, as
+    ``normalize_question`` does. The ``Question`` handed out is shared by every request that asks it, so
+    nothing may change it (nothing does: reversing its options copies). Bounded: past ``capacity`` questions
+    the oldest is forgotten; a stream of questions that never repeat pays the encoding (about 1 µs) for
+    nothing."""
+
+    def __init__(self, contract: PromptContract = d3_format, capacity: int = 4096):
+        self.contract = contract
+        self.capacity = capacity
+        self._known: dict[bytes, Question] = {}
+        self._lock = threading.Lock()
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    def normalize(self, question: object) -> Question:
+        """``normalize_question(question, contract=...)``: the same Question, or the same ValueError."""
+        try:
+            key = self._encode(question)
+        except (TypeError, ValueError, OverflowError):  # not plain data: validation says what is wrong with it
+            return normalize_question(question, contract=self.contract)
+        known = self._known.get(key)
+        if known is not None:
+            return known
+        normalized = normalize_question(question, contract=self.contract)
+        with self._lock:  # a rollout's warm-up may prepare on another thread than the prepare thread
+            known_questions = self._known
+            if len(known_questions) >= self.capacity:
+                del known_questions[next(iter(known_questions))]
+            known_questions[key] = normalized
+        return normalized
 
 
 def question_error(question: object, code: str, message: str) -> dict[str, object]:
