@@ -67,6 +67,10 @@ class Stage(enum.Enum):
     SHADOWED = "shadowed"  # its shadow answer is among its records too (shadow.py)
     DELIVERED = "delivered"  # the sink took its records (or gave up on them): nothing is held for it any more
 
+    # A member is equal only to itself, so it may hash as itself: ``Enum``'s own hash is Python code hashing
+    # the member's name, and every request takes about a dozen steps through sets of stages (bench kafka).
+    __hash__ = object.__hash__
+
     @property
     def finished(self) -> bool:
         """Its answer event is built: whatever happens next, it gets no second one."""
