@@ -69,12 +69,14 @@ class QuestionCache:
     and null, 1 and 1.0, true and 1). A question that fails validation is not kept: it raises each time, as
     ``normalize_question`` does. The ``Question`` handed out is shared by every request that asks it, so
     nothing may change it (nothing does: reversing its options copies). Bounded: past ``capacity`` questions
-    the oldest is forgotten; a stream of questions that never repeat pays the encoding (about 1 µs) for
-    nothing."""
+    the oldest is forgotten, and a question over ``largest`` bytes encoded is not kept (its tokens cost far
+    more than its validation), so the cache holds a few MB at most; a stream of questions that never repeat
+    pays the encoding (about 1 µs) for nothing."""
 
-    def __init__(self, contract: PromptContract = d3_format, capacity: int = 4096):
+    def __init__(self, contract: PromptContract = d3_format, capacity: int = 1024, largest: int = 4096):
         self.contract = contract
         self.capacity = capacity
+        self.largest = largest
         self._known: dict[bytes, Question] = {}
         self._lock = threading.Lock()
         self._encode = msgspec.msgpack.Encoder().encode
@@ -89,6 +91,8 @@ class QuestionCache:
         if known is not None:
             return known
         normalized = normalize_question(question, contract=self.contract)
+        if len(key) > self.largest:
+            return normalized
         with self._lock:  # a rollout's warm-up may prepare on another thread than the prepare thread
             known_questions = self._known
             if len(known_questions) >= self.capacity:

@@ -60,3 +60,13 @@ def test_past_its_capacity_the_oldest_question_is_validated_again() -> None:
     cache.normalize(ASKED[2])  # three asked: the first-kept one goes
     again = cache.normalize(ASKED[0])
     assert again == oldest and again is not oldest
+
+
+def test_a_large_question_is_validated_each_time_and_not_kept() -> None:
+    cache = QuestionCache(largest=200)
+    large = {"type": "choice", "criteria": {f"option {n}": "a description " * 4 for n in range(8)}}
+    first = cache.normalize(large)
+    assert first == normalize_question(large)
+    assert cache.normalize(large) is not first
+    small = ASKED[0]
+    assert cache.normalize(small) is cache.normalize(small)
