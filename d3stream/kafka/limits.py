@@ -9,9 +9,11 @@ its partition for good. The worker therefore reads the topics' limits from the b
 (``Limits.fits``): what does not fit is replaced (an ``answer_too_large`` error answer, a dead letter
 without the raw bytes) instead of being retried.
 
-aiokafka puts a record larger than its ``batch_size`` (16 KiB) alone in a batch, so the compressed size
-of the one record plus the batch overhead is what the broker sees for every record that could be too
-large; ``fits`` compresses with the producer's own codec to know it.
+aiokafka puts a record larger than its batch size alone in a batch, so the compressed size of the one
+record plus the batch overhead is what the broker sees for every record that could be too large; ``fits``
+compresses with the producer's own codec to know it. A batch of several records is the broker's to refuse
+too, so the producer's batch size (``producer_batch_bytes``) is kept under the smallest limit of the topics
+written (``batch_bytes``): records that each fit never make a batch that does not.
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ class Limits:
                        f"{on_wire} bytes on the wire ({codec}; {uncompressed} uncompressed), over topic "
                        f"{topic!r}'s max.message.bytes ({limit})")
         return Fit(True, uncompressed, on_wire, limit)
+
+    def batch_bytes(self, wanted: int) -> int:
+        """The producer's batch size: ``wanted``, or less where a topic written allows less, with room for the
+        batch's framing and for what compressing incompressible bytes can add (under 1 %)."""
+        smallest = min(self.topics.values(), default=BROKER_DEFAULT_MAX_MESSAGE_BYTES)
+        return max(1024, min(wanted, smallest - BATCH_OVERHEAD - smallest // 100))
 
     def compressed_size(self, key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes]] = HEADERS) -> int:
         """The record's key, value and headers compressed with the producer's codec."""

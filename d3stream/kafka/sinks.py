@@ -92,6 +92,7 @@ class KafkaTopics:
             acks="all",
             enable_idempotence=True,
             linger_ms=2,
+            max_batch_size=self.limits.batch_bytes(delivery.producer_batch_bytes),
             max_request_size=delivery.max_request_size,
             compression_type=self.limits.compression,
             **options,

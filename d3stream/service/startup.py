@@ -6,10 +6,11 @@ and the consume loop, wired to the worker's fetch handler. ``prepare_to_serve`` 
 the first fetch, in this order:
 
 1. the request topics and the sink's topics created where missing, when ``create_topics`` asks for it;
-2. the sink and the commit policy started;
-3. with a Schema Registry and an ``answer_format`` other than JSON, the answers' writers chosen (a registry
+2. the message limit of each topic the sink writes to read from the broker (answers are fitted to it, and
+   the producers' batches kept under it);
+3. the sink and the commit policy started;
+4. with a Schema Registry and an ``answer_format`` other than JSON, the answers' writers chosen (a registry
    that does not answer is waited for; a stop asked meanwhile ends the start-up, nothing read);
-4. the message limit of each topic the sink writes to read from the broker (answers are fitted to it);
 5. the video decoding process started, when a served model takes videos (the first video should not wait);
 6. a provenance record per model published (each served model's, and a shadow checkpoint's of its own);
 7. the consumer started: once it joins the group, records come, and everything above must be ready;
@@ -105,6 +106,8 @@ async def prepare_to_serve(settings: Settings, parts: KafkaParts, *, pipeline: R
     connection = settings.connection
     if settings.delivery.create_topics:
         await connecting(connection, ensure_topics(connection, settings.delivery, parts.sink))
+    # The topics' limits first: the producers' batch size is kept under them.
+    limits.topics = await connecting(connection, parts.sink.read_limits())
     await connecting(connection, parts.sink.start())
     await parts.delivery.start()
     if registry is not None and settings.registry.answer_format != "json":
@@ -115,7 +118,6 @@ async def prepare_to_serve(settings: Settings, parts: KafkaParts, *, pipeline: R
             if not stop_asked():
                 raise
             return False  # asked to stop while waiting for a registry that does not answer: nothing was read
-    limits.topics = await connecting(connection, parts.sink.read_limits())
     log.info("topic limits", max_message_bytes=limits.topics, compression=limits.compression,
              max_request_size=limits.max_request_size)
     if any(each.model.video_unavailable is None for each in pipeline.router.every):

@@ -224,6 +224,11 @@ class DeliverySettings(_Section, frozen=True, kw_only=True):
         'largest uncompressed record the producer sends (aiokafka max_request_size); an answer over it, or '
         "over the answer topic's max.message.bytes once compressed, becomes answer_too_large"
     )] = 4_194_304
+    producer_batch_bytes: Annotated[int, doc(
+        "most bytes of records the producer puts in one batch for one partition (Kafka's batch.size, aiokafka "
+        "max_batch_size): fewer, larger batches cost less CPU per answer; kept under the smallest "
+        "max.message.bytes of the topics written"
+    )] = 131_072
     dead_letter_max_bytes: Annotated[int, doc(
         'raw bytes of a record a dead letter carries (base64); beyond, only the first this many, with the '
         'size and SHA-256 of the whole'
@@ -234,6 +239,8 @@ class DeliverySettings(_Section, frozen=True, kw_only=True):
             raise ValueError(f"heartbeat_interval_ms ({self.heartbeat_interval_ms}) must be positive and at most a "
                              f"third of session_timeout_ms ({self.session_timeout_ms}), so that one late heartbeat "
                              "does not drop a healthy worker from its group; lower it or raise session_timeout_ms")
+        if self.producer_batch_bytes < 1024:
+            raise ValueError(f"producer_batch_bytes must be at least 1024, got {self.producer_batch_bytes}")
         if self.offset_metadata_max_bytes < 64:
             raise ValueError(f"offset_metadata_max_bytes must be at least 64 (the broker's offset.metadata.max.bytes, "
                              f"4096 by default), got {self.offset_metadata_max_bytes}")

@@ -55,3 +55,43 @@ def test_batched_records_land_on_the_partitions_send_would_choose(kafka_broker, 
         keys = [r.key for r in sorted(got, key=lambda r: r.offset) if r.partition == partition and r.key != b"large"
                 and r.key]
         assert keys == [r.key for r in records[:600] if placed[r.key] == partition]
+
+
+def test_records_that_each_fit_a_small_topic_limit_are_never_batched_past_it(kafka_broker, topic_names):
+    """A topic that allows 30 KB a batch, and 200 answers of 1 KB to one partition at once: the worker's
+    producer batches them (producer_batch_bytes, 128 KiB by default) but never past the topic's limit, which the
+    broker would refuse as a whole, every answer in it replaced as too large."""
+    from d3stream.kafka.limits import Limits
+    from d3stream.kafka.sinks import KafkaTopics
+    from d3stream.settings import Settings
+
+    topic, letters, provenance = topic_names("small-limit"), topic_names("letters"), topic_names("provenance")
+    kafka_broker.create_topic(topic, 1, {"max.message.bytes": "30000"})
+    for other in (letters, provenance):
+        kafka_broker.create_topic(other, 1)
+    settings = Settings.from_flat(bootstrap_servers=kafka_broker.bootstrap_servers, answer_topic=topic,
+                                  dead_letter_topic=letters, provenance_topic=provenance, compression="none",
+                                  metrics_port=None, create_topics=False)
+    limits = Limits(max_request_size=settings.delivery.max_request_size, compression=None)
+    sink = KafkaTopics(settings.connection, settings.delivery, settings.models, limits)
+    replaced: list[bytes] = []
+
+    def too_large(key: bytes, cause: str) -> Outgoing:
+        replaced.append(key)
+        return Outgoing(topic, key, b"replaced")
+
+    records = [Outgoing(topic, b"one key", b"%06d" % n + b"a" * 1_000,
+                        replacement=lambda cause, key=b"%06d" % n: too_large(key, cause)) for n in range(200)]
+
+    async def publish() -> None:
+        limits.topics = await sink.read_limits()  # as a worker's start-up reads them, before the producer
+        await sink.start()
+        try:
+            await sink.write(records)
+        finally:
+            await sink.stop()
+
+    run(publish())
+    assert replaced == []
+    got = run(read_all(kafka_broker.bootstrap_servers, topic, 1))
+    assert [r.value for r in sorted(got, key=lambda r: r.offset)] == [r.value for r in records]
