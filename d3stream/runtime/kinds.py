@@ -27,7 +27,7 @@ import json
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, NotRequired, Protocol, TypedDict
+from typing import Any, Literal, NamedTuple, NotRequired, Protocol, TypedDict
 
 from d3stream.runtime import format as d3_format
 from d3stream.runtime import media as media_io
@@ -77,6 +77,8 @@ class Question:
     rendered: RenderedQuestion  # the choice or noul question handed to the prompt contract
     keys: list[str]  # option keys in code order
     descriptions: list[object]  # what each option means (score: the level values, for the legend)
+    # A score's legend (level number -> level text), made once: a question is shared by the requests that ask it.
+    legend: dict[str, str] | None = None
 
     @property
     def option_count(self) -> int:
@@ -204,8 +206,9 @@ def _build_choice(question: Mapping[str, object], instructions: object, contract
 
 
 def _answer_choice(question: Question, probabilities: Sequence[float], contract: PromptContract) -> dict[str, object]:
-    answer = contract.to_answer(question.rendered, probabilities)
-    return {**answer, "confidence": confidence(answer["probabilities"].values())}
+    answer: dict[str, Any] = contract.to_answer(question.rendered, probabilities)  # type: ignore[assignment]
+    answer["confidence"] = confidence(answer["probabilities"].values())  # the contract's answer is a new dict
+    return answer
 
 
 def _read_choice(raw: Mapping[str, object]) -> ReadAnswer | None:
@@ -278,7 +281,10 @@ def _build_score(question: Mapping[str, object], instructions: object, contract:
                          "another order is the same level)")
     # Each level is an option shown by its text alone; code order is level order.
     rendered: RenderedQuestion = {"type": "choice", "instructions": instructions, "criteria": dict.fromkeys(texts)}
-    return Question("score", rendered, [str(level) for level in range(len(texts))], list(criteria))
+    keys = [str(level) for level in range(len(texts))]
+    legend = {key: level if type(level) is str else canonical_text(level)
+              for key, level in zip(keys, criteria, strict=True)}
+    return Question("score", rendered, keys, list(criteria), legend)
 
 
 def _answer_score(question: Question, probabilities: Sequence[float], contract: PromptContract) -> dict[str, object]:
@@ -288,8 +294,9 @@ def _answer_score(question: Question, probabilities: Sequence[float], contract: 
         "score": sum([level * p for level, p in enumerate(shares)]),
         "probabilities": dict(zip(question.keys, shares, strict=True)),
         "confidence": confidence(shares),
-        "legend": {key: text if type(text) is str else canonical_text(text)
-                   for key, text in zip(question.keys, question.descriptions, strict=True)},
+        "legend": dict(question.legend) if question.legend is not None else {
+            key: text if type(text) is str else canonical_text(text)
+            for key, text in zip(question.keys, question.descriptions, strict=True)},
     }
 
 
