@@ -186,4 +186,5 @@ class RequestRecord:
         if self.tenant is None:
             return None
         return Cost(tenant=self.tenant, prompt_tokens=self.tokens, padded_tokens=self.padded_tokens,
-                    device_seconds=self.device_seconds, media_bytes=sum(media.bytes for media in self.media))
+                    device_seconds=self.device_seconds,
+                    media_bytes=sum(media.bytes for media in self.media) if self.media else 0)

@@ -147,6 +147,10 @@ class Fetch:
         """The partition and assignment epoch ``record`` was read in."""
         return self.partitions[(record.topic, record.partition)]
 
+    def task_name(self) -> str:
+        """What the task answering it is doing, for ``/readyz`` should it die."""
+        return f"answering the records of {self.describe()}"
+
     def describe(self) -> str:
         """Where its records were read, for a log line or ``/readyz``: ``topic-partition@first..last`` each."""
         spans: dict[tuple[str, int], tuple[int, int]] = {}
@@ -320,7 +324,7 @@ class ConsumeLoop:
                 task.add_done_callback(self.tasks.discard)
                 # The handler answers every record, even one it fails on; should it die anyway, its records stay
                 # unanswered and their partitions stand still: logged, and the worker is not ready.
-                self.metrics.watch(task, f"answering the records of {fetched.describe()}")
+                self.metrics.watch(task, fetched.task_name)  # said only if it dies
             self._apply_backpressure()
             self._apply_quotas()
             self._apply_window()

@@ -147,21 +147,23 @@ class Metrics(PartitionSeries, GroupSeries, FlowSeries, PassSeries, RequestSerie
 
     # -------------------------------------------------------------------------- background tasks
 
-    def watch(self, task: asyncio.Future[Any], name: str) -> None:
+    def watch(self, task: asyncio.Future[Any], name: str | Callable[[], str]) -> None:
         """Look after a background task of the worker (a fetch being answered, the periodic commit, a partition
         settling, the model source watch): should it die of an exception, the exception is logged with its
         traceback, and the worker is not ready from then on, ``/readyz`` naming the task (``name``: what it was
         doing). Left alone, asyncio would at most say "Task exception was never retrieved", whenever the task
         happened to be collected, and readiness would go on saying 200 over work that nobody does any more. A
-        cancelled task did not die: cancelling is how the worker stops its tasks."""
+        cancelled task did not die: cancelling is how the worker stops its tasks. A ``name`` that costs
+        something to say (a fetch's partitions and offsets) is a callable, said only if the task dies."""
         task.add_done_callback(partial(self._task_ended, name))
 
-    def _task_ended(self, name: str, task: asyncio.Future[Any]) -> None:
+    def _task_ended(self, said: str | Callable[[], str], task: asyncio.Future[Any]) -> None:
         if task.cancelled():
             return
         exc = task.exception()  # retrieved here: asyncio has nothing more to say about it
         if exc is None:
             return
+        name = said if isinstance(said, str) else said()
         cause = f"{type(exc).__name__}: {exc}"[:300]
         log.error("background task died; the worker is not ready", task=name, error=cause, exc_info=exc)
         if len(self.dead_tasks) < NAMED_DEAD_TASKS:
