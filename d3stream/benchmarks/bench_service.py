@@ -212,9 +212,19 @@ async def until_joined(service: Service, task: asyncio.Task[None]) -> None:
         await asyncio.sleep(0.002)
 
 
+async def until_reading(service: Service, task: asyncio.Task[None]) -> None:
+    """Until the service has read its first records; what it raised if it stopped first."""
+    while service.in_flight.requests == 0 and _finished(service) == 0:
+        if task.done():
+            task.result()
+            raise RuntimeError("the service stopped before reading a request")
+        await asyncio.sleep(0.002)
+
+
 async def serve_until_answered(settings: Settings, model: DecisionModel, count: int, *,
                                shadow: DecisionModel | None = None) -> tuple[float, Service]:
-    """Serve until ``count`` requests are answered and committed; seconds from assignment to done.
+    """Serve until ``count`` requests are answered and committed; seconds from the first records read to done,
+    as ``consume_answer_loop`` times itself (the group's join and the first fetch are not per-request work).
     ``shadow`` goes to ``Service`` (bench/shadow_cost.py)."""
     from d3stream.service import Service
 
@@ -222,6 +232,7 @@ async def serve_until_answered(settings: Settings, model: DecisionModel, count: 
     task = asyncio.create_task(service.run())
     try:
         await until_joined(service, task)
+        await until_reading(service, task)
         started = time.perf_counter()
         await _until_finished(service, task, count, 0.002)
         assert service.delivery is not None  # the service is running
