@@ -47,6 +47,7 @@ class SleepModel(NullModel):
     model_name = "sleep-model"
 
     def __init__(self, device_s: float):
+        super().__init__()
         self.device_s = device_s
 
     def provenance(self) -> dict[str, str]:
