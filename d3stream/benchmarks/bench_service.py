@@ -212,13 +212,15 @@ async def until_joined(service: Service, task: asyncio.Task[None]) -> None:
         await asyncio.sleep(0.002)
 
 
-async def until_reading(service: Service, task: asyncio.Task[None]) -> None:
-    """Until the service has read its first records; what it raised if it stopped first."""
-    while service.in_flight.requests == 0 and _finished(service) == 0:
+async def until_reading(service: Service, task: asyncio.Task[None]) -> float:
+    """Until the service has read its first records; when it did (perf_counter), or what it raised if it
+    stopped first."""
+    while service.loop is None or service.loop.first_read_at is None:
         if task.done():
             task.result()
             raise RuntimeError("the service stopped before reading a request")
         await asyncio.sleep(0.002)
+    return service.loop.first_read_at
 
 
 async def serve_until_answered(settings: Settings, model: DecisionModel, count: int, *,
@@ -232,8 +234,7 @@ async def serve_until_answered(settings: Settings, model: DecisionModel, count: 
     task = asyncio.create_task(service.run())
     try:
         await until_joined(service, task)
-        await until_reading(service, task)
-        started = time.perf_counter()
+        started = await until_reading(service, task)
         await _until_finished(service, task, count, 0.002)
         assert service.delivery is not None  # the service is running
         await service.delivery.flush()

@@ -31,6 +31,9 @@ class Outgoing:
     # What to publish instead when this record is refused as too large (the refusal's text as argument);
     # None: nothing smaller exists, and a refusal is worker-fatal.
     replacement: Callable[[str], Outgoing] | None = field(default=None, repr=False, compare=False)
+    # Sent in a batch of its own: the broker refused a batch it shared, and it may fit alone (the broker judges
+    # a whole batch). Only a record refused alone is replaced.
+    alone: bool = field(default=False, repr=False, compare=False)
 
 
 class Fit(NamedTuple):

@@ -329,7 +329,11 @@ class CommitInTransaction(_Counted):
                 # Record-fatal: those records are replaced by smaller ones, and the transaction is tried again
                 # at the next flush, without backoff (what it holds changed).
                 for offset, index, error in refused:
-                    pending[offset][index] = replaced(pending[offset][index], error)
+                    record = pending[offset][index]
+                    if record.alone:
+                        pending[offset][index] = replaced(record, error)
+                    else:  # refused in a shared batch (the broker judges a whole batch): tried alone first
+                        record.alone = True
             elif worker:
                 topics = sorted({record.topic for offset in ready for record in pending[offset]})
                 raise fatal(None, exc, f"the transaction of partition {partition} (topics {topics})") from exc

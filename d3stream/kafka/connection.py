@@ -71,7 +71,6 @@ RESERVED: dict[str, str] = {
     "heartbeat_interval_ms": "use the setting heartbeat_interval_ms",
     "auto_offset_reset": "use the setting auto_offset_reset",
     "max_request_size": "use the setting max_request_size",
-    "max_batch_size": "use the setting producer_batch_bytes (kept under the topics' max.message.bytes)",
     "compression_type": "use the setting compression",
     "transactional_id": "use the setting transactional_id_prefix",
     "acks": "d3stream's delivery guarantees need acks=all",

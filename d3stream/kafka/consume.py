@@ -241,6 +241,7 @@ class ConsumeLoop:
         self.stopping = asyncio.Event()
         self.fatal: WorkerFatal | None = None  # why the worker stopped by itself, if it did
         self.joined = False  # the consumer has an assignment
+        self.first_read_at: float | None = None  # perf_counter when the first records were handed on (benchmarks)
         # The current assignment (made and ended by the rebalance listener): its partitions' pause reasons.
         self.works = tracker.works  # every partition's work (partitions.py): its progress, pauses, transactions
         self.assignment = Assignment(consumer, works=self.works)
@@ -318,6 +319,8 @@ class ConsumeLoop:
             batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
             fetched = self._take(batches)
             if fetched.records:
+                if self.first_read_at is None:
+                    self.first_read_at = time.perf_counter()
                 self.ledger.read(len(fetched.records))
                 task = asyncio.create_task(self.handler(fetched))
                 self.tasks.add(task)

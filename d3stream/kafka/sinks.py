@@ -21,7 +21,7 @@ from d3stream.core.outgoing import Outgoing
 from d3stream.core.shadow import shadow_topic
 from d3stream.kafka.connection import client_options, kafka_admin, kafka_producer
 from d3stream.kafka.limits import Limits, read_topic_limits
-from d3stream.kafka.publishing import RecordBatches, quietly_stop, send_with_retries
+from d3stream.kafka.publishing import RecordBatches, classify, quietly_stop, send_with_retries
 from d3stream.ops.metrics import Metrics
 from d3stream.settings import ConnectionSettings, DeliverySettings, ModelSettings
 
@@ -127,6 +127,15 @@ class KafkaTopics:
         acknowledgements; a record that failed goes the slow way, alone (``send_with_retries``: backoff, a
         fresh producer when the failure broke it, replacement of a record refused as too large)."""
         failed = await self._batches().send(records)
+        # Refused as too large in a shared batch: each tried in a batch of its own before anything replaces it.
+        shared = [index for index, error in failed
+                  if classify(error, transactional=False) == "record" and not records[index].alone]
+        if shared:
+            for index in shared:
+                records[index].alone = True
+            again = await self._batches().send([records[index] for index in shared])
+            failed = [failure for failure in failed if failure[0] not in set(shared)]
+            failed += [(shared[position], error) for position, error in again]
         if failed:
             await asyncio.gather(*(self._publish(records[index]) for index, _ in failed))
 

@@ -95,3 +95,44 @@ def test_records_that_each_fit_a_small_topic_limit_are_never_batched_past_it(kaf
     assert replaced == []
     got = run(read_all(kafka_broker.bootstrap_servers, topic, 1))
     assert [r.value for r in sorted(got, key=lambda r: r.offset)] == [r.value for r in records]
+
+
+def test_answers_of_a_batch_refused_as_too_large_are_tried_alone_before_any_is_replaced(kafka_broker, topic_names):
+    """The worker believes the topic takes 1 MB (a limit lowered since it read them, or one it may not read) and
+    batches 200 answers of 1 KB up to 128 KiB; the broker takes 30 KB a batch and refuses them. Each answer then
+    goes in a batch of its own, fits, and lands as written: none is replaced by an error."""
+    from d3stream.kafka.limits import Limits
+    from d3stream.kafka.sinks import KafkaTopics
+    from d3stream.settings import Settings
+
+    topic, letters, provenance = topic_names("lowered"), topic_names("letters"), topic_names("provenance")
+    kafka_broker.create_topic(topic, 1, {"max.message.bytes": "30000"})
+    for other in (letters, provenance):
+        kafka_broker.create_topic(other, 1)
+    settings = Settings.from_flat(bootstrap_servers=kafka_broker.bootstrap_servers, answer_topic=topic,
+                                  dead_letter_topic=letters, provenance_topic=provenance, compression="none",
+                                  metrics_port=None, create_topics=False)
+    limits = Limits(max_request_size=settings.delivery.max_request_size, compression=None)  # none read
+    sink = KafkaTopics(settings.connection, settings.delivery, settings.models, limits)
+    replaced: list[bytes] = []
+
+    def too_large(key: bytes, cause: str) -> Outgoing:
+        replaced.append(key)
+        return Outgoing(topic, key, b"replaced")
+
+    records = [Outgoing(topic, b"one key", b"%06d" % n + b"a" * 1_000,
+                        replacement=lambda cause, key=b"%06d" % n: too_large(key, cause)) for n in range(200)]
+    records.append(Outgoing(topic, b"one key", b"b" * 40_000,  # too large even alone: replaced
+                            replacement=lambda cause: too_large(b"large", cause)))
+
+    async def publish() -> None:
+        await sink.start()
+        try:
+            await sink.write(records)
+        finally:
+            await sink.stop()
+
+    run(publish())
+    assert replaced == [b"large"]
+    got = [r.value for r in sorted(run(read_all(kafka_broker.bootstrap_servers, topic, 1)), key=lambda r: r.offset)]
+    assert sorted(got) == sorted([r.value for r in records[:200]] + [b"replaced"])

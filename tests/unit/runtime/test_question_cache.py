@@ -70,3 +70,23 @@ def test_a_large_question_is_validated_each_time_and_not_kept() -> None:
     assert cache.normalize(large) is not first
     small = ASKED[0]
     assert cache.normalize(small) is cache.normalize(small)
+
+
+def test_true_and_1_are_different_questions() -> None:
+    cache = QuestionCache()
+    with_true = cache.normalize({"type": "choice", "criteria": {"a": True, "b": "x"}})
+    with_one = cache.normalize({"type": "choice", "criteria": {"a": 1, "b": "x"}})
+    assert with_true is not with_one
+    assert with_true.descriptions[0] is True and with_one.descriptions[0] == 1
+
+
+def test_only_a_flat_json_question_is_kept_so_what_requests_share_is_immutable() -> None:
+    cache = QuestionCache()
+    nested = {"type": "noul", "instructions": {"focus": ["refunds", "returns"]}}
+    as_tuple = {"type": "score", "criteria": ("low", "high")}
+    for question in (nested, as_tuple):
+        first = cache.normalize(question)
+        assert first == normalize_question(question)
+        assert cache.normalize(question) is not first  # validated again: the caller's objects are not kept
+    with pytest.raises(ValueError, match="at least one question"):
+        QuestionCache(capacity=0)
