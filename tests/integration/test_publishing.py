@@ -57,82 +57,69 @@ def test_batched_records_land_on_the_partitions_send_would_choose(kafka_broker, 
         assert keys == [r.key for r in records[:600] if placed[r.key] == partition]
 
 
+SMALL_LIMIT = 30_000  # max.message.bytes of the answer topic below: about 28 answers of 1 KB a batch
+
+
+class _SmallTopic:
+    """A worker's answer sink (``KafkaTopics``) over a fresh answer topic that takes ``SMALL_LIMIT`` bytes a
+    batch, and 200 answers of 1 KB for one partition, each noting when it is replaced as too large."""
+
+    def __init__(self, kafka_broker, topic_names, name: str):
+        from d3stream.kafka.limits import Limits
+        from d3stream.kafka.sinks import KafkaTopics
+        from d3stream.settings import Settings
+
+        self.broker = kafka_broker
+        self.topic, letters, provenance = topic_names(name), topic_names("letters"), topic_names("provenance")
+        kafka_broker.create_topic(self.topic, 1, {"max.message.bytes": str(SMALL_LIMIT)})
+        for other in (letters, provenance):
+            kafka_broker.create_topic(other, 1)
+        settings = Settings.from_flat(bootstrap_servers=kafka_broker.bootstrap_servers, answer_topic=self.topic,
+                                      dead_letter_topic=letters, provenance_topic=provenance, compression="none",
+                                      metrics_port=None, create_topics=False)
+        self.limits = Limits(max_request_size=settings.delivery.max_request_size, compression=None)
+        self.sink = KafkaTopics(settings.connection, settings.delivery, settings.models, self.limits)
+        self.replaced: list[bytes] = []
+        self.records = [self.answer(b"%06d" % n, 1_000) for n in range(200)]
+
+    def answer(self, name: bytes, size: int) -> Outgoing:
+        def too_large(cause: str) -> Outgoing:
+            self.replaced.append(name)
+            return Outgoing(self.topic, b"one key", b"replaced")
+
+        return Outgoing(self.topic, b"one key", name + b"a" * size, replacement=too_large)
+
+    def publish(self, *, read_limits: bool) -> list[bytes]:
+        """Write every record at once, as a pass's answers are; the values on the topic in order."""
+
+        async def write() -> None:
+            if read_limits:  # as a worker's start-up reads them, before the producer
+                self.limits.topics = await self.sink.read_limits()
+            await self.sink.start()
+            try:
+                await self.sink.write(self.records)
+            finally:
+                await self.sink.stop()
+
+        run(write())
+        got = run(read_all(self.broker.bootstrap_servers, self.topic, 1))
+        return [record.value for record in sorted(got, key=lambda record: record.offset)]
+
+
 def test_records_that_each_fit_a_small_topic_limit_are_never_batched_past_it(kafka_broker, topic_names):
-    """A topic that allows 30 KB a batch, and 200 answers of 1 KB to one partition at once: the worker's
-    producer batches them (producer_batch_bytes, 128 KiB by default) but never past the topic's limit, which the
-    broker would refuse as a whole, every answer in it replaced as too large."""
-    from d3stream.kafka.limits import Limits
-    from d3stream.kafka.sinks import KafkaTopics
-    from d3stream.settings import Settings
-
-    topic, letters, provenance = topic_names("small-limit"), topic_names("letters"), topic_names("provenance")
-    kafka_broker.create_topic(topic, 1, {"max.message.bytes": "30000"})
-    for other in (letters, provenance):
-        kafka_broker.create_topic(other, 1)
-    settings = Settings.from_flat(bootstrap_servers=kafka_broker.bootstrap_servers, answer_topic=topic,
-                                  dead_letter_topic=letters, provenance_topic=provenance, compression="none",
-                                  metrics_port=None, create_topics=False)
-    limits = Limits(max_request_size=settings.delivery.max_request_size, compression=None)
-    sink = KafkaTopics(settings.connection, settings.delivery, settings.models, limits)
-    replaced: list[bytes] = []
-
-    def too_large(key: bytes, cause: str) -> Outgoing:
-        replaced.append(key)
-        return Outgoing(topic, key, b"replaced")
-
-    records = [Outgoing(topic, b"one key", b"%06d" % n + b"a" * 1_000,
-                        replacement=lambda cause, key=b"%06d" % n: too_large(key, cause)) for n in range(200)]
-
-    async def publish() -> None:
-        limits.topics = await sink.read_limits()  # as a worker's start-up reads them, before the producer
-        await sink.start()
-        try:
-            await sink.write(records)
-        finally:
-            await sink.stop()
-
-    run(publish())
-    assert replaced == []
-    got = run(read_all(kafka_broker.bootstrap_servers, topic, 1))
-    assert [r.value for r in sorted(got, key=lambda r: r.offset)] == [r.value for r in records]
+    """The worker's producer batches answers (producer_batch_bytes, 128 KiB by default) but never past the
+    topic's limit, which the broker would refuse as a whole, every answer in it replaced as too large."""
+    topic = _SmallTopic(kafka_broker, topic_names, "small-limit")
+    assert topic.publish(read_limits=True) == [record.value for record in topic.records]
+    assert topic.replaced == []
 
 
 def test_answers_of_a_batch_refused_as_too_large_are_tried_alone_before_any_is_replaced(kafka_broker, topic_names):
     """The worker believes the topic takes 1 MB (a limit lowered since it read them, or one it may not read) and
-    batches 200 answers of 1 KB up to 128 KiB; the broker takes 30 KB a batch and refuses them. Each answer then
-    goes in a batch of its own, fits, and lands as written: none is replaced by an error."""
-    from d3stream.kafka.limits import Limits
-    from d3stream.kafka.sinks import KafkaTopics
-    from d3stream.settings import Settings
-
-    topic, letters, provenance = topic_names("lowered"), topic_names("letters"), topic_names("provenance")
-    kafka_broker.create_topic(topic, 1, {"max.message.bytes": "30000"})
-    for other in (letters, provenance):
-        kafka_broker.create_topic(other, 1)
-    settings = Settings.from_flat(bootstrap_servers=kafka_broker.bootstrap_servers, answer_topic=topic,
-                                  dead_letter_topic=letters, provenance_topic=provenance, compression="none",
-                                  metrics_port=None, create_topics=False)
-    limits = Limits(max_request_size=settings.delivery.max_request_size, compression=None)  # none read
-    sink = KafkaTopics(settings.connection, settings.delivery, settings.models, limits)
-    replaced: list[bytes] = []
-
-    def too_large(key: bytes, cause: str) -> Outgoing:
-        replaced.append(key)
-        return Outgoing(topic, key, b"replaced")
-
-    records = [Outgoing(topic, b"one key", b"%06d" % n + b"a" * 1_000,
-                        replacement=lambda cause, key=b"%06d" % n: too_large(key, cause)) for n in range(200)]
-    records.append(Outgoing(topic, b"one key", b"b" * 40_000,  # too large even alone: replaced
-                            replacement=lambda cause: too_large(b"large", cause)))
-
-    async def publish() -> None:
-        await sink.start()
-        try:
-            await sink.write(records)
-        finally:
-            await sink.stop()
-
-    run(publish())
-    assert replaced == [b"large"]
-    got = [r.value for r in sorted(run(read_all(kafka_broker.bootstrap_servers, topic, 1)), key=lambda r: r.offset)]
-    assert sorted(got) == sorted([r.value for r in records[:200]] + [b"replaced"])
+    batches the answers up to 128 KiB; the broker refuses those batches. Each answer then goes in a batch of its
+    own, fits, and lands as written; only one too large even alone is replaced."""
+    topic = _SmallTopic(kafka_broker, topic_names, "lowered")
+    topic.records.append(topic.answer(b"large", 40_000))
+    got = topic.publish(read_limits=False)
+    assert topic.replaced == [b"large"]
+    assert sorted(got) == sorted([record.value for record in topic.records[:200]] + [b"replaced"])
