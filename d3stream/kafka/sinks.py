@@ -21,7 +21,13 @@ from d3stream.core.outgoing import Outgoing
 from d3stream.core.shadow import shadow_topic
 from d3stream.kafka.connection import client_options, kafka_admin, kafka_producer
 from d3stream.kafka.limits import Limits, read_topic_limits
-from d3stream.kafka.publishing import RecordBatches, classify, quietly_stop, send_with_retries
+from d3stream.kafka.publishing import (
+    RecordBatches,
+    breaks_the_producer,
+    classify,
+    quietly_stop,
+    send_with_retries,
+)
 from d3stream.ops.metrics import Metrics
 from d3stream.settings import ConnectionSettings, DeliverySettings, ModelSettings
 
@@ -57,6 +63,22 @@ class Sink(Protocol):
     async def publish_provenance(self, record: Outgoing) -> None:
         """The model's provenance record, outside any transaction (a file sink has nowhere to put it)."""
         ...
+
+
+# Rounds of sending again what a refused batch failed: its records alone, then what a broken producer failed
+# meanwhile (a concurrent write's batches). Beyond, the slow path decides.
+RESENDS = 2
+
+
+def _send_again(record: Outgoing, error: BaseException) -> bool:
+    """Whether a failed record is sent again in a batch: refused as too large in a batch it shared (then alone,
+    marked here), or failed by a producer that a refusal left out of step."""
+    if classify(error, transactional=False) == "record":
+        if record.alone:
+            return False  # refused alone: its replacement is the slow path's
+        record.alone = True
+        return True
+    return breaks_the_producer(error)
 
 
 class KafkaTopics:
@@ -124,18 +146,22 @@ class KafkaTopics:
 
     async def write(self, records: Sequence[Outgoing]) -> None:
         """Hand every record to the producer in batches (``publishing.RecordBatches``), then wait for the
-        acknowledgements; a record that failed goes the slow way, alone (``send_with_retries``: backoff, a
-        fresh producer when the failure broke it, replacement of a record refused as too large)."""
+        acknowledgements. A batch the broker refused as too large may hold records that each fit: they are sent
+        again each in a batch of its own (``Outgoing.alone``), on a fresh producer (the refusal left the old
+        one's sequence numbers out of step, failing its later batches too, which are sent again with them).
+        What still fails goes the slow way, alone (``send_with_retries``: backoff, a fresh producer when the
+        failure broke it, replacement of a record refused as too large)."""
         failed = await self._batches().send(records)
-        # Refused as too large in a shared batch: each tried in a batch of its own before anything replaces it.
-        shared = [index for index, error in failed
-                  if classify(error, transactional=False) == "record" and not records[index].alone]
-        if shared:
-            for index in shared:
-                records[index].alone = True
-            again = await self._batches().send([records[index] for index in shared])
-            failed = [failure for failure in failed if failure[0] not in set(shared)]
-            failed += [(shared[position], error) for position, error in again]
+        for _ in range(RESENDS):
+            again = [index for index, error in failed if _send_again(records[index], error)]
+            if not again:
+                break
+            if any(breaks_the_producer(error) for _, error in failed):
+                await self._renew(self._producer(), True)
+            resent = await self._batches().send([records[index] for index in again])
+            taken = set(again)
+            failed = [failure for failure in failed if failure[0] not in taken]
+            failed += [(again[position], error) for position, error in resent]
         if failed:
             await asyncio.gather(*(self._publish(records[index]) for index, _ in failed))
 

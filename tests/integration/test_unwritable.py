@@ -121,6 +121,32 @@ def test_over_limit_answers_and_dead_letters_are_replaced_and_the_partition_flow
     assert letter["value_sha256"] == hashlib.sha256(raw).hexdigest()
 
 
+@pytest.mark.parametrize("mode", ["exactly_once", "at_least_once"])
+def test_answers_that_fit_a_lowered_limit_alone_are_answered_though_their_batch_was_refused(
+        stack, qwen35_text_model, mode):
+    """The answer topic's limit lowered to 6 KB under a running worker, whose producer batches up to 128 KiB:
+    the broker refuses batches of the 60 answers of about 1.5 KB. Each is sent again in a batch of its own, fits,
+    and is answered as usual; none becomes an answer_too_large error."""
+    one_partition(stack)
+    settings = stack.settings(delivery=mode, compression="none")
+    later = [record(small(f"later-{n}")) for n in range(60)]
+
+    async def lower_the_limit_then_publish(service, reader, task) -> None:
+        await reader.wait_ids(["first"], 120, task)
+        await set_topic_limit(stack.broker.bootstrap_servers, stack.answers, 6_000)
+        await produce(stack.broker.bootstrap_servers, stack.requests, later)
+
+    service, reader = run(serve(stack, settings, qwen35_text_model, [record(small("first"))],
+                                ["first", *(f"later-{n}" for n in range(60))], timeout=120,
+                                during=lower_the_limit_then_publish))
+    assert service.fatal is None
+    answers = reader.by_id()
+    assert len(answers) == 61 and all(reader.counts()[request_id] == 1 for request_id in answers)
+    assert all("answers" in answer for answer in answers.values()), [
+        answer["error"] for answer in answers.values() if "error" in answer][:3]
+    assert run(committed(stack.broker.bootstrap_servers, stack.group, stack.requests, 1)) == {0: 61}
+
+
 def test_compressed_answers_over_the_limit_uncompressed_are_answered(stack, qwen35_text_model):
     one_partition(stack)
     settings = stack.settings(max_request_bytes=RAISED_REQUEST_BYTES)  # compression: zstd by default
