@@ -152,9 +152,10 @@ class RecordBatches:
     the partition's previous batch was taken. So each partition has a queue and one pump: records queue while
     their partition's previous batch waits, and the next batch carries all of them (as ``send`` fills the
     batch that waits). Records without a key, larger than half a batch, or for a topic whose partitions are
-    not known yet go through ``send`` one by one, as before; a record marked ``alone`` (refused as too large in a
-    batch it shared: the broker judges a whole batch) gets a batch of its own. A failed batch fails each of its records with the
-    batch's error; the caller decides what each failure means (``classify``), and may retry a record alone.
+    not known yet go through ``send`` one by one, as before; a record marked ``alone`` (refused as too large in
+    a batch it shared: the broker judges a whole batch) gets a batch of its own. A failed batch fails each of
+    its records with the batch's error; the caller decides what each failure means (``classify``), and may
+    retry a record alone.
     """
 
     def __init__(self, producer: AIOKafkaProducer):
@@ -249,19 +250,19 @@ class RecordBatches:
             builder, members = self.producer.create_batch(), list[_Queued]()
             for queued in taken:
                 record = queued[0]
-                if getattr(record, "alone", False):  # refused in a shared batch before: a batch of its own, in its place in order
-                    if members:
-                        batches.append((builder, members))
-                    single = self.producer.create_batch()
-                    single.append(key=record.key, value=record.value, timestamp=None, headers=record.headers)
-                    batches.append((single, [queued]))
+                # Refused in a shared batch before: a batch of its own, in its place in the partition's order.
+                alone = getattr(record, "alone", False)
+                if alone and members:
+                    batches.append((builder, members))
                     builder, members = self.producer.create_batch(), list[_Queued]()
-                    continue
                 if builder.append(key=record.key, value=record.value, timestamp=None, headers=record.headers) is None:
                     batches.append((builder, members))
                     builder, members = self.producer.create_batch(), list[_Queued]()
                     builder.append(key=record.key, value=record.value, timestamp=None, headers=record.headers)
                 members.append(queued)
+                if alone:
+                    batches.append((builder, members))
+                    builder, members = self.producer.create_batch(), list[_Queued]()
             if members:
                 batches.append((builder, members))
         except Exception as exc:  # noqa: BLE001 - nothing was handed over: each record fails, none waits forever

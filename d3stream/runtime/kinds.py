@@ -288,15 +288,14 @@ def _build_score(question: Mapping[str, object], instructions: object, contract:
 
 
 def _answer_score(question: Question, probabilities: Sequence[float], contract: PromptContract) -> dict[str, object]:
+    assert question.legend is not None  # every score question is made by _build_score, with its legend
     shares = contract.normalized(probabilities, len(question.keys))
     return {
         "type": "score",
         "score": sum([level * p for level, p in enumerate(shares)]),
         "probabilities": dict(zip(question.keys, shares, strict=True)),
         "confidence": confidence(shares),
-        "legend": dict(question.legend) if question.legend is not None else {
-            key: text if type(text) is str else canonical_text(text)
-            for key, text in zip(question.keys, question.descriptions, strict=True)},
+        "legend": dict(question.legend),
     }
 
 
