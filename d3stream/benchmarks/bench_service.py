@@ -11,9 +11,10 @@ the model costs nothing. The same requests are read from one topic and answered 
 
 Both run in the two delivery modes side by side (raw at-least-once against d3stream ``at_least_once``; raw
 transactional, one transaction per fetched batch, against d3stream ``exactly_once``), in one run, on the
-same broker. The clock starts when the consumer holds its partitions and stops when every answer is
-published and its offset committed. Unmeasured raw passes warm the broker first, and the four paths take
-turns for a few rounds, each keeping its best: on a 2-core machine single runs vary by a third or more.
+same broker. The clock starts when the first records are read and stops when every answer is published and
+its offset committed. Unmeasured passes of both loops in both modes warm the broker (and the process) first,
+and the four paths take turns for a few rounds, each keeping its best: on a 2-core machine single runs vary by
+a third or more.
 
 ``d3stream bench soak N``: the service with the tiny random checkpoint answers N small requests (fed in
 chunks, so backpressure holds the in-flight work bounded); the resident set size is sampled after every
@@ -291,9 +292,11 @@ def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker 
     """The raw-versus-d3stream comparison on ``broker`` (an ``infra.KafkaBroker``; default: a fresh one,
     started and stopped here), on topics named ``<prefix>.*``; figures as one dict.
 
-    Two unmeasured raw passes (plain, then transactional) warm the broker first: the first pass of each kind
-    on a fresh broker runs at half to two thirds of the later ones, which flattered whichever path came
-    second. Then the four paths run ``rounds`` times in turn, and each path's figure is its best round.
+    Unmeasured passes warm the broker first, the raw loop's (plain, then transactional) and then d3stream's
+    (at_least_once, then exactly_once): the first pass of each kind on a fresh broker runs at half to two thirds
+    of the later ones, which flattered whichever path came second, and d3stream's own first pass in a process
+    still fills its caches (the questions', the allocator's). Then the four paths run ``rounds`` times in turn,
+    and each path's figure is its best round.
 
     With ``registry`` (an ``infra.SchemaRegistry``), a fifth path answers the same requests framed as Avro
     through it, answering in Avro, beside the plain exactly_once path: ``registry_ratio`` is its rate over
@@ -320,6 +323,8 @@ def kafka_overhead(count: int = 20_000, *, rounds: int = 3, broker: KafkaBroker 
     for transactional in (False, True):  # the broker's code paths of both modes
         asyncio.run(consume_answer_loop(bootstrap, topics["requests"], topics["warm-up"],
                                         f"{prefix}-warm-up-{transactional}", count, transactional=transactional))
+    for mode in ("at_least_once", "exactly_once"):  # the broker's paths for d3stream's batches and transactions
+        _one_kafka_run(False, mode, bootstrap, topics, f"{prefix}-warm-up-d3stream-{mode}", count)
     runs: tuple[tuple[KafkaRun, bool, DeliveryName], ...] = (  # (name, the raw loop?, delivery mode)
         ("raw_at_least_once", True, "at_least_once"),
         ("d3stream_at_least_once", False, "at_least_once"),

@@ -86,7 +86,7 @@ class _Unset:
 _UNSET = _Unset()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Submission(Generic[R]):
     """One request's rows (one ``enqueue`` call, or one request of ``enqueue_many``): their outcomes, filled in
     as their passes finish, handed to ``done`` once all are in (a future per row cost more event-loop time than
@@ -115,7 +115,7 @@ def resolve(future: asyncio.Future[list[V]], outcomes: list[V]) -> None:
         future.set_result(outcomes)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Waiting(Generic[T, R]):
     row: T
     submission: _Submission[R]

@@ -18,7 +18,7 @@ from d3stream_client.contract import HEADERS, encode
 from d3stream.core.seams import RecordKind
 
 
-@dataclass
+@dataclass(slots=True)
 class Outgoing:
     """A record to publish because of one consumed offset (its answer, maybe a dead letter)."""
 

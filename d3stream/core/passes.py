@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol, TypedDict, Unpack, cast
 
 import structlog
@@ -113,7 +114,7 @@ class Passes:
         self.executor = executor or model_thread()
         self.rows: RowScheduler = scheduler or BatchScheduler(
             model.forward,
-            length=lambda row: row.length,
+            length=attrgetter("length"),  # read once a row, in C
             max_batch_rows=batching.max_batch_rows,
             max_batch_tokens=self.budget,
             linger_ms=batching.linger_ms,
@@ -240,7 +241,8 @@ class Passes:
         if record is not None:  # the common case: every row answered, all in one pass
             answered = cast("list[tuple[list[float], PassRecord]]", outcomes)
             item.probabilities = {row: result for row, (result, _) in zip(rows, answered, strict=True)}
-            item.device_seconds += _share(record.seconds, sum(row.length for row in rows), record.real_tokens)
+            # Its rows are those it was prepared with (only a failed row is ever dropped): ``tokens`` counts them.
+            item.device_seconds += _share(record.seconds, item.tokens, record.real_tokens)
             item.padded_tokens += len(rows) * (record.padded_tokens // max(record.rows, 1))
             self._account(item, submitted, [record], now, times)
             return

@@ -153,6 +153,14 @@ class RequestRecord:
     answer: Answer | None = None
     records: list[Outgoing] = field(default_factory=list)
 
+    # Where it was read: (topic, partition, offset), what source-ordered schedulers keep places by and what a fetch
+    # tracks as handed on. Made once from ``source`` (read several times a request; a record's source is fixed).
+    position: Position = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        source = self.source
+        self.position = (source.topic, source.partition, source.offset)
+
     def advance(self, stage: Stage) -> None:
         """Move it to ``stage``, one of the steps ``NEXT`` allows from where it is; any other step raises
         ``IllegalTransition`` (a second answer, a shadow of an error answer), since going on would publish
@@ -174,12 +182,6 @@ class RequestRecord:
         self.prepared = None
         self.plan = None
         self.probabilities = {}
-
-    @property
-    def position(self) -> Position:
-        """Where it was read: (topic, partition, offset), what source-ordered schedulers keep places by."""
-        source = self.source
-        return (source.topic, source.partition, source.offset)
 
     def cost(self) -> Cost | None:
         """Its cost record, once the request is decoded (a record that is no request has no tenant)."""

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class Answered:
     """The records to publish for one consumed offset (its answer, maybe a dead letter before it)."""
 

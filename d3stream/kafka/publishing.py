@@ -101,7 +101,7 @@ def replaced(record: Outgoing, exc: BaseException) -> Outgoing:
     return substitute
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Waiting:
     """One ``RecordBatches.send`` call: its records not acknowledged yet, and those that failed."""
 

@@ -193,7 +193,8 @@ def normalized(probabilities: Sequence[float], count: int) -> list[float]:
         total = math.fsum(values)  # nan or inf when any value is
     except ValueError:  # inf and -inf
         total = math.nan
-    if not (math.isfinite(total) and min(values) >= 0):
+    # Under infinity and not NaN (NaN compares false), with no value below zero (the total is not -inf then).
+    if not (total < math.inf and min(values) >= 0):
         raise ValueError("the model produced a non-finite or negative option probability")
     if not total > 0:
         raise ValueError("the model's option probabilities sum to zero")
@@ -214,14 +215,14 @@ def option_keys(question: Mapping[str, object]) -> list[str]:
 
 def to_answer(question: Mapping[str, object], probabilities: Sequence[float]) -> ChoiceAnswer | NoulAnswer:
     """The answer object of a rendered choice or noul question from its option probabilities."""
-    keys = option_keys(question)
+    kind = question.get("type")
+    if kind == "noul":
+        no, yes = normalized(probabilities, 2)
+        return {"type": "noul", "noul": yes, "probabilities": {"false": no, "true": yes}}
+    criteria = question.get("criteria")
+    # A choice's keys are its criteria's, in order (``option_keys``, without looking the type up again).
+    keys = list(criteria) if kind == "choice" and type(criteria) is dict and criteria else option_keys(question)
     shares = normalized(probabilities, len(keys))
-    if question.get("type") == "noul":
-        return {
-            "type": "noul",
-            "noul": shares[1],
-            "probabilities": {"false": shares[0], "true": shares[1]},
-        }
     best = shares.index(max(shares))  # the first of equal bests, as max over the indices gives
     return {
         "type": "choice",

@@ -27,6 +27,7 @@ import json
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from operator import mul
 from typing import Any, Literal, NamedTuple, NotRequired, Protocol, TypedDict
 
 from d3stream.runtime import format as d3_format
@@ -120,7 +121,8 @@ def confidence(probabilities: Collection[float]) -> float:
         return 1.0
     log = math.log
     entropy = -sum([p * log(p) for p in probabilities if p > 0])
-    return max(0.0, min(1.0, 1.0 - entropy / (_LOGS[count] if count < len(_LOGS) else log(count))))
+    value = 1.0 - entropy / (_LOGS[count] if count < len(_LOGS) else log(count))
+    return 0.0 if value < 0.0 else 1.0 if value > 1.0 else value  # clipped (rounding can pass either end)
 
 
 _LOGS = tuple(math.log(count) if count else 0.0 for count in range(64))  # log of small option counts, once
@@ -292,7 +294,7 @@ def _answer_score(question: Question, probabilities: Sequence[float], contract: 
     shares = contract.normalized(probabilities, len(question.keys))
     return {
         "type": "score",
-        "score": sum([level * p for level, p in enumerate(shares)]),
+        "score": sum(map(mul, range(len(shares)), shares)),  # the expected level: products summed in order
         "probabilities": dict(zip(question.keys, shares, strict=True)),
         "confidence": confidence(shares),
         "legend": dict(question.legend),

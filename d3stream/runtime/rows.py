@@ -49,7 +49,7 @@ class RequestMedia:
         return sum(map(len, self.image_slots)) + sum(map(len, self.video_slots))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Row:
     """One prompt ready to run: a question (or its reversed-option twin) of one request."""
 
@@ -62,13 +62,14 @@ class Row:
     # The rendered prompt text (media placeholders unexpanded), kept for shared-prefix reuse
     # (``runtime/prefix.py`` splits it at the question header); None for rows built by hand.
     text: str | None = None
+    # Its prompt's tokens, counted once: the passes read it several times a row (a row's ids are never changed).
+    length: int = field(init=False, repr=False)
 
-    @property
-    def length(self) -> int:
-        return len(self.ids)
+    def __post_init__(self) -> None:
+        self.length = len(self.ids)
 
 
-@dataclass
+@dataclass(slots=True, weakref_slot=True)
 class Prepared:
     """A validated, tokenized request: its rows (question prompts) and per-question errors."""
 
@@ -82,7 +83,7 @@ class Prepared:
 
     @property
     def input_tokens(self) -> int:
-        return sum(row.length for row in self.rows)
+        return sum([row.length for row in self.rows])
 
     def answers(self, probabilities: Mapping[Row, Sequence[float]]) -> dict[str, object]:
         """The response ``{"model", "answers", "usage"}`` from the probabilities of every row."""
