@@ -16,7 +16,6 @@ Publish and commit errors fall in three classes (``classify``), whatever the del
 from __future__ import annotations
 
 import asyncio
-import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import structlog
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import RecordMetadata
+from murmurhash2 import murmurhash2
 
 from d3stream.core.outgoing import Outgoing
 from d3stream.kafka.limits import WorkerFatal
@@ -225,7 +225,8 @@ class RecordBatches:
     def _partition(self, key: bytes, partitions: tuple[list[int], list[int]]) -> int:
         every, available = partitions
         if self._partitioner is None or isinstance(self._partitioner, DefaultPartitioner):
-            return every[(murmur2(key) & 0x7FFFFFFF) % len(every)]  # what DefaultPartitioner does with a key
+            # What DefaultPartitioner does with a key (``murmur2``, without the call in between).
+            return every[(murmurhash2(key, KAFKA_MURMUR2_SEED) & 0x7FFFFFFF) % len(every)]
         return int(self._partitioner(key, every, available))
 
     async def _pump(self, place: tuple[str, int]) -> None:
@@ -283,32 +284,16 @@ class RecordBatches:
             delivered.add_done_callback(partial(_settle_batch, members))
 
 
-_M = 0x5BD1E995  # murmur2's mixing constant
-_WORDS = struct.Struct("<I")
+KAFKA_MURMUR2_SEED = 0x9747B28C  # the seed of Kafka's Utils.murmur2: MurmurHash2 (32-bit) otherwise as published
 
 
 def murmur2(key: bytes) -> int:
     """Kafka's murmur2 hash of a record key (``org.apache.kafka.common.utils.Utils.murmur2``), the hash its
-    default partitioner places keyed records by: the same value as ``aiokafka.partitioner.murmur2``, in half
-    of the time (the key is read four bytes at a time, not byte by byte; tests/unit/kafka/test_publishing.py compares them).
-    Partitioning answers costs one per answer, which made aiokafka's a few percent of a worker's time."""
-    length = len(key)
-    h = 0x9747B28C ^ length
-    body = length & ~3
-    for (k,) in _WORDS.iter_unpack(key[:body]):
-        k = (k * _M) & 0xFFFFFFFF
-        k ^= k >> 24
-        h = ((h * _M) & 0xFFFFFFFF) ^ ((k * _M) & 0xFFFFFFFF)
-    rest = length & 3
-    if rest == 3:
-        h ^= key[body + 2] << 16
-    if rest >= 2:
-        h ^= key[body + 1] << 8
-    if rest >= 1:
-        h = ((h ^ key[body]) * _M) & 0xFFFFFFFF
-    h ^= h >> 13
-    h = (h * _M) & 0xFFFFFFFF
-    return h ^ (h >> 15)
+    default partitioner places keyed records by: the same value as ``aiokafka.partitioner.murmur2``
+    (tests/unit/kafka/test_publishing.py compares them), computed in C by the ``murmurhash2`` package. Partitioning
+    answers costs one per answer: aiokafka's, in Python, was a few percent of a worker's time, and a hand-written
+    one reading the key a word at a time still 1.3 µs an answer (0.16 µs here)."""
+    return murmurhash2(key, KAFKA_MURMUR2_SEED)
 
 
 def _settle_one(waiting: _Waiting, index: int, future: asyncio.Future[RecordMetadata]) -> None:
