@@ -207,3 +207,5 @@ class FetchHandler:
             for record in records:
                 assert record.answer is not None  # as above: answered requests only
                 self.tracing.request_served(record.input, record, record.answer, published)
+        for record in records:
+            record.drop_delivered()
