@@ -153,7 +153,8 @@ class Shadow:
         except Exception as exc:  # noqa: BLE001 - a shadow fault is the shadow's error answer, never the live one's
             for record in (*pending, *own):
                 record.drop_decoded()
-            left = [index for index, record in enumerate(pending) if record.stage is not Stage.SHADOWED]
+            # Those still waiting for their shadow answer: one yielded before may be delivered by now (DELIVERED).
+            left = [index for index, record in enumerate(pending) if record.stage is Stage.ANSWERED]
             log.exception("shadow answers failed", shadow=self.name, requests=len(left))
             for index in left:
                 self._attach(live, pending[index], own[index],
