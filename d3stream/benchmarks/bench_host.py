@@ -67,14 +67,17 @@ GPU_BATCH_TOKENS = 16_384
 PARTITIONS = 4
 
 # The workloads (bench_workloads.py): the name here, the generator's name there, the default request count.
-Workload = Literal["small", "shared", "images"]
-WORKLOADS: dict[Workload, str] = {"small": "small", "shared": "long-state", "images": "mixed"}
+Workload = Literal["small", "repeated", "shared", "images"]
+# "repeated" is bench_workloads.make_repeated's, no workload of ``bench workloads``.
+WORKLOADS: dict[Workload, str] = {"small": "small", "repeated": "repeated", "shared": "long-state", "images": "mixed"}
 WORKLOAD_TEXT: dict[Workload, str] = {
     "small": "text-only small requests (1-3 questions, prompts of about 100-400 tokens)",
+    "repeated": "text-only small requests asking 1-3 of the same 6 questions of states of 20-200 tokens (a "
+                "stream's shape: what a question costs once is not paid again per request)",
     "shared": "long shared states (a state of about 2,000 tokens asked 10 questions: shared-prefix reuse)",
     "images": "a mix: small, medium and long-state requests and a fifth with 1-4 images (fetched, decoded)",
 }
-DEFAULT_REQUESTS: dict[Workload, int] = {"small": 2000, "shared": 60, "images": 300}
+DEFAULT_REQUESTS: dict[Workload, int] = {"small": 2000, "repeated": 2000, "shared": 60, "images": 300}
 Format = Literal["json", "avro"]
 FORMATS: tuple[Format, ...] = ("json", "avro")
 DELIVERIES: tuple[DeliveryName, ...] = ("exactly_once", "at_least_once")
@@ -626,10 +629,11 @@ def _records(workload: Workload, count: int, seed: int, model: D3,
     """``count`` requests of ``workload`` as (key, value) records, images uploaded to the store; and their
     questions."""
     from d3stream.benchmarks.bench_stream import stream_records, upload_pool
-    from d3stream.benchmarks.bench_workloads import make_workload
+    from d3stream.benchmarks.bench_workloads import make_repeated, make_workload
 
-    requests = make_workload(WORKLOADS[workload], count, seed, model.tokenizer,
-                             images_supported=model.image_unavailable is None)
+    requests = (make_repeated(count, seed, model.tokenizer) if workload == "repeated" else
+                make_workload(WORKLOADS[workload], count, seed, model.tokenizer,
+                              images_supported=model.image_unavailable is None))
     uris = upload_pool(stack.store, requests) if any(request.images for request in requests) else {}
     return stream_records(requests, uris, with_images=True), sum(len(request.questions) for request in requests)
 

@@ -6,7 +6,8 @@
 * ``mixed``: the three above plus medium requests, interleaved.
 
 ``make_stream`` draws the operator's stream of ``bench stream``: small text requests, one in ten with an
-image (``images_per_request`` of them, at most).
+image (``images_per_request`` of them, at most). ``make_repeated`` draws small text requests that ask the same
+few questions of different states, as a stream does (``bench host --workload repeated``).
 
 Kept apart from the harness so what is measured (here) reads apart from how it is measured (``bench.py``);
 the same seed and tokenizer always give the same requests, which is what lets two runs compare.
@@ -171,6 +172,7 @@ def make_workload(name: str, count: int, seed: int, tokenizer: Tokenizer, *,
 
 
 STREAM_IMAGES_EVERY = 10  # one request in ten carries images
+REPEATED_QUESTIONS = 6  # the questions a repeated stream asks, 1-3 of them per request
 
 
 def make_stream(count: int, seed: int, tokenizer: Tokenizer, images_per_request: int = 1) -> list[Request]:
@@ -182,3 +184,19 @@ def make_stream(count: int, seed: int, tokenizer: Tokenizer, images_per_request:
     middle = STREAM_IMAGES_EVERY // 2
     return [draw.with_images(images_per_request) if n % STREAM_IMAGES_EVERY == middle else draw.small()
             for n in range(count)]
+
+
+def make_repeated(count: int, seed: int, tokenizer: Tokenizer) -> list[Request]:
+    """``count`` small text requests, each asking 1-3 of the same ``REPEATED_QUESTIONS`` questions (drawn once
+    from ``seed``, under the same ids) of a state of 20-200 tokens of its own: a stream's shape (a ticket router
+    asks the same few questions of every ticket), where what a question costs once (its validation, its prompt
+    piece's tokens) is not paid again per request. A deterministic function of ``seed``."""
+    rng = np.random.default_rng([seed, len(WORKLOADS) + 1])
+    text = _Text(rng, tokenizer)
+    pool = list(_questions(rng, text, REPEATED_QUESTIONS).items())
+    requests = []
+    for _ in range(count):
+        picked = sorted(rng.choice(len(pool), size=int(rng.integers(1, 4)), replace=False))
+        requests.append(Request(text.tokens(int(rng.integers(20, 200))), dict(pool[int(i)] for i in picked),
+                                kind="repeated"))
+    return requests

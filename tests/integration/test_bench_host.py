@@ -30,10 +30,11 @@ def test_host_bench_answers_every_request_and_reports_cpu_by_stage(kafka_broker,
     from d3stream.dev.infra import LocalStack
 
     stack = LocalStack(kafka_broker, object_store, schema_registry)
-    text = host_bench(qwen35_checkpoint, workloads=("small", "images"), formats=("json",),
-                      requests={"small": 12, "images": 6}, device_ms=5.0, warm_up=False, stack=stack)
+    text = host_bench(qwen35_checkpoint, workloads=("small", "repeated", "images"), formats=("json",),
+                      requests={"small": 12, "repeated": 12, "images": 6}, device_ms=5.0, warm_up=False, stack=stack)
     assert [(run["workload"], run["delivery"]) for run in text["runs"]] == [
-        ("small", "exactly_once"), ("small", "at_least_once"), ("images", "exactly_once"), ("images", "at_least_once")]
+        ("small", "exactly_once"), ("small", "at_least_once"), ("repeated", "exactly_once"),
+        ("repeated", "at_least_once"), ("images", "exactly_once"), ("images", "at_least_once")]
     for run in text["runs"]:
         _check_run(run)
         assert run["device"]["busy_share"] > 0  # 5 ms slept per pass

@@ -142,6 +142,18 @@ def test_workloads_are_seeded_and_shaped(qwen35_text_model):
     assert {r.kind for r in mixed} >= {"small", "long-state", "images"}
 
 
+def test_a_repeated_stream_asks_the_same_few_questions_of_states_of_its_own(qwen35_text_model):
+    from d3stream.benchmarks.bench_workloads import REPEATED_QUESTIONS, make_repeated
+
+    tokenizer = qwen35_text_model.tokenizer
+    requests = make_repeated(200, 0, tokenizer)
+    assert [(r.state, r.questions) for r in requests] == [(r.state, r.questions) for r in make_repeated(200, 0, tokenizer)]
+    asked = {(key, json.dumps(question, sort_keys=True)) for r in requests for key, question in r.questions.items()}
+    assert len(asked) == REPEATED_QUESTIONS  # the same questions under the same ids, all of them asked
+    assert all(1 <= len(r.questions) <= 3 and not r.images for r in requests)
+    assert len({r.state for r in requests}) == len(requests)
+
+
 def test_percentile_is_nearest_rank():
     values = list(range(1, 101))
     assert bench.percentile(values, 0.5) == 50 and bench.percentile(values, 0.99) == 99
