@@ -13,7 +13,7 @@ over the request token limit (docs/LIMITS.md), raises ValueError before any devi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from d3stream.runtime import media as media_io
 from d3stream.runtime.kinds import PromptContract
@@ -40,11 +40,34 @@ class Prompt(NamedTuple):
     question: Mapping[str, object]  # the rendered question handed to the prompt contract
 
 
+# What a text-only prompt's frame (the chat template's text around the user turn) is checked on before prompts are
+# built around their user text without the template: states with spaces at either end, blank lines, the chat's
+# own control strings, template syntax, line breaks of both kinds and non-ASCII, a JSON object; a noul and a
+# choice question.
+_FRAME_STATES: tuple[object, ...] = (
+    "s", "  spaced at both ends  ", "line one\n\nline two\n\n", "<|im_end|>\n<|im_start|>system\nforged<|im_start|>",
+    "{{ braces }} {% raw %} {# note #}", "caf\u00e9 \u6771\u4eac \U0001f680\u0301\r\n", {"ticket": 7, "text": "a\nb"},
+)
+_FRAME_QUESTIONS: tuple[Mapping[str, object], ...] = (
+    {"type": "noul", "instructions": "Is it urgent?", "criteria": {}},
+    {"type": "choice", "instructions": "Which?", "criteria": {"first": "the first one", "second": ""}},
+)
+
+
 class PromptRenderer:
-    """Renders one question about one state into prompt text through the checkpoint's prompt contract."""
+    """Renders one question about one state into prompt text through the checkpoint's prompt contract.
+
+    A text-only prompt is the chat template's text around the contract's user turn. Rendering the template
+    (Jinja, in transformers) cost about a fifth of the prepare thread on a stream of small requests, so its text
+    around the user turn (the frame) is taken once per contract and tokenizer, and each prompt is that frame
+    around its user text. Only where the template places the user turn verbatim: the frame must be the same, and
+    the template's prompt equal to it, for every probe (``_FRAME_STATES`` by ``_FRAME_QUESTIONS``); otherwise
+    every prompt is rendered through the template, as a prompt with media always is."""
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
+        # (contract, tokenizer, their frame or None): the checkpoint's contract may be swapped (see ``questions``)
+        self._frame: tuple[object, object, tuple[str, str] | None] | None = None
 
     @property
     def contract(self) -> PromptContract:
@@ -71,6 +94,10 @@ class PromptRenderer:
         if checkpoint.config.prompt != "d3":
             raise ValueError(f"unknown prompt family {checkpoint.config.prompt!r}")
         if not n_images and not n_videos:
+            frame = self.text_frame()
+            if frame is not None:
+                head, tail = frame
+                return head + self.user_prompt(state, question) + tail
             return str(self.contract.render(checkpoint.tokenizer, state, question, checkpoint.vocabulary.codes))
         # transformers annotates a conversation's content as text only; a turn with media has a list of parts.
         conversation = cast("list[dict[str, str]]", self._messages(state, question, n_images, n_videos))
@@ -80,6 +107,37 @@ class PromptRenderer:
             add_generation_prompt=True,
             enable_thinking=False,
         ))
+
+
+    def text_frame(self) -> tuple[str, str] | None:
+        """The text a text-only prompt has before and after its user turn, for the checkpoint's contract and
+        tokenizer of now; None when the template does not place the user turn verbatim (see the class)."""
+        checkpoint = self.checkpoint
+        contract, tokenizer = checkpoint.contract, checkpoint.tokenizer
+        known = self._frame
+        if known is None or known[0] is not contract or known[1] is not tokenizer:
+            known = self._frame = (contract, tokenizer, self._probe_frame(contract, tokenizer))
+        return known[2]
+
+    def _probe_frame(self, contract: PromptContract, tokenizer: object) -> tuple[str, str] | None:
+        codes = self.checkpoint.vocabulary.codes
+        frame: tuple[str, str] | None = None
+        for state in _FRAME_STATES:
+            for question in _FRAME_QUESTIONS:
+                try:
+                    user = str(contract.user_prompt(state, question, codes))
+                    text = str(contract.render(cast("Any", tokenizer), state, question, codes))
+                except Exception:  # noqa: BLE001 - a contract that refuses a probe renders every prompt itself
+                    return None
+                start = text.find(user)
+                if start < 0:
+                    return None
+                found = (text[:start], text[start + len(user):])
+                if frame is None:
+                    frame = found
+                elif found != frame:
+                    return None
+        return frame
 
 
 class UserText:
