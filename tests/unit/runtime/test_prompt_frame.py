@@ -78,3 +78,26 @@ def test_a_contract_that_does_not_place_the_user_turn_verbatim_renders_every_pro
         assert renderer.render(state, question) == _rendered_through_the_template(qwen35_text_model, state, question)
     monkeypatch.undo()
     assert renderer.text_frame() is not None  # the checkpoint's own contract again: framed again
+
+
+class _OptionCountingContract:
+    """The built-in contract, except that its system turn names the codes of the question's options: its frame
+    moves with the number of options."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(builtin_format, name)
+
+    @staticmethod
+    def render(tokenizer: Any, state: object, question: Mapping[str, object], codes: Any) -> str:
+        keys, _ = builtin_format.options(question)
+        user = builtin_format.user_prompt(state, question, codes)
+        return (f"<|im_start|>system\nCodes: {', '.join(codes[:len(keys)])}<|im_end|>\n"
+                f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_frame_that_moves_with_the_question_is_not_taken(qwen35_text_model, monkeypatch):
+    monkeypatch.setattr(qwen35_text_model.checkpoint, "contract", _OptionCountingContract())
+    renderer = qwen35_text_model.prompts.renderer
+    assert renderer.text_frame() is None
+    three = normalize_question({"type": "choice", "criteria": {"a": "", "b": "", "c": ""}}).rendered
+    assert renderer.render("s", three) == _rendered_through_the_template(qwen35_text_model, "s", three)
