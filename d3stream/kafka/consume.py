@@ -84,6 +84,12 @@ log = structlog.get_logger(__name__)
 RESUME_AT = 0.8
 # Under backpressure, partitions below their share keep being read until the work passes the limits by this much.
 RESERVE = 0.125
+# How long the broker may hold a fetch that found nothing new (aiokafka's default: 500 ms). A consumer has one
+# fetch in flight per broker, so partitions resumed from backpressure are not read until the fetch already
+# waiting for a caught-up partition returns: with 500 ms the work in flight ran out first, and the worker stood
+# idle for a seventh of a ``bench kafka`` run (docs/MEASUREMENTS.md, 2026-12-08). ``kafka_options``
+# ``fetch_max_wait_ms=...`` sets another.
+FETCH_MAX_WAIT_MS = 50
 
 # The partitions a fetch's description names (``Fetch.describe``); the rest are counted.
 DESCRIBED_PARTITIONS = 4
@@ -129,6 +135,7 @@ def group_consumer(connection: ConnectionSettings, delivery: DeliverySettings, *
         enable_auto_commit=False,
         auto_offset_reset=delivery.auto_offset_reset,
         isolation_level="read_committed",
+        fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
         **assignment,
     )
     sticky.generation = lambda: group_generation(consumer)  # the generation its partitions were assigned in
