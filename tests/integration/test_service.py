@@ -24,6 +24,7 @@ from d3stream_client.publisher import produce
 
 import d3stream
 from d3stream.core.storage import MediaError, MediaFetcher
+from d3stream.kafka.consume import BACKPRESSURE_POLL_MS, POLL_MS
 from d3stream.service import Service, answer_identity, provenance_digest
 from tests.support.media_makers import data_url, make_jpeg, make_mp4, make_png, make_png_header_only
 from tests.support.stream_helpers import (
@@ -590,8 +591,21 @@ def test_backpressure_bounds_inflight_requests(stack, qwen35_model):
         await produce(bootstrap, stack.requests, [record(r) for r in requests])
         service = Service(settings, model)
         samples: list[tuple[int, int, bool]] = []
+        looks: list[tuple[bool, int]] = []  # (paused, how long the consume loop let the consumer wait for records)
+
+        def watch_looks(loop) -> None:
+            asked = loop.consumer.getmany  # the worker's real consumer, its calls noted on their way
+
+            async def getmany(*args, **kwargs):
+                looks.append((loop.paused, kwargs["timeout_ms"]))
+                return await asked(*args, **kwargs)
+
+            loop.consumer.getmany = getmany
 
         async def sample():
+            while service.loop is None:
+                await asyncio.sleep(0.002)
+            watch_looks(service.loop)
             while True:
                 samples.append((service.in_flight.requests, service.tracker.in_flight(), service.loop.paused))
                 await asyncio.sleep(0.002)
@@ -605,9 +619,15 @@ def test_backpressure_bounds_inflight_requests(stack, qwen35_model):
                 sampler.cancel()
                 await stop(service, task)
             await reader.caught_up()
-            return samples, reader.counts(), reader.answers()
+            return samples, looks, reader.counts(), reader.answers()
 
-    samples, counts, answers = run(scenario())
+    samples, looks, counts, answers = run(scenario())
+    # While paused, the loop looks at the draining work every BACKPRESSURE_POLL_MS (10 ms), sooner than while reading:
+    # a look every 100 ms held a worker at 256 requests in flight to about 2,600 requests a second, idle two thirds
+    # of the time.
+    assert any(paused for paused, _ in looks), "no look while the partitions were paused"
+    assert {wait for paused, wait in looks if paused} == {BACKPRESSURE_POLL_MS} and BACKPRESSURE_POLL_MS <= 20
+    assert {wait for paused, wait in looks if not paused} == {POLL_MS}
     assert set(counts) == {r["id"] for r in requests} and max(counts.values()) == 1
     assert all("error" not in a for a in answers)
     most = max(s[0] for s in samples)
