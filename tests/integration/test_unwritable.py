@@ -147,6 +147,32 @@ def test_answers_that_fit_a_lowered_limit_alone_are_answered_though_their_batch_
     assert run(committed(stack.broker.bootstrap_servers, stack.group, stack.requests, 1)) == {0: 61}
 
 
+def test_a_worker_starting_on_a_small_answer_topic_limit_batches_under_it_from_its_first_answer(
+        stack, qwen35_text_model):
+    """The answer topic's limit is 6 KB before the worker starts: it reads the topics' limits before it starts
+    its producer, whose batches (128 KiB by default) are then kept under the limit, so the 60 answers of about
+    1.5 KB go out in batches the broker takes. Read after the producer starts, the limits would leave it at
+    128 KiB: its first batches refused, sent again alone on a fresh producer (the test above)."""
+    one_partition(stack)
+    stack.broker.create_topic(stack.answers, 1, exist_ok=True)
+    run(set_topic_limit(stack.broker.bootstrap_servers, stack.answers, 6_000))
+    settings = stack.settings(delivery="at_least_once", compression="none")
+    producers = []
+
+    async def note_the_producer(service, reader, task) -> None:
+        producers.append(service.sink.producer)
+
+    ids = [f"small-{n}" for n in range(60)]
+    service, reader = run(serve(stack, settings, qwen35_text_model, [record(small(request_id)) for request_id in ids],
+                                ids, timeout=120, during=note_the_producer))
+    assert service.fatal is None
+    answers = reader.by_id()
+    assert set(answers) == set(ids) and all("answers" in answer for answer in answers.values())
+    (producer,) = producers
+    assert producer._message_accumulator._batch_size < 6_000  # the limit, less the batch's framing
+    assert service.sink.producer is producer  # never replaced: no batch of it was refused
+
+
 def test_compressed_answers_over_the_limit_uncompressed_are_answered(stack, qwen35_text_model):
     one_partition(stack)
     settings = stack.settings(max_request_bytes=RAISED_REQUEST_BYTES)  # compression: zstd by default
