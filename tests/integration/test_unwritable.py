@@ -158,13 +158,14 @@ def test_a_worker_starting_on_a_small_answer_topic_limit_batches_under_it_from_i
     run(set_topic_limit(stack.broker.bootstrap_servers, stack.answers, 6_000))
     settings = stack.settings(delivery="at_least_once", compression="none")
     producers = []
-
-    async def note_the_producer(service, reader, task) -> None:
-        producers.append(service.sink.producer)
-
     ids = [f"small-{n}" for n in range(60)]
-    service, reader = run(serve(stack, settings, qwen35_text_model, [record(small(request_id)) for request_id in ids],
-                                ids, timeout=120, during=note_the_producer))
+
+    async def note_the_producer_then_publish(service, reader, task) -> None:
+        producers.append(service.sink.producer)  # before any answer could have had it replaced
+        await produce(stack.broker.bootstrap_servers, stack.requests, [record(small(request_id)) for request_id in ids])
+
+    service, reader = run(serve(stack, settings, qwen35_text_model, [], ids, timeout=120,
+                                during=note_the_producer_then_publish))
     assert service.fatal is None
     answers = reader.by_id()
     assert set(answers) == set(ids) and all("answers" in answer for answer in answers.values())
