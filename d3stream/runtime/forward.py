@@ -14,6 +14,7 @@ the whole prompt of their row while the Gated DeltaNet layers keep their causal 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, Protocol
 
 from d3stream.runtime.device import sdpa_backends, to_device
@@ -41,6 +42,15 @@ class Padded(Protocol):
     def positions(self) -> torch.Tensor | None: ...
     @property
     def media(self) -> RequestMedia | None: ...
+
+
+def token_tensor(sequences: Sequence[Sequence[int]], total: int) -> torch.Tensor:
+    """The token ids of ``sequences`` one after the other (``total`` of them) as one int64 tensor, converted in one
+    step (a tensor per row cost more than the rows' tokens)."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.fromiter(chain.from_iterable(sequences), dtype=np.int64, count=total))
 
 
 def bucketed_width(width: int) -> int:
@@ -73,18 +83,22 @@ class RowRunner:
         import torch
 
         self.vision.encode([row.media for row in rows if row.media is not None])
-        width = max(row.length for row in rows)
+        lengths = [row.length for row in rows]
+        width = max(lengths)
         if self.pad_buckets:
             width = bucketed_width(width)
+        # The whole pass at once, not row by row (a row's own tensor ops cost about 25 µs, a pass's rows 1 ms):
+        # each row's tokens are the last of its line, in row order, as a mask of the pass reads them.
+        starts = torch.tensor([width - length for length in lengths])
+        real = torch.arange(width) >= starts[:, None]
         ids = torch.full((len(rows), width), self.checkpoint.vocabulary.pad_id, dtype=torch.long)
-        present = torch.zeros((len(rows), width), dtype=torch.long)
-        positions = torch.zeros((3, len(rows), width), dtype=torch.long)
+        ids[real] = token_tensor([row.ids for row in rows], sum(lengths))
+        present = real.long()
+        # Positions count from each row's first real token, so padding never shifts them (padding is at 0).
+        positions = (present.cumsum(1) - 1).clamp_(min=0).expand(3, -1, -1).clone()
         for number, row in enumerate(rows):
-            start = width - row.length
-            ids[number, start:] = torch.as_tensor(row.ids, dtype=torch.long)
-            present[number, start:] = 1
-            # Positions count from each row's first real token, so padding never shifts them.
-            positions[:, number, start:] = torch.arange(row.length) if row.positions is None else row.positions
+            if row.positions is not None:  # a row with media: its own multimodal positions
+                positions[:, number, width - row.length:] = row.positions
         ids, present, positions = to_device([ids, present, positions], self.checkpoint.device)
         return ids, present, positions
 

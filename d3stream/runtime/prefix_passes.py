@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from d3stream.runtime.device import sdpa_backends
+from d3stream.runtime.forward import token_tensor
 from d3stream.runtime.model import D3
 from d3stream.runtime.rows import Prepared, RequestMedia, Row
 
@@ -212,15 +213,21 @@ class PrefixPasses:
         import torch
 
         longest = max(lengths)
+        # The whole group at once, as ``RowRunner.left_padded`` does: each suffix first on its line, in order.
+        shared = torch.tensor([plan.length for plan, _ in group])[:, None]
+        ends = torch.tensor(lengths)[:, None]
+        columns = torch.arange(longest)
+        real = columns < ends
         ids = torch.full((len(group), longest), self.model.checkpoint.vocabulary.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(group), context + longest), dtype=torch.long)
-        positions = torch.zeros((3, len(group), longest), dtype=torch.long)
+        ids[real] = token_tensor([row.ids[plan.length :] for plan, row in group], sum(lengths))
+        # The cached prefix (its last ``plan.length`` columns of ``context``) and the new tokens are attended to.
+        every = torch.arange(context + longest)
+        mask = ((every >= context - shared) & (every < context + ends)).long()
+        # A suffix's positions go on from its prefix's (padding is at 0).
+        positions = ((columns + shared) * real).expand(3, -1, -1).clone()
         for number, ((plan, row), length) in enumerate(zip(group, lengths, strict=True)):
-            ids[number, :length] = torch.as_tensor(row.ids[plan.length :], dtype=torch.long)
-            mask[number, context - plan.length : context + length] = 1
-            positions[:, number, :length] = (
-                torch.arange(plan.length, row.length) if row.positions is None else row.positions[:, plan.length :]
-            )
+            if row.positions is not None:  # a row with media: its own multimodal positions
+                positions[:, number, :length] = row.positions[:, plan.length :]
         device = self.model.device
         return ids.to(device, non_blocking=True), mask.to(device, non_blocking=True), positions.to(
             device, non_blocking=True

@@ -1138,6 +1138,26 @@ def test_host_transfer_pins_only_for_cuda(device, expected):
     assert host_transfer(device) == expected
 
 
+def test_a_pass_puts_each_row_at_the_end_of_its_line_with_positions_from_its_first_token(qwen35_model):
+    """``left_padded`` lays the whole pass out at once: each row's ids last on its line after the pad id, present
+    1 under them and 0 before, and positions counting 0, 1, ... from its first token (a row with media: its own
+    multimodal positions, which count differently), 0 under the padding; the same as row by row."""
+    import torch
+
+    _, rows = _shuffled_rows(qwen35_model, _requests(with_video=True))
+    assert any(row.positions is not None for row in rows) and any(row.positions is None for row in rows)
+    ids, present, positions = qwen35_model.left_padded(rows)
+    width = max(row.length for row in rows)
+    assert ids.shape == present.shape == (len(rows), width) and positions.shape == (3, len(rows), width)
+    pad = qwen35_model.checkpoint.vocabulary.pad_id
+    for number, row in enumerate(rows):
+        start = width - row.length
+        assert ids[number, start:].tolist() == list(row.ids) and set(ids[number, :start].tolist()) <= {pad}
+        assert present[number].tolist() == [0] * start + [1] * row.length
+        expected = torch.arange(row.length).expand(3, -1) if row.positions is None else row.positions
+        assert torch.equal(positions[:, number, start:], expected) and not positions[:, number, :start].any()
+
+
 def test_cpu_batches_are_not_pinned(qwen35_text_model):
     ids, present, positions = qwen35_text_model.left_padded(qwen35_text_model.prepare(STATE, QUESTIONS).rows)
     assert ids.device.type == "cpu" and not ids.is_pinned() and present.sum() > 0
