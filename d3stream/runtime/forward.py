@@ -44,13 +44,14 @@ class Padded(Protocol):
     def media(self) -> RequestMedia | None: ...
 
 
-def token_tensor(sequences: Sequence[Sequence[int]], total: int) -> torch.Tensor:
-    """The token ids of ``sequences`` one after the other (``total`` of them) as one int64 tensor, converted in one
-    step (a tensor per row cost more than the rows' tokens)."""
+def token_tensor(sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The token ids of ``sequences`` one after the other as one int64 tensor, converted in one step (a tensor per
+    row cost more than the rows' tokens). All of them, never cut to a count: a row whose ids outnumber its length
+    makes the assignment of the pass fail, instead of shifting the tokens of the rows after it."""
     import numpy as np
     import torch
 
-    return torch.from_numpy(np.fromiter(chain.from_iterable(sequences), dtype=np.int64, count=total))
+    return torch.from_numpy(np.fromiter(chain.from_iterable(sequences), dtype=np.int64))
 
 
 def bucketed_width(width: int) -> int:
@@ -92,7 +93,7 @@ class RowRunner:
         starts = torch.tensor([width - length for length in lengths])
         real = torch.arange(width) >= starts[:, None]
         ids = torch.full((len(rows), width), self.checkpoint.vocabulary.pad_id, dtype=torch.long)
-        ids[real] = token_tensor([row.ids for row in rows], sum(lengths))
+        ids[real] = token_tensor([row.ids for row in rows])
         present = real.long()
         # Positions count from each row's first real token, so padding never shifts them (padding is at 0).
         positions = (present.cumsum(1) - 1).clamp_(min=0).expand(3, -1, -1).clone()

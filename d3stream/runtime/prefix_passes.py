@@ -219,7 +219,7 @@ class PrefixPasses:
         columns = torch.arange(longest)
         real = columns < ends
         ids = torch.full((len(group), longest), self.model.checkpoint.vocabulary.pad_id, dtype=torch.long)
-        ids[real] = token_tensor([row.ids[plan.length :] for plan, row in group], sum(lengths))
+        ids[real] = token_tensor([row.ids[plan.length :] for plan, row in group])
         # The cached prefix (its last ``plan.length`` columns of ``context``) and the new tokens are attended to.
         every = torch.arange(context + longest)
         mask = ((every >= context - shared) & (every < context + ends)).long()
