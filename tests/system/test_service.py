@@ -76,11 +76,14 @@ def test_serve_command_sigterm_mid_stream_and_restart(stack, qwen35_checkpoint, 
                 await reader.wait(lambda: len(reader.counts()) >= 5 or first.poll() is not None, 120,
                                   what="the first answers from `d3stream serve`")
                 assert first.poll() is None, first_log.read_text()[-3000:]
-                publishing = asyncio.create_task(produce(bootstrap, stack.requests, [record(r) for r in requests[10:]]))
+                publishing = asyncio.create_task(produce(bootstrap, stack.requests, [record(r) for r in requests[10:20]]))
                 await reader.wait(lambda: len(reader.counts()) >= 13 or first.poll() is not None, 60,
                                   what="answers to the second part of the stream")
                 rc_first = await finish(first, first_log)
                 await publishing
+                # The rest arrive while no worker serves: a first worker fast enough to answer the whole stream
+                # before its SIGTERM left the restart nothing to do (it was stopped while still starting).
+                await produce(bootstrap, stack.requests, [record(r) for r in requests[20:]])
             finally:
                 if first.poll() is None:
                     first.kill()
