@@ -90,10 +90,11 @@ RESERVE = 0.125
 # idle for a seventh of a ``bench kafka`` run (docs/MEASUREMENTS.md, 2026-12-08). ``kafka_options``
 # ``fetch_max_wait_ms=...`` sets another.
 FETCH_MAX_WAIT_MS = 50
-# How long the loop waits for records before it looks at the work in flight again, and while backpressure holds
-# partitions. The work drains without waking the loop, so a paused partition resumes at the loop's next look:
-# every 100 ms held a worker at its default 256 requests in flight to about 2,600 requests a second, idle two
-# thirds of the time (bench kafka's null model, 2026-12-08); every 10 ms, about 9,050-9,300.
+# How long the loop waits for records before it looks at the work in flight again: POLL_MS while it reads,
+# BACKPRESSURE_POLL_MS while backpressure holds partitions. The work drains without waking the loop, so a paused
+# partition resumes at the loop's next look: every 100 ms held a worker at its default 256 requests in flight to
+# about 2,600 requests a second, idle two thirds of the time (bench kafka's null model, 2026-12-08); every 10 ms,
+# about 9,050-9,300.
 POLL_MS = 100
 BACKPRESSURE_POLL_MS = 10
 
